@@ -1,0 +1,259 @@
+"""NumPy numerics of aclnnMoeInitRoutingV2Grad: the device's order, Huawei's golden, a float64 golden.
+
+``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]`` with the skip rules of
+DESIGN.md section 3: an index >= active_num is skipped in active mode, -1 is skipped in drop/pad
+mode. Rows are widened exactly to float32, every add is float32 round-to-nearest-even, and the
+result is rounded once to the input dtype. What differs between orders is only the order of adds.
+
+``order="ascend910b"`` reproduces the Atlas A2/A3 kernel (ascend910b, ascend910_93) bit for bit:
+B = 64 bins when K >= 128, else 2**max(floor(log2 K) - 1, 0);
+S1 ``bin[b] = v[2b]`` for b < B (a skipped slot sets +0.0);
+S2 ``bin[(t/2) % B] += v[t]`` for even t >= 2B, increasing;
+S3 ``bin[((t-1)/2) % B] += v[t]`` for odd t, increasing (a skipped slot in S2/S3 adds nothing);
+S4 a pairwise tree ``bin[j-s] += bin[j]`` for s = 1, 2, 4, ... < B and j = s, 3s, 5s, ... < B.
+``order="sequential"`` is Huawei's public test golden: float32 from +0.0, t = 0..K-1.
+
+Nothing materialises an [N, K, H] intermediate: rows are processed in chunks whose float32 bins fit
+in a few MiB, the chunks spread over the machine's cores (NumPy releases the GIL while it copies
+and adds).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from moegrad._spec import MoeInitRoutingV2GradCall
+
+__all__ = ["accumulation_schedule", "bin_count", "moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden"]
+
+_CHUNK_BYTES = 2 << 20  # float32 bins of one chunk: small enough to stay in cache
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+def bin_count(top_k: int) -> int:
+    """B, the number of float32 accumulators the A2/A3 kernel uses for ``top_k`` slots (DESIGN.md section 3)."""
+    if top_k >= 128:
+        return 64
+    return 2 ** max(top_k.bit_length() - 2, 0)
+
+
+@functools.lru_cache(maxsize=512)
+def accumulation_schedule(top_k: int, order: str = "ascend910b") -> tuple[tuple[str, int, int], ...]:
+    """The adds of one output row, in the order the kernel performs them.
+
+    Returns:
+        A tuple of steps ``(op, dst, src)``: ``("set", b, t)`` bin b = slot t (+0.0 when skipped),
+        ``("add", b, t)`` bin b += slot t (nothing when skipped), ``("merge", b, c)`` bin b += bin c.
+        The row's result is bin 0. ``order`` is ``"ascend910b"`` or ``"sequential"``.
+
+    Raises:
+        ValueError: an unknown order or ``top_k < 1``.
+    """
+    if top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1")
+    if order == "sequential":
+        return (("zero", 0, 0),) + tuple(("add", 0, t) for t in range(top_k))
+    if order != "ascend910b":
+        raise ValueError(f"order={order!r} is not one of 'ascend910b', 'sequential'")
+    bins = bin_count(top_k)
+    steps = [("set", b, 2 * b) for b in range(bins)]
+    steps += [("add", (t // 2) % bins, t) for t in range(2 * bins, top_k, 2)]
+    steps += [("add", ((t - 1) // 2) % bins, t) for t in range(1, top_k, 2)]
+    stride = 1
+    while stride < bins:
+        steps += [("merge", j - stride, j) for j in range(stride, bins, 2 * stride)]
+        stride *= 2
+    return tuple(steps)
+
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _workers() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def _map_chunks(fn: Callable[[int, int], None], rows: int, chunk: int) -> None:
+    """Run ``fn(start, stop)`` over row chunks, spread over a shared thread pool."""
+    spans = [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
+    if len(spans) <= 1 or _workers() == 1:
+        for span in spans:
+            fn(*span)
+        return
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(_workers(), thread_name_prefix="moegrad-reference")
+    if threading.current_thread().name.startswith("moegrad-reference"):  # already inside the pool
+        for span in spans:
+            fn(*span)
+        return
+    for future in [_executor.submit(fn, *span) for span in spans]:
+        future.result()
+
+
+def _prepare(call: MoeInitRoutingV2GradCall) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray | None]]:
+    """Flat [rows, H] view of grad_expanded_x, the [N, K] index, and the per-mode skip-mask function."""
+    hidden = call.hidden_size
+    rows = call.grad_expanded_x.reshape(-1, hidden)
+    index = call.expanded_row_idx.reshape(-1, call.top_k)
+    if call.drop_pad_mode == 1:
+        def skipped(column: np.ndarray) -> np.ndarray | None:
+            mask = column < 0
+            return mask if mask.any() else None
+    elif call.active_num > 0:
+        limit = call.active_num
+
+        def skipped(column: np.ndarray) -> np.ndarray | None:
+            mask = column >= limit
+            return mask if mask.any() else None
+    else:
+        def skipped(column: np.ndarray) -> np.ndarray | None:
+            return None
+    return rows, index, skipped
+
+
+def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: Sequence[tuple[str, int, int]],
+                out: np.ndarray, compensated: bool = False) -> np.ndarray:
+    rows, index, skipped = _prepare(call)
+    tokens, hidden = out.shape
+    if tokens == 0 or hidden == 0:
+        return out
+    nbins = 1 + max(step[1] for step in schedule)
+    chunk = max(1, _CHUNK_BYTES // (nbins * hidden * acc_dtype.itemsize))
+    widen = rows.dtype != acc_dtype
+
+    def run(start: int, stop: int) -> None:
+        n = stop - start
+        bins = np.empty((nbins, n, hidden), dtype=acc_dtype)
+        gathered = np.empty((n, hidden), dtype=rows.dtype) if widen else None
+        value = np.empty((n, hidden), dtype=acc_dtype)
+        comp = np.zeros((n, hidden), dtype=acc_dtype) if compensated else None
+        block = index[start:stop]
+
+        def load(t: int, into: np.ndarray) -> np.ndarray | None:
+            column = block[:, t]
+            mask = skipped(column)
+            if mask is not None:
+                column = np.where(mask, 0, column)
+            if widen:
+                np.take(rows, column, axis=0, out=gathered)
+                np.copyto(into, gathered, casting="unsafe")  # exact: float16/bfloat16 -> float32/64
+            else:
+                np.take(rows, column, axis=0, out=into)
+            return mask
+
+        for op, dst, src in schedule:
+            target = bins[dst]
+            if op == "set":
+                mask = load(src, target)
+                if mask is not None:
+                    target[mask] = 0.0
+            elif op == "zero":
+                target.fill(0.0)
+            elif op == "merge":
+                np.add(target, bins[src], out=target)
+            else:
+                mask = load(src, value)
+                keep = None if mask is None else ~mask[:, None]
+                if compensated:
+                    _neumaier_add(target, value, comp, keep)
+                elif keep is None:
+                    np.add(target, value, out=target)
+                else:
+                    np.add(target, value, out=target, where=keep)
+        if compensated:
+            total = bins[0] + comp
+            bins[0] = np.where(np.isfinite(bins[0]), total, bins[0])
+        np.copyto(out[start:stop], bins[0], casting="unsafe")  # one round-half-even cast
+
+    _map_chunks(run, tokens, chunk)
+    return out
+
+
+def _neumaier_add(total: np.ndarray, value: np.ndarray, comp: np.ndarray, keep: np.ndarray | None) -> None:
+    """total += value with Neumaier's compensation term accumulated in comp (elementwise, where keep)."""
+    where = True if keep is None else keep
+    new = np.add(total, value, where=where, out=np.array(total))
+    big = np.abs(total) >= np.abs(value)
+    lost = np.where(big, (total - new) + value, (value - new) + total)
+    np.add(comp, lost, out=comp, where=where & np.isfinite(lost))
+    total[...] = new
+
+
+def _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices):
+    if isinstance(grad_expanded_x, MoeInitRoutingV2GradCall):
+        return grad_expanded_x
+    return MoeInitRoutingV2GradCall(
+        grad_expanded_x=grad_expanded_x, expanded_row_idx=expanded_row_idx, top_k=top_k,
+        drop_pad_mode=drop_pad_mode, active_num=active_num, order=order,
+        allow_duplicate_indices=allow_duplicate_indices,
+    )
+
+
+def moe_init_routing_v2_grad(
+    grad_expanded_x: np.ndarray | MoeInitRoutingV2GradCall,
+    expanded_row_idx: np.ndarray | None = None,
+    top_k: int | None = None,
+    drop_pad_mode: int = 0,
+    active_num: int = 0,
+    *,
+    order: str = "ascend910b",
+    allow_duplicate_indices: bool = False,
+) -> np.ndarray:
+    """gradX of aclnnMoeInitRoutingV2Grad, computed on the CPU in the order the device uses.
+
+    Args:
+        grad_expanded_x: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); float16,
+            bfloat16 or float32. Or an already validated :class:`MoeInitRoutingV2GradCall`, in which
+            case the other arguments are ignored.
+        expanded_row_idx: [N*K] int32.
+        top_k: K > 0.
+        drop_pad_mode: 0 dropless/active, 1 drop/pad.
+        active_num: A; 0 dropless, > 0 active.
+        order: ``"ascend910b"`` (Atlas A2/A3 kernel, bit-exact) or ``"sequential"`` (Huawei's golden).
+        allow_duplicate_indices: accept repeated indices (the documentation forbids them).
+
+    Returns:
+        grad_x, [N, H] C-contiguous, the dtype of grad_expanded_x. A row whose slots are all skipped
+        is +0.0; empty inputs give an empty [N, H] array.
+
+    Raises:
+        InvalidArgument: the call breaks a documented constraint (aclnn 161001 / 161002 / 561002;
+            see :class:`MoeInitRoutingV2GradCall`).
+    """
+    call = _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
+    out = np.empty((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype.newbyteorder("="))
+    return _accumulate(call, _F32, accumulation_schedule(call.top_k, call.order), out)
+
+
+def moe_init_routing_v2_grad_golden(
+    grad_expanded_x: np.ndarray | MoeInitRoutingV2GradCall,
+    expanded_row_idx: np.ndarray | None = None,
+    top_k: int | None = None,
+    drop_pad_mode: int = 0,
+    active_num: int = 0,
+    *,
+    allow_duplicate_indices: bool = False,
+) -> np.ndarray:
+    """The float64 golden of gradX: each row summed in float64 with Neumaier compensation.
+
+    The inputs are widened exactly to float64 and summed t = 0..K-1 with a compensation term, so the
+    result is the exact sum rounded (faithfully) to float64, whatever the order of the slots. Same
+    arguments, skip rules and errors as :func:`moe_init_routing_v2_grad`.
+
+    Returns:
+        [N, H] float64.
+    """
+    call = _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, "ascend910b",
+                      allow_duplicate_indices)
+    out = np.empty((call.num_tokens, call.hidden_size), dtype=_F64)
+    return _accumulate(call, _F64, accumulation_schedule(call.top_k, "sequential"), out, compensated=True)

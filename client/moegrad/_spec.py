@@ -1,0 +1,246 @@
+"""One operator call, validated as aclnnMoeInitRoutingV2GradGetWorkspaceSize checks it.
+
+The client checks a call with this model before sending it; the service checks it again on receipt.
+Rules, codes and order follow the operator documentation
+(reference/aclnnMoeInitRoutingV2Grad.md, "Return Value") and DESIGN.md section 4:
+
+1. a missing tensor                                               -> 161001 ACLNN_ERR_PARAM_NULLPTR
+2. grad dtype not float16/bfloat16/float32, index dtype not int32 -> 161002 ACLNN_ERR_PARAM_INVALID
+3. drop_pad_mode not in {0, 1}; top_k <= 0; active_num < 0        -> 561002 ACLNN_ERR_INNER_TILING_ERROR
+4. grad rank not 2 (mode 0) / not 3 (mode 1); index rank not 1    -> 561002
+5. dropless: grad.shape[0] != len(idx); active: != active_num     -> 561002
+6. len(idx) % top_k != 0                                          -> 561002
+7. index values outside the mode's range; duplicated non-negative -> 161002
+   indices (unless ``allow_duplicate_indices``)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
+
+from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
+from moegrad._wire import decode_tensor, dtype_name, encode_tensor
+
+__all__ = ["ORDERS", "GRAD_DTYPES", "MoeInitRoutingV2GradCall", "Order"]
+
+Order = Literal["ascend910b", "sequential"]
+#: Accumulation orders by name: the Atlas A2/A3 device order, and Huawei's sequential test golden.
+ORDERS: tuple[str, ...] = ("ascend910b", "sequential")
+#: The dtypes gradExpandedX (and so gradX) may have (documentation, "Data Type").
+GRAD_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+
+_NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
+_INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
+_TILING = AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR
+_INT64 = (-(2**63), 2**63 - 1)
+_TENSORS = ("grad_expanded_x", "expanded_row_idx")
+_ATTRIBUTES = ("top_k", "drop_pad_mode", "active_num")
+_WIRE_FIELDS = frozenset(_TENSORS + _ATTRIBUTES + ("order", "allow_duplicate_indices"))
+
+
+def _fail(status: AclnnStatus, field: str, message: str) -> InvalidArgument:
+    return InvalidArgument(message, aclnn_status=status, field=field)
+
+
+class MoeInitRoutingV2GradCall(BaseModel):
+    """One validated call of aclnnMoeInitRoutingV2Grad.
+
+    Attributes:
+        grad_expanded_x: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); float16,
+            bfloat16 (``ml_dtypes.bfloat16``) or float32; any strides.
+        expanded_row_idx: [N*K] int32; slot ``i*K + t`` holds the row of grad_expanded_x that
+            token i's t-th expert produced (-1: dropped, drop/pad mode only).
+        top_k: K > 0; ``len(expanded_row_idx)`` must be a multiple of it.
+        drop_pad_mode: 0 dropless/active, 1 drop/pad.
+        active_num: 0 dropless, A > 0 active (ignored when drop_pad_mode is 1).
+        order: accumulation order, ``"ascend910b"`` (the device) or ``"sequential"`` (Huawei's golden).
+        allow_duplicate_indices: accept repeated non-negative indices, which the documentation forbids.
+
+    Construct with ``MoeInitRoutingV2GradCall(...)`` or :meth:`from_wire`; both raise
+    :class:`~moegrad.InvalidArgument` (with the aclnn code and field) for the first rule broken.
+    The arrays are kept as given, never copied.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
+
+    grad_expanded_x: Any = None
+    expanded_row_idx: Any = None
+    top_k: Any = None
+    drop_pad_mode: Any = 0
+    active_num: Any = 0
+    order: Order = "ascend910b"
+    allow_duplicate_indices: StrictBool = False
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:  # only `order`, `allow_duplicate_indices` or an unknown keyword get here
+            error = exc.errors()[0]
+            field = ".".join(map(str, error["loc"])) or None
+            raise _fail(_INVALID, field, f"{field}: {error['msg']}") from None
+
+    @model_validator(mode="after")
+    def _check(self) -> MoeInitRoutingV2GradCall:
+        grad, idx = self._check_tensors()
+        top_k, mode, active = self._check_attributes()
+        self._check_shapes(grad, idx, top_k, mode, active)
+        self._check_indices(grad, idx, top_k, mode, active)
+        for name, value in (("grad_expanded_x", grad), ("expanded_row_idx", idx), ("top_k", top_k),
+                            ("drop_pad_mode", mode), ("active_num", active)):
+            object.__setattr__(self, name, value)
+        return self
+
+    # Rules 1-2: presence and dtypes.
+    def _check_tensors(self) -> tuple[np.ndarray, np.ndarray]:
+        for field in _TENSORS:
+            if getattr(self, field) is None:
+                raise _fail(_NULLPTR, field, f"{field} is missing (a null tensor)")
+        arrays = []
+        for field, allowed in (("grad_expanded_x", GRAD_DTYPES), ("expanded_row_idx", ("int32",))):
+            value = getattr(self, field)
+            if not isinstance(value, np.ndarray):
+                raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}")
+            if dtype_name(value.dtype) not in allowed:
+                raise _fail(_INVALID, field, f"{field}.dtype={value.dtype} is not one of {', '.join(allowed)}")
+            arrays.append(value)
+        return arrays[0], arrays[1]
+
+    # Rule 3: attribute values.
+    def _check_attributes(self) -> tuple[int, int, int]:
+        values = []
+        for field in _ATTRIBUTES:
+            raw = getattr(self, field)
+            try:
+                if isinstance(raw, (bool, np.bool_)):
+                    raise TypeError
+                value = operator.index(raw)
+            except TypeError:
+                raise _fail(_TILING, field, f"{field}={raw!r} must be an integer") from None
+            if not _INT64[0] <= value <= _INT64[1]:
+                raise _fail(_TILING, field, f"{field}={value} does not fit the operator's int64_t")
+            values.append(value)
+        top_k, mode, active = values
+        if mode not in (0, 1):
+            raise _fail(_TILING, "drop_pad_mode", f"drop_pad_mode={mode} must be 0 (dropless/active) or 1 (drop/pad)")
+        if top_k <= 0:
+            raise _fail(_TILING, "top_k", f"top_k={top_k} must be greater than 0")
+        if active < 0:
+            raise _fail(_TILING, "active_num", f"active_num={active} must be >= 0")
+        return top_k, mode, active
+
+    # Rules 4-6: ranks, dim 0, divisibility.
+    @staticmethod
+    def _check_shapes(grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int) -> None:
+        want = 3 if mode == 1 else 2
+        if grad.ndim != want:
+            layout = "[E, C, H] in drop/pad mode" if mode == 1 else "[rows, H] when drop_pad_mode=0"
+            raise _fail(_TILING, "grad_expanded_x", f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}")
+        if idx.ndim != 1:
+            raise _fail(_TILING, "expanded_row_idx", f"expanded_row_idx has rank {idx.ndim} (shape {list(idx.shape)}); it must be 1-D [N*K]")
+        if mode == 0 and active == 0 and grad.shape[0] != idx.shape[0]:
+            raise _fail(_TILING, "grad_expanded_x",
+                        f"grad_expanded_x.shape[0]={grad.shape[0]} must equal expanded_row_idx.shape[0]={idx.shape[0]} in dropless mode")
+        if mode == 0 and active > 0 and grad.shape[0] != active:
+            raise _fail(_TILING, "grad_expanded_x",
+                        f"grad_expanded_x.shape[0]={grad.shape[0]} must equal active_num={active} in active mode")
+        if idx.shape[0] % top_k:
+            raise _fail(_TILING, "expanded_row_idx", f"expanded_row_idx.shape[0]={idx.shape[0]} is not divisible by top_k={top_k}")
+
+    # Rule 7: index values and uniqueness (vectorised: O(len) time, one byte per row of memory).
+    def _check_indices(self, grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int) -> None:
+        if idx.size == 0:
+            return
+        if mode == 1:
+            low, high, rule = -1, grad.shape[0] * grad.shape[1], "[-1, E*C)"
+        else:
+            low, high, rule = 0, idx.shape[0], "[0, N*K)"
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < low or hi >= high:
+            where = int(np.flatnonzero((idx < low) | (idx >= high))[0])
+            raise _fail(_INVALID, "expanded_row_idx",
+                        f"expanded_row_idx[{where}]={int(idx[where])} is outside {rule} = [{low}, {high}) for this call")
+        if self.allow_duplicate_indices:
+            return
+        used = idx[idx >= 0] if lo < 0 else idx
+        seen = np.zeros(high, dtype=np.bool_)
+        seen[used] = True
+        if np.count_nonzero(seen) != used.size:
+            raise self._duplicate_error(idx, high)
+
+    @staticmethod
+    def _duplicate_error(idx: np.ndarray, high: int) -> InvalidArgument:
+        positions = np.arange(idx.size, dtype=np.int64)
+        keep = idx >= 0
+        last = np.full(high, -1, dtype=np.int64)
+        last[idx[keep]] = positions[keep]  # the last writer wins; any earlier holder is a duplicate
+        first_dup = int(np.flatnonzero(keep & (last[np.where(keep, idx, 0)] != positions))[0])
+        value = int(idx[first_dup])
+        return _fail(_INVALID, "expanded_row_idx",
+                     f"expanded_row_idx[{first_dup}]={value} repeats expanded_row_idx[{int(last[value])}]; "
+                     "indices other than -1 must be unique (set allow_duplicate_indices to accept repeats)")
+
+    @property
+    def num_tokens(self) -> int:
+        """N, the number of rows of grad_x (``len(expanded_row_idx) // top_k``)."""
+        return self.expanded_row_idx.shape[0] // self.top_k
+
+    @property
+    def hidden_size(self) -> int:
+        """H, the last dimension of grad_expanded_x and grad_x."""
+        return self.grad_expanded_x.shape[-1]
+
+    @property
+    def dtype_name(self) -> str:
+        """The wire name of grad_expanded_x's (and grad_x's) dtype."""
+        return dtype_name(self.grad_expanded_x.dtype)
+
+    def to_wire(self) -> dict[str, Any]:
+        """This call as a request document (tensors encoded, ready for :func:`moegrad.encode_body`)."""
+        return {
+            "grad_expanded_x": encode_tensor(self.grad_expanded_x),
+            "expanded_row_idx": encode_tensor(self.expanded_row_idx),
+            "top_k": self.top_k,
+            "drop_pad_mode": self.drop_pad_mode,
+            "active_num": self.active_num,
+            "order": self.order,
+            "allow_duplicate_indices": self.allow_duplicate_indices,
+        }
+
+    @classmethod
+    def from_wire(
+        cls, document: Mapping[str, Any], *, max_elements: int | None = None, default_order: str = "ascend910b",
+        extra_fields: frozenset[str] = frozenset(),
+    ) -> MoeInitRoutingV2GradCall:
+        """Build and validate a call from a decoded request document.
+
+        Args:
+            document: the msgpack map (DESIGN.md section 5); a missing tensor is a null tensor.
+            max_elements: the largest element count accepted per tensor, or None.
+            default_order: the order used when the document names none.
+            extra_fields: further keys the caller handles itself (they are ignored here).
+
+        Raises:
+            MalformedRequest: an unknown key or a broken tensor map (HTTP 400).
+            PayloadTooLarge: a tensor over ``max_elements``.
+            InvalidArgument: a documented constraint is broken (HTTP 422, with the aclnn code).
+        """
+        unknown = sorted(map(str, set(document) - _WIRE_FIELDS - extra_fields))
+        if unknown:
+            raise MalformedRequest(f"unknown field {unknown[0]!r}; the fields are {sorted(_WIRE_FIELDS)}", field=unknown[0])
+        fields: dict[str, Any] = {}
+        for name in _TENSORS:
+            raw = document.get(name)
+            fields[name] = None if raw is None else decode_tensor(raw, name, max_elements=max_elements)
+        for name in _ATTRIBUTES:
+            if name in document:
+                fields[name] = document[name]
+        fields["order"] = document.get("order") or default_order
+        if "allow_duplicate_indices" in document:
+            fields["allow_duplicate_indices"] = document["allow_duplicate_indices"]
+        return cls(**fields)
+

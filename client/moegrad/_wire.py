@@ -1,0 +1,151 @@
+"""Tensors and bodies on the wire: NumPy arrays <-> msgpack maps (docs/protocol.md, DESIGN.md section 5).
+
+A tensor travels as the map ``{"dtype": str, "shape": [int, ...], "data": bin}`` where ``data`` is
+the C-order, little-endian bytes of the array. bfloat16 travels as raw 2-byte words
+(``ml_dtypes.bfloat16``). No msgpack ext types are sent or accepted, and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from moegrad._errors import MalformedRequest, PayloadTooLarge
+
+__all__ = [
+    "DTYPES",
+    "decode_body",
+    "decode_tensor",
+    "dtype_name",
+    "encode_body",
+    "encode_tensor",
+]
+
+#: The wire dtype names and their little-endian NumPy dtypes: the one table every path uses.
+DTYPES: Mapping[str, np.dtype] = {
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype("<f4"),
+    "int32": np.dtype("<i4"),
+}
+_NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+_TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+
+
+def dtype_name(dtype: np.dtype | type) -> str | None:
+    """The wire name of ``dtype`` (either byte order), or None when the wire has no such dtype."""
+    dtype = np.dtype(dtype)
+    if dtype.byteorder == ">":
+        dtype = dtype.newbyteorder("<")
+    return _NAMES.get(dtype)
+
+
+def encode_tensor(array: np.ndarray) -> dict[str, Any]:
+    """Encode an array as a wire tensor map.
+
+    Args:
+        array: any shape, dtype float16 / bfloat16 / float32 / int32 in either byte order, any
+            strides; it is made C-contiguous and little-endian (copied only when it is not already).
+
+    Returns:
+        ``{"dtype": name, "shape": [...], "data": memoryview}``; the memoryview aliases the array
+        (or its contiguous copy) and is packed by msgpack as ``bin`` without another copy.
+
+    Raises:
+        TypeError: ``array`` has a dtype the wire does not carry.
+    """
+    array = np.asarray(array)
+    name = dtype_name(array.dtype)
+    if name is None:
+        raise TypeError(f"dtype {array.dtype} cannot travel on the wire; use one of {sorted(DTYPES)}")
+    array = np.ascontiguousarray(array, dtype=DTYPES[name])
+    data = memoryview(array.reshape(-1).view(np.uint8))
+    return {"dtype": name, "shape": list(array.shape), "data": data}
+
+
+def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> np.ndarray:
+    """Decode a wire tensor map into a read-only, zero-copy array.
+
+    Args:
+        obj: the decoded msgpack value that should be a tensor map.
+        field: the request field it came from (named in every error).
+        max_elements: the largest element count accepted, or None for no cap.
+
+    Returns:
+        An array of the map's dtype and shape viewing ``obj["data"]`` (``numpy.frombuffer``).
+
+    Raises:
+        MalformedRequest: not a map with exactly dtype/shape/data, unknown dtype name, a shape that is
+            not a list of non-negative ints, or ``len(data) != prod(shape) * itemsize``.
+        PayloadTooLarge: more than ``max_elements`` elements are declared.
+    """
+    if not isinstance(obj, dict):
+        raise MalformedRequest(f"{field} must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}", field=field)
+    keys = set(obj)
+    if keys != _TENSOR_KEYS:
+        missing, extra = sorted(_TENSOR_KEYS - keys), sorted(map(str, keys - _TENSOR_KEYS))
+        raise MalformedRequest(f"{field} must have exactly the keys dtype, shape, data (missing {missing}, unknown {extra})", field=field)
+    name, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    if not isinstance(name, str) or name not in DTYPES:
+        raise MalformedRequest(f"{field}.dtype={name!r} is not one of {sorted(DTYPES)}", field=field)
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise MalformedRequest(f"{field}.shape={shape!r} must be a list of non-negative integers", field=field)
+    if not isinstance(data, bytes):
+        raise MalformedRequest(f"{field}.data must be msgpack bin, got {type(data).__name__}", field=field)
+    count = math.prod(shape)
+    if max_elements is not None and count > max_elements:
+        raise PayloadTooLarge(f"{field}.shape={shape} has {count} elements, over the limit of {max_elements}", field=field)
+    dtype = DTYPES[name]
+    if len(data) != count * dtype.itemsize:
+        raise MalformedRequest(
+            f"{field}.data has {len(data)} bytes but shape {shape} of {name} needs {count * dtype.itemsize}",
+            field=field,
+        )
+    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+
+
+def encode_body(document: Mapping[str, Any]) -> bytes:
+    """Pack a request or reply document (string keys; tensors already encoded) as msgpack."""
+    return msgpack.packb(document, use_bin_type=True)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise MalformedRequest(f"msgpack ext type {code} is not allowed")
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """Unpack a msgpack body into a map with string keys.
+
+    Every container and string limit is sized to the body itself (never msgpack's 100 MiB default),
+    ext types (timestamps included) are rejected, and nothing is executed.
+
+    Raises:
+        MalformedRequest: not valid msgpack, trailing bytes, an ext type, nesting too deep, or a
+            top-level value that is not a map with string keys.
+    """
+    size = len(body)
+    try:
+        document = msgpack.unpackb(
+            body,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_bin_len=size,
+            max_str_len=size,
+            max_array_len=size,
+            max_map_len=size // 2,
+            max_ext_len=0,
+            ext_hook=_reject_ext,
+        )
+    except MalformedRequest:
+        raise
+    except Exception as exc:  # msgpack raises ValueError, ExtraData, FormatError, StackError, UnicodeDecodeError ...
+        raise MalformedRequest(f"body is not a valid msgpack document: {type(exc).__name__}: {exc}") from None
+    if not isinstance(document, dict):
+        raise MalformedRequest(f"body must be a msgpack map, got {type(document).__name__}")
+    return document

@@ -1,0 +1,70 @@
+"""The engine's contract: what a backend is, and the domain errors it may raise.
+
+The engine speaks ``numpy.ndarray`` and :mod:`moegrad`'s domain errors only (never HTTP). A
+backend owns one device (or the CPU); the :class:`~moegrad_service.engine.pool.StreamPool` owns its
+worker threads and gives each one a :class:`BackendWorker` made on that thread, so a device whose
+context is per thread (CANN's ``aclrtSetDevice``) is set on every thread that touches it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from moegrad import MoeInitRoutingV2GradCall
+
+__all__ = ["Backend", "BackendWorker"]
+
+
+@runtime_checkable
+class BackendWorker(Protocol):
+    """One execution slot: a device stream (ascend) or a CPU slot (reference), bound to one thread."""
+
+    def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> np.ndarray:
+        """Compute grad_x for a validated, non-empty call.
+
+        Args:
+            call: the validated call (N > 0 and H > 0; empty calls never reach a backend).
+            timeout_s: seconds left before the request's deadline, or None for no deadline.
+
+        Returns:
+            grad_x, [N, H] in the dtype of ``call.grad_expanded_x``, owned by the caller.
+
+        Raises:
+            InvalidArgument: the device's phase one rejected the call (its aclnn code passes through).
+            DeadlineExceeded: the device did not finish within ``timeout_s``.
+            DeviceFault: the device failed (its own message attached).
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the slot's resources (on the thread that made it)."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A device (or the CPU emulation) that runs aclnnMoeInitRoutingV2Grad.
+
+    Attributes:
+        name: ``"reference"`` or ``"ascend"``.
+        device: a human description of the device (``"Ascend910B3 #0"``), or None for the CPU.
+        order: the accumulation order this backend's results follow, or None when it follows the
+            call's ``order`` (the reference backend emulates either).
+    """
+
+    name: str
+    device: str | None
+
+    def open_worker(self, index: int) -> BackendWorker:
+        """Make worker slot ``index``; called on the worker's own thread, once per thread."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise :class:`moegrad.DeviceFault` when the device cannot take work."""
+        ...
+
+    def close(self) -> None:
+        """Release the device; called once, after every worker has closed."""
+        ...
