@@ -7,6 +7,7 @@
 - :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does.
 """
 
+from moegrad._client import AsyncClient, Client, GradResult
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -35,9 +36,12 @@ __all__ = [
     "GRAD_DTYPES",
     "ORDERS",
     "AclnnStatus",
+    "AsyncClient",
+    "Client",
     "DeadlineExceeded",
     "DeviceBusy",
     "DeviceFault",
+    "GradResult",
     "InvalidArgument",
     "MalformedRequest",
     "MoeInitRoutingV2GradCall",

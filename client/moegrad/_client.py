@@ -1,0 +1,763 @@
+"""Client and AsyncClient: call a moegrad service over HTTP (wire protocol v1, DESIGN.md section 5).
+
+Both clients share one sans-I/O core, :class:`_ClientCore`. For each call the core runs a *flow*: a
+generator that yields what it wants done and is sent back what happened:
+
+- it yields an ``httpx.Request`` and is sent the ``httpx.Response`` (body read) or the
+  ``httpx.HTTPError`` the transport raised;
+- it yields a ``float`` (seconds to wait before a retry) and is sent ``None``;
+- it returns the call's result, or raises the mapped :class:`~moegrad.MoegradError`.
+
+The core builds every request (URL, headers, body, per-attempt timeouts), maps every response and
+every network error to a result or an exception, and decides every retry. :class:`Client` and
+:class:`AsyncClient` only drive flows: ``_drive`` is the same dozen lines in each, differing by
+``await``. A new endpoint is one flow in the core plus one short method in each client.
+
+Errors a call raises (the tree is drawn in ``moegrad._errors``):
+
+=======================================  ===============================================
+HTTP answer or failure                   exception
+=======================================  ===============================================
+400 malformed body / unknown field       MalformedRequest (``field``)
+413 body or tensor too large             PayloadTooLarge (``field``)
+415 wrong content type                   MalformedRequest
+422 a documented constraint              InvalidArgument (``aclnn_status``, ``field``)
+401 missing or wrong bearer token        Unauthorized
+503 busy or not ready (+ Retry-After)    DeviceBusy (``retry_after_s``), retried first
+504 deadline passed on the server        DeadlineExceeded
+500 the backend failed                   DeviceFault (``aclnn_status``, ``device_message``)
+any other status                         ServiceError (``status_code``, ``problem``)
+no connection / connection broke         TransportError, retried first
+the call's deadline passed on the client DeadlineExceeded
+=======================================  ===============================================
+
+Misuse (a wrong type, a negative count, a call that breaks a documented constraint while
+``validate=True``) raises ``TypeError`` / ``ValueError`` / ``InvalidArgument`` before any I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import email.utils
+import json
+import math
+import os
+import re
+import ssl
+import time
+import uuid
+from collections.abc import Callable, Generator, Mapping
+from typing import Any, TypeVar
+
+import httpx
+import numpy as np
+
+from moegrad._errors import (
+    DeadlineExceeded,
+    DeviceBusy,
+    DeviceFault,
+    InvalidArgument,
+    MalformedRequest,
+    MoegradError,
+    PayloadTooLarge,
+    ServiceError,
+    TransportError,
+    Unauthorized,
+)
+from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad._version import __version__
+from moegrad._wire import decode_body, decode_tensor, dtype_name, encode_body, encode_tensor
+
+__all__ = ["AsyncClient", "Client", "GradResult"]
+
+T = TypeVar("T")
+#: What a flow yields (a request to send, or seconds to sleep), is sent, and returns.
+Flow = Generator["httpx.Request | float", "httpx.Response | httpx.HTTPError | None", T]
+
+_GRAD_PATH = "/v1/moe_init_routing_v2_grad"
+_MSGPACK = "application/msgpack"
+_JSON = "application/json"
+_MAX_RETRY_DELAY_S = 30.0  # the longest a single Retry-After is honoured
+_BACKOFF_BASE_S = 0.05  # connection-error backoff: 0.05, 0.1, 0.2, ... s
+_BACKOFF_MAX_S = 2.0
+_MIN_ATTEMPT_S = 0.001  # less time than this left: the deadline has passed
+_DEFAULT_RETRY_AFTER_S = 1.0
+# Connection failures after which the request cannot have been processed, or the computation is
+# simply repeated (a call is a pure function of its body, so repeating it is safe).
+_RETRYABLE_NETWORK = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+
+
+class _UseClientDefault:
+    """The type of :data:`USE_CLIENT_DEFAULT`: "not passed", as opposed to ``timeout_s=None``."""
+
+    _instance: _UseClientDefault | None = None
+
+    def __new__(cls) -> _UseClientDefault:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "USE_CLIENT_DEFAULT"
+
+
+#: A call's ``timeout_s`` when not passed: the client's ``timeout_s`` applies.
+USE_CLIENT_DEFAULT = _UseClientDefault()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GradResult:
+    """One call's answer from the service.
+
+    Attributes:
+        grad_x: [N, H], the dtype of grad_expanded_x (float16, ``ml_dtypes.bfloat16`` or float32),
+            C-contiguous, writable, owned by the caller.
+        backend: the backend that ran the call (``"reference"``, ``"ascend"``).
+        order: the accumulation order used (``"ascend910b"`` or ``"sequential"``).
+        device: the device that ran it (e.g. ``"Ascend910B3:0"``), or None for the CPU emulation.
+        timings_ms: ``{"queue": ..., "compute": ..., "total": ...}`` as the server measured them,
+            in milliseconds.
+        request_id: the ``X-Request-Id`` the server echoed (the client sends one per call).
+    """
+
+    grad_x: np.ndarray
+    backend: str
+    order: str
+    device: str | None
+    timings_ms: Mapping[str, float]
+    request_id: str | None
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks (before any I/O)
+# --------------------------------------------------------------------------------------------------
+
+
+def _seconds(name: str, value: Any, *, allow_none: bool) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a number of seconds or None" if allow_none else "a number of seconds"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}={value} must be a finite number of seconds > 0" + (" (or None)" if allow_none else ""))
+    return value
+
+
+def _base_url(value: Any) -> httpx.URL:
+    if not isinstance(value, (str, httpx.URL)):
+        raise TypeError(f"base_url must be a str or httpx.URL, got {type(value).__name__}")
+    try:
+        url = httpx.URL(value)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"base_url={str(value)!r} is not a valid URL: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"base_url={str(value)!r} must be an absolute http:// or https:// URL")
+    if url.query or url.fragment:
+        raise ValueError(f"base_url={str(value)!r} must not have a query or fragment")
+    return url
+
+
+def _verify(value: Any) -> bool | ssl.SSLContext:
+    if isinstance(value, (bool, ssl.SSLContext)):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if not os.path.exists(path):
+            raise ValueError(f"verify={path!r}: no such CA bundle file or directory")
+        if os.path.isdir(path):
+            return ssl.create_default_context(capath=path)
+        return ssl.create_default_context(cafile=path)
+    raise TypeError(f"verify must be a bool, a CA bundle path or an ssl.SSLContext, got {type(value).__name__}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Response -> exception: one table
+# --------------------------------------------------------------------------------------------------
+
+
+def _problem(response: httpx.Response) -> dict[str, Any] | None:
+    """The RFC 9457 problem document of an error response, or None when the body is not one."""
+    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind not in ("application/problem+json", _JSON):
+        return None
+    try:
+        document = json.loads(response.content)
+    except ValueError:
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _text_snippet(response: httpx.Response, limit: int = 200) -> str:
+    """A short, single-line text of a non-problem error body (a proxy's HTML page, say)."""
+    text = response.content.decode("utf-8", errors="replace")
+    text = re.sub(r"<(script|style)\b.*?</\1>", " ", text, flags=re.S | re.I)
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]*>", " ", text)).strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """Retry-After in seconds (delta-seconds or an HTTP-date), 1.0 when absent or unreadable."""
+    value = response.headers.get("retry-after", "").strip()
+    if not value:
+        return _DEFAULT_RETRY_AFTER_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return _DEFAULT_RETRY_AFTER_S
+        if when.tzinfo is None:
+            return _DEFAULT_RETRY_AFTER_S
+        seconds = when.timestamp() - time.time()
+    return max(0.0, seconds) if math.isfinite(seconds) else _DEFAULT_RETRY_AFTER_S
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+_ErrorFactory = Callable[[str, dict[str, Any], httpx.Response], MoegradError]
+
+#: HTTP status -> the exception the client raises (problem fields carried over). Any other
+#: status is a ServiceError.
+_STATUS_ERRORS: Mapping[int, _ErrorFactory] = {
+    400: lambda msg, p, r: MalformedRequest(msg, field=_str_or_none(p.get("field"))),
+    401: lambda msg, p, r: Unauthorized(msg, status_code=r.status_code, problem=p),
+    413: lambda msg, p, r: PayloadTooLarge(msg, field=_str_or_none(p.get("field"))),
+    415: lambda msg, p, r: MalformedRequest(msg, field=_str_or_none(p.get("field"))),
+    # A 422 always carries an aclnn code from a moegrad server; one without it (another server) is
+    # still a rejected input, but no code is invented for it.
+    422: lambda msg, p, r: (
+        InvalidArgument(msg, aclnn_status=p["aclnn_status"], field=_str_or_none(p.get("field")))
+        if _int_or_none(p.get("aclnn_status")) is not None
+        else MalformedRequest(msg, field=_str_or_none(p.get("field")))
+    ),
+    500: lambda msg, p, r: DeviceFault(
+        msg, aclnn_status=_int_or_none(p.get("aclnn_status")), device_message=_str_or_none(p.get("device_message"))
+    ),
+    503: lambda msg, p, r: DeviceBusy(msg, retry_after_s=_retry_after_s(r)),
+    504: lambda msg, p, r: DeadlineExceeded(msg),
+}
+
+
+def _error_from_response(response: httpx.Response) -> MoegradError:
+    """The exception for a non-2xx response (problem+json, or any body at all, e.g. a proxy's HTML)."""
+    status = response.status_code
+    problem = _problem(response)
+    if problem is not None and isinstance(problem.get("detail") or problem.get("title"), str):
+        message = problem.get("detail") or problem.get("title")
+    else:
+        request = response.request
+        message = f"HTTP {status} {response.reason_phrase} from {request.method} {request.url}"
+        snippet = _text_snippet(response)
+        if snippet:
+            message += f": {snippet}"
+    factory = _STATUS_ERRORS.get(status)
+    if factory is None:
+        return ServiceError(message, status_code=status, problem=problem)
+    return factory(message, problem or {}, response)
+
+
+# --------------------------------------------------------------------------------------------------
+# The sans-I/O core
+# --------------------------------------------------------------------------------------------------
+
+
+class _ClientCore:
+    """Configuration, request building, response parsing and retry decisions: no I/O at all."""
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL,
+        *,
+        timeout_s: float | None,
+        connect_timeout_s: float | None,
+        retries: int,
+        token: str | None,
+        validate: bool,
+        headers: Mapping[str, str] | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.base_url = _base_url(base_url)
+        self.timeout_s = _seconds("timeout_s", timeout_s, allow_none=True)
+        self.connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s, allow_none=True)
+        if isinstance(retries, bool) or not isinstance(retries, int):
+            raise TypeError(f"retries must be an int, got {type(retries).__name__}")
+        if retries < 0:
+            raise ValueError(f"retries={retries} must be >= 0")
+        self.retries = retries
+        if token is not None and not isinstance(token, str):
+            raise TypeError(f"token must be a str or None, got {type(token).__name__}")
+        if token is not None and (not token or any(c in token for c in "\r\n")):
+            raise ValueError("token must be a non-empty single-line string")
+        self._token = token
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+        self.validate = validate
+        if headers is not None and not isinstance(headers, Mapping):
+            raise TypeError(f"headers must be a mapping of str to str, got {type(headers).__name__}")
+        self._headers = {"User-Agent": f"moegrad/{__version__} httpx/{httpx.__version__}", **dict(headers or {})}
+        self._clock = clock
+
+    def call_timeout_s(self, timeout_s: Any) -> float | None:
+        """A call's deadline in seconds: the client's when not passed, None for no deadline."""
+        if timeout_s is USE_CLIENT_DEFAULT:
+            return self.timeout_s
+        return _seconds("timeout_s", timeout_s, allow_none=True)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def build_request(
+        self, method: str, path: str, *, accept: str, request_id: str, remaining_s: float | None,
+        body: bytes | None = None,
+    ) -> httpx.Request:
+        """One attempt's request; ``remaining_s`` (None: no deadline) sets X-Request-Timeout and httpx's timeouts."""
+        headers = dict(self._headers)
+        headers["Accept"] = accept
+        headers["X-Request-Id"] = request_id
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        if body is not None:
+            headers["Content-Type"] = _MSGPACK
+        if remaining_s is not None:
+            headers["X-Request-Timeout"] = f"{remaining_s:.3f}"
+        connect = self.connect_timeout_s
+        if remaining_s is not None:
+            connect = remaining_s if connect is None else min(connect, remaining_s)
+        timeout = httpx.Timeout(remaining_s, connect=connect)
+        url = httpx.URL(str(self.base_url).rstrip("/") + path)
+        return httpx.Request(method, url, headers=headers, content=body, extensions={"timeout": timeout.as_dict()})
+
+    def grad_body(self, call: MoeInitRoutingV2GradCall | Mapping[str, Any]) -> tuple[bytes, MoeInitRoutingV2GradCall | None]:
+        """The msgpack body of a call, and the validated call when there is one (to check the reply against).
+
+        A :class:`MoeInitRoutingV2GradCall` is sent as it is (its ``order`` only when it was set
+        explicitly, else the server's default applies). A mapping is a wire document (DESIGN.md
+        section 5): it is validated with :meth:`MoeInitRoutingV2GradCall.from_wire` when
+        ``validate`` is on, and sent as given either way.
+        """
+        if isinstance(call, MoeInitRoutingV2GradCall):
+            document = call.to_wire()
+            if "order" not in call.model_fields_set:
+                del document["order"]
+            return encode_body(document), call
+        if isinstance(call, Mapping):
+            try:
+                body = encode_body(call)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"the request document cannot be packed as msgpack: {exc}") from None
+            checked = MoeInitRoutingV2GradCall.from_wire(decode_body(body)) if self.validate else None
+            return body, checked
+        raise TypeError(f"call must be a MoeInitRoutingV2GradCall or a wire document mapping, got {type(call).__name__}")
+
+    def grad_call(
+        self, grad_expanded_x: Any, expanded_row_idx: Any, top_k: Any, drop_pad_mode: Any, active_num: Any,
+        order: str | None, allow_duplicate_indices: bool,
+    ) -> MoeInitRoutingV2GradCall | dict[str, Any]:
+        """The keyword API's arguments as a validated call (``validate=True``) or a raw wire document."""
+        fields: dict[str, Any] = {
+            "grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx, "top_k": top_k,
+            "drop_pad_mode": drop_pad_mode, "active_num": active_num,
+            "allow_duplicate_indices": allow_duplicate_indices,
+        }
+        if order is not None:
+            fields["order"] = order
+        if self.validate:
+            return MoeInitRoutingV2GradCall(**fields)
+        document = {}
+        for name, value in fields.items():
+            if name in ("grad_expanded_x", "expanded_row_idx"):
+                if value is not None:  # an absent tensor is the wire's null tensor
+                    document[name] = encode_tensor(np.asarray(value))
+            else:
+                document[name] = value
+        return document
+
+    # ---- responses -------------------------------------------------------------------------------
+
+    @staticmethod
+    def parse_grad(response: httpx.Response, call: MoeInitRoutingV2GradCall | None) -> GradResult:
+        """A 200 reply of the grad endpoint as a GradResult; a reply that is not one is a ServiceError."""
+        try:
+            document = decode_body(response.content)
+            grad_x = decode_tensor(document.get("grad_x"), "grad_x").copy()
+        except MalformedRequest as exc:  # the server's reply is broken, not the caller's request
+            raise ServiceError(f"the server's reply is not a valid result: {exc.message}",
+                               status_code=response.status_code) from None
+        if call is not None:
+            want = (call.num_tokens, call.hidden_size)
+            if grad_x.shape != want or dtype_name(grad_x.dtype) != call.dtype_name:
+                raise ServiceError(
+                    f"the server replied grad_x {grad_x.dtype}{list(grad_x.shape)}, expected "
+                    f"{call.dtype_name}{list(want)}", status_code=response.status_code)
+        timings = document.get("timings_ms")
+        return GradResult(
+            grad_x=grad_x,
+            backend=str(document.get("backend", "")),
+            order=str(document.get("order", "")),
+            device=_str_or_none(document.get("device")),
+            timings_ms=dict(timings) if isinstance(timings, dict) else {},
+            request_id=response.headers.get("x-request-id"),
+        )
+
+    @staticmethod
+    def parse_json(response: httpx.Response) -> dict[str, Any]:
+        try:
+            document = response.json()
+        except ValueError:
+            document = None
+        if not isinstance(document, dict):
+            raise ServiceError(f"{response.request.url} did not answer a JSON object", status_code=response.status_code)
+        return document
+
+    # ---- errors and retries ----------------------------------------------------------------------
+
+    @staticmethod
+    def error_from_transport(exc: httpx.HTTPError, request: httpx.Request, timeout_s: float | None,
+                             deadline_passed: bool) -> tuple[MoegradError, bool]:
+        """The one place network errors are translated: (exception, whether a retry may help)."""
+        what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if deadline_passed or (isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)):
+            return DeadlineExceeded(f"no reply from {request.url} within {timeout_s} s ({what})"), False
+        if isinstance(exc, httpx.TransportError):
+            return TransportError(f"cannot reach {request.url}: {what}"), isinstance(exc, _RETRYABLE_NETWORK)
+        return ServiceError(f"{request.method} {request.url} failed: {what}"), False
+
+    @staticmethod
+    def retry_delay_s(attempt: int, error: MoegradError) -> float:
+        """Seconds to wait before retry number ``attempt + 1``.
+
+        A 503's Retry-After is honoured (capped at 30 s); a connection error backs off
+        exponentially from 0.05 s (capped at 2 s). The caller drops a retry that would end after
+        the call's deadline.
+        """
+        backoff_s = min(_BACKOFF_BASE_S * 2**attempt, _BACKOFF_MAX_S)
+        if isinstance(error, DeviceBusy):
+            return min(max(error.retry_after_s, backoff_s), _MAX_RETRY_DELAY_S)
+        return backoff_s
+
+    # ---- flows -----------------------------------------------------------------------------------
+
+    def exchange(
+        self, method: str, path: str, *, accept: str, timeout_s: float | None, retries: int,
+        body: bytes | None = None,
+    ) -> Flow[httpx.Response]:
+        """Send one logical request, retrying 503 and connection errors; return its 2xx response."""
+        request_id = uuid.uuid4().hex
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        attempt = 0
+        while True:
+            remaining_s = None if deadline is None else deadline - self._clock()
+            if remaining_s is not None and remaining_s < _MIN_ATTEMPT_S:
+                raise DeadlineExceeded(f"{method} {path}: the deadline of {timeout_s} s passed before a reply"
+                                       + (f" ({attempt} attempts)" if attempt else ""))
+            request = self.build_request(method, path, accept=accept, request_id=request_id,
+                                         remaining_s=remaining_s, body=body)
+            outcome = yield request
+            if isinstance(outcome, httpx.Response):
+                if outcome.is_success:
+                    return outcome
+                error, retryable, cause = _error_from_response(outcome), outcome.status_code == 503, None
+            elif isinstance(outcome, httpx.HTTPError):
+                passed = deadline is not None and self._clock() >= deadline
+                error, retryable = self.error_from_transport(outcome, request, timeout_s, passed)
+                cause = outcome
+            else:  # pragma: no cover - a driver bug
+                raise TypeError(f"a flow was sent {type(outcome).__name__}")
+            if retryable and attempt < retries:
+                delay_s = self.retry_delay_s(attempt, error)
+                if deadline is None or self._clock() + delay_s + _MIN_ATTEMPT_S < deadline:
+                    yield delay_s
+                    attempt += 1
+                    continue
+            raise error from cause
+
+    def grad_flow(self, call: MoeInitRoutingV2GradCall | Mapping[str, Any], timeout_s: Any) -> Flow[GradResult]:
+        timeout_s = self.call_timeout_s(timeout_s)
+        body, checked = self.grad_body(call)
+        response = yield from self.exchange("POST", _GRAD_PATH, accept=_MSGPACK, timeout_s=timeout_s,
+                                            retries=self.retries, body=body)
+        return self.parse_grad(response, checked)
+
+    def info_flow(self) -> Flow[dict[str, Any]]:
+        response = yield from self.exchange("GET", "/v1/info", accept=_JSON, timeout_s=self.timeout_s,
+                                            retries=self.retries)
+        return self.parse_json(response)
+
+    def probe_flow(self, path: str) -> Flow[bool]:
+        """A health probe: True on 2xx, False when unreachable, busy (503) or out of time; no retries."""
+        try:
+            yield from self.exchange("GET", path, accept=_JSON, timeout_s=self.timeout_s, retries=0)
+        except (TransportError, DeviceBusy, DeadlineExceeded):
+            return False
+        return True
+
+
+# --------------------------------------------------------------------------------------------------
+# The I/O shells
+# --------------------------------------------------------------------------------------------------
+
+_CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, DESIGN.md section 5).
+
+    Args:
+        base_url: the service's root URL, e.g. ``"http://127.0.0.1:8000"`` (a path prefix is kept).
+        timeout_s: each call's deadline in seconds, covering retries and waits; sent to the server as
+            ``X-Request-Timeout`` (which the server may cap). None: no deadline.
+        connect_timeout_s: the longest one connection attempt may take, in seconds (None: no limit).
+        retries: how many times a call is retried after a connection error or a 503 (Retry-After
+            honoured, at most 30 s a wait, never past the deadline). 4xx, 500 and 504 are never retried.
+        token: a bearer token sent as ``Authorization: Bearer <token>``.
+        verify: TLS verification: True (system/certifi CAs), False, a CA bundle path, or an
+            ``ssl.SSLContext``.
+        transport: an httpx {transport} (``httpx.MockTransport``, ``httpx.ASGITransport``, ...)
+            used instead of the network.
+        validate: check every call locally with :class:`~moegrad.MoeInitRoutingV2GradCall` before
+            sending it (so a bad call raises InvalidArgument with no I/O). False sends calls as given.
+        headers: extra headers sent with every request.
+
+    Raises:
+        TypeError, ValueError: a configuration value of the wrong type or out of range (no I/O done).
+    """
+
+
+class _ClientBase:
+    def __init__(
+        self,
+        base_url: str | httpx.URL,
+        *,
+        timeout_s: float | None,
+        connect_timeout_s: float | None,
+        retries: int,
+        token: str | None,
+        verify: bool | str | os.PathLike[str] | ssl.SSLContext,
+        validate: bool,
+        headers: Mapping[str, str] | None,
+    ) -> None:
+        self._core = _ClientCore(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                                 retries=retries, token=token, validate=validate, headers=headers)
+        self._verify = _verify(verify)
+
+    @property
+    def base_url(self) -> httpx.URL:
+        """The service's root URL."""
+        return self._core.base_url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_url={str(self._core.base_url)!r})"
+
+
+class Client(_ClientBase):
+    __doc__ = _CLIENT_DOC.format(kind="A blocking", transport="BaseTransport")
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL = "http://127.0.0.1:8000",
+        *,
+        timeout_s: float | None = 60.0,
+        connect_timeout_s: float | None = 5.0,
+        retries: int = 3,
+        token: str | None = None,
+        verify: bool | str | os.PathLike[str] | ssl.SSLContext = True,
+        transport: httpx.BaseTransport | None = None,
+        validate: bool = True,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, retries=retries,
+                         token=token, verify=verify, validate=validate, headers=headers)
+        if transport is not None and not isinstance(transport, httpx.BaseTransport):
+            raise TypeError(f"transport must be an httpx.BaseTransport, got {type(transport).__name__}")
+        self._http = httpx.Client(transport=transport, verify=self._verify)
+
+    def _drive(self, flow: Flow[T]) -> T:
+        outcome: httpx.Response | httpx.HTTPError | None = None
+        while True:
+            try:
+                step = flow.send(outcome)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(step, httpx.Request):
+                try:
+                    outcome = self._http.send(step)
+                except httpx.HTTPError as exc:
+                    outcome = exc
+            else:
+                time.sleep(step)
+                outcome = None
+
+    def moe_init_routing_v2_grad(
+        self,
+        grad_expanded_x: np.ndarray,
+        expanded_row_idx: np.ndarray,
+        top_k: int,
+        drop_pad_mode: int = 0,
+        active_num: int = 0,
+        *,
+        order: str | None = None,
+        allow_duplicate_indices: bool = False,
+        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> np.ndarray:
+        """gradX of aclnnMoeInitRoutingV2Grad, computed by the service.
+
+        ``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]`` (documentation,
+        "Function"; skip rules and order in DESIGN.md section 3).
+
+        Args:
+            grad_expanded_x: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); float16,
+                bfloat16 (``ml_dtypes.bfloat16``) or float32; any strides and byte order.
+            expanded_row_idx: [N*K] int32 (-1 marks a dropped slot in drop/pad mode).
+            top_k: K > 0.
+            drop_pad_mode: 0 dropless/active, 1 drop/pad.
+            active_num: A; 0 dropless, > 0 active (ignored in drop/pad mode).
+            order: ``"ascend910b"`` (the device's order) or ``"sequential"`` (Huawei's golden);
+                None: the server's default.
+            allow_duplicate_indices: accept repeated indices, which the documentation forbids.
+            timeout_s: this call's deadline in seconds (None: none); not passed: the client's.
+
+        Returns:
+            grad_x, [N, H], the dtype of grad_expanded_x, a writable array owned by the caller.
+
+        Raises:
+            InvalidArgument: a documented constraint is broken (161001 / 161002 / 561002), locally
+                (``validate=True``) before any I/O, or by the server's check.
+            MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
+            DeviceFault, ServiceError, TransportError: see the module docstring.
+        """
+        call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
+                                    order, allow_duplicate_indices)
+        return self.run(call, timeout_s=timeout_s).grad_x
+
+    def run(
+        self,
+        call: MoeInitRoutingV2GradCall | Mapping[str, Any],
+        *,
+        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> GradResult:
+        """Run one call and return the full answer (grad_x, backend, order, device, timings, request id).
+
+        Args:
+            call: a :class:`~moegrad.MoeInitRoutingV2GradCall` (its ``order`` is sent only when it
+                was set explicitly), or a wire document (DESIGN.md section 5; validated first when
+                ``validate=True``, always sent exactly as given).
+            timeout_s: as in :meth:`moe_init_routing_v2_grad`.
+
+        Raises:
+            the errors of :meth:`moe_init_routing_v2_grad`; TypeError for a call of another type.
+        """
+        return self._drive(self._core.grad_flow(call, timeout_s))
+
+    def info(self) -> dict[str, Any]:
+        """``GET /v1/info``: version, backend, device, order, streams, max_queue and the limits."""
+        return self._drive(self._core.info_flow())
+
+    def ready(self) -> bool:
+        """``GET /health/ready``: False when unreachable, not ready (503) or too slow; no retries."""
+        return self._drive(self._core.probe_flow("/health/ready"))
+
+    def live(self) -> bool:
+        """``GET /health/live``: False when unreachable, 503 or too slow; no retries."""
+        return self._drive(self._core.probe_flow("/health/live"))
+
+    def close(self) -> None:
+        """Close the connection pool (and the transport)."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncClient(_ClientBase):
+    __doc__ = _CLIENT_DOC.format(kind="An asyncio", transport="AsyncBaseTransport")
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL = "http://127.0.0.1:8000",
+        *,
+        timeout_s: float | None = 60.0,
+        connect_timeout_s: float | None = 5.0,
+        retries: int = 3,
+        token: str | None = None,
+        verify: bool | str | os.PathLike[str] | ssl.SSLContext = True,
+        transport: httpx.AsyncBaseTransport | None = None,
+        validate: bool = True,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, retries=retries,
+                         token=token, verify=verify, validate=validate, headers=headers)
+        if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+            raise TypeError(f"transport must be an httpx.AsyncBaseTransport, got {type(transport).__name__}")
+        self._http = httpx.AsyncClient(transport=transport, verify=self._verify)
+
+    async def _drive(self, flow: Flow[T]) -> T:
+        outcome: httpx.Response | httpx.HTTPError | None = None
+        while True:
+            try:
+                step = flow.send(outcome)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(step, httpx.Request):
+                try:
+                    outcome = await self._http.send(step)
+                except httpx.HTTPError as exc:
+                    outcome = exc
+            else:
+                await asyncio.sleep(step)
+                outcome = None
+
+    async def moe_init_routing_v2_grad(
+        self,
+        grad_expanded_x: np.ndarray,
+        expanded_row_idx: np.ndarray,
+        top_k: int,
+        drop_pad_mode: int = 0,
+        active_num: int = 0,
+        *,
+        order: str | None = None,
+        allow_duplicate_indices: bool = False,
+        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> np.ndarray:
+        """As :meth:`Client.moe_init_routing_v2_grad`, awaited."""
+        call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
+                                    order, allow_duplicate_indices)
+        return (await self.run(call, timeout_s=timeout_s)).grad_x
+
+    async def run(
+        self,
+        call: MoeInitRoutingV2GradCall | Mapping[str, Any],
+        *,
+        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> GradResult:
+        """As :meth:`Client.run`, awaited."""
+        return await self._drive(self._core.grad_flow(call, timeout_s))
+
+    async def info(self) -> dict[str, Any]:
+        """As :meth:`Client.info`, awaited."""
+        return await self._drive(self._core.info_flow())
+
+    async def ready(self) -> bool:
+        """As :meth:`Client.ready`, awaited."""
+        return await self._drive(self._core.probe_flow("/health/ready"))
+
+    async def live(self) -> bool:
+        """As :meth:`Client.live`, awaited."""
+        return await self._drive(self._core.probe_flow("/health/live"))
+
+    async def aclose(self) -> None:
+        """Close the connection pool (and the transport)."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
