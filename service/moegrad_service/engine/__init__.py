@@ -1,0 +1,35 @@
+"""The engine: backends and the stream pool. No FastAPI here; arrays in, arrays and domain errors out."""
+
+from __future__ import annotations
+
+from moegrad import DeviceFault
+from moegrad_service.engine.base import Backend, BackendWorker
+from moegrad_service.engine.pool import StreamPool, Timings
+from moegrad_service.engine.reference import ReferenceBackend
+from moegrad_service.settings import Settings
+
+__all__ = ["Backend", "BackendWorker", "ReferenceBackend", "StreamPool", "Timings", "open_backend"]
+
+
+def open_backend(settings: Settings) -> Backend:
+    """The backend ``settings.backend`` names: ``reference``, ``ascend``, or ``auto``.
+
+    ``auto`` is ascend when the CANN libraries load and report a device, else reference.
+    CANN is loaded here (never at import time), and only for ``ascend`` or ``auto``.
+
+    Raises:
+        DeviceFault: ``backend="ascend"`` and CANN or the device is not available (the message
+            names what is missing).
+    """
+    if settings.backend == "reference":
+        return ReferenceBackend()
+    from moegrad_service.engine import ascend  # lazy: loads nothing until a backend is made
+
+    if settings.backend == "auto" and not ascend.ascend_available(settings.ascend_home_path):
+        return ReferenceBackend()
+    try:
+        return ascend.AscendBackend(device_id=settings.device_id, ascend_home_path=settings.ascend_home_path)
+    except DeviceFault:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a startup failure must read as one sentence
+        raise DeviceFault(f"the ascend backend could not start: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,92 @@
+"""``moegrad-service serve [flags]`` / ``python -m moegrad_service serve``: run the service with uvicorn.
+
+Each flag mirrors one setting (``--streams 4`` is ``MOEGRAD_STREAMS=4``); a flag given wins over the
+environment. One process, one uvicorn worker, one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import typing
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from moegrad import __version__
+from moegrad_service.settings import Settings
+
+__all__ = ["main"]
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        options: dict = {"dest": name, "default": argparse.SUPPRESS}
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description} (env MOEGRAD_{name.upper()}"
+        help_text += ")" if default in (None, []) else f"; default {default})"
+        if annotation is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(annotation) is typing.Literal:
+            options["choices"] = typing.get_args(annotation)
+        elif name == "auth_tokens":
+            options["metavar"] = "TOKEN[,TOKEN...]"
+        elif annotation in (int, float):
+            options["type"] = annotation
+        elif Path in typing.get_args(annotation):
+            options["metavar"] = "PATH"
+        parser.add_argument(flag, help=help_text.replace("%", "%%"), **options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moegrad-service", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"moegrad {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the service (one process, one device)",
+                                description="Run the moegrad service. Every flag mirrors a MOEGRAD_ setting.")
+    _add_setting_flags(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    args.pop("command")
+    try:
+        settings = Settings(**args)
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(map(str, error["loc"])) or "settings"
+            print(f"moegrad-service: invalid setting {where}: {error['msg']}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    """Run uvicorn with one worker until SIGINT/SIGTERM; 0 on a clean stop, 1 if startup failed."""
+    import uvicorn
+
+    from moegrad_service.app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        workers=1,
+        log_level=settings.log_level,
+        access_log=False,
+        ssl_certfile=str(settings.tls_certfile) if settings.tls_certfile else None,
+        ssl_keyfile=str(settings.tls_keyfile) if settings.tls_keyfile else None,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
+        log_config=None,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

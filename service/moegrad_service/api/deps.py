@@ -1,0 +1,137 @@
+"""Request dependencies: the settings, the pool, a size-limited body, the decoded call, the deadline."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from moegrad import MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, decode_body
+from moegrad_service.api.problems import UnsupportedMediaType
+from moegrad_service.engine import StreamPool
+from moegrad_service.metrics import Metrics
+from moegrad_service.settings import Settings
+
+__all__ = [
+    "MSGPACK_MEDIA_TYPES",
+    "BodyDep",
+    "CallDep",
+    "DocumentDep",
+    "MetricsDep",
+    "PoolDep",
+    "SettingsDep",
+    "TimeoutDep",
+    "read_body",
+]
+
+MSGPACK_MEDIA_TYPES = frozenset({"application/msgpack", "application/x-msgpack"})
+#: Bodies larger than this are decoded and validated on a worker thread, not on the event loop.
+INLINE_DECODE_BYTES = 1 << 20
+
+
+def get_settings(request: Request) -> Settings:
+    return request.state.settings
+
+
+def get_pool(request: Request) -> StreamPool:
+    return request.state.pool
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.state.metrics
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+PoolDep = Annotated[StreamPool, Depends(get_pool)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+
+
+async def read_body(request: Request, limit: int, media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES) -> bytearray:
+    """The request body, refused with 413 before reading when Content-Length is over ``limit`` and
+    as soon as a body without one grows past it; 415 when the media type is not in ``media_types``."""
+    if media_types is not None:
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type not in media_types:
+            raise UnsupportedMediaType(
+                f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise MalformedRequest(f"Content-Length {declared!r} is not a byte count")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"the body of {int(declared)} bytes is over the limit of {limit} bytes")
+        body = bytearray(int(declared))
+        view, filled = memoryview(body), 0
+        async for chunk in request.stream():
+            if filled + len(chunk) > len(body):
+                raise MalformedRequest("the body is longer than its Content-Length")
+            view[filled:filled + len(chunk)] = chunk
+            filled += len(chunk)
+        view.release()
+        if filled != len(body):
+            raise MalformedRequest(f"the body ended after {filled} of {len(body)} bytes")
+        return body
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
+    return body
+
+
+async def get_body(request: Request, settings: SettingsDep, metrics: MetricsDep) -> bytearray:
+    body = await read_body(request, settings.max_body_bytes)
+    metrics.bytes_in.inc(len(body))
+    return body
+
+
+BodyDep = Annotated[bytearray, Depends(get_body)]
+
+
+async def get_document(body: BodyDep) -> dict[str, Any]:
+    if len(body) > INLINE_DECODE_BYTES:
+        return await run_in_threadpool(decode_body, body)
+    return decode_body(body)
+
+
+DocumentDep = Annotated[dict, Depends(get_document)]
+
+
+async def get_call(document: DocumentDep, settings: SettingsDep) -> MoeInitRoutingV2GradCall:
+    def build() -> MoeInitRoutingV2GradCall:
+        return MoeInitRoutingV2GradCall.from_wire(document, max_elements=settings.max_elements,
+                                                  default_order=settings.order)
+
+    if _tensor_bytes(document) > INLINE_DECODE_BYTES:
+        return await run_in_threadpool(build)
+    return build()
+
+
+def _tensor_bytes(document: dict[str, Any]) -> int:
+    total = 0
+    for value in document.values():
+        if isinstance(value, dict) and isinstance(value.get("data"), bytes):
+            total += len(value["data"])
+    return total
+
+
+CallDep = Annotated[MoeInitRoutingV2GradCall, Depends(get_call)]
+
+
+def get_timeout(request: Request, settings: SettingsDep) -> float:
+    """Seconds the call may take: ``X-Request-Timeout`` (seconds) capped by ``request_timeout_s``."""
+    raw = request.headers.get("x-request-timeout")
+    if raw is None:
+        return settings.request_timeout_s
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise MalformedRequest(f"X-Request-Timeout {raw!r} must be a positive number of seconds", field="X-Request-Timeout")
+    return min(value, settings.request_timeout_s)
+
+
+TimeoutDep = Annotated[float, Depends(get_timeout)]

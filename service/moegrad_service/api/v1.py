@@ -1,0 +1,90 @@
+"""Protocol v1: ``POST /v1/moe_init_routing_v2_grad`` (msgpack in, msgpack out) and ``GET /v1/info``.
+
+The wire format is docs/protocol.md; the handler only decodes (a dependency), runs on the pool, and
+encodes. Empty calls (N = 0 or H = 0) are answered here without touching the backend (DESIGN.md
+section 3: the documentation supports empty tensors; the 8.x kernel's tiling would reject them).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+
+from moegrad import MoeInitRoutingV2GradCall, __version__, encode_body, encode_tensor
+from moegrad_service.api.deps import CallDep, MetricsDep, PoolDep, SettingsDep, TimeoutDep
+from moegrad_service.engine import StreamPool, Timings
+from moegrad_service.metrics import Metrics
+
+__all__ = ["compute", "router"]
+
+router = APIRouter()
+MSGPACK = "application/msgpack"
+_MSGPACK_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
+        "description": "msgpack map: grad_expanded_x, expanded_row_idx (tensors), top_k, drop_pad_mode, "
+                       "active_num, optional order and allow_duplicate_indices (docs/protocol.md)",
+    },
+    "responses": {"200": {"content": {MSGPACK: {}}, "description": "msgpack map with grad_x (docs/protocol.md)"}},
+}
+
+
+async def compute(call: MoeInitRoutingV2GradCall, pool: StreamPool, metrics: Metrics,
+                  timeout_s: float) -> tuple[np.ndarray, Timings]:
+    """grad_x for a validated call: empty calls answered at once, the rest run on the pool."""
+    if call.num_tokens == 0 or call.hidden_size == 0:
+        return np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype), Timings(0.0, 0.0)
+    grad_x, timings = await pool.run(call, timeout_s=timeout_s)
+    metrics.queue_duration.observe(timings.queue_s)
+    metrics.compute_duration.observe(timings.compute_s)
+    return grad_x, timings
+
+
+def msgpack_response(document: dict[str, Any], metrics: Metrics) -> Response:
+    """Pack a reply document and count its bytes."""
+    body = encode_body(document)
+    metrics.bytes_out.inc(len(body))
+    return Response(content=body, media_type=MSGPACK)
+
+
+def timings_ms(started: float, timings: Timings) -> dict[str, float]:
+    """The reply's ``timings_ms``: queue, compute and total (since the handler started), in ms."""
+    return {"queue": timings.queue_s * 1e3, "compute": timings.compute_s * 1e3,
+            "total": (time.perf_counter() - started) * 1e3}
+
+
+@router.post("/v1/moe_init_routing_v2_grad", openapi_extra=_MSGPACK_BODY, response_class=Response,
+             summary="Run aclnnMoeInitRoutingV2Grad: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]")
+async def moe_init_routing_v2_grad(
+    request: Request, call: CallDep, pool: PoolDep, metrics: MetricsDep, timeout_s: TimeoutDep,
+) -> Response:
+    started = getattr(request.state, "started", time.perf_counter())
+    grad_x, timings = await compute(call, pool, metrics, timeout_s)
+    reply = {
+        "grad_x": encode_tensor(grad_x),
+        "backend": pool.backend.name,
+        "order": call.order,
+        "device": pool.backend.device,
+        "timings_ms": timings_ms(started, timings),
+    }
+    metrics.success.labels(endpoint=request.scope["route"].path).inc()
+    return msgpack_response(reply, metrics)
+
+
+@router.get("/v1/info", summary="Version, backend, device and limits of this service")
+async def info(pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
+    return {
+        "version": __version__,
+        "backend": pool.backend.name,
+        "device": pool.backend.device,
+        "order": settings.order,
+        "streams": settings.streams,
+        "max_queue": settings.max_queue,
+        "max_body_bytes": settings.max_body_bytes,
+        "max_elements": settings.max_elements,
+        "request_timeout_s": settings.request_timeout_s,
+    }

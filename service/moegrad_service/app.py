@@ -1,0 +1,65 @@
+"""``create_app(settings)``: the FastAPI app, its lifespan (backend + pool), routes and error table."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from moegrad import __version__
+from moegrad_service.api import health, v1
+from moegrad_service.api.middleware import RequestLogMiddleware
+from moegrad_service.api.problems import install_problem_handlers
+from moegrad_service.engine import Backend, StreamPool, open_backend
+from moegrad_service.metrics import Metrics
+from moegrad_service.settings import Settings
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("moegrad_service")
+
+
+def create_app(settings: Settings | None = None, *, backend: Backend | None = None) -> FastAPI:
+    """Build the service.
+
+    Args:
+        settings: the configuration; ``Settings()`` (the environment) when None.
+        backend: a backend to serve instead of the one ``settings.backend`` names (tests inject a
+            slowed or faulty one); the app closes it on shutdown all the same.
+
+    The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers, yields
+    them as request state (``settings``, ``pool``, ``metrics``) and, on shutdown, stops admitting,
+    lets admitted calls finish (``shutdown_grace_s``) and closes the backend.
+    """
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict]:
+        opened = backend if backend is not None else await asyncio.to_thread(open_backend, settings)
+        pool = StreamPool(opened, streams=settings.streams, max_queue=settings.max_queue,
+                          retry_after_s=settings.retry_after_s)
+        await pool.start()
+        metrics.bind(lambda: pool.queue_depth, lambda: pool.in_flight)
+        log.info("moegrad %s ready: backend=%s device=%s streams=%d", __version__, opened.name, opened.device,
+                 settings.streams)
+        try:
+            yield {"settings": settings, "pool": pool, "metrics": metrics}
+        finally:
+            await pool.close(grace_s=settings.shutdown_grace_s)
+            log.info("moegrad stopped")
+
+    app = FastAPI(
+        title="moegrad",
+        version=__version__,
+        summary="aclnnMoeInitRoutingV2Grad (MoE routing backward) as a service",
+        lifespan=lifespan,
+    )
+    install_problem_handlers(app)
+    app.include_router(health.router)
+    app.include_router(v1.router)
+    app.add_middleware(RequestLogMiddleware)
+    return app

@@ -1,0 +1,302 @@
+"""StreamPool: worker threads that each own one backend slot, behind a bounded admission queue.
+
+Each of ``streams`` threads makes its :class:`~moegrad_service.engine.base.BackendWorker` on its own
+thread (a device stream, or a CPU slot) and runs one call at a time. The event loop only enqueues
+and awaits: no compute ever runs on it.
+
+Life of a call::
+
+    admitted ──> queued ──> running ──> done
+        │          │           └─(deadline + grace passed)─> abandoned: 504, a fresh worker replaces it
+        │          ├─(deadline passed)──> 504, never run
+        │          └─(caller cancelled)─> dropped, never run (a disconnected client costs nothing)
+        └─(queue full, not ready, closing)─> DeviceBusy (503 + Retry-After)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moegrad import DeadlineExceeded, DeviceBusy, DeviceFault, InvalidArgument, MoegradError, MoeInitRoutingV2GradCall
+from moegrad_service.engine.base import Backend
+
+__all__ = ["StreamPool", "Timings"]
+
+log = logging.getLogger("moegrad_service.engine")
+
+_STOP = object()
+#: How long past its deadline a running call may take before its worker is written off and replaced.
+#: A backend that honours ``timeout_s`` itself (the ascend one does) answers well within it.
+ABANDON_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where one call's time went, in seconds (monotonic clock)."""
+
+    queue_s: float
+    compute_s: float
+
+
+@dataclass(eq=False)
+class _Job:
+    call: MoeInitRoutingV2GradCall
+    deadline: float | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    finished: float | None = None
+    worker: int = -1
+    state: str = "queued"  # queued -> running -> done | abandoned; queued -> cancelled
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def transition(self, old: str, new: str) -> bool:
+        with self.lock:
+            if self.state != old:
+                return False
+            self.state = new
+            return True
+
+    def settle(self, result: np.ndarray | None, error: BaseException | None) -> None:
+        self.finished = time.monotonic()
+        self.loop.call_soon_threadsafe(self._settle, result, error)
+
+    def _settle(self, result: np.ndarray | None, error: BaseException | None) -> None:
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
+class StreamPool:
+    """A fixed set of worker threads over one backend, with a bounded queue in front.
+
+    Args:
+        backend: the device (or emulation); the pool closes it in :meth:`close`.
+        streams: worker threads, each owning one backend slot made on its own thread.
+        max_queue: calls admitted but not yet started beyond which new calls get DeviceBusy.
+        retry_after_s: the retry hint, in seconds, that DeviceBusy carries.
+    """
+
+    def __init__(self, backend: Backend, *, streams: int, max_queue: int, retry_after_s: float = 1.0) -> None:
+        if streams < 1 or max_queue < 1:
+            raise ValueError(f"streams={streams} and max_queue={max_queue} must both be >= 1")
+        self.backend = backend
+        self.streams = streams
+        self.max_queue = max_queue
+        self.retry_after_s = retry_after_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._running = 0
+        self._threads: set[threading.Thread] = set()
+        self._serial = 0
+        self._admitting = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._pending: set[_Job] = set()
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        """Start every worker and wait until each has opened its slot.
+
+        Raises:
+            DeviceFault: a worker could not open its slot (the first error is attached).
+        """
+        self._loop = asyncio.get_running_loop()
+        results = await asyncio.gather(*(asyncio.to_thread(self._spawn, i, timeout_s) for i in range(self.streams)))
+        errors = [e for e in results if e is not None]
+        if errors:
+            await self.close(grace_s=0)
+            raise DeviceFault(f"could not open {len(errors)} of {self.streams} backend workers: {errors[0]}") from errors[0]
+        self._admitting = True
+
+    def _spawn(self, index: int, timeout_s: float) -> BaseException | None:
+        opened = threading.Event()
+        outcome: list[BaseException | None] = [None]
+        with self._lock:
+            self._serial += 1
+            name = f"moegrad-stream-{index}.{self._serial}"
+        thread = threading.Thread(target=self._work, args=(index, opened, outcome), name=name, daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+        if not opened.wait(timeout_s):
+            return DeviceFault(f"backend worker {index} did not open within {timeout_s} s")
+        return outcome[0]
+
+    async def close(self, grace_s: float = 30.0) -> None:
+        """Stop admitting, let admitted calls finish (up to ``grace_s`` seconds), stop the workers,
+        then close the backend. Calls still queued after the grace period fail with DeviceBusy."""
+        self._admitting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
+        except TimeoutError:
+            log.warning("shutdown grace of %.1f s passed with %d queued, %d running", grace_s, self._queued, self._running)
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(_STOP)
+        await asyncio.to_thread(self._join, threads, max(grace_s, 1.0))
+        for job in list(self._pending):  # anything that never got to run
+            if job.transition("queued", "cancelled"):
+                job._settle(None, DeviceBusy("the service is shutting down", retry_after_s=self.retry_after_s))
+        await asyncio.to_thread(self.backend.close)
+
+    @staticmethod
+    def _join(threads: list[threading.Thread], timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, end - time.monotonic()))
+
+    # --- state -------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """True while the pool admits calls (started, not closing)."""
+        return self._admitting
+
+    @property
+    def queue_depth(self) -> int:
+        """Calls admitted and waiting for a worker."""
+        return self._queued
+
+    @property
+    def in_flight(self) -> int:
+        """Calls running on a worker now."""
+        return self._running
+
+    # --- the call path -----------------------------------------------------------------------------
+
+    async def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> tuple[np.ndarray, Timings]:
+        """Run a validated, non-empty call on the next free worker.
+
+        Args:
+            call: the validated call.
+            timeout_s: seconds from now until the call's deadline (None: no deadline).
+
+        Returns:
+            (grad_x [N, H] in the call's dtype, where the time went).
+
+        Raises:
+            DeviceBusy: not admitting, or ``max_queue`` calls already wait.
+            DeadlineExceeded: the deadline passed while queued (the call never ran) or while running.
+            InvalidArgument: the device's phase one rejected the call.
+            DeviceFault: the backend failed; an unexpected exception is wrapped into one.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        job = _Job(call=call, deadline=deadline, loop=loop, future=loop.create_future())
+        with self._lock:
+            if not self._admitting:
+                raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=self.retry_after_s)
+            if self._queued >= self.max_queue:
+                raise DeviceBusy(f"the queue is full ({self.max_queue} calls waiting)", retry_after_s=self.retry_after_s)
+            self._queued += 1
+            self._pending.add(job)
+            self._idle.clear()
+        self._queue.put(job)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(job.future), timeout=timeout_s)
+        except TimeoutError:
+            if job.transition("queued", "cancelled"):
+                self._dequeued(job)
+                raise DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed while the call was queued; it was not run") from None
+            if job.state == "running":
+                loop.call_later(ABANDON_GRACE_S, self._abandon, job)
+                raise DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed while the call was running") from None
+            result = await job.future  # it finished in the meantime
+        except asyncio.CancelledError:
+            if job.transition("queued", "cancelled"):  # the caller went away before its turn: costs nothing
+                self._dequeued(job)
+            raise
+        return result, Timings(queue_s=(job.started or job.enqueued) - job.enqueued,
+                               compute_s=(job.finished or job.enqueued) - (job.started or job.enqueued))
+
+    def _dequeued(self, job: _Job) -> None:
+        with self._lock:
+            self._queued -= 1
+            self._pending.discard(job)
+            self._check_idle()
+
+    def _check_idle(self) -> None:  # with self._lock held
+        if self._queued == 0 and self._running == 0:
+            self._loop.call_soon_threadsafe(self._idle.set)
+
+    def _abandon(self, job: _Job) -> None:
+        """A running call is far past its deadline: write its worker off and start a fresh one."""
+        if job.transition("running", "abandoned"):
+            log.error("a backend worker is stuck %.1f s past a deadline; replacing it", ABANDON_GRACE_S)
+            with self._lock:
+                self._running -= 1
+                self._pending.discard(job)
+                self._check_idle()
+            threading.Thread(target=self._spawn, args=(job.worker, 600.0), name="moegrad-respawn", daemon=True).start()
+
+    # --- the worker thread -------------------------------------------------------------------------
+
+    def _work(self, index: int, opened: threading.Event, outcome: list) -> None:
+        me = threading.current_thread()
+        try:
+            worker = self.backend.open_worker(index)
+        except BaseException as exc:  # noqa: BLE001 - reported to start()
+            outcome[0] = exc
+            with self._lock:
+                self._threads.discard(me)
+            opened.set()
+            return
+        opened.set()
+        try:
+            while True:
+                job = self._queue.get()
+                if job is _STOP:
+                    return
+                if not job.transition("queued", "running"):
+                    continue  # cancelled while queued; already accounted for
+                job.started, job.worker = time.monotonic(), index
+                with self._lock:
+                    self._queued -= 1
+                    self._running += 1
+                result, error = self._execute(worker, job)
+                if job.transition("running", "done"):
+                    with self._lock:
+                        self._running -= 1
+                        self._pending.discard(job)
+                        self._check_idle()
+                    job.settle(result, error)
+                else:  # abandoned: a replacement thread already took this slot
+                    job.settle(result, error)
+                    return
+        finally:
+            with self._lock:
+                self._threads.discard(me)
+            try:
+                worker.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing backend worker %d failed", index)
+
+    @staticmethod
+    def _execute(worker, job: _Job) -> tuple[np.ndarray | None, BaseException | None]:
+        remaining = None if job.deadline is None else job.deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return None, DeadlineExceeded("the deadline passed while the call was queued; it was not run")
+        try:
+            return worker.run(job.call, timeout_s=remaining), None
+        except (InvalidArgument, DeadlineExceeded, DeviceFault, DeviceBusy) as exc:
+            return None, exc
+        except MoegradError as exc:
+            return None, DeviceFault(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a backend bug is a device fault, never a crash
+            log.exception("backend raised an unexpected error")
+            return None, DeviceFault(f"{type(exc).__name__}: {exc}")

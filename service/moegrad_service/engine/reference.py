@@ -1,0 +1,51 @@
+"""The embedded default backend: the NumPy emulation of the Atlas A2/A3 kernel (``moegrad``'s reference)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from moegrad import MoeInitRoutingV2GradCall, moe_init_routing_v2_grad
+
+__all__ = ["ReferenceBackend"]
+
+FaultHook = Callable[[MoeInitRoutingV2GradCall, float | None], None]
+
+
+class ReferenceBackend:
+    """Runs calls with :func:`moegrad.moe_init_routing_v2_grad` on the CPU, in the call's ``order``.
+
+    Args:
+        fault_hook: called as ``hook(call, timeout_s)`` on the worker thread before each compute;
+            tests use it to slow the backend down, raise, or hang (fault injection).
+    """
+
+    name = "reference"
+    device = None
+
+    def __init__(self, *, fault_hook: FaultHook | None = None) -> None:
+        self.fault_hook = fault_hook
+
+    def open_worker(self, index: int) -> _ReferenceWorker:
+        """A CPU slot; nothing to open."""
+        return _ReferenceWorker(self)
+
+    def check_health(self) -> None:
+        """The CPU is always healthy."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class _ReferenceWorker:
+    def __init__(self, backend: ReferenceBackend) -> None:
+        self._backend = backend
+
+    def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> np.ndarray:
+        if self._backend.fault_hook is not None:
+            self._backend.fault_hook(call, timeout_s)
+        return moe_init_routing_v2_grad(call)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,41 @@
+"""Prometheus metrics, named after Triton's (``nv_inference_*`` -> ``moegrad_inference_*``).
+
+One registry per app, so several apps (tests) never collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Metrics"]
+
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """The service's counters, histograms and gauges (durations in seconds, sizes in bytes)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.success = Counter("moegrad_inference_request_success", "Calls answered with a result.",
+                               ["endpoint"], registry=r)
+        self.failure = Counter("moegrad_inference_request_failure", "Calls answered with an error, by reason.",
+                               ["endpoint", "reason"], registry=r)
+        self.request_duration = Histogram("moegrad_inference_request_duration_seconds",
+                                          "Whole call: body read to reply built.", ["endpoint"], buckets=_SECONDS, registry=r)
+        self.queue_duration = Histogram("moegrad_inference_queue_duration_seconds",
+                                        "Time admitted calls waited for a worker.", buckets=_SECONDS, registry=r)
+        self.compute_duration = Histogram("moegrad_inference_compute_duration_seconds",
+                                          "Time a worker spent computing a call.", buckets=_SECONDS, registry=r)
+        self.bytes_in = Counter("moegrad_inference_request_bytes", "Request body bytes read.", registry=r)
+        self.bytes_out = Counter("moegrad_inference_response_bytes", "Response body bytes sent.", registry=r)
+        self.pending = Gauge("moegrad_inference_pending_request_count", "Calls queued for a worker.", registry=r)
+        self.in_flight = Gauge("moegrad_inference_exec_count", "Calls running on a worker now.", registry=r)
+
+    def bind(self, queue_depth: Callable[[], float], in_flight: Callable[[], float]) -> None:
+        """Read the two gauges from the live pool at scrape time."""
+        self.pending.set_function(queue_depth)
+        self.in_flight.set_function(in_flight)
