@@ -145,7 +145,8 @@ def decode_body(body: bytes) -> dict[str, Any]:
     except MalformedRequest:
         raise
     except Exception as exc:  # msgpack raises ValueError, ExtraData, FormatError, StackError, UnicodeDecodeError ...
-        raise MalformedRequest(f"body is not a valid msgpack document: {type(exc).__name__}: {exc}") from None
+        reason = str(exc) or "truncated or invalid data"
+        raise MalformedRequest(f"body is not a valid msgpack document ({type(exc).__name__}: {reason})") from None
     if not isinstance(document, dict):
         raise MalformedRequest(f"body must be a msgpack map, got {type(document).__name__}")
     return document
