@@ -123,9 +123,12 @@ def _prepare(call: MoeInitRoutingV2GradCall) -> tuple[np.ndarray, np.ndarray, Ca
 
 def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: Sequence[tuple[str, int, int]],
                 out: np.ndarray, compensated: bool = False) -> np.ndarray:
-    rows, index, skipped = _prepare(call)
     tokens, hidden = out.shape
-    if tokens == 0 or hidden == 0:
+    if tokens == 0 or hidden == 0:  # before _prepare: reshape(-1, 0) cannot infer the row count
+        return out
+    rows, index, skipped = _prepare(call)
+    if rows.shape[0] == 0:  # drop/pad with E*C = 0: validation left only -1, every slot is skipped
+        out.fill(0.0)
         return out
     nbins = 1 + max(step[1] for step in schedule)
     chunk = max(1, _CHUNK_BYTES // (nbins * hidden * acc_dtype.itemsize))
