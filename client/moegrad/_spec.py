@@ -41,6 +41,7 @@ _INT64 = (-(2**63), 2**63 - 1)
 _TENSORS = ("grad_expanded_x", "expanded_row_idx")
 _ATTRIBUTES = ("top_k", "drop_pad_mode", "active_num")
 _WIRE_FIELDS = frozenset(_TENSORS + _ATTRIBUTES + ("order", "allow_duplicate_indices"))
+_INDEX_CHUNK = 1 << 20  # index elements per scatter in the uniqueness check
 
 
 def _fail(status: AclnnStatus, field: str, message: str) -> InvalidArgument:
@@ -151,7 +152,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
         if idx.shape[0] % top_k:
             raise _fail(_TILING, "expanded_row_idx", f"expanded_row_idx.shape[0]={idx.shape[0]} is not divisible by top_k={top_k}")
 
-    # Rule 7: index values and uniqueness (vectorised: O(len) time, one byte per row of memory).
+    # Rule 7: index values and uniqueness (vectorised: O(len) time, at most 8 bytes of table per index).
     def _check_indices(self, grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int) -> None:
         if idx.size == 0:
             return
@@ -166,22 +167,34 @@ class MoeInitRoutingV2GradCall(BaseModel):
                         f"expanded_row_idx[{where}]={int(idx[where])} is outside {rule} = [{low}, {high}) for this call")
         if self.allow_duplicate_indices:
             return
-        used = idx[idx >= 0] if lo < 0 else idx
+        if high > 8 * idx.size:  # drop/pad with E*C far above N*K (e.g. H = 0): sort instead of a table of E*C
+            used = np.sort(idx[idx >= 0] if lo < 0 else idx)
+            if used.size > 1 and bool((used[1:] == used[:-1]).any()):
+                raise self._duplicate_error(idx)
+            return
         seen = np.zeros(high, dtype=np.bool_)
-        seen[used] = True
-        if np.count_nonzero(seen) != used.size:
-            raise self._duplicate_error(idx, high)
+        count = 0
+        for start in range(0, idx.size, _INDEX_CHUNK):  # chunks: the intp copy NumPy indexes with stays small
+            block = idx[start:start + _INDEX_CHUNK].astype(np.intp)
+            if lo < 0:
+                block = block[block >= 0]
+            seen[block] = True
+            count += block.size
+        if np.count_nonzero(seen) != count:
+            raise self._duplicate_error(idx)
 
     @staticmethod
-    def _duplicate_error(idx: np.ndarray, high: int) -> InvalidArgument:
-        positions = np.arange(idx.size, dtype=np.int64)
-        keep = idx >= 0
-        last = np.full(high, -1, dtype=np.int64)
-        last[idx[keep]] = positions[keep]  # the last writer wins; any earlier holder is a duplicate
-        first_dup = int(np.flatnonzero(keep & (last[np.where(keep, idx, 0)] != positions))[0])
-        value = int(idx[first_dup])
+    def _duplicate_error(idx: np.ndarray) -> InvalidArgument:
+        positions = np.flatnonzero(idx >= 0)
+        values = idx[positions]
+        order = np.argsort(values, kind="stable")  # equal values keep increasing positions
+        ranked = values[order]
+        clash = np.flatnonzero(ranked[1:] == ranked[:-1])
+        later, earlier = positions[order[clash + 1]], positions[order[clash]]
+        k = int(np.argmin(later))  # the first position that repeats an earlier one
+        where, previous = int(later[k]), int(earlier[k])
         return _fail(_INVALID, "expanded_row_idx",
-                     f"expanded_row_idx[{first_dup}]={value} repeats expanded_row_idx[{int(last[value])}]; "
+                     f"expanded_row_idx[{where}]={int(idx[where])} repeats expanded_row_idx[{previous}]; "
                      "indices other than -1 must be unique (set allow_duplicate_indices to accept repeats)")
 
     @property
