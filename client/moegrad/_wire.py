@@ -35,6 +35,7 @@ DTYPES: Mapping[str, np.dtype] = {
 }
 _NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+_MAX_RANK = 32  # NumPy's limit (32 before 2.0); the operator's tensors have rank 1-3
 
 
 def dtype_name(dtype: np.dtype | type) -> str | None:
@@ -63,9 +64,10 @@ def encode_tensor(array: np.ndarray) -> dict[str, Any]:
     name = dtype_name(array.dtype)
     if name is None:
         raise TypeError(f"dtype {array.dtype} cannot travel on the wire; use one of {sorted(DTYPES)}")
+    shape = list(array.shape)  # before ascontiguousarray, which turns a 0-d array into shape [1]
     array = np.ascontiguousarray(array, dtype=DTYPES[name])
     data = memoryview(array.reshape(-1).view(np.uint8))
-    return {"dtype": name, "shape": list(array.shape), "data": data}
+    return {"dtype": name, "shape": shape, "data": data}
 
 
 def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> np.ndarray:
@@ -95,6 +97,8 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
         raise MalformedRequest(f"{field}.dtype={name!r} is not one of {sorted(DTYPES)}", field=field)
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedRequest(f"{field}.shape={shape!r} must be a list of non-negative integers", field=field)
+    if len(shape) > _MAX_RANK:
+        raise MalformedRequest(f"{field}.shape has {len(shape)} dimensions, more than {_MAX_RANK}", field=field)
     if not isinstance(data, bytes):
         raise MalformedRequest(f"{field}.data must be msgpack bin, got {type(data).__name__}", field=field)
     count = math.prod(shape)
@@ -106,7 +110,10 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
             f"{field}.data has {len(data)} bytes but shape {shape} of {name} needs {count * dtype.itemsize}",
             field=field,
         )
-    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+    try:
+        return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+    except ValueError:  # an empty array with a dimension NumPy cannot represent, e.g. [0, 2**70]
+        raise MalformedRequest(f"{field}.shape={shape} is too large for an array", field=field) from None
 
 
 def encode_body(document: Mapping[str, Any]) -> bytes:
@@ -146,6 +153,12 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise
     except Exception as exc:  # msgpack raises ValueError, ExtraData, FormatError, StackError, UnicodeDecodeError ...
         reason = str(exc) or "truncated or invalid data"
+        if isinstance(exc, msgpack.ExtraData):
+            reason = "trailing bytes after the document"
+        elif isinstance(exc, msgpack.StackError):
+            reason = "nested too deeply"
+        elif "max_ext_len" in reason:  # max_ext_len=0 refuses every ext type before ext_hook runs
+            reason = "a msgpack ext type (timestamps included); none is allowed"
         raise MalformedRequest(f"body is not a valid msgpack document ({type(exc).__name__}: {reason})") from None
     if not isinstance(document, dict):
         raise MalformedRequest(f"body must be a msgpack map, got {type(document).__name__}")
