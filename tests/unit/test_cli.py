@@ -1,0 +1,223 @@
+"""The moegrad command with no server: `local`, .npy handling (bfloat16), usage errors, exit codes.
+
+Expected values come from the operator documentation's example or from plain float32 adds here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from moegrad._cli import load_npy, main, save_npy
+
+EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
+EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
+# documentation: [[0.3, 0.3], [0.7, 0.7]]; as float32 bits 0.3 -> 0x3E99999A, 0.70000005 -> 0x3F333334
+EXAMPLE_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)
+
+
+@pytest.fixture
+def example_files(tmp_path):
+    x, idx = tmp_path / "x.npy", tmp_path / "idx.npy"
+    np.save(x, EXAMPLE_X)
+    np.save(idx, EXAMPLE_IDX)
+    return x, idx, tmp_path / "out.npy"
+
+
+def local_args(x, idx, out, *extra, top_k="2"):
+    return ["local", "--grad-expanded-x", str(x), "--expanded-row-idx", str(idx), "--top-k", top_k, "-o", str(out), *extra]
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there once the socket is closed
+
+
+def test_local_example(example_files, capsys):
+    x, idx, out = example_files
+    assert main(local_args(x, idx, out)) == 0
+    grad_x = np.load(out)
+    assert grad_x.dtype == np.float32 and grad_x.shape == (2, 2)
+    np.testing.assert_array_equal(grad_x.view(np.uint32), EXAMPLE_BITS)
+    assert str(out) in capsys.readouterr().out
+
+
+def test_local_writes_exactly_the_named_path(example_files):
+    x, idx, out = example_files
+    target = out.with_suffix(".bin")
+    assert main(local_args(x, idx, target)) == 0
+    assert target.exists() and not target.with_name(target.name + ".npy").exists()
+
+
+def test_local_bfloat16_round_trip(tmp_path):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 5)).astype(ml_dtypes.bfloat16)
+    idx = np.array([4, 1, 0, 5, 3, 2], dtype=np.int32)
+    np.save(tmp_path / "x.npy", x)  # numpy writes '<V2' for bfloat16
+    np.save(tmp_path / "idx.npy", idx)
+    assert np.load(tmp_path / "x.npy").dtype.kind == "V"
+    out = tmp_path / "out.npy"
+    assert main(local_args(tmp_path / "x.npy", tmp_path / "idx.npy", out)) == 0
+    # K=2, dropless: each token is one float32 add of two bf16 rows widened exactly, rounded once to bf16
+    wide = x.astype(np.float32)
+    expected = np.stack([wide[idx[2 * i]] + wide[idx[2 * i + 1]] for i in range(3)]).astype(ml_dtypes.bfloat16)
+    raw = np.load(out)
+    assert raw.dtype == np.dtype("V2")  # written the way numpy.save writes bf16
+    grad_x = load_npy(out)
+    assert grad_x.dtype == np.dtype(ml_dtypes.bfloat16) and grad_x.shape == (3, 5)
+    np.testing.assert_array_equal(grad_x.view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(raw.view(np.uint16), expected.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, ml_dtypes.bfloat16, np.int32, ">f4"])
+def test_save_and_load_npy_round_trip(tmp_path, dtype):
+    array = np.arange(12).reshape(3, 4).astype(dtype)
+    save_npy(tmp_path / "a.npy", array)
+    back = load_npy(tmp_path / "a.npy")
+    assert back.dtype == np.dtype(dtype) and back.shape == (3, 4)
+    assert back.tobytes() == array.tobytes()
+
+
+def test_load_npy_refuses_pickles_and_archives(tmp_path):
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError):
+        load_npy(tmp_path / "obj.npy")
+    np.savez(tmp_path / "z.npz", a=EXAMPLE_X)
+    with pytest.raises(ValueError):
+        load_npy(tmp_path / "z.npz")
+
+
+def test_local_order_and_active_mode(tmp_path):
+    # active mode, K=3: rows >= A are skipped; token 0 uses rows 0, 2 (4 skipped), token 1 rows 1, 3, 5 (skipped)
+    x = np.array([[1.0], [2.0], [3.0], [4.0]], dtype=np.float32)
+    idx = np.array([0, 4, 2, 1, 3, 5], dtype=np.int32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "idx.npy", idx)
+    out = tmp_path / "o.npy"
+    assert main(local_args(tmp_path / "x.npy", tmp_path / "idx.npy", out, "--active-num", "4",
+                           "--order", "sequential", top_k="3")) == 0
+    np.testing.assert_array_equal(np.load(out), np.array([[4.0], [6.0]], dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    ("top_k", "extra", "idx", "code", "field"),
+    [
+        ("3", [], EXAMPLE_IDX, "561002", "expanded_row_idx"),        # 4 % 3 != 0
+        ("0", [], EXAMPLE_IDX, "561002", "top_k"),
+        ("2", ["--drop-pad-mode", "2"], EXAMPLE_IDX, "561002", "drop_pad_mode"),
+        ("2", [], EXAMPLE_IDX.astype(np.int64), "161002", "expanded_row_idx"),  # int64 indices
+        ("2", [], np.array([2, 0, 2, 3], np.int32), "161002", "expanded_row_idx"),  # a duplicate
+    ],
+)
+def test_rejected_input_exits_3_naming_field_and_code(tmp_path, capsys, top_k, extra, idx, code, field):
+    np.save(tmp_path / "x.npy", EXAMPLE_X)
+    np.save(tmp_path / "idx.npy", idx)
+    out = tmp_path / "o.npy"
+    assert main(local_args(tmp_path / "x.npy", tmp_path / "idx.npy", out, *extra, top_k=top_k)) == 3
+    err = capsys.readouterr().err
+    assert code in err and field in err
+    assert not out.exists()
+
+
+def test_duplicates_accepted_with_flag(tmp_path):
+    np.save(tmp_path / "x.npy", EXAMPLE_X)
+    np.save(tmp_path / "idx.npy", np.array([2, 0, 2, 3], np.int32))
+    out = tmp_path / "o.npy"
+    assert main(local_args(tmp_path / "x.npy", tmp_path / "idx.npy", out, "--allow-duplicate-indices")) == 0
+    expected = np.stack([EXAMPLE_X[2] + EXAMPLE_X[0], EXAMPLE_X[2] + EXAMPLE_X[3]])
+    np.testing.assert_array_equal(np.load(out).view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nope"],
+        ["local", "--expanded-row-idx", "i.npy", "--top-k", "2", "-o", "o.npy"],  # no --grad-expanded-x
+        ["local", "--grad-expanded-x", "x.npy", "--expanded-row-idx", "i.npy", "--top-k", "two", "-o", "o.npy"],
+        ["local", "--grad-expanded-x", "x.npy", "--expanded-row-idx", "i.npy", "--top-k", "2", "-o", "o.npy",
+         "--order", "fastest"],
+        ["grad", "--grad-expanded-x", "x.npy", "--expanded-row-idx", "i.npy", "--top-k", "2", "-o", "o.npy",
+         "--timeout", "-1"],
+        ["info", "--retries", "-2"],
+        ["local", "--url", "http://x"],  # local takes no server
+    ],
+)
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_unreadable_input_or_output_exits_2(example_files, tmp_path, capsys):
+    x, idx, out = example_files
+    assert main(local_args(tmp_path / "missing.npy", idx, out)) == 2
+    assert "missing.npy" in capsys.readouterr().err
+    (tmp_path / "junk.npy").write_bytes(b"not numpy")
+    assert main(local_args(tmp_path / "junk.npy", idx, out)) == 2
+    assert main(local_args(x, idx, tmp_path / "no-such-dir" / "o.npy")) == 2
+    assert "no-such-dir" in capsys.readouterr().err
+
+
+def test_bad_url_exits_2(capsys):
+    assert main(["info", "--url", "ftp://example.org"]) == 2
+    assert "http" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["info"], ["example"]])
+def test_unreachable_server_exits_4(command, capsys):
+    assert main([*command, "--url", closed_port_url(), "--retries", "0", "--timeout", "10"]) == 4
+    assert "TransportError" in capsys.readouterr().err
+
+
+def test_grad_rejects_locally_before_connecting(example_files, capsys):
+    x, idx, out = example_files
+    argv = ["grad", "--url", closed_port_url(), "--grad-expanded-x", str(x), "--expanded-row-idx", str(idx),
+            "--top-k", "3", "-o", str(out), "--retries", "0"]
+    assert main(argv) == 3  # not 4: the call never reached the (absent) server
+    assert "561002" in capsys.readouterr().err
+
+
+def test_url_defaults_to_env(monkeypatch, capsys):
+    url = closed_port_url()
+    monkeypatch.setenv("MOEGRAD_URL", url)
+    assert main(["info", "--retries", "0"]) == 4
+    assert url.split("//")[1] in capsys.readouterr().err
+
+
+def test_help_describes_every_command_and_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    top = capsys.readouterr().out
+    for word in ("grad", "local", "example", "info", "exit status", "bfloat16", "MOEGRAD_URL"):
+        assert word in top
+    with pytest.raises(SystemExit):
+        main(["grad", "--help"])
+    grad = capsys.readouterr().out
+    for flag in ("--url", "--grad-expanded-x", "--expanded-row-idx", "--top-k", "--drop-pad-mode", "--active-num",
+                 "--order", "--timeout", "--token", "--output", "seconds", "int32"):
+        assert flag in grad
+
+
+def run_module(*argv, **env):
+    return subprocess.run([sys.executable, "-m", "moegrad", *argv], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+
+
+def test_python_dash_m_moegrad(example_files):
+    x, idx, out = example_files
+    done = run_module(*local_args(x, idx, out))
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_array_equal(np.load(out).view(np.uint32), EXAMPLE_BITS)
+    assert run_module("--help").returncode == 0
+    assert run_module("local").returncode == 2
