@@ -178,7 +178,13 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
             bins[0] = np.where(np.isfinite(bins[0]), total, bins[0])
         np.copyto(out[start:stop], bins[0], casting="unsafe")  # one round-half-even cast
 
-    _map_chunks(run, tokens, chunk)
+    def run_quietly(start: int, stop: int) -> None:
+        # inf - inf, overflow to inf and overflowing casts are the kernel's results, not errors; errstate
+        # is per thread, so it is set here, in the thread that computes the chunk.
+        with np.errstate(all="ignore"):
+            run(start, stop)
+
+    _map_chunks(run_quietly, tokens, chunk)
     return out
 
 
