@@ -35,6 +35,8 @@ DTYPES: Mapping[str, np.dtype] = {
 }
 _NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+#: The highest rank a wire tensor may have (the operator takes ranks 1 to 3).
+MAX_RANK = 8
 _MAX_RANK = 32  # NumPy's limit (32 before 2.0); the operator's tensors have rank 1-3
 
 
@@ -83,7 +85,7 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
 
     Raises:
         MalformedRequest: not a map with exactly dtype/shape/data, unknown dtype name, a shape that is
-            not a list of non-negative ints, or ``len(data) != prod(shape) * itemsize``.
+            not a list of at most MAX_RANK non-negative ints, or ``len(data) != prod(shape) * itemsize``.
         PayloadTooLarge: more than ``max_elements`` elements are declared.
     """
     if not isinstance(obj, dict):
@@ -95,8 +97,8 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
     name, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(name, str) or name not in DTYPES:
         raise MalformedRequest(f"{field}.dtype={name!r} is not one of {sorted(DTYPES)}", field=field)
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedRequest(f"{field}.shape={shape!r} must be a list of non-negative integers", field=field)
+    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
+        raise MalformedRequest(f"{field}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers", field=field)
     if len(shape) > _MAX_RANK:
         raise MalformedRequest(f"{field}.shape has {len(shape)} dimensions, more than {_MAX_RANK}", field=field)
     if not isinstance(data, bytes):

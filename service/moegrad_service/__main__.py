@@ -71,8 +71,24 @@ def serve(settings: Settings) -> int:
     from moegrad_service.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        app = create_app(settings)
+    except OSError as exc:
+        print(f"moegrad-service: {exc}", file=sys.stderr)
+        return 2
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT: stop admitting at once (503, readiness 503), then uvicorn's own shutdown
+        lets every admitted call finish before the lifespan closes the backend."""
+
+        def handle_exit(self, sig, frame) -> None:
+            drain = getattr(app.state, "drain", None)
+            if drain is not None:
+                drain()
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         workers=1,
@@ -83,7 +99,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
         log_config=None,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     server.run()
     return 0 if server.started else 1
 

@@ -7,10 +7,11 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from moegrad import __version__
 from moegrad_service.api import health, v1
+from moegrad_service.api.auth import Authenticator
 from moegrad_service.api.middleware import RequestLogMiddleware
 from moegrad_service.api.problems import install_problem_handlers
 from moegrad_service.engine import Backend, StreamPool, open_backend
@@ -32,10 +33,16 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
 
     The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers, yields
     them as request state (``settings``, ``pool``, ``metrics``) and, on shutdown, stops admitting,
-    lets admitted calls finish (``shutdown_grace_s``) and closes the backend.
+    lets admitted calls finish (``shutdown_grace_s``) and closes the backend. ``app.state.drain()``
+    stops admitting at once (new calls get 503, readiness turns 503) while admitted calls finish;
+    ``moegrad-service serve`` calls it when SIGTERM arrives.
+
+    Raises:
+        OSError: ``auth_tokens_file`` cannot be read.
     """
     settings = settings or Settings()
     metrics = Metrics()
+    authenticate = Authenticator(settings)  # reads auth_tokens_file now: a bad path fails at startup
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict]:
@@ -43,6 +50,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         pool = StreamPool(opened, streams=settings.streams, max_queue=settings.max_queue,
                           retry_after_s=settings.retry_after_s)
         await pool.start()
+        app.state.drain = pool.stop_admitting  # called on SIGTERM, before uvicorn stops serving
         metrics.bind(lambda: pool.queue_depth, lambda: pool.in_flight)
         log.info("moegrad %s ready: backend=%s device=%s streams=%d", __version__, opened.name, opened.device,
                  settings.streams)
@@ -57,6 +65,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         version=__version__,
         summary="aclnnMoeInitRoutingV2Grad (MoE routing backward) as a service",
         lifespan=lifespan,
+        dependencies=[Depends(authenticate)],
     )
     install_problem_handlers(app)
     app.include_router(health.router)

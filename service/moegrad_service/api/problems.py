@@ -29,7 +29,7 @@ from moegrad import (
     Unauthorized,
 )
 
-__all__ = ["PROBLEMS", "Problem", "UnsupportedMediaType", "install_problem_handlers", "problem_response"]
+__all__ = ["PROBLEMS", "ClientDisconnected", "Problem", "UnsupportedMediaType", "install_problem_handlers", "problem_response"]
 
 log = logging.getLogger("moegrad_service.api")
 PROBLEM_JSON = "application/problem+json"
@@ -45,6 +45,10 @@ class HTTPProblem(MoegradError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.message, self.status = message, status
+
+
+class ClientDisconnected(MoegradError):
+    """The client went away before its answer was ready (logged as 499; nobody reads the body)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ PROBLEMS: dict[type[BaseException], Problem] = {
     DeadlineExceeded: Problem(504, "Deadline exceeded", "deadline_exceeded"),
     DeviceFault: Problem(500, "Device fault", "device_fault"),
     HTTPProblem: Problem(404, "Not found", "not_routed"),
+    ClientDisconnected: Problem(499, "Client closed request", "client_disconnected"),
     Exception: Problem(500, "Internal error", "internal"),
 }
 

@@ -7,20 +7,24 @@ section 3: the documentation supports empty tensors; the 8.x kernel's tiling wou
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from moegrad import MoeInitRoutingV2GradCall, __version__, encode_body, encode_tensor
 from moegrad_service.api.deps import CallDep, MetricsDep, PoolDep, SettingsDep, TimeoutDep
+from moegrad_service.api.problems import ClientDisconnected
 from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 
 __all__ = ["compute", "router"]
 
 router = APIRouter()
+T = TypeVar("T")
 MSGPACK = "application/msgpack"
 _MSGPACK_BODY = {
     "requestBody": {
@@ -34,14 +38,39 @@ _MSGPACK_BODY = {
 
 
 async def compute(call: MoeInitRoutingV2GradCall, pool: StreamPool, metrics: Metrics,
-                  timeout_s: float) -> tuple[np.ndarray, Timings]:
-    """grad_x for a validated call: empty calls answered at once, the rest run on the pool."""
+                  timeout_s: float, request: Request | None = None) -> tuple[np.ndarray, Timings]:
+    """grad_x for a validated call: empty calls answered at once, the rest run on the pool.
+
+    With ``request`` given, a client that disconnects while its call is queued costs nothing: the
+    call is dropped unrun (ClientDisconnected); a running one finishes and its result is discarded.
+    """
     if call.num_tokens == 0 or call.hidden_size == 0:
         return np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype), Timings(0.0, 0.0)
-    grad_x, timings = await pool.run(call, timeout_s=timeout_s)
+    run = pool.run(call, timeout_s=timeout_s)
+    grad_x, timings = await (run if request is None else _unless_disconnected(request, run))
     metrics.queue_duration.observe(timings.queue_s)
     metrics.compute_duration.observe(timings.compute_s)
     return grad_x, timings
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        raise ClientDisconnected("the client disconnected before its result was ready")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client has gone (the body is already read, so only http.disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def msgpack_response(document: dict[str, Any], metrics: Metrics) -> Response:
@@ -63,7 +92,7 @@ async def moe_init_routing_v2_grad(
     request: Request, call: CallDep, pool: PoolDep, metrics: MetricsDep, timeout_s: TimeoutDep,
 ) -> Response:
     started = getattr(request.state, "started", time.perf_counter())
-    grad_x, timings = await compute(call, pool, metrics, timeout_s)
+    grad_x, timings = await compute(call, pool, metrics, timeout_s, request)
     reply = {
         "grad_x": encode_tensor(grad_x),
         "backend": pool.backend.name,

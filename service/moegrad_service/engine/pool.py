@@ -136,10 +136,15 @@ class StreamPool:
             return DeviceFault(f"backend worker {index} did not open within {timeout_s} s")
         return outcome[0]
 
+    def stop_admitting(self) -> None:
+        """New calls get DeviceBusy from now on; admitted ones run to completion. Thread-safe."""
+        with self._lock:
+            self._admitting = False
+
     async def close(self, grace_s: float = 30.0) -> None:
         """Stop admitting, let admitted calls finish (up to ``grace_s`` seconds), stop the workers,
         then close the backend. Calls still queued after the grace period fail with DeviceBusy."""
-        self._admitting = False
+        self.stop_admitting()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
         except TimeoutError:

@@ -1,0 +1,69 @@
+"""Optional bearer-token authentication (off when no token is configured).
+
+Tokens come from ``auth_tokens`` and ``auth_tokens_file`` (one per line; blank lines and ``#``
+comments skipped). A presented token is compared with every accepted one through SHA-256 digests
+and :func:`hmac.compare_digest`, so the time taken depends on neither the token's content nor its
+length. Health, readiness and the OpenAPI document stay open; ``/metrics`` is open only when
+``metrics_public`` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from fastapi import Request
+
+from moegrad import Unauthorized
+from moegrad_service.settings import Settings
+
+__all__ = ["OPEN_PATHS", "Authenticator", "load_tokens"]
+
+#: Paths that never require a token (probes and the API description).
+OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready",
+                        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+def load_tokens(settings: Settings) -> list[bytes]:
+    """The accepted tokens as SHA-256 digests.
+
+    Raises:
+        OSError: ``auth_tokens_file`` is set but cannot be read (a startup error).
+    """
+    tokens = [secret.get_secret_value() for secret in settings.auth_tokens]
+    if settings.auth_tokens_file is not None:
+        for line in settings.auth_tokens_file.read_text(encoding="utf-8").splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                tokens.append(line)
+    return [hashlib.sha256(token.encode()).digest() for token in tokens]
+
+
+class Authenticator:
+    """A FastAPI dependency that admits requests carrying an accepted ``Authorization: Bearer`` token.
+
+    Raises:
+        Unauthorized: (HTTP 401 with ``WWW-Authenticate: Bearer``) a token is required and missing or wrong.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self._digests = load_tokens(settings)
+        self._open = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else frozenset())
+
+    @property
+    def enabled(self) -> bool:
+        """True when at least one token is configured."""
+        return bool(self._digests)
+
+    def __call__(self, request: Request) -> None:
+        if not self._digests or request.url.path in self._open:
+            return
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise Unauthorized("this service requires an Authorization: Bearer <token> header", status_code=401)
+        digest = hashlib.sha256(presented.strip().encode()).digest()
+        accepted = False
+        for known in self._digests:  # no early exit: every token is compared every time
+            accepted |= hmac.compare_digest(digest, known)
+        if not accepted:
+            raise Unauthorized("the bearer token is not accepted", status_code=401)
