@@ -1,0 +1,531 @@
+"""Protocol v2: the Open Inference Protocol (KServe v2, Triton's HTTP/REST API) for one model.
+
+Routes (docs/protocol.md, "Protocol v2")::
+
+    GET  /v2                                            server metadata
+    GET  /v2/health/live, /v2/health/ready              liveness, readiness
+    GET  /v2/models/{name}[/versions/{version}]         model metadata
+    GET  /v2/models/{name}[/versions/{version}]/ready   model readiness
+    POST /v2/models/{name}[/versions/{version}]/infer   inference: JSON, or JSON + binary tensor data
+
+The one model is ``moe_init_routing_v2_grad`` (version ``"1"``): inputs ``grad_expanded_x`` and
+``expanded_row_idx``, output ``grad_x``; the operator's attributes travel as request parameters.
+The decoded tensors become a :class:`moegrad.MoeInitRoutingV2GradCall` (the validation v1 uses) and
+run through :func:`moegrad_service.api.v1.compute` (the same engine), so a call gives the same bits
+through either protocol.
+
+Errors are ``{"error": "..."}`` as the protocol has them, not v1's problem+json: every route of
+:data:`router` is a :class:`V2Route`, which answers the domain errors through one table
+(:data:`V2_ERRORS`) before the app-wide handlers see them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+
+from moegrad import (
+    DTYPES,
+    DeadlineExceeded,
+    DeviceBusy,
+    DeviceFault,
+    InvalidArgument,
+    MalformedRequest,
+    MoeInitRoutingV2GradCall,
+    MoegradError,
+    PayloadTooLarge,
+    Unauthorized,
+    __version__,
+)
+from moegrad._wire import MAX_RANK
+from moegrad_service.api import health, v1
+from moegrad_service.api.deps import INLINE_DECODE_BYTES, MetricsDep, PoolDep, SettingsDep, TimeoutDep, read_body
+from moegrad_service.engine import Timings
+
+__all__ = [
+    "DATATYPES",
+    "MODEL_NAME",
+    "MODEL_VERSION",
+    "V2_ERRORS",
+    "InferRequest",
+    "NotFound",
+    "V2Route",
+    "decode_infer_request",
+    "router",
+]
+
+log = logging.getLogger("moegrad_service.api")
+
+MODEL_NAME = "moe_init_routing_v2_grad"
+MODEL_VERSION = "1"
+#: The request header that gives the JSON part's length when binary tensor data follows it.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+INPUTS = ("grad_expanded_x", "expanded_row_idx")
+OUTPUT = "grad_x"
+#: Request parameters that become the call's attributes (MoeInitRoutingV2GradCall's fields).
+ATTRIBUTES = ("top_k", "drop_pad_mode", "active_num", "order", "allow_duplicate_indices")
+#: Further request parameters: binary_data_output (outputs as binary data), timeout (microseconds,
+#: may only shorten the server's deadline), priority (accepted, has no effect: one queue).
+CONTROLS = ("binary_data_output", "timeout", "priority")
+_REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+_INPUT_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
+_OUTPUT_KEYS = frozenset({"name", "parameters"})
+#: grad_x larger than this many elements is encoded on a worker thread, not on the event loop.
+INLINE_ENCODE_ELEMENTS = 1 << 16
+
+#: The protocol's fixed-size datatypes and their little-endian NumPy dtypes. The four moegrad uses
+#: are the wire table's own (moegrad.DTYPES); the others are decoded only so that the call's
+#: validation names them (161002, e.g. INT64 indices) like any other wrong dtype.
+DATATYPES: Mapping[str, np.dtype] = {
+    "BOOL": np.dtype("?"),
+    "UINT8": np.dtype("u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": DTYPES["int32"],
+    "INT64": np.dtype("<i8"),
+    "FP16": DTYPES["float16"],
+    "BF16": DTYPES["bfloat16"],
+    "FP32": DTYPES["float32"],
+    "FP64": np.dtype("<f8"),
+}
+_DATATYPE_NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
+#: Datatypes that have no JSON form: they travel as binary tensor data only.
+BINARY_ONLY = frozenset({"BF16"})
+#: JSON element types each kind of dtype accepts (bool is not an int here, and no number is a bool).
+_JSON_TYPES: Mapping[str, tuple[frozenset[type], str]] = {
+    "b": (frozenset({bool}), "true/false"),
+    "i": (frozenset({int}), "integers"),
+    "u": (frozenset({int}), "integers"),
+    "f": (frozenset({int, float}), "numbers"),
+}
+#: grad_expanded_x's accepted datatypes, for the model metadata.
+GRAD_DATATYPES = ("FP16", "BF16", "FP32")
+
+
+class NotFound(MoegradError):
+    """A model, model version or v2 path this server does not have."""
+
+
+@dataclass(frozen=True)
+class V2Error:
+    """How one domain error is answered on v2: HTTP status and the metrics reason label."""
+
+    status: int
+    reason: str
+
+
+#: The one mapping from domain errors to v2 answers, looked up along the exception's MRO.
+V2_ERRORS: dict[type[BaseException], V2Error] = {
+    NotFound: V2Error(404, "not_found"),
+    InvalidArgument: V2Error(400, "invalid_argument"),
+    PayloadTooLarge: V2Error(413, "payload_too_large"),
+    MalformedRequest: V2Error(400, "malformed_request"),
+    Unauthorized: V2Error(401, "unauthorized"),
+    DeviceBusy: V2Error(503, "busy"),
+    DeadlineExceeded: V2Error(504, "deadline_exceeded"),
+    DeviceFault: V2Error(500, "device_fault"),
+    Exception: V2Error(500, "internal"),
+}
+
+
+def error_response(request: Request, exc: Exception, endpoint: str) -> JSONResponse:
+    """``{"error": message}`` for ``exc`` with its table status; counts the failure in the metrics."""
+    entry = next(V2_ERRORS[cls] for cls in type(exc).__mro__ if cls in V2_ERRORS)
+    if isinstance(exc, MoegradError):
+        message = str(exc)  # InvalidArgument's names the field and the aclnn code
+    else:
+        log.exception("unexpected error on %s", endpoint)
+        message = f"internal error ({type(exc).__name__}: {exc})"
+    headers = {}
+    if isinstance(exc, DeviceFault) and exc.device_message:
+        message = f"{message} (device: {exc.device_message})"
+    if isinstance(exc, DeviceBusy):
+        headers["Retry-After"] = str(max(0, math.ceil(exc.retry_after_s)))
+    if isinstance(exc, Unauthorized):
+        headers["WWW-Authenticate"] = 'Bearer realm="moegrad"'
+    metrics = getattr(request.state, "metrics", None)
+    if metrics is not None:
+        metrics.failure.labels(endpoint=endpoint, reason=entry.reason).inc()
+    return JSONResponse({"error": message}, status_code=entry.status, headers=headers)
+
+
+class V2Route(APIRoute):
+    """An APIRoute whose errors (from its dependencies or its handler) are answered as v2 errors."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+        endpoint = self.path
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except Exception as exc:
+                return error_response(request, exc, endpoint)
+
+        return guarded
+
+
+router = APIRouter(route_class=V2Route)
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """One decoded inference request.
+
+    Attributes:
+        call: the validated operator call.
+        id: the request's ``id``, echoed in the reply, or None.
+        binary_output: send grad_x as binary tensor data (else as a JSON list).
+        timeout_s: the ``timeout`` parameter in seconds, or None when not given.
+    """
+
+    call: MoeInitRoutingV2GradCall
+    id: str | None
+    binary_output: bool
+    timeout_s: float | None
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise MalformedRequest(f"{where} must be a JSON object, got {type(value).__name__}", field=where)
+    return value
+
+
+def _keys(document: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(set(document) - allowed)
+    if unknown:
+        raise MalformedRequest(f"{where} has an unknown field {unknown[0]!r}; the fields are {sorted(allowed)}",
+                               field=where)
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise MalformedRequest(f"{where}={value!r} must be true or false", field=where)
+    return value
+
+
+def _count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedRequest(f"{where}={value!r} must be a non-negative integer", field=where)
+    return value
+
+
+def _split(body: bytearray, header_length: str | None) -> tuple[bytes | bytearray, memoryview]:
+    """The JSON part and the binary part of a body (the binary part is empty without the header)."""
+    if header_length is None:
+        return body, memoryview(b"")
+    if not (header_length.isascii() and header_length.strip().isdigit()):
+        raise MalformedRequest(f"{HEADER_LENGTH} {header_length!r} is not a byte count", field=HEADER_LENGTH)
+    size = int(header_length)
+    if size > len(body):
+        raise MalformedRequest(f"{HEADER_LENGTH}={size} is larger than the {len(body)}-byte body", field=HEADER_LENGTH)
+    return bytes(memoryview(body)[:size]), memoryview(body)[size:]
+
+
+def _parse_json(text: bytes | bytearray) -> dict[str, Any]:
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise MalformedRequest(f"the inference request is not valid JSON ({type(exc).__name__}: {exc})") from None
+    return _object(document, "the inference request")
+
+
+def _flatten(data: Any, where: str) -> list[Any]:
+    """A tensor's JSON data, row-major and flat (the protocol allows nested arrays too)."""
+    if not isinstance(data, list):
+        raise MalformedRequest(f"{where} must be a JSON array, got {type(data).__name__}", field=where)
+    while list in set(map(type, data)):  # the nested form: one level per pass
+        data = [x for item in data for x in (item if type(item) is list else (item,))]
+    return data
+
+
+def _from_json(data: Any, name: str, datatype: str, shape: list[int]) -> np.ndarray:
+    """Convert JSON data; element types and ranges are checked, a wrong one is a 400 naming it."""
+    where = f"{name}.data"
+    if datatype in BINARY_ONLY:
+        raise MalformedRequest(f"{name} is {datatype}, which has no JSON form: send it as binary tensor data "
+                               f"(parameters.binary_data_size and {HEADER_LENGTH})", field=name)
+    flat = _flatten(data, where)
+    count = math.prod(shape)
+    if len(flat) != count:
+        raise MalformedRequest(f"{where} has {len(flat)} elements but shape {shape} needs {count}", field=name)
+    dtype = DATATYPES[datatype]
+    allowed, described = _JSON_TYPES[dtype.kind]
+    if not set(map(type, flat)) <= allowed:
+        at = next(i for i, value in enumerate(flat) if type(value) not in allowed)
+        raise MalformedRequest(f"{where}[{at}]={flat[at]!r} is not valid {datatype} data; send {described}", field=name)
+    try:
+        if dtype.kind != "f":
+            return np.array(flat, dtype=dtype).reshape(shape)
+        wide = np.array(flat, dtype=np.float64)
+    except OverflowError as exc:  # an integer the datatype cannot hold
+        raise MalformedRequest(f"{where} holds a value out of {datatype} range ({exc})", field=name) from None
+    with np.errstate(over="ignore"):
+        array = wide.astype(dtype)
+    overflow = np.isinf(array) & np.isfinite(wide)
+    if overflow.any():
+        at = int(np.flatnonzero(overflow)[0])
+        raise MalformedRequest(f"{where}[{at}]={flat[at]!r} is out of {datatype} range", field=name)
+    return array.reshape(shape)
+
+
+def _decode_inputs(inputs: Any, binary: memoryview, max_elements: int) -> dict[str, np.ndarray]:
+    if not isinstance(inputs, list):
+        raise MalformedRequest(f"inputs must be a JSON array, got {type(inputs).__name__}", field="inputs")
+    tensors: dict[str, np.ndarray] = {}
+    offset = 0
+    for position, raw in enumerate(inputs):
+        tensor = _object(raw, f"inputs[{position}]")
+        _keys(tensor, _INPUT_KEYS, f"inputs[{position}]")
+        name = tensor.get("name")
+        if name not in INPUTS:
+            raise MalformedRequest(f"inputs[{position}].name={name!r} is not an input of {MODEL_NAME}; "
+                                   f"the inputs are {', '.join(INPUTS)}", field="inputs")
+        if name in tensors:
+            raise MalformedRequest(f"input {name} is given twice", field=name)
+        shape, datatype = tensor.get("shape"), tensor.get("datatype")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
+            raise MalformedRequest(f"{name}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers",
+                                   field=name)
+        if datatype not in DATATYPES:
+            raise MalformedRequest(f"{name}.datatype={datatype!r} is not supported; "
+                                   f"{name} is {'FP16, BF16 or FP32' if name == INPUTS[0] else 'INT32'}", field=name)
+        count = math.prod(shape)
+        if count > max_elements:
+            raise PayloadTooLarge(f"{name}.shape={shape} has {count} elements, over the limit of {max_elements}",
+                                  field=name)
+        parameters = _object(tensor.get("parameters", {}), f"{name}.parameters")
+        _keys(parameters, frozenset({"binary_data_size"}), f"{name}.parameters")
+        if "binary_data_size" not in parameters:
+            if "data" not in tensor:
+                raise MalformedRequest(f"{name} has neither data nor parameters.binary_data_size", field=name)
+            tensors[name] = _from_json(tensor["data"], name, datatype, shape)
+            continue
+        if "data" in tensor:
+            raise MalformedRequest(f"{name} has both data and parameters.binary_data_size", field=name)
+        size = _count(parameters["binary_data_size"], f"{name}.parameters.binary_data_size")
+        dtype = DATATYPES[datatype]
+        if size != count * dtype.itemsize:
+            raise MalformedRequest(f"{name}.parameters.binary_data_size={size} but shape {shape} of {datatype} "
+                                   f"needs {count * dtype.itemsize} bytes", field=name)
+        if offset + size > len(binary):
+            missing = f"no {HEADER_LENGTH} header" if not binary else f"the binary data has {len(binary)} bytes"
+            raise MalformedRequest(f"{name} needs binary bytes [{offset}, {offset + size}) but {missing}", field=name)
+        array = np.frombuffer(binary[offset:offset + size], dtype=dtype).reshape(shape)
+        tensors[name] = np.require(array, requirements="A")  # copied only when its offset is misaligned
+        offset += size
+    if offset != len(binary):
+        raise MalformedRequest(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size total "
+                               f"of {offset}", field=HEADER_LENGTH)
+    return tensors
+
+
+def _binary_output(outputs: Any, default: bool) -> bool:
+    """Whether grad_x goes as binary data: its own ``binary_data``, else ``binary_data_output``."""
+    if outputs is None:
+        return default
+    if not isinstance(outputs, list):
+        raise MalformedRequest(f"outputs must be a JSON array, got {type(outputs).__name__}", field="outputs")
+    binary, seen = default, False
+    for position, raw in enumerate(outputs):
+        output = _object(raw, f"outputs[{position}]")
+        _keys(output, _OUTPUT_KEYS, f"outputs[{position}]")
+        if output.get("name") != OUTPUT:
+            raise MalformedRequest(f"outputs[{position}].name={output.get('name')!r} is not an output of {MODEL_NAME}; "
+                                   f"the output is {OUTPUT}", field="outputs")
+        if seen:
+            raise MalformedRequest(f"output {OUTPUT} is requested twice", field="outputs")
+        seen = True
+        parameters = _object(output.get("parameters", {}), f"{OUTPUT}.parameters")
+        _keys(parameters, frozenset({"binary_data"}), f"{OUTPUT}.parameters")
+        if "binary_data" in parameters:
+            binary = _flag(parameters["binary_data"], f"{OUTPUT}.parameters.binary_data")
+    return binary
+
+
+def decode_infer_request(body: bytearray, header_length: str | None, *, max_elements: int,
+                         default_order: str) -> InferRequest:
+    """Decode and validate an inference request body (CPU work: callers run big ones on a thread).
+
+    Args:
+        body: the whole HTTP body: JSON, or JSON followed by binary tensor data.
+        header_length: the ``Inference-Header-Content-Length`` header (the JSON part's bytes), or None.
+        max_elements: the largest element count of one tensor.
+        default_order: the accumulation order of a request that names none.
+
+    Raises:
+        MalformedRequest: not a well-formed v2 request (bad JSON, unknown names, sizes that disagree).
+        PayloadTooLarge: a tensor over ``max_elements``.
+        InvalidArgument: the operator's constraints (MoeInitRoutingV2GradCall, with the aclnn code).
+    """
+    header, binary = _split(body, header_length)
+    document = _parse_json(header)
+    _keys(document, _REQUEST_KEYS, "the inference request")
+    request_id = document.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise MalformedRequest(f"id={request_id!r} must be a string", field="id")
+    parameters = _object(document.get("parameters", {}), "parameters")
+    _keys(parameters, frozenset(ATTRIBUTES + CONTROLS), "parameters")
+    tensors = _decode_inputs(document.get("inputs", []), binary, max_elements)
+    fields: dict[str, Any] = {name: parameters[name] for name in ATTRIBUTES if name in parameters}
+    fields.setdefault("order", default_order)
+    call = MoeInitRoutingV2GradCall(**tensors, **fields)
+    binary_output = _binary_output(document.get("outputs"), _flag(parameters.get("binary_data_output", False),
+                                                                  "parameters.binary_data_output"))
+    if not binary_output and _DATATYPE_NAMES[call.grad_expanded_x.dtype] in BINARY_ONLY:
+        raise MalformedRequest(f"{OUTPUT} is BF16, which has no JSON form: request it as binary data "
+                               f"(outputs[].parameters.binary_data or parameters.binary_data_output)", field="outputs")
+    timeout_s = None
+    if "timeout" in parameters:
+        micros = parameters["timeout"]
+        if isinstance(micros, bool) or not isinstance(micros, int) or micros <= 0:
+            raise MalformedRequest(f"parameters.timeout={micros!r} must be a positive number of microseconds",
+                                   field="timeout")
+        timeout_s = micros / 1e6
+    return InferRequest(call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s)
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def encode_infer_response(grad_x: np.ndarray, request: InferRequest, reply_parameters: dict[str, Any]) -> Response:
+    """The inference response: JSON, or JSON followed by grad_x's bytes when binary output was asked."""
+    datatype = _DATATYPE_NAMES[grad_x.dtype]
+    output: dict[str, Any] = {"name": OUTPUT, "datatype": datatype, "shape": list(grad_x.shape)}
+    raw = np.ascontiguousarray(grad_x, dtype=DATATYPES[datatype]).reshape(-1)
+    if request.binary_output:
+        output["parameters"] = {"binary_data_size": raw.nbytes}
+    else:
+        output["data"] = (raw.astype(np.float64) if raw.dtype.kind == "f" else raw).tolist()  # exact in binary64
+    document: dict[str, Any] = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}
+    if request.id is not None:
+        document["id"] = request.id
+    document["parameters"] = reply_parameters
+    document["outputs"] = [output]
+    header = json.dumps(document, separators=(",", ":")).encode()
+    if not request.binary_output:
+        return Response(header, media_type="application/json")
+    return Response(b"".join((header, raw.view(np.uint8).data)), media_type="application/octet-stream",
+                    headers={HEADER_LENGTH: str(len(header))})
+
+
+# --- routes -----------------------------------------------------------------------------------
+
+
+def _check_model(request: Request) -> None:
+    name = request.path_params["model_name"]
+    if name != MODEL_NAME:
+        raise NotFound(f"unknown model {name!r}; this server serves {MODEL_NAME!r}")
+    version = request.path_params.get("model_version", MODEL_VERSION)
+    if version != MODEL_VERSION:
+        raise NotFound(f"unknown version {version!r} of model {MODEL_NAME!r}; the versions are [{MODEL_VERSION!r}]")
+
+
+@router.get("/v2", summary="v2 server metadata")
+async def server_metadata() -> dict[str, Any]:
+    return {"name": "moegrad", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/v2/health/live", summary="v2 liveness (never touches the device)")
+async def server_live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@router.get("/v2/health/ready", summary="v2 readiness: the backend is healthy and the pool admits calls")
+async def server_ready(pool: PoolDep) -> dict[str, bool]:
+    await health.ready(pool)
+    return {"ready": True}
+
+
+@router.get("/v2/models/{model_name}", summary="v2 model metadata")
+@router.get("/v2/models/{model_name}/versions/{model_version}", summary="v2 model metadata (a version)")
+async def model_metadata(request: Request, model_name: str, pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
+    _check_model(request)
+    parameters = {
+        "operator": "aclnnMoeInitRoutingV2Grad",
+        "backend": pool.backend.name,
+        "grad_expanded_x_datatypes": ",".join(GRAD_DATATYPES),
+        "grad_expanded_x_shape_drop_pad": "[-1,-1,-1] ([E, C, H]) when drop_pad_mode=1",
+        "grad_x_datatype": "the datatype of grad_expanded_x",
+        "binary_only_datatypes": ",".join(sorted(BINARY_ONLY)),
+        "request_parameters": "top_k (int, required), drop_pad_mode (int, default 0), active_num (int, default 0), "
+                              "order (ascend910b|sequential), allow_duplicate_indices (bool, default false)",
+        "default_order": settings.order,
+    }
+    if pool.backend.device is not None:
+        parameters["device"] = pool.backend.device
+    return {
+        "name": MODEL_NAME,
+        "versions": [MODEL_VERSION],
+        "platform": f"moegrad_{pool.backend.name}",
+        "inputs": [
+            {"name": "grad_expanded_x", "datatype": "FP32", "shape": [-1, -1]},
+            {"name": "expanded_row_idx", "datatype": "INT32", "shape": [-1]},
+        ],
+        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, -1]}],
+        "parameters": parameters,
+    }
+
+
+@router.get("/v2/models/{model_name}/ready", summary="v2 model readiness")
+@router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="v2 model readiness (a version)")
+async def model_ready(request: Request, model_name: str, pool: PoolDep) -> dict[str, Any]:
+    _check_model(request)
+    await health.ready(pool)
+    return {"name": MODEL_NAME, "ready": True}
+
+
+@router.post("/v2/models/{model_name}/infer", response_class=Response,
+             summary="v2 inference: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]")
+@router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_class=Response,
+             summary="v2 inference (a version)")
+async def infer(request: Request, model_name: str, pool: PoolDep, settings: SettingsDep, metrics: MetricsDep,
+                timeout_s: TimeoutDep) -> Response:
+    _check_model(request)
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding != "identity":
+        raise MalformedRequest(f"Content-Encoding {coding!r} is not supported; send the body uncompressed",
+                               field="Content-Encoding")
+    body = await read_body(request, settings.max_body_bytes, media_types=None)  # tritonclient sends no Content-Type
+    metrics.bytes_in.inc(len(body))
+    decode = partial(decode_infer_request, body, request.headers.get(HEADER_LENGTH),
+                     max_elements=settings.max_elements, default_order=settings.order)
+    decoded = await run_in_threadpool(decode) if len(body) > INLINE_DECODE_BYTES else decode()
+    if decoded.timeout_s is not None:
+        timeout_s = min(timeout_s, decoded.timeout_s)
+    grad_x, timings = await v1.compute(decoded.call, pool, metrics, timeout_s)
+    encode = partial(encode_infer_response, grad_x, decoded, _reply_parameters(pool, decoded.call, timings))
+    response = await run_in_threadpool(encode) if grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
+    metrics.bytes_out.inc(len(response.body))
+    metrics.success.labels(endpoint=request.scope["route"].path).inc()
+    return response
+
+
+def _reply_parameters(pool: Any, call: MoeInitRoutingV2GradCall, timings: Timings) -> dict[str, Any]:
+    parameters: dict[str, Any] = {"backend": pool.backend.name, "order": call.order,
+                                  "queue_ms": timings.queue_s * 1e3, "compute_ms": timings.compute_s * 1e3}
+    if pool.backend.device is not None:
+        parameters["device"] = pool.backend.device
+    return parameters
+
+
+@router.api_route("/v2/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+async def not_found(request: Request, path: str) -> Response:
+    raise NotFound(f"no v2 route {request.method} /v2/{path}")
