@@ -26,6 +26,11 @@ from moegrad import (
     Unauthorized,
 )
 
+try:  # the forward-routing generator a colleague keeps in tests/routing.py
+    import routing
+except ImportError:  # pragma: no cover - depends on the tree
+    routing = None
+
 EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
 EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
 EXAMPLE_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)  # 0.3, 0.70000005
@@ -47,7 +52,15 @@ def closed_port_url() -> str:
 
 
 def random_call(rng: np.random.Generator, mode: str, dtype, top_k: int, tokens: int = 7, hidden: int = 33) -> dict:
-    """Keyword arguments of one valid call: a forward routing's expanded_row_idx and a random gradient."""
+    """Keyword arguments of one valid call: a forward routing's expanded_row_idx and a random gradient.
+
+    Uses the forward-routing generator ``tests/routing.py`` when the tree has it, else random
+    permutations with the same shapes and ranges.
+    """
+    if routing is not None:
+        routed = routing.route(rng, tokens, top_k, experts=max(top_k, 8), mode=mode)
+        grad = (rng.standard_normal(routed.grad_shape(hidden)) * 4).astype(dtype)
+        return {"grad_expanded_x": grad, **routed.kwargs()}
     slots = tokens * top_k
     idx = rng.permutation(slots).astype(np.int32)  # slot -> its row of grad_expanded_x, every row once
     if mode == "dropless":
