@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.http as triton
+import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
 import moegrad
@@ -196,6 +197,21 @@ def test_invalid_tensors_carry_the_aclnn_code(triton_client):
     with pytest.raises(InferenceServerException) as raised:
         triton_client.infer(MODEL, [only_grad[0], wide], parameters=attributes(call))
     assert "161002" in raised.value.message() and "int64" in raised.value.message()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_client(server_url):
+    call = make_call("drop_pad", np.float32, seed=21)
+    async with triton_aio.InferenceServerClient(server_url.removeprefix("http://")) as client:
+        assert await client.is_server_ready()
+        for binary in (True, False):
+            inputs = [triton_aio.InferInput("grad_expanded_x", list(call["grad"].shape), "FP32"),
+                      triton_aio.InferInput("expanded_row_idx", list(call["idx"].shape), "INT32")]
+            inputs[0].set_data_from_numpy(call["grad"], binary_data=binary)
+            inputs[1].set_data_from_numpy(call["idx"], binary_data=binary)
+            result = await client.infer(MODEL, inputs, parameters=attributes(call),
+                                        outputs=[triton_aio.InferRequestedOutput("grad_x", binary_data=binary)])
+            assert_bits_equal(result.as_numpy("grad_x"), expected(call))
 
 
 def test_unknown_model_is_404(triton_client):
