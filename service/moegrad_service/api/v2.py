@@ -429,6 +429,11 @@ def encode_infer_response(grad_x: np.ndarray, request: InferRequest, reply_param
 # --- routes -----------------------------------------------------------------------------------
 
 
+#: The versioned routes read model_version from the path (one handler serves both forms); declared for OpenAPI.
+_VERSION_PARAMETER = {"parameters": [{"name": "model_version", "in": "path", "required": True,
+                                      "schema": {"type": "string", "enum": [MODEL_VERSION]}}]}
+
+
 def _check_model(request: Request) -> None:
     name = request.path_params["model_name"]
     if name != MODEL_NAME:
@@ -455,7 +460,8 @@ async def server_ready(pool: PoolDep) -> dict[str, bool]:
 
 
 @router.get("/v2/models/{model_name}", summary="v2 model metadata")
-@router.get("/v2/models/{model_name}/versions/{model_version}", summary="v2 model metadata (a version)")
+@router.get("/v2/models/{model_name}/versions/{model_version}", summary="v2 model metadata (a version)",
+            openapi_extra=_VERSION_PARAMETER)
 async def model_metadata(request: Request, model_name: str, pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
     _check_model(request)
     parameters = {
@@ -485,7 +491,8 @@ async def model_metadata(request: Request, model_name: str, pool: PoolDep, setti
 
 
 @router.get("/v2/models/{model_name}/ready", summary="v2 model readiness")
-@router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="v2 model readiness (a version)")
+@router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="v2 model readiness (a version)",
+            openapi_extra=_VERSION_PARAMETER)
 async def model_ready(request: Request, model_name: str, pool: PoolDep) -> dict[str, Any]:
     _check_model(request)
     await health.ready(pool)
@@ -495,7 +502,7 @@ async def model_ready(request: Request, model_name: str, pool: PoolDep) -> dict[
 @router.post("/v2/models/{model_name}/infer", response_class=Response,
              summary="v2 inference: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]")
 @router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_class=Response,
-             summary="v2 inference (a version)")
+             summary="v2 inference (a version)", openapi_extra=_VERSION_PARAMETER)
 async def infer(request: Request, model_name: str, pool: PoolDep, settings: SettingsDep, metrics: MetricsDep,
                 timeout_s: TimeoutDep) -> Response:
     _check_model(request)
