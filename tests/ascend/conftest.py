@@ -1,0 +1,140 @@
+"""The CANN simulator the ascend tests run against, built from tests/ascend/sim with the system C compiler.
+
+Two CANN-like install trees are built under tests/ascend/_build/<source hash>/ (gitignored):
+
+- ``split/lib64``: libascendcl.so, libnnopbase.so, libopapi.so *without* the operator, and
+  libopapi_transformer.so with it (the CANN 8.3+ layout). The tests of this process use it.
+- ``single/lib64``: libascendcl.so, libnnopbase.so and libopapi.so *with* the operator (older
+  CANN). A library loaded into a process stays there, so tests of this layout run in a subprocess.
+
+Without a C compiler every test here is skipped, with that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SIM_SOURCES = Path(__file__).parent / "sim"
+BUILD_ROOT = Path(__file__).parent / "_build"
+CFLAGS = ["-std=gnu11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off",
+          "-Wall", "-Wextra", "-Werror", "-pthread"]
+#: moegradSimCounts' output, in order (tests/ascend/sim/sim.h, SIM_COUNT_*).
+COUNT_NAMES = ("allocations", "allocated_bytes", "tensors", "executors", "streams", "pending", "device_refs",
+               "initialized", "violations", "reclaimed", "mallocs", "launches", "syncs", "context_errors",
+               "streams_created", "phase_one")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(compiler: str, lib64: Path, libraries: dict[str, str]) -> None:
+    lib64.mkdir(parents=True, exist_ok=True)
+    link = ["-L", str(lib64), "-Wl,-rpath,$ORIGIN"]
+    for library, source in libraries.items():
+        needs = {"libascendcl.so": [], "libnnopbase.so": ["-lascendcl"]}.get(library, ["-lnnopbase", "-lascendcl"])
+        command = [compiler, *CFLAGS, "-o", str(lib64 / library), str(SIM_SOURCES / source), *link, *needs]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"building the CANN simulator failed:\n{' '.join(command)}\n{done.stderr}")
+
+
+@pytest.fixture(scope="session")
+def sim_homes() -> dict[str, Path]:
+    """{"split": home, "single": home}: ASCEND_HOME_PATH-like trees of the simulator."""
+    compiler = _compiler()
+    if compiler is None:
+        pytest.skip("no C compiler (cc, gcc or clang) on PATH: the CANN simulator cannot be built")
+    digest = hashlib.sha256()
+    for source in sorted(SIM_SOURCES.iterdir()):
+        digest.update(source.name.encode() + source.read_bytes())
+    root = BUILD_ROOT / digest.hexdigest()[:16]
+    homes = {"split": root / "split", "single": root / "single"}
+    if not (root / "complete").exists():
+        base = {"libascendcl.so": "runtime.c", "libnnopbase.so": "nnopbase.c"}
+        _build(compiler, homes["split"] / "lib64",
+               {**base, "libopapi.so": "opapi_stub.c", "libopapi_transformer.so": "opapi.c"})
+        _build(compiler, homes["single"] / "lib64", {**base, "libopapi.so": "opapi.c"})
+        (root / "complete").touch()
+    return homes
+
+
+@pytest.fixture(scope="session")
+def sim_home(sim_homes) -> Path:
+    return sim_homes["split"]
+
+
+class Sim:
+    """The simulator's own test interface (moegradSim* in libascendcl.so)."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.lib = ctypes.CDLL(str(home / "lib64" / "libascendcl.so"), mode=ctypes.RTLD_GLOBAL)
+        self.lib.moegradSimCounts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]
+        self.lib.moegradSimCounts.restype = ctypes.c_int32
+        self.lib.moegradSimInjectFault.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64]
+        self.lib.moegradSimInjectFault.restype = ctypes.c_int32
+        self.lib.moegradSimClearFaults.argtypes = []
+        self.lib.moegradSimClearFaults.restype = None
+        self.lib.moegradSimReleaseHung.argtypes = []
+        self.lib.moegradSimReleaseHung.restype = ctypes.c_int64
+        self.lib.moegradSimHasContext.argtypes = []
+        self.lib.moegradSimHasContext.restype = ctypes.c_int32
+
+    def counts(self) -> dict[str, int]:
+        out = (ctypes.c_int64 * len(COUNT_NAMES))()
+        assert self.lib.moegradSimCounts(out, len(COUNT_NAMES)) == len(COUNT_NAMES)
+        return dict(zip(COUNT_NAMES, out, strict=True))
+
+    def inject(self, kind: str, nth: int = 1, arg: int = 0) -> None:
+        """Make the ``nth`` next ``kind`` call fail (malloc, memcpy, launch, sync, health) or hang (``arg`` ms)."""
+        assert self.lib.moegradSimInjectFault(kind.encode(), nth, arg) == 0, kind
+
+    def clear(self) -> None:
+        self.lib.moegradSimClearFaults()
+        self.lib.moegradSimReleaseHung()
+
+    def release_hung(self) -> int:
+        return self.lib.moegradSimReleaseHung()
+
+    def has_context(self) -> bool:
+        return bool(self.lib.moegradSimHasContext())
+
+
+@pytest.fixture(scope="session")
+def sim(sim_home) -> Sim:
+    return Sim(sim_home)
+
+
+@pytest.fixture(autouse=True)
+def _clean_faults(request):
+    """No fault armed by one test may fire in the next."""
+    if "sim" not in request.fixturenames:
+        yield
+        return
+    simulator = request.getfixturevalue("sim")
+    simulator.clear()
+    yield
+    simulator.clear()
+
+
+@pytest.fixture
+def backend(sim, sim_home):
+    """An AscendBackend over the simulator, closed after the test."""
+    from moegrad_service.engine.ascend import AscendBackend
+
+    opened = AscendBackend(device_id=0, ascend_home_path=sim_home)
+    try:
+        yield opened
+    finally:
+        opened.close()

@@ -1,0 +1,332 @@
+/*
+ * The operator of moegrad's CANN simulator (libopapi_transformer.so, or libopapi.so for the
+ * older single-library layout): aclnnMoeInitRoutingV2GradGetWorkspaceSize and
+ * aclnnMoeInitRoutingV2Grad with the prototypes of aclnnop/aclnn_moe_init_routing_v2_grad.h.
+ *
+ * Phase one applies the operator's documented host checks in the order of DESIGN.md section 4
+ * (161001 null, 161002 dtype, 561002 attributes / ranks / sizes / divisibility) and makes a
+ * single-use executor. Unlike a real device it also reads expandedRowIdx and rejects an index
+ * outside the mode's range with 161002: a real kernel would read outside gradExpandedX instead.
+ * Duplicated indices are accepted, as on the device: the kernel is a gather, a repeated row is
+ * simply read twice (moegrad's Python validation rejects them unless allow_duplicate_indices).
+ *
+ * Phase two queues the kernel on the stream. The kernel is the Atlas A2/A3 arithmetic of
+ * DESIGN.md section 3: rows widened exactly to float, float adds in the bin order, one
+ * round-half-to-even conversion to the output dtype.
+ */
+#define _GNU_SOURCE
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sim.h"
+
+#define NAME1 "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
+#define NAME2 "aclnnMoeInitRoutingV2Grad"
+
+/* ---- exact conversions ------------------------------------------------------------------------ */
+
+static float bits_to_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static uint32_t float_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13)); /* inf, NaN */
+    if (exp != 0) return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+    if (man == 0) return bits_to_float(sign);
+    int shifts = 0; /* subnormal half: normalise (exact, float has the range) */
+    while (!(man & 0x400u)) {
+        man <<= 1;
+        shifts++;
+    }
+    return bits_to_float(sign | ((uint32_t)(113 - shifts) << 23) | ((man & 0x3ffu) << 13));
+}
+
+/* m >> s rounded to nearest, ties to even (s >= 1). */
+static uint32_t shift_round_even(uint32_t m, int s) {
+    if (s >= 32) return 0;
+    uint32_t q = m >> s, rem = m & ((1u << s) - 1), half = 1u << (s - 1);
+    return q + (rem > half || (rem == half && (q & 1u)));
+}
+
+static uint16_t float_to_half(float f) {
+    uint32_t u = float_to_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t exp = (u >> 23) & 0xffu, man = u & 0x7fffffu;
+    if (exp == 0xff) return man ? (uint16_t)(sign | 0x7e00u | (man >> 13)) : (uint16_t)(sign | 0x7c00u);
+    int e = (int)exp - 112; /* the half exponent field */
+    if (e >= 31) return (uint16_t)(sign | 0x7c00u);
+    uint32_t m = exp ? (man | 0x800000u) : man;
+    if (e >= 1) /* a carry out of the mantissa correctly bumps the exponent (to inf at the top) */
+        return (uint16_t)(sign | (((uint32_t)e << 10) + shift_round_even(m, 13) - 0x400u));
+    return (uint16_t)(sign | shift_round_even(m, 14 - e)); /* subnormal or zero */
+}
+
+static float bf16_to_float(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
+
+static uint16_t float_to_bf16(float f) {
+    uint32_t u = float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ---- tensor access ------------------------------------------------------------------------------ */
+
+static float load(const SimTensor *t, int64_t element) {
+    const char *base = t->data;
+    switch (t->dtype) {
+    case SIM_ACL_FLOAT16: { uint16_t h; memcpy(&h, base + element * 2, 2); return half_to_float(h); }
+    case SIM_ACL_BF16: { uint16_t b; memcpy(&b, base + element * 2, 2); return bf16_to_float(b); }
+    default: { float f; memcpy(&f, base + element * 4, 4); return f; }
+    }
+}
+
+static void store(const SimTensor *t, int64_t element, float value) {
+    char *base = t->data;
+    switch (t->dtype) {
+    case SIM_ACL_FLOAT16: { uint16_t h = float_to_half(value); memcpy(base + element * 2, &h, 2); break; }
+    case SIM_ACL_BF16: { uint16_t b = float_to_bf16(value); memcpy(base + element * 2, &b, 2); break; }
+    default: memcpy(base + element * 4, &value, 4);
+    }
+}
+
+static int32_t index_at(const SimTensor *idx, int64_t slot) {
+    int32_t v;
+    memcpy(&v, (const char *)idx->data + (idx->offset + slot * idx->strides[0]) * 4, 4);
+    return v;
+}
+
+/* Storage size in bytes, after checking that the view lies inside the storage (0: it does not). */
+static uint64_t storage_bytes(const SimTensor *t) {
+    int64_t item = moegradSimElementSize(t->dtype), elements = 1, last = t->offset;
+    for (int64_t d = 0; d < t->storage_ndim; d++) elements *= t->storage_dims[d];
+    if (item == 0 || t->offset < 0) return 0;
+    for (int64_t d = 0; d < t->ndim; d++) {
+        if (t->dims[d] == 0) return (uint64_t)(elements * item);
+        if (t->strides[d] < 0) return 0;
+        last += (t->dims[d] - 1) * t->strides[d];
+    }
+    return last < elements ? (uint64_t)(elements * item) : 0;
+}
+
+/* ---- the kernel --------------------------------------------------------------------------------- */
+
+static int64_t bins_for(int64_t k) {
+    if (k >= 128) return 64;
+    int log2k = 63 - __builtin_clzll((unsigned long long)k);
+    return (int64_t)1 << (log2k >= 1 ? log2k - 1 : 0);
+}
+
+static void kernel(void *ctx) {
+    const SimExecutor *e = ctx;
+    const SimTensor *g = &e->grad, *ix = &e->idx, *o = &e->out;
+    int64_t k = e->top_k, n = o->dims[0], h_size = o->dims[1], bins = bins_for(k);
+    int mode = (int)e->drop_pad_mode;
+    int64_t active = e->active_num, capacity = mode == 1 ? g->dims[1] : 1;
+    float bin[64];
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t h = 0; h < h_size; h++) {
+#define SLOT(t, skipped, value)                                                                              \
+    do {                                                                                                     \
+        int32_t row = index_at(ix, i * k + (t));                                                             \
+        skipped = mode == 1 ? row < 0 : (active > 0 && row >= active);                                       \
+        if (!skipped) {                                                                                      \
+            int64_t at = mode == 1 ? g->offset + (row / capacity) * g->strides[0] +                          \
+                                         (row % capacity) * g->strides[1] + h * g->strides[2]                \
+                                   : g->offset + row * g->strides[0] + h * g->strides[1];                    \
+            value = load(g, at);                                                                             \
+        }                                                                                                    \
+    } while (0)
+            int skipped;
+            float v = 0.0f;
+            for (int64_t b = 0; b < bins; b++) { /* S1: assignment; a skipped slot is +0.0 */
+                SLOT(2 * b, skipped, v);
+                bin[b] = skipped ? 0.0f : v;
+            }
+            for (int64_t t = 2 * bins; t < k; t += 2) { /* S2: the remaining even slots */
+                SLOT(t, skipped, v);
+                if (!skipped) bin[(t / 2) % bins] += v;
+            }
+            for (int64_t t = 1; t < k; t += 2) { /* S3: the odd slots */
+                SLOT(t, skipped, v);
+                if (!skipped) bin[((t - 1) / 2) % bins] += v;
+            }
+            for (int64_t s = 1; s < bins; s *= 2) /* S4: pairwise tree into bin 0 */
+                for (int64_t j = s; j < bins; j += 2 * s) bin[j - s] += bin[j];
+#undef SLOT
+            store(o, o->offset + i * o->strides[0] + h * o->strides[1], bin[0]);
+        }
+    }
+}
+
+static void release_executor(void *ctx) { free(ctx); }
+
+/* ---- phase one ---------------------------------------------------------------------------------- */
+
+static int32_t reject(int32_t status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int32_t reject(int32_t status, const char *fmt, ...) {
+    char message[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof message, fmt, ap);
+    va_end(ap);
+    moegradSimSetError("EZ1001: [moegrad-sim] " NAME1 ": %s", message);
+    return status;
+}
+
+static int is_grad_dtype(int32_t dtype) {
+    return dtype == SIM_ACL_FLOAT || dtype == SIM_ACL_FLOAT16 || dtype == SIM_ACL_BF16;
+}
+
+SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExpandedX, const void *expandedRowIdx,
+                                                             int64_t topK, int64_t dropPadMode, int64_t activeNum,
+                                                             const void *out, uint64_t *workspaceSize,
+                                                             void **executor) {
+    moegradSimTrack(SIM_COUNT_PHASE_ONE, +1);
+    const void *handles[3] = {gradExpandedX, expandedRowIdx, out};
+    const char *names[3] = {"gradExpandedX", "expandedRowIdx", "out"};
+    /* 161001: null pointers */
+    for (int i = 0; i < 3; i++)
+        if (!handles[i]) return reject(SIM_ACLNN_ERR_PARAM_NULLPTR, "%s is nullptr", names[i]);
+    if (!workspaceSize) return reject(SIM_ACLNN_ERR_PARAM_NULLPTR, "workspaceSize is nullptr");
+    if (!executor) return reject(SIM_ACLNN_ERR_PARAM_NULLPTR, "executor is nullptr");
+    for (int i = 0; i < 3; i++) {
+        if (!moegradSimTensorLive(handles[i])) {
+            moegradSimTrack(SIM_COUNT_VIOLATIONS, +1);
+            return reject(SIM_ACLNN_ERR_PARAM_INVALID, "%s is not a live aclTensor", names[i]);
+        }
+    }
+    const SimTensor *g = gradExpandedX, *ix = expandedRowIdx, *o = out;
+    /* 161002: dtypes */
+    if (!is_grad_dtype(g->dtype))
+        return reject(SIM_ACLNN_ERR_PARAM_INVALID, "gradExpandedX dtype %d is not FLOAT, FLOAT16 or BFLOAT16",
+                      (int)g->dtype);
+    if (ix->dtype != SIM_ACL_INT32)
+        return reject(SIM_ACLNN_ERR_PARAM_INVALID, "expandedRowIdx dtype %d is not INT32", (int)ix->dtype);
+    if (o->dtype != g->dtype)
+        return reject(SIM_ACLNN_ERR_PARAM_INVALID, "out dtype %d differs from gradExpandedX dtype %d", (int)o->dtype,
+                      (int)g->dtype);
+    /* 561002: attributes */
+    if (dropPadMode != 0 && dropPadMode != 1)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "dropPadMode=%lld must be 0 or 1", (long long)dropPadMode);
+    if (topK <= 0) return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "topK=%lld must be > 0", (long long)topK);
+    if (activeNum < 0)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "activeNum=%lld must be >= 0", (long long)activeNum);
+    /* 561002: ranks, sizes, divisibility */
+    int64_t want_rank = dropPadMode == 1 ? 3 : 2;
+    if (g->ndim != want_rank)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "gradExpandedX has rank %lld, expected %lld",
+                      (long long)g->ndim, (long long)want_rank);
+    if (ix->ndim != 1)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "expandedRowIdx has rank %lld, expected 1", (long long)ix->ndim);
+    if (o->ndim != 2) return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out has rank %lld, expected 2", (long long)o->ndim);
+    long long slots = ix->dims[0], hidden = g->dims[g->ndim - 1];
+    if (dropPadMode == 0 && activeNum == 0 && g->dims[0] != slots)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "gradExpandedX dim 0 is %lld, expandedRowIdx has %lld (dropless)",
+                      (long long)g->dims[0], slots);
+    if (dropPadMode == 0 && activeNum > 0 && g->dims[0] != activeNum)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "gradExpandedX dim 0 is %lld, activeNum is %lld",
+                      (long long)g->dims[0], (long long)activeNum);
+    if (slots % topK != 0)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "expandedRowIdx has %lld slots, not a multiple of topK=%lld",
+                      slots, (long long)topK);
+    if (o->dims[1] != hidden)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out last dim is %lld, gradExpandedX's is %lld",
+                      (long long)o->dims[1], hidden);
+    if (o->dims[0] != slots / topK)
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out dim 0 is %lld, expected %lld", (long long)o->dims[0],
+                      slots / (long long)topK);
+    if (slots == 0 || hidden == 0) /* as the 8.x tiling does (DESIGN.md section 3, empty tensors) */
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "empty tensors are not supported (N*K=%lld, H=%lld)", slots,
+                      hidden);
+    for (int i = 0; i < 3; i++)
+        if (storage_bytes(handles[i]) == 0)
+            return reject(SIM_ACLNN_ERR_PARAM_INVALID, "%s: the view does not fit its storage", names[i]);
+    /* 161002: index values (the simulator reads them; a real phase one cannot) */
+    if (!moegradSimRangeLive(ix->data, storage_bytes(ix)))
+        return reject(SIM_ACLNN_ERR_PARAM_INVALID, "expandedRowIdx data %p is not live device memory", ix->data);
+    long long low = dropPadMode == 1 ? -1 : 0;
+    long long high = dropPadMode == 1 ? (long long)(g->dims[0] * g->dims[1]) : slots;
+    for (long long s = 0; s < slots; s++) {
+        int32_t v = index_at(ix, s);
+        if (v < low || v >= high)
+            return reject(SIM_ACLNN_ERR_PARAM_INVALID, "expandedRowIdx[%lld]=%d is outside [%lld, %lld)", s, (int)v,
+                          low, high);
+    }
+    SimExecutor *e = moegradSimExecutorCreate();
+    if (!e) return reject(SIM_ACLNN_ERR_INNER_NULLPTR, "out of host memory for the executor");
+    e->grad = *g;
+    e->idx = *ix;
+    e->out = *o;
+    e->grad.next = e->idx.next = e->out.next = NULL;
+    e->top_k = topK;
+    e->drop_pad_mode = dropPadMode;
+    e->active_num = activeNum;
+    e->workspace_size = 16384 + 64 * (uint64_t)(slots / topK); /* system workspace + per-token tiling */
+    *workspaceSize = e->workspace_size;
+    *executor = e;
+    return SIM_ACLNN_SUCCESS;
+}
+
+/* ---- phase two ---------------------------------------------------------------------------------- */
+
+SIM_EXPORT int32_t aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspaceSize, void *executor, void *stream) {
+    if (!executor) {
+        moegradSimSetError("EZ1001: [moegrad-sim] " NAME2 ": executor is nullptr");
+        return SIM_ACLNN_ERR_PARAM_NULLPTR;
+    }
+    if (moegradSimExecutorConsume(executor) != 0) {
+        moegradSimTrack(SIM_COUNT_VIOLATIONS, +1);
+        moegradSimSetError("EZ1005: [moegrad-sim] " NAME2 ": executor %p is not live (an executor runs once)",
+                           executor);
+        return SIM_ACLNN_ERR_PARAM_INVALID;
+    }
+    SimExecutor *e = executor; /* ours now: freed here on failure, by the runtime after the kernel otherwise */
+    int32_t rc = moegradSimCheckContext(NAME2);
+    if (rc != SIM_ACLNN_SUCCESS) {
+        free(e);
+        return SIM_ACLNN_ERR_RUNTIME_ERROR;
+    }
+    if (e->workspace_size > 0 && (!workspace || workspaceSize < e->workspace_size)) {
+        moegradSimSetError("EZ1001: [moegrad-sim] " NAME2 ": workspace %p of %llu bytes, %llu required", workspace,
+                           (unsigned long long)workspaceSize, (unsigned long long)e->workspace_size);
+        free(e);
+        return SIM_ACLNN_ERR_PARAM_INVALID;
+    }
+    int64_t serial = 0;
+    if (moegradSimFaultFires(SIM_FAULT_LAUNCH, NULL, &serial)) {
+        moegradSimSetError("EZ9999: [moegrad-sim] injected kernel launch failure (launch #%lld)", (long long)serial);
+        free(e);
+        return SIM_ACLNN_ERR_RUNTIME_ERROR;
+    }
+    SimJob *job = calloc(1, sizeof *job);
+    if (!job) {
+        free(e);
+        return SIM_ACLNN_ERR_RUNTIME_ERROR;
+    }
+    job->run = kernel;
+    job->release = release_executor;
+    job->ctx = e;
+    const SimTensor *tensors[3] = {&e->grad, &e->idx, &e->out};
+    for (int i = 0; i < 3; i++) job->ranges[job->nranges++] = (SimRange){tensors[i]->data, storage_bytes(tensors[i])};
+    if (e->workspace_size > 0) job->ranges[job->nranges++] = (SimRange){workspace, e->workspace_size};
+    rc = moegradSimEnqueue(stream, job);
+    if (rc != 0) {
+        free(job);
+        free(e);
+        return SIM_ACLNN_ERR_RUNTIME_ERROR;
+    }
+    moegradSimTrack(SIM_COUNT_LAUNCHES, +1);
+    return SIM_ACLNN_SUCCESS;
+}
