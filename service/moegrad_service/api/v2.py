@@ -51,7 +51,7 @@ from moegrad import (
 from moegrad._wire import MAX_RANK
 from moegrad_service.api import health, v1
 from moegrad_service.api.deps import INLINE_DECODE_BYTES, MetricsDep, PoolDep, SettingsDep, TimeoutDep, read_body
-from moegrad_service.engine import Timings
+from moegrad_service.engine import StreamPool, Timings
 
 __all__ = [
     "DATATYPES",
@@ -525,7 +525,7 @@ async def infer(request: Request, model_name: str, pool: PoolDep, settings: Sett
     return response
 
 
-def _reply_parameters(pool: Any, call: MoeInitRoutingV2GradCall, timings: Timings) -> dict[str, Any]:
+def _reply_parameters(pool: StreamPool, call: MoeInitRoutingV2GradCall, timings: Timings) -> dict[str, Any]:
     parameters: dict[str, Any] = {"backend": pool.backend.name, "order": call.order,
                                   "queue_ms": timings.queue_s * 1e3, "compute_ms": timings.compute_s * 1e3}
     if pool.backend.device is not None:
