@@ -18,7 +18,7 @@ def test_every_setting_is_in_the_readme_configuration_table(name):
 
 
 def test_every_route_is_in_the_protocol_document():
-    protocol = (ROOT / "docs" / "protocol.md").read_text()
+    protocol = (ROOT / "docs" / "protocol.md").read_text().replace("[/versions/1]", "")
     app = create_app(Settings(backend="reference"))
     # v2 routes are documented for the one model they serve, the version segment shown as optional
     paths = {path.replace("{model_name}", "moe_init_routing_v2_grad").replace("/versions/{model_version}", "")
