@@ -37,7 +37,6 @@ _NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
 #: The highest rank a wire tensor may have (the operator takes ranks 1 to 3).
 MAX_RANK = 8
-_MAX_RANK = 32  # NumPy's limit (32 before 2.0); the operator's tensors have rank 1-3
 
 
 def dtype_name(dtype: np.dtype | type) -> str | None:
@@ -99,8 +98,6 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
         raise MalformedRequest(f"{field}.dtype={name!r} is not one of {sorted(DTYPES)}", field=field)
     if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedRequest(f"{field}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers", field=field)
-    if len(shape) > _MAX_RANK:
-        raise MalformedRequest(f"{field}.shape has {len(shape)} dimensions, more than {_MAX_RANK}", field=field)
     if not isinstance(data, bytes):
         raise MalformedRequest(f"{field}.data must be msgpack bin, got {type(data).__name__}", field=field)
     count = math.prod(shape)
