@@ -46,8 +46,8 @@ def row(values, dtype) -> np.ndarray:
 
 def step(values: np.ndarray, ulps: int) -> np.ndarray:
     """Move each element by ``ulps`` representable values (on the bit pattern, away from +0 for ulps > 0)."""
-    bits = values.view(UINT[values.dtype.itemsize])
-    return (bits + np.array(ulps).astype(bits.dtype) if ulps >= 0 else bits - np.array(-ulps).astype(bits.dtype)).view(values.dtype)
+    unsigned = UINT[values.dtype.itemsize]
+    return (values.view(unsigned).astype(np.int64) + ulps).astype(unsigned).view(values.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
