@@ -59,14 +59,21 @@ def sim_homes() -> dict[str, Path]:
     for source in sorted(SIM_SOURCES.iterdir()):
         digest.update(source.name.encode() + source.read_bytes())
     root = BUILD_ROOT / digest.hexdigest()[:16]
-    homes = {"split": root / "split", "single": root / "single"}
-    if not (root / "complete").exists():
+    if not root.exists():
+        staging = BUILD_ROOT / f"staging-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
         base = {"libascendcl.so": "runtime.c", "libnnopbase.so": "nnopbase.c"}
-        _build(compiler, homes["split"] / "lib64",
+        _build(compiler, staging / "split" / "lib64",
                {**base, "libopapi.so": "opapi_stub.c", "libopapi_transformer.so": "opapi.c"})
-        _build(compiler, homes["single"] / "lib64", {**base, "libopapi.so": "opapi.c"})
-        (root / "complete").touch()
-    return homes
+        _build(compiler, staging / "single" / "lib64", {**base, "libopapi.so": "opapi.c"})
+        try:
+            staging.rename(root)  # atomic: a concurrent session either sees all of it or builds its own
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+        for stale in BUILD_ROOT.iterdir():  # builds of older sources
+            if stale != root and not stale.name.startswith("staging-"):
+                shutil.rmtree(stale, ignore_errors=True)
+    return {"split": root / "split", "single": root / "single"}
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +104,8 @@ class Sim:
         return dict(zip(COUNT_NAMES, out, strict=True))
 
     def inject(self, kind: str, nth: int = 1, arg: int = 0) -> None:
-        """Make the ``nth`` next ``kind`` call fail (malloc, memcpy, launch, sync, health) or hang (``arg`` ms)."""
+        """Make the ``nth`` next ``kind`` call fail (malloc, memcpy, launch, sync, health, tiling), or the
+        ``nth`` next kernel hang for ``arg`` ms (kind ``hang``; -1: until :meth:`release_hung`)."""
         assert self.lib.moegradSimInjectFault(kind.encode(), nth, arg) == 0, kind
 
     def clear(self) -> None:

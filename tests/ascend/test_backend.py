@@ -330,6 +330,16 @@ def test_sync_failure_replaces_the_stream(backend, sim):
     worker.close()
 
 
+def test_tiling_failure_is_a_phase_one_rejection(backend, sim):
+    worker = backend.open_worker(0)
+    sim.inject("tiling")
+    with pytest.raises(InvalidArgument) as caught:
+        worker.run(doc_call(), timeout_s=None)
+    assert caught.value.aclnn_status == 561002 and "injected tiling failure" in caught.value.message
+    assert worker.run(doc_call(), timeout_s=None).shape == (2, 2)
+    worker.close()
+
+
 def test_health_failure(backend, sim):
     sim.inject("health")
     with pytest.raises(DeviceFault, match="injected driver failure"):

@@ -571,6 +571,7 @@ class _AscendWorker:
         self._workspace: tuple[int, int] | None = None  # (size, pointer)
         self._retired: list[_Retired] = []
         self._closed = False
+        self._busy = threading.Lock()  # held by run(); a shutdown from another thread waits for it
         with backend._lock:
             backend._workers.add(self)
 
@@ -580,7 +581,7 @@ class _AscendWorker:
         """grad_x of ``call`` computed on the NPU; see :meth:`BackendWorker.run`.
 
         The call's arrays may be non-contiguous, read-only or big-endian: they are copied to
-        contiguous host buffers when needed. ``call.order`` must be the device's order.
+        contiguous host buffers when needed. ``call.order`` must be ``"ascend910b"`` (the device's).
 
         Raises:
             InvalidArgument: phase one rejected the call (its aclnn code: 161001, 161002, 561002),
@@ -588,16 +589,20 @@ class _AscendWorker:
             DeadlineExceeded: ``timeout_s`` passed before the kernel finished (the stream is replaced).
             DeviceFault: the runtime failed (``aclGetRecentErrMsg``'s text attached).
         """
+        with self._busy:
+            return self._run(call, timeout_s)
+
+    def _run(self, call: MoeInitRoutingV2GradCall, timeout_s: float | None) -> np.ndarray:
         backend = self._backend
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if self._closed or backend._closed:
             raise DeviceFault("the ascend backend is closed")
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the deadline passed before the call reached the NPU")
-        if backend.order is not None and call.order != backend.order:
-            raise InvalidArgument(f"order={call.order!r}: {backend.device} computes in the device order "
-                                  f"{backend.order!r}; the 'sequential' golden is only served by the reference backend",
-                                  aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+        if call.order != "ascend910b":  # the only order a device computes in; "sequential" is a CPU golden
+            raise InvalidArgument(f"order={call.order!r}: {backend.device} computes in the device's own order "
+                                  "('ascend910b' on Atlas A2/A3); the 'sequential' golden is only served by the "
+                                  "reference backend", aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
         top_k, drop_pad_mode, active_num = (_attribute(call, n) for n in ("top_k", "drop_pad_mode", "active_num"))
         grad = idx = None
         if call.grad_expanded_x is not None:
@@ -690,9 +695,27 @@ class _AscendWorker:
     # --- internals -----------------------------------------------------------------------------------
 
     def _shutdown(self) -> None:
-        """Release the worker's device resources from the calling thread (which has the device set)."""
+        """Release the worker's device resources from the calling thread (which has the device set).
+
+        From another thread (the backend closing a worker nobody closed), a call still running gets
+        ``drain_timeout_s`` to finish; after that its resources are left to ``aclrtResetDevice``.
+        """
         if self._closed:
             return
+        backend = self._backend
+        if not self._busy.acquire(timeout=backend.drain_timeout_s):
+            self._closed = True
+            with backend._lock:
+                backend._workers.discard(self)
+            log.error("worker %d is still running a call; its stream and buffers are left to aclrtResetDevice",
+                      self.index)
+            return
+        try:
+            self._release_all()
+        finally:
+            self._busy.release()
+
+    def _release_all(self) -> None:
         self._closed = True
         backend = self._backend
         with backend._lock:

@@ -264,6 +264,9 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
             return reject(SIM_ACLNN_ERR_PARAM_INVALID, "expandedRowIdx[%lld]=%d is outside [%lld, %lld)", s, (int)v,
                           low, high);
     }
+    int64_t serial = 0;
+    if (moegradSimFaultFires(SIM_FAULT_TILING, NULL, &serial))
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "injected tiling failure (phase one #%lld)", (long long)serial);
     SimExecutor *e = moegradSimExecutorCreate();
     if (!e) return reject(SIM_ACLNN_ERR_INNER_NULLPTR, "out of host memory for the executor");
     e->grad = *g;

@@ -12,6 +12,8 @@
  *     its completion; freeing that memory or destroying that stream first is a violation.
  * Faults are injected with moegradSimInjectFault or MOEGRAD_SIM_FAULTS (read by aclInit), e.g.
  * "launch@3,hang@1:250": the 3rd launch from now fails; the next launched kernel hangs 250 ms.
+ * Kinds: malloc, memcpy, launch, sync, hang, health (aclrtGetMemInfo), tiling (phase one).
+ * MOEGRAD_SIM_DEVICE_COUNT (default 1) and MOEGRAD_SIM_SOC_NAME (default Ascend910B3) shape the device.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -66,7 +68,7 @@ static __thread int64_t t_sets;
 static __thread char t_error[1024];
 static __thread char t_error_out[1024];
 
-static const char *const FAULT_NAMES[SIM_FAULT__N] = {"malloc", "memcpy", "launch", "sync", "hang", "health"};
+static const char *const FAULT_NAMES[SIM_FAULT__N] = {"malloc", "memcpy", "launch", "sync", "hang", "health", "tiling"};
 
 static void init_once(void) {
     pthread_condattr_t attr;

@@ -83,6 +83,7 @@ enum {
     SIM_FAULT_SYNC,       /* the Nth stream sync reports an AI Core exception, 507015 */
     SIM_FAULT_HANG,       /* the Nth launched kernel hangs for `arg` ms (-1: until released) */
     SIM_FAULT_HEALTH,     /* the Nth aclrtGetMemInfo fails with 507899 */
+    SIM_FAULT_TILING,     /* the Nth phase one that passes every check fails its tiling with 561002 */
     SIM_FAULT__N
 };
 

@@ -1,0 +1,129 @@
+"""Finding and loading CANN: lazy import, search order, the older single-library layout, clear errors.
+
+A shared library stays loaded for the life of a process, so the layouts other than the one the rest
+of the tests use are exercised in subprocesses (with LD_LIBRARY_PATH cleared, so nothing on this
+machine can stand in for what is missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moegrad import DeviceFault
+from moegrad_service.engine import open_backend
+from moegrad_service.engine.ascend import AscendBackend, ascend_available
+from moegrad_service.settings import Settings
+
+
+def run_python(code: str, **env: str) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints one JSON document, returned here."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "ASCEND_HOME_PATH")
+             and not k.startswith(("MOEGRAD_", "ASCEND_"))}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**clean, **env}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_import_loads_nothing_and_the_single_library_layout_works(sim_homes, tmp_path):
+    # The operator in libopapi.so (no libopapi_transformer.so); a fault armed through the environment.
+    result = run_python(f"""
+        import json, numpy as np
+        import moegrad_service.engine.ascend as ascend
+        def loaded():
+            return sorted(line.split()[-1] for line in open("/proc/self/maps") if "moegrad" in line and ".so" in line
+                          and "_build" in line)
+        out = {{"after_import": loaded()}}
+        out["available_empty"] = ascend.ascend_available({str(tmp_path)!r})
+        try:
+            ascend.AscendBackend(ascend_home_path={str(tmp_path)!r})
+        except ascend.CannUnavailable as exc:
+            out["missing"] = str(exc)
+        out["after_failed_load"] = loaded()
+        from moegrad import MoeInitRoutingV2GradCall, DeviceFault
+        backend = ascend.AscendBackend(ascend_home_path={str(sim_homes["single"])!r})
+        out["op_from"] = backend._api.where["aclnnMoeInitRoutingV2Grad"]
+        worker = backend.open_worker(0)
+        call = MoeInitRoutingV2GradCall(grad_expanded_x=np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]],
+                                        np.float32), expanded_row_idx=np.array([2, 0, 1, 3], np.int32), top_k=2)
+        outcomes = []
+        for _ in range(3):
+            try:
+                outcomes.append(worker.run(call, timeout_s=None).view(np.uint32).tolist())
+            except DeviceFault as exc:
+                outcomes.append(exc.device_message)
+        out["outcomes"] = outcomes
+        worker.close()
+        backend.close()
+        print(json.dumps(out))
+    """, MOEGRAD_SIM_FAULTS="launch@2")
+    assert result["after_import"] == [] and result["after_failed_load"] == []
+    assert result["available_empty"] is False
+    assert "libascendcl.so" in result["missing"] and "set_env.sh" in result["missing"]
+    assert str(tmp_path / "lib64" / "libascendcl.so") in result["missing"]  # ascend_home_path/lib64 first
+    assert "loader path" in result["missing"]                               # then the loader's path
+    assert result["op_from"] == str(sim_homes["single"] / "lib64" / "libopapi.so")
+    bits_03, bits_07 = 1050253722, 1060320052  # float32 0.3 and 0.70000005
+    assert result["outcomes"][0] == result["outcomes"][2] == [[bits_03, bits_03], [bits_07, bits_07]]
+    assert "injected kernel launch failure (launch #2)" in result["outcomes"][1]
+
+
+def test_an_incomplete_cann_names_the_missing_operator(sim_homes, tmp_path):
+    lib64 = tmp_path / "lib64"
+    lib64.mkdir()
+    for name in ("libascendcl.so", "libnnopbase.so", "libopapi.so"):  # the split layout without the transformer
+        shutil.copy(sim_homes["split"] / "lib64" / name, lib64 / name)
+    result = run_python(f"""
+        import json
+        import moegrad_service.engine.ascend as ascend
+        try:
+            ascend.AscendBackend(ascend_home_path={str(tmp_path)!r})
+        except ascend.CannUnavailable as exc:
+            print(json.dumps({{"error": str(exc), "is_device_fault": isinstance(exc, ascend.DeviceFault)}}))
+    """)
+    assert "aclnnMoeInitRoutingV2GradGetWorkspaceSize is not exported" in result["error"]
+    assert "set_env.sh" in result["error"] and result["is_device_fault"] is True
+
+
+def test_the_split_layout_takes_the_operator_from_libopapi_transformer(backend, sim_home):
+    assert backend._api.where["aclnnMoeInitRoutingV2Grad"] == str(sim_home / "lib64" / "libopapi_transformer.so")
+    assert backend._api.where["aclCreateTensor"] == str(sim_home / "lib64" / "libnnopbase.so")
+
+
+def test_ascend_available_needs_a_device(sim, sim_home, monkeypatch):
+    assert ascend_available(sim_home) is True
+    monkeypatch.setenv("MOEGRAD_SIM_DEVICE_COUNT", "0")
+    assert ascend_available(sim_home) is False
+
+
+def test_another_soc_is_described_but_not_claimed_as_the_emulated_order(sim, sim_home, monkeypatch):
+    monkeypatch.setenv("MOEGRAD_SIM_SOC_NAME", "Ascend950PR")
+    backend = AscendBackend(ascend_home_path=sim_home)
+    try:
+        assert backend.device == "Ascend950PR #0" and backend.order is None
+    finally:
+        backend.close()
+
+
+def test_open_backend_names_ascend_and_auto(sim, sim_home, tmp_path):
+    chosen = open_backend(Settings(backend="ascend", ascend_home_path=sim_home))
+    try:
+        assert isinstance(chosen, AscendBackend)
+    finally:
+        chosen.close()
+    chosen = open_backend(Settings(backend="auto", ascend_home_path=sim_home))
+    try:
+        assert chosen.name == "ascend"
+    finally:
+        chosen.close()
+    with pytest.raises(DeviceFault, match="NPU 5 is not visible"):
+        open_backend(Settings(backend="ascend", ascend_home_path=sim_home, device_id=5))
+    counts = sim.counts()
+    assert counts["initialized"] == counts["device_refs"] == counts["allocations"] == 0

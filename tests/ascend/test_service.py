@@ -1,0 +1,173 @@
+"""The whole service with ``backend="ascend"`` over the CANN simulator.
+
+In-process (``TestClient(create_app(...))`` as a context manager, so the lifespan opens and closes the
+backend): results bitwise equal to the reference backend's, faults as HTTP answers, and what the
+simulator still holds after the app has closed. Then a real ``moegrad-service`` process on a loopback
+port, driven by the real :class:`moegrad.Client`, for every mode, dtype and K.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from ascend_cases import DTYPE_NAMES, K_VALUES, MODES, assert_bitwise, make_call
+from fastapi.testclient import TestClient
+from servicekit import example_document, grad_x_of, post
+
+import moegrad
+from moegrad_service.app import create_app
+from moegrad_service.settings import Settings
+
+LIVE = ("allocations", "tensors", "executors", "streams", "pending", "device_refs", "initialized")
+
+
+@contextlib.contextmanager
+def serve(**settings):
+    app = create_app(Settings(**settings))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def document(call: moegrad.MoeInitRoutingV2GradCall) -> dict:
+    return call.to_wire()
+
+
+def assert_nothing_left(sim, before: dict[str, int]) -> None:
+    after = sim.counts()
+    assert {name: after[name] for name in LIVE} == dict.fromkeys(LIVE, 0)
+    for name in ("violations", "reclaimed", "context_errors"):
+        assert after[name] == before[name], name
+
+
+def test_results_match_the_reference_backend_and_nothing_is_left(sim, sim_home):
+    before = sim.counts()
+    calls = [make_call(mode, dtype, k, seed=3) for mode in MODES for dtype in DTYPE_NAMES for k in (1, 3, 6, 8, 129)]
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as ascend, serve(backend="reference") as ref:
+        assert ascend.get("/health/ready").json() == {"status": "ready", "backend": "ascend", "device": "Ascend910B3 #0"}
+        for call in calls:
+            got, want = post(ascend, document(call)), post(ref, document(call))
+            assert got.status_code == want.status_code == 200, got.text
+            assert_bitwise(grad_x_of(got), grad_x_of(want))
+        with ThreadPoolExecutor(4) as clients:  # concurrent requests over both streams
+            replies = list(clients.map(lambda call: post(ascend, document(call)), calls))
+        for call, reply in zip(calls, replies, strict=True):
+            assert_bitwise(grad_x_of(reply), moegrad.moe_init_routing_v2_grad(call))
+        assert sim.counts()["streams"] == 2
+    assert_nothing_left(sim, before)
+
+
+def test_launch_failure_is_a_500_with_the_device_text_then_200(sim, sim_home):
+    before = sim.counts()
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as client:
+        sim.inject("launch")
+        failed = post(client, example_document())
+        assert failed.status_code == 500 and failed.headers["content-type"] == "application/problem+json"
+        problem = failed.json()
+        assert "injected kernel launch failure" in problem["device_message"]
+        assert "injected kernel launch failure" in problem["detail"]
+        assert problem["aclnn_status"] == 361001 and problem["aclnn_name"] == "ACLNN_ERR_RUNTIME_ERROR"
+        assert post(client, example_document()).status_code == 200
+    assert_nothing_left(sim, before)
+
+
+def test_phase_one_rejection_is_a_422_with_the_device_code(sim, sim_home):
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=1) as client:
+        sim.inject("tiling")
+        rejected = post(client, example_document())
+        assert rejected.status_code == 422
+        assert rejected.json()["aclnn_status"] == 561002
+        assert "injected tiling failure" in rejected.json()["detail"]
+        assert post(client, example_document()).status_code == 200
+
+
+def test_hung_kernel_is_a_504_and_the_pool_keeps_its_capacity(sim, sim_home):
+    before = sim.counts()
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as client:
+        sim.inject("hang", 1, -1)
+        hung = post(client, example_document(), headers={"x-request-timeout": "0.2"})
+        assert hung.status_code == 504, hung.text
+        assert sim.counts()["pending"] == 1
+        # Both workers still serve at once, the one that timed out on a fresh stream.
+        with ThreadPoolExecutor(4) as clients:
+            replies = list(clients.map(lambda _: post(client, example_document()), range(8)))
+        assert [r.status_code for r in replies] == [200] * 8
+        assert sim.counts()["streams"] == 3  # two workers' streams and the retired one
+        assert sim.release_hung() == 1
+        for _ in range(4):  # each worker polls its retired streams before a call
+            assert post(client, example_document()).status_code == 200
+        assert sim.counts()["pending"] == 0 and sim.counts()["streams"] == 2
+        assert client.get("/health/ready").status_code == 200
+    assert_nothing_left(sim, before)
+
+
+def test_a_broken_cann_is_a_startup_error_with_the_hint(tmp_path):
+    # (A CANN that is missing altogether is tested in a clean subprocess in test_loading.py.)
+    (tmp_path / "lib64").mkdir()
+    (tmp_path / "lib64" / "libascendcl.so").write_bytes(b"not a shared library")
+    app = create_app(Settings(backend="ascend", ascend_home_path=tmp_path))
+    with pytest.raises(moegrad.DeviceFault, match=r"libascendcl\.so exists but cannot be loaded.*set_env\.sh"):
+        with TestClient(app):
+            pass
+
+
+# --- a real server and the real client ---------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def ascend_server(sim_home, tmp_path):
+    """A ``moegrad-service`` process with backend=ascend over the simulator; faults armed by environment."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEGRAD_", "ASCEND_"))}
+    env.update(MOEGRAD_ASCEND_HOME_PATH=str(sim_home), MOEGRAD_STREAMS="2", MOEGRAD_SIM_FAULTS="tiling@1,launch@2")
+    log = open(tmp_path / "server.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "moegrad_service", "serve", "--host", "127.0.0.1", "--port",
+                                str(port), "--backend", "ascend", "--log-level", "warning"],
+                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"the ascend server did not start: {(tmp_path / 'server.log').read_text()}")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def test_real_client_against_a_real_server(ascend_server):
+    with moegrad.Client(ascend_server, retries=0) as client:
+        assert client.info()["backend"] == "ascend"
+        doc = make_call("dropless", "float32", 2)
+        with pytest.raises(moegrad.InvalidArgument) as rejected:  # phase one #1: MOEGRAD_SIM_FAULTS tiling@1
+            client.run(doc)
+        assert rejected.value.aclnn_status == 561002 and "injected tiling failure" in str(rejected.value)
+        client.run(doc)                                             # launch #1
+        with pytest.raises(moegrad.DeviceFault, match="injected kernel launch failure"):
+            client.run(doc)                                         # launch #2 fails
+        for mode in MODES:
+            for dtype in DTYPE_NAMES:
+                for k in K_VALUES:
+                    call = make_call(mode, dtype, k, seed=11)
+                    reply = client.run(call)
+                    assert reply.backend == "ascend" and reply.device == "Ascend910B3 #0"
+                    assert_bitwise(reply.grad_x, moegrad.moe_init_routing_v2_grad(call))
