@@ -38,8 +38,9 @@ def test_import_loads_nothing_and_the_single_library_layout_works(sim_homes, tmp
         import json, numpy as np
         import moegrad_service.engine.ascend as ascend
         def loaded():
-            return sorted(line.split()[-1] for line in open("/proc/self/maps") if "moegrad" in line and ".so" in line
-                          and "_build" in line)
+            names = ("libascendcl.so", "libacl_rt.so", "libnnopbase.so", "libopapi.so", "libopapi_transformer.so")
+            with open("/proc/self/maps") as maps:
+                return sorted({{line.split()[-1] for line in maps if line.rstrip().endswith(names)}})
         out = {{"after_import": loaded()}}
         out["available_empty"] = ascend.ascend_available({str(tmp_path)!r})
         try:
@@ -50,6 +51,7 @@ def test_import_loads_nothing_and_the_single_library_layout_works(sim_homes, tmp
         from moegrad import MoeInitRoutingV2GradCall, DeviceFault
         backend = ascend.AscendBackend(ascend_home_path={str(sim_homes["single"])!r})
         out["op_from"] = backend._api.where["aclnnMoeInitRoutingV2Grad"]
+        out["after_open"] = loaded()
         worker = backend.open_worker(0)
         call = MoeInitRoutingV2GradCall(grad_expanded_x=np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]],
                                         np.float32), expanded_row_idx=np.array([2, 0, 1, 3], np.int32), top_k=2)
@@ -69,7 +71,10 @@ def test_import_loads_nothing_and_the_single_library_layout_works(sim_homes, tmp
     assert "libascendcl.so" in result["missing"] and "set_env.sh" in result["missing"]
     assert str(tmp_path / "lib64" / "libascendcl.so") in result["missing"]  # ascend_home_path/lib64 first
     assert "loader path" in result["missing"]                               # then the loader's path
-    assert result["op_from"] == str(sim_homes["single"] / "lib64" / "libopapi.so")
+    single = sim_homes["single"] / "lib64"
+    assert result["after_open"] == sorted(str(single / name) for name in ("libascendcl.so", "libnnopbase.so",
+                                                                          "libopapi.so"))
+    assert result["op_from"] == str(single / "libopapi.so")
     bits_03, bits_07 = 1050253722, 1060320052  # float32 0.3 and 0.70000005
     assert result["outcomes"][0] == result["outcomes"][2] == [[bits_03, bits_03], [bits_07, bits_07]]
     assert "injected kernel launch failure (launch #2)" in result["outcomes"][1]
