@@ -21,6 +21,7 @@ and adds).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -140,6 +141,7 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
         gathered = np.empty((n, hidden), dtype=rows.dtype) if widen else None
         value = np.empty((n, hidden), dtype=acc_dtype)
         comp = np.zeros((n, hidden), dtype=acc_dtype) if compensated else None
+        inexact = np.zeros((n, hidden), dtype=np.bool_) if compensated else None
         block = index[start:stop]
 
         def load(t: int, into: np.ndarray) -> np.ndarray | None:
@@ -168,7 +170,7 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
                 mask = load(src, value)
                 keep = None if mask is None else ~mask[:, None]
                 if compensated:
-                    _neumaier_add(target, value, comp, keep)
+                    _neumaier_add(target, value, comp, keep, inexact)
                 elif keep is None:
                     np.add(target, value, out=target)
                 else:
@@ -176,6 +178,12 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
         if compensated:
             total = bins[0] + comp
             bins[0] = np.where(np.isfinite(bins[0]), total, bins[0])
+            # Where comp itself rounded, total + comp is not the exact sum: sum those few elements exactly.
+            for r, h in zip(*np.nonzero(inexact & np.isfinite(bins[0]))):
+                slots = block[r]
+                mask = skipped(slots)
+                used = slots if mask is None else slots[~mask]
+                bins[0][r, h] = math.fsum(float(x) for x in rows[used, h])
         np.copyto(out[start:stop], bins[0], casting="unsafe")  # one round-half-even cast
 
     def run_quietly(start: int, stop: int) -> None:
@@ -188,13 +196,24 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
     return out
 
 
-def _neumaier_add(total: np.ndarray, value: np.ndarray, comp: np.ndarray, keep: np.ndarray | None) -> None:
-    """total += value with Neumaier's compensation term accumulated in comp (elementwise, where keep)."""
+def _neumaier_add(total: np.ndarray, value: np.ndarray, comp: np.ndarray, keep: np.ndarray | None,
+                  inexact: np.ndarray) -> None:
+    """total += value with Neumaier's compensation term accumulated in comp (elementwise, where keep).
+
+    ``lost`` is the exact rounding error of each add (Fast2Sum). While every ``comp += lost`` is exact
+    too, total + comp equals the exact sum and its float64 rounding is the correctly rounded sum; an
+    element whose comp add rounded is marked in ``inexact`` (it happens only for values spread over
+    more binades than float64 holds, e.g. 2**100, 2**40, 2**-60, -2**100, -2**40).
+    """
     where = True if keep is None else keep
     new = np.add(total, value, where=where, out=np.array(total))
     big = np.abs(total) >= np.abs(value)
     lost = np.where(big, (total - new) + value, (value - new) + total)
-    np.add(comp, lost, out=comp, where=where & np.isfinite(lost))
+    take = where & np.isfinite(lost)
+    summed = np.add(comp, lost, where=take, out=np.array(comp))
+    error = np.where(np.abs(comp) >= np.abs(lost), (comp - summed) + lost, (lost - summed) + comp)
+    inexact |= take & (error != 0)
+    comp[...] = summed
     total[...] = new
 
 
@@ -253,11 +272,14 @@ def moe_init_routing_v2_grad_golden(
     *,
     allow_duplicate_indices: bool = False,
 ) -> np.ndarray:
-    """The float64 golden of gradX: each row summed in float64 with Neumaier compensation.
+    """The float64 golden of gradX: each row's exact sum, correctly rounded to float64.
 
-    The inputs are widened exactly to float64 and summed t = 0..K-1 with a compensation term, so the
-    result is the exact sum rounded (faithfully) to float64, whatever the order of the slots. Same
-    arguments, skip rules and errors as :func:`moe_init_routing_v2_grad`.
+    The inputs are widened exactly to float64 and summed t = 0..K-1 with Neumaier's compensation
+    term; the few elements whose compensation term itself rounded (values spread over more binades
+    than float64 holds) are summed again with :func:`math.fsum`. So the result is the exact sum
+    rounded to nearest float64, whatever the order of the slots (an infinity or NaN among the slots
+    gives the IEEE result instead). Same arguments, skip rules and errors as
+    :func:`moe_init_routing_v2_grad`.
 
     Returns:
         [N, H] float64.
