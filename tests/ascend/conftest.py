@@ -24,7 +24,7 @@ import pytest
 SIM_SOURCES = Path(__file__).parent / "sim"
 BUILD_ROOT = Path(__file__).parent / "_build"
 CFLAGS = ["-std=gnu11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off",
-          "-Wall", "-Wextra", "-Werror", "-pthread"]
+          "-Wall", "-Wextra", "-pthread"]
 #: moegradSimCounts' output, in order (tests/ascend/sim/sim.h, SIM_COUNT_*).
 COUNT_NAMES = ("allocations", "allocated_bytes", "tensors", "executors", "streams", "pending", "device_refs",
                "initialized", "violations", "reclaimed", "mallocs", "launches", "syncs", "context_errors",
