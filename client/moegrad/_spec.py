@@ -252,7 +252,8 @@ class MoeInitRoutingV2GradCall(BaseModel):
         for name in _ATTRIBUTES:
             if name in document:
                 fields[name] = document[name]
-        fields["order"] = document.get("order") or default_order
+        order = document.get("order")  # absent or nil: the default; anything else is validated ("" too)
+        fields["order"] = default_order if order is None else order
         if "allow_duplicate_indices" in document:
             fields["allow_duplicate_indices"] = document["allow_duplicate_indices"]
         return cls(**fields)
