@@ -411,9 +411,11 @@ def test_from_wire_default_order_and_attribute_rules():
     with pytest.raises(InvalidArgument) as info:
         MoeInitRoutingV2GradCall.from_wire(wire_document(top_k=2.0))
     assert (info.value.aclnn_status, info.value.field) == (TILING, "top_k")
-    with pytest.raises(InvalidArgument) as info:
-        MoeInitRoutingV2GradCall.from_wire(wire_document(order="fastest"))
-    assert (info.value.aclnn_status, info.value.field) == (INVALID, "order")
+    for order in ("fastest", "", False, 0):
+        with pytest.raises(InvalidArgument) as info:
+            MoeInitRoutingV2GradCall.from_wire(wire_document(order=order))
+        assert (info.value.aclnn_status, info.value.field) == (INVALID, "order")
+    assert MoeInitRoutingV2GradCall.from_wire(wire_document(order=None), default_order="sequential").order == "sequential"
 
 
 def test_to_wire_encodes_big_endian_and_strided_arrays():
