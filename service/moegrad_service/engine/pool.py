@@ -78,6 +78,12 @@ class _Job:
             self.future.set_result(result)
 
 
+def _discard_outcome(future: asyncio.Future) -> None:
+    """Mark a late outcome as seen, so asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 class StreamPool:
     """A fixed set of worker threads over one backend, with a bounded queue in front.
 
@@ -220,6 +226,7 @@ class StreamPool:
                 raise DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed while the call was queued; it was not run") from None
             if job.state == "running":
                 loop.call_later(ABANDON_GRACE_S, self._abandon, job)
+                job.future.add_done_callback(_discard_outcome)  # nobody awaits it any more
                 raise DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed while the call was running") from None
             result = await job.future  # it finished in the meantime
         except asyncio.CancelledError:
