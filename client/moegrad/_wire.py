@@ -37,6 +37,10 @@ _NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
 #: The highest rank a wire tensor may have (the operator takes ranks 1 to 3).
 MAX_RANK = 8
+#: The deepest container nesting a body may have (a request is 3 deep: map, tensor map, shape list).
+#: msgpack's own stack stops at 1024; this keeps every value far from Python's recursion limit too,
+#: which ``repr`` of a ~1000-deep list in an error message would otherwise hit (a 500, not a 400).
+MAX_DEPTH = 16
 
 
 def dtype_name(dtype: np.dtype | type) -> str | None:
@@ -161,4 +165,18 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise MalformedRequest(f"body is not a valid msgpack document ({type(exc).__name__}: {reason})") from None
     if not isinstance(document, dict):
         raise MalformedRequest(f"body must be a msgpack map, got {type(document).__name__}")
+    if _deeper_than(document, MAX_DEPTH):
+        raise MalformedRequest(f"body is nested more than {MAX_DEPTH} containers deep")
     return document
+
+
+def _deeper_than(document: dict[str, Any], limit: int) -> bool:
+    """True when containers nest more than ``limit`` deep (the top-level map is depth 1); iterative."""
+    stack: list[tuple[Any, int]] = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
