@@ -5,6 +5,8 @@
 - :class:`Client` / :class:`AsyncClient` call a moegrad service (the NPU, or its bit-exact emulation);
 - :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order;
 - :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does.
+- :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
+  against the device and a float64 golden (docs/accuracy.md).
 """
 
 from moegrad._accuracy import (
@@ -19,13 +21,14 @@ from moegrad._accuracy import (
     StandardVerdict,
     WorstElement,
     ZeroRowCheck,
+    check_compare_arguments,
     compare,
     compare_arrays,
     metrics,
     skipped_rows,
     summand_magnitude,
 )
-from moegrad._client import AsyncClient, Client, GradResult
+from moegrad._client import AsyncClient, Client, CompareResult, GradResult
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -59,6 +62,7 @@ __all__ = [
     "AclnnStatus",
     "AsyncClient",
     "Client",
+    "CompareResult",
     "ComparisonReport",
     "Criterion",
     "CriterionResult",
@@ -82,6 +86,7 @@ __all__ = [
     "__version__",
     "accumulation_schedule",
     "bin_count",
+    "check_compare_arguments",
     "compare",
     "compare_arrays",
     "decode_body",

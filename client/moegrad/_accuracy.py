@@ -60,6 +60,7 @@ __all__ = [
     "StandardVerdict",
     "WorstElement",
     "ZeroRowCheck",
+    "check_compare_arguments",
     "compare",
     "compare_arrays",
     "metrics",
@@ -74,6 +75,7 @@ Op = Literal["<", "<=", ">", ">="]
 STANDARDS: tuple[str, ...] = ("bitwise", "dual_thousandth", "threshold", "benchmark", "accumulative")
 _SEVERITY: Mapping[str, int] = {"pass": 0, "warning": 1, "fail": 2}
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
+_NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
 
 
 # --------------------------------------------------------------------------------------------------
@@ -801,6 +803,34 @@ def _check_standards(standards: Iterable[str] | str | None) -> tuple[str, ...]:
     return tuple(name for name in STANDARDS if name in names)
 
 
+def check_compare_arguments(call: MoeInitRoutingV2GradCall, candidate: Any,
+                            standards: Iterable[str] | str | None = None) -> tuple[str, ...]:
+    """Check a comparison's arguments without computing anything (a service runs this before its device).
+
+    Args:
+        call: the validated call (:class:`moegrad.MoeInitRoutingV2GradCall`).
+        candidate: the implementation's grad_x: a numpy.ndarray of shape [N, H] of the call, in the
+            call's dtype or float32 (docs/accuracy.md, "Three comparisons").
+        standards: names from :data:`STANDARDS` (a single name is accepted); None: all of them.
+
+    Returns:
+        The requested standards, each once, in :data:`STANDARDS` order (the order of a report).
+
+    Raises:
+        InvalidArgument: the candidate is missing (None; aclnn 161001, as the operator answers a null
+            tensor), or not an ndarray, or of another dtype or shape (aclnn 161002), field
+            ``"candidate"``; a standard is unknown or none is given (aclnn 161002, field ``"standards"``).
+        TypeError: ``call`` is not a :class:`~moegrad.MoeInitRoutingV2GradCall`.
+    """
+    if not isinstance(call, MoeInitRoutingV2GradCall):
+        raise TypeError(f"call must be a MoeInitRoutingV2GradCall, got {type(call).__name__}")
+    if candidate is None:
+        raise InvalidArgument("candidate is missing: send the implementation's grad_x [N, H]",
+                              aclnn_status=_NULLPTR, field="candidate")
+    _check_candidate(candidate, (call.num_tokens, call.hidden_size), call.dtype_name)
+    return _check_standards(standards)
+
+
 def compare_arrays(candidate: np.ndarray, device_result: np.ndarray, golden: np.ndarray, *, dtype: str | None = None,
                    magnitude: np.ndarray | None = None, zero_rows: np.ndarray | None = None,
                    standards: Iterable[str] | str | None = None) -> ComparisonReport:
@@ -883,16 +913,13 @@ def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_res
         A :class:`ComparisonReport`.
 
     Raises:
-        InvalidArgument: a bad candidate (wrong type, dtype or shape; field ``"candidate"``) or an
-            unknown standard (field ``"standards"``), aclnn 161002; checked before anything is computed.
+        InvalidArgument: as :func:`check_compare_arguments` (a missing candidate 161001, a bad
+            candidate or an unknown standard 161002); checked before anything is computed.
         TypeError: ``call`` is not a :class:`~moegrad.MoeInitRoutingV2GradCall`.
         ValueError: ``device_result`` or ``golden`` has the wrong shape or dtype.
     """
-    if not isinstance(call, MoeInitRoutingV2GradCall):
-        raise TypeError(f"call must be a MoeInitRoutingV2GradCall, got {type(call).__name__}")
+    check_compare_arguments(call, candidate, standards)
     shape = (call.num_tokens, call.hidden_size)
-    _check_candidate(candidate, shape, call.dtype_name)
-    _check_standards(standards)
     for name, given in (("device_result", device_result), ("golden", golden)):
         if given is not None and getattr(given, "shape", None) != shape:
             raise ValueError(f"{name} has shape {list(getattr(given, 'shape', ()))}; grad_x of this call is {list(shape)}")

@@ -11,7 +11,9 @@ generator that yields what it wants done and is sent back what happened:
 The core builds every request (URL, headers, body, per-attempt timeouts), maps every response and
 every network error to a result or an exception, and decides every retry. :class:`Client` and
 :class:`AsyncClient` only drive flows: ``_drive`` is the same dozen lines in each, differing by
-``await``. A new endpoint is one flow in the core plus one short method in each client.
+``await``. A new endpoint is one flow in the core plus one short method in each client: the
+operator call (``grad_flow``), the accuracy comparison (``compare_flow``, docs/accuracy.md), the
+service's info and health probes.
 
 Errors a call raises (the tree is drawn in ``moegrad._errors``):
 
@@ -47,12 +49,13 @@ import re
 import ssl
 import time
 import uuid
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any, TypeVar
 
 import httpx
 import numpy as np
 
+from moegrad._accuracy import ComparisonReport, check_compare_arguments
 from moegrad._errors import (
     DeadlineExceeded,
     DeviceBusy,
@@ -69,13 +72,14 @@ from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import decode_body, decode_tensor, dtype_name, encode_body, encode_tensor
 
-__all__ = ["AsyncClient", "Client", "GradResult"]
+__all__ = ["AsyncClient", "Client", "CompareResult", "GradResult"]
 
 T = TypeVar("T")
 #: What a flow yields (a request to send, or seconds to sleep), is sent, and returns.
 Flow = Generator["httpx.Request | float", "httpx.Response | httpx.HTTPError | None", T]
 
 _GRAD_PATH = "/v1/moe_init_routing_v2_grad"
+_COMPARE_PATH = "/v1/moe_init_routing_v2_grad/compare"
 _MSGPACK = "application/msgpack"
 _JSON = "application/json"
 _MAX_RETRY_DELAY_S = 30.0  # the longest a single Retry-After is honoured
@@ -127,6 +131,38 @@ class GradResult:
     device: str | None
     timings_ms: Mapping[str, float]
     request_id: str | None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompareResult:
+    """One accuracy comparison's answer from the service (docs/accuracy.md, "Reading a report").
+
+    Attributes:
+        report: the :class:`~moegrad.ComparisonReport`, rebuilt with ``ComparisonReport.from_dict``
+            from the reply: the three comparisons, the zero rows and every standard's verdict.
+        grad_x: the device's (or the emulation's) grad_x, [N, H] in the call's dtype, C-contiguous,
+            writable, owned by the caller, when the call asked for it (``return_grad_x=True``);
+            else None.
+        backend: the backend that ran the call (``"reference"``, ``"ascend"``).
+        order: the accumulation order of the device result (``"ascend910b"`` or ``"sequential"``).
+        device: the device that ran it, or None for the CPU emulation.
+        timings_ms: ``{"queue", "compute", "golden", "compare", "total"}`` as the server measured
+            them, in milliseconds.
+        request_id: the ``X-Request-Id`` the server echoed.
+    """
+
+    report: ComparisonReport
+    grad_x: np.ndarray | None
+    backend: str
+    order: str
+    device: str | None
+    timings_ms: Mapping[str, float]
+    request_id: str | None
+
+    @property
+    def passed(self) -> bool:
+        """True unless the overall verdict is ``"fail"`` (a warning passes): ``report.passed``."""
+        return self.report.passed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,10 +381,7 @@ class _ClientCore:
         ``validate`` is on, and sent as given either way.
         """
         if isinstance(call, MoeInitRoutingV2GradCall):
-            document = call.to_wire()
-            if "order" not in call.model_fields_set:
-                del document["order"]
-            return encode_body(document), call
+            return encode_body(self.call_document(call)), call
         if isinstance(call, Mapping):
             try:
                 body = encode_body(call)
@@ -357,6 +390,42 @@ class _ClientCore:
             checked = MoeInitRoutingV2GradCall.from_wire(decode_body(body)) if self.validate else None
             return body, checked
         raise TypeError(f"call must be a MoeInitRoutingV2GradCall or a wire document mapping, got {type(call).__name__}")
+
+    @staticmethod
+    def call_document(call: MoeInitRoutingV2GradCall) -> dict[str, Any]:
+        """The wire document of a validated call; its ``order`` only when it was set explicitly."""
+        document = call.to_wire()
+        if "order" not in call.model_fields_set:
+            del document["order"]
+        return document
+
+    def compare_body(
+        self, call: MoeInitRoutingV2GradCall | dict[str, Any], candidate: Any, standards: Any, return_grad_x: Any,
+    ) -> tuple[bytes, MoeInitRoutingV2GradCall | None]:
+        """The msgpack body of a comparison: the call's fields plus ``candidate``, ``standards``, ``return_grad_x``.
+
+        ``call`` comes from :meth:`grad_call`. A validated call (``validate=True``) has its candidate
+        and standards checked by :func:`moegrad.check_compare_arguments` first, so a bad one raises
+        InvalidArgument before any I/O; a raw document (``validate=False``) is sent as given.
+        """
+        if not isinstance(return_grad_x, bool):
+            raise TypeError(f"return_grad_x must be a bool, got {type(return_grad_x).__name__}")
+        if isinstance(call, MoeInitRoutingV2GradCall):
+            names: tuple[Any, ...] | None = check_compare_arguments(call, candidate, standards)
+            document, checked = self.call_document(call), call
+        else:
+            names = (standards,) if isinstance(standards, str) else standards
+            document, checked = dict(call), None
+        if candidate is not None:  # an absent candidate is the wire's null tensor
+            document["candidate"] = encode_tensor(np.asarray(candidate))
+        if standards is not None:
+            document["standards"] = list(names)
+        if return_grad_x:
+            document["return_grad_x"] = True
+        try:
+            return encode_body(document), checked
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"the comparison cannot be packed as msgpack: {exc}") from None
 
     def grad_call(
         self, grad_expanded_x: Any, expanded_row_idx: Any, top_k: Any, drop_pad_mode: Any, active_num: Any,
@@ -392,21 +461,51 @@ class _ClientCore:
         except MalformedRequest as exc:  # the server's reply is broken, not the caller's request
             raise ServiceError(f"the server's reply is not a valid result: {exc.message}",
                                status_code=response.status_code) from None
+        _ClientCore.check_grad_x(response, grad_x, call)
+        return GradResult(grad_x=grad_x, **_ClientCore.answer_fields(response, document))
+
+    @staticmethod
+    def parse_compare(response: httpx.Response, call: MoeInitRoutingV2GradCall | None,
+                      return_grad_x: bool) -> CompareResult:
+        """A 200 reply of the compare endpoint as a CompareResult; a reply that is not one is a ServiceError."""
+        try:
+            document = decode_body(response.content)
+            grad_x = decode_tensor(document.get("grad_x"), "grad_x").copy() if return_grad_x else None
+        except MalformedRequest as exc:
+            raise ServiceError(f"the server's reply is not a valid comparison: {exc.message}",
+                               status_code=response.status_code) from None
+        try:
+            report = ComparisonReport.from_dict(document.get("report"))
+        except ValueError as exc:
+            raise ServiceError(f"the server's report is not valid: {exc}", status_code=response.status_code) from None
+        if grad_x is not None:
+            _ClientCore.check_grad_x(response, grad_x, call)
+        if call is not None and report.shape != (call.num_tokens, call.hidden_size):
+            raise ServiceError(f"the server's report is about grad_x {list(report.shape)}, expected "
+                               f"{[call.num_tokens, call.hidden_size]}", status_code=response.status_code)
+        return CompareResult(report=report, grad_x=grad_x, **_ClientCore.answer_fields(response, document))
+
+    @staticmethod
+    def check_grad_x(response: httpx.Response, grad_x: np.ndarray, call: MoeInitRoutingV2GradCall | None) -> None:
+        """A ServiceError unless a replied grad_x has the call's shape [N, H] and dtype."""
         if call is not None:
             want = (call.num_tokens, call.hidden_size)
             if grad_x.shape != want or dtype_name(grad_x.dtype) != call.dtype_name:
                 raise ServiceError(
                     f"the server replied grad_x {grad_x.dtype}{list(grad_x.shape)}, expected "
                     f"{call.dtype_name}{list(want)}", status_code=response.status_code)
+
+    @staticmethod
+    def answer_fields(response: httpx.Response, document: dict[str, Any]) -> dict[str, Any]:
+        """The fields every answer carries: backend, order, device, timings_ms, request_id."""
         timings = document.get("timings_ms")
-        return GradResult(
-            grad_x=grad_x,
-            backend=str(document.get("backend", "")),
-            order=str(document.get("order", "")),
-            device=_str_or_none(document.get("device")),
-            timings_ms=dict(timings) if isinstance(timings, dict) else {},
-            request_id=response.headers.get("x-request-id"),
-        )
+        return {
+            "backend": str(document.get("backend", "")),
+            "order": str(document.get("order", "")),
+            "device": _str_or_none(document.get("device")),
+            "timings_ms": dict(timings) if isinstance(timings, dict) else {},
+            "request_id": response.headers.get("x-request-id"),
+        }
 
     @staticmethod
     def parse_json(response: httpx.Response) -> dict[str, Any]:
@@ -486,6 +585,14 @@ class _ClientCore:
         response = yield from self.exchange("POST", _GRAD_PATH, accept=_MSGPACK, timeout_s=timeout_s,
                                             retries=self.retries, body=body)
         return self.parse_grad(response, checked)
+
+    def compare_flow(self, call: MoeInitRoutingV2GradCall | dict[str, Any], candidate: Any, standards: Any,
+                     return_grad_x: Any, timeout_s: Any) -> Flow[CompareResult]:
+        timeout_s = self.call_timeout_s(timeout_s)
+        body, checked = self.compare_body(call, candidate, standards, return_grad_x)
+        response = yield from self.exchange("POST", _COMPARE_PATH, accept=_MSGPACK, timeout_s=timeout_s,
+                                            retries=self.retries, body=body)
+        return self.parse_compare(response, checked, return_grad_x)
 
     def info_flow(self) -> Flow[dict[str, Any]]:
         response = yield from self.exchange("GET", "/v1/info", accept=_JSON, timeout_s=self.timeout_s,
@@ -653,6 +760,54 @@ class Client(_ClientBase):
         """
         return self._drive(self._core.grad_flow(call, timeout_s))
 
+    def compare(
+        self,
+        grad_expanded_x: np.ndarray,
+        expanded_row_idx: np.ndarray,
+        top_k: int,
+        drop_pad_mode: int = 0,
+        active_num: int = 0,
+        *,
+        candidate: np.ndarray,
+        standards: Iterable[str] | str | None = None,
+        order: str | None = None,
+        allow_duplicate_indices: bool = False,
+        return_grad_x: bool = False,
+        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> CompareResult:
+        """Judge a candidate grad_x against the service's device result and a float64 golden.
+
+        ``POST /v1/moe_init_routing_v2_grad/compare`` (docs/protocol.md): the service runs the call
+        on its backend, computes the golden, and measures candidate vs golden, device vs golden and
+        candidate vs device under the named standards (docs/accuracy.md).
+
+        Args:
+            grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order,
+                allow_duplicate_indices: the operator call, as in :meth:`moe_init_routing_v2_grad`.
+            candidate: [N, H] grad_x of the implementation under test, in the dtype of
+                grad_expanded_x or float32.
+            standards: names from :data:`moegrad.STANDARDS` (one name, or several); None: all.
+            return_grad_x: also return the device's grad_x.
+            timeout_s: this call's deadline in seconds (None: none); not passed: the client's. The
+                server's golden and comparison run after the device and take longer than a plain
+                call (about 2 s per million elements on a small CPU; docs/accuracy.md, "Cost").
+
+        Returns:
+            A :class:`CompareResult`; ``.passed`` is False only when a standard failed.
+
+        Raises:
+            InvalidArgument: a documented constraint of the call (161001 / 161002 / 561002), a missing
+                candidate (161001), a candidate of the wrong dtype or shape or an unknown standard
+                (161002; fields ``"candidate"``, ``"standards"``): locally before any I/O when
+                ``validate=True``, else from the server.
+            TypeError: ``return_grad_x`` is not a bool, or the request cannot be packed.
+            MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
+            DeviceFault, ServiceError, TransportError: see the module docstring.
+        """
+        call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
+                                    order, allow_duplicate_indices)
+        return self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s))
+
     def info(self) -> dict[str, Any]:
         """``GET /v1/info``: version, backend, device, order, streams, max_queue and the limits."""
         return self._drive(self._core.info_flow())
@@ -739,6 +894,26 @@ class AsyncClient(_ClientBase):
     ) -> GradResult:
         """As :meth:`Client.run`, awaited."""
         return await self._drive(self._core.grad_flow(call, timeout_s))
+
+    async def compare(
+        self,
+        grad_expanded_x: np.ndarray,
+        expanded_row_idx: np.ndarray,
+        top_k: int,
+        drop_pad_mode: int = 0,
+        active_num: int = 0,
+        *,
+        candidate: np.ndarray,
+        standards: Iterable[str] | str | None = None,
+        order: str | None = None,
+        allow_duplicate_indices: bool = False,
+        return_grad_x: bool = False,
+        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> CompareResult:
+        """As :meth:`Client.compare`, awaited."""
+        call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
+                                    order, allow_duplicate_indices)
+        return await self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s))
 
     async def info(self) -> dict[str, Any]:
         """As :meth:`Client.info`, awaited."""
