@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from moegrad import __version__
-from moegrad_service.api import health, v1, v2
+from moegrad_service.api import compare, health, v1, v2
 from moegrad_service.api.auth import Authenticator
 from moegrad_service.api.middleware import RequestLogMiddleware
 from moegrad_service.api.problems import install_problem_handlers
@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
     install_problem_handlers(app)
     app.include_router(health.router)
     app.include_router(v1.router)
+    app.include_router(compare.router)
     app.include_router(v2.router)
     app.add_middleware(RequestLogMiddleware)
     return app

@@ -1,0 +1,281 @@
+"""``POST /v1/moe_init_routing_v2_grad/compare`` in-process: verdicts, validation before the backend, grad_x.
+
+Requests are packed here by hand (msgpack and raw little-endian bytes, as docs/protocol.md
+describes). Expected values come from in-process computations that do not go through the service:
+the device result is :func:`moegrad.moe_init_routing_v2_grad` (bit-exact emulation, tested against
+a slow loop in tests/unit), Huawei's golden is the same with ``order="sequential"``, bit mismatches
+are counted with NumPy, and codes, fields and statuses are the ones docs/protocol.md lists.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+import routing
+from servicekit import MSGPACK_HEADERS, pack
+
+import moegrad
+
+PATH = "/v1/moe_init_routing_v2_grad/compare"
+MODES = ("dropless", "active", "drop_pad")
+TOLERANCE = ("dual_thousandth", "threshold", "benchmark", "accumulative")
+WIRE = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float32): "float32",
+        np.dtype(np.int32): "int32"}
+NUMPY = {name: dtype for dtype, name in WIRE.items()}
+
+
+def tensor(array: np.ndarray) -> dict:
+    array = np.ascontiguousarray(array)
+    return {"dtype": WIRE[array.dtype], "shape": list(array.shape), "data": array.astype(array.dtype.newbyteorder("<")).tobytes()}
+
+
+def from_tensor(obj: dict) -> np.ndarray:
+    return np.frombuffer(obj["data"], dtype=NUMPY[obj["dtype"]]).reshape(obj["shape"])
+
+
+def make_call(mode: str, dtype=np.float32, *, tokens: int = 24, top_k: int = 4, hidden: int = 32, seed: int = 0):
+    """A routed call (tests/routing.py) with normally distributed gradients."""
+    rng = np.random.default_rng(seed)
+    r = routing.route(rng, tokens, top_k, 8, mode)
+    grad = rng.standard_normal(r.grad_shape(hidden)).astype(dtype)
+    return moegrad.MoeInitRoutingV2GradCall(grad_expanded_x=grad, **r.kwargs())
+
+
+def document(call, candidate=None, **extra) -> dict:
+    doc = {"grad_expanded_x": tensor(call.grad_expanded_x), "expanded_row_idx": tensor(call.expanded_row_idx),
+           "top_k": call.top_k, "drop_pad_mode": call.drop_pad_mode, "active_num": call.active_num}
+    if candidate is not None:
+        doc["candidate"] = tensor(candidate)
+    doc.update(extra)
+    return doc
+
+
+def post(client, doc: dict | bytes, **kwargs):
+    body = pack(doc) if isinstance(doc, dict) else doc
+    return client.post(PATH, content=body, headers=MSGPACK_HEADERS, **kwargs)
+
+
+def reply(response) -> dict:
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/msgpack"
+    return msgpack.unpackb(response.content, raw=False)
+
+
+def problem(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    return response.json()
+
+
+def statuses(report: dict) -> dict[str, str]:
+    return {v["standard"]: v["status"] for v in report["verdicts"]}
+
+
+def criterion(report: dict, standard: str, measure: str) -> dict:
+    (verdict,) = [v for v in report["verdicts"] if v["standard"] == standard]
+    (found,) = [c for c in verdict["criteria"] if c["measure"] == measure]
+    return found
+
+
+def metric(client, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+# ---- verdicts ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_reference_result_passes_every_standard(client, mode, dtype):
+    call = make_call(mode, dtype)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    answer = reply(post(client, document(call, device)))
+    report = answer["report"]
+    assert statuses(report) == dict.fromkeys(moegrad.STANDARDS, "pass")
+    assert report["verdict"] == "pass"
+    assert report["shape"] == [call.num_tokens, call.hidden_size]
+    assert report["dtype"] == report["candidate_dtype"] == WIRE[np.dtype(dtype)]
+    assert report["candidate_vs_device"]["bitwise_equal_count"] == device.size
+    assert (answer["backend"], answer["order"], answer["device"]) == ("reference", "ascend910b", None)
+    assert set(answer["timings_ms"]) == {"queue", "compute", "golden", "compare", "total"}
+    assert all(value >= 0 for value in answer["timings_ms"].values())
+    assert "grad_x" not in answer
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("top_k", [3, 8])
+def test_huaweis_sequential_golden_fails_bitwise_and_passes_the_tolerances_in_float32(client, mode, top_k):
+    call = make_call(mode, top_k=top_k, seed=top_k)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    sequential = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
+    differing = int(np.count_nonzero(sequential.view(np.uint32) != device.view(np.uint32)))
+    assert differing > 0  # DESIGN.md section 3: the orders differ bitwise once K >= 3
+    report = reply(post(client, document(call, sequential)))["report"]
+    assert statuses(report) == {**dict.fromkeys(TOLERANCE, "pass"), "bitwise": "fail"}
+    assert report["verdict"] == "fail"
+    assert criterion(report, "bitwise", "bitwise_mismatches")["value"] == differing
+    assert report["candidate_vs_device"]["bitwise_equal_count"] == device.size - differing
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_corrupted_row_fails_with_that_row_as_the_worst_element(client, mode):
+    call = make_call(mode, seed=5)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    candidate = device.copy()
+    row = 9
+    candidate[row] += np.float32(1.0)
+    report = reply(post(client, document(call, candidate)))["report"]
+    assert report["verdict"] == "fail"
+    for standard in ("bitwise", "threshold", "benchmark", "accumulative"):
+        assert statuses(report)[standard] == "fail", standard
+    for comparison in ("candidate_vs_golden", "candidate_vs_device"):
+        worst = report[comparison]["worst"]
+        assert worst["row"] == row, comparison
+        assert worst["actual"] == float(candidate[row, worst["column"]])
+    assert report["candidate_vs_device"]["worst"]["expected"] == float(device[row, report["candidate_vs_device"]["worst"]["column"]])
+    assert criterion(report, "bitwise", "bitwise_mismatches")["value"] == int(
+        np.count_nonzero(candidate.view(np.uint32) != device.view(np.uint32)))
+
+
+def test_the_call_order_picks_the_device_result(client):
+    call = make_call("dropless", top_k=5)
+    sequential = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
+    answer = reply(post(client, document(call, sequential, order="sequential", standards=["bitwise"])))
+    assert answer["order"] == "sequential"
+    assert statuses(answer["report"]) == {"bitwise": "pass"}
+
+
+def test_the_report_is_the_in_process_comparison(client):
+    call = make_call("drop_pad", ml_dtypes.bfloat16, seed=3)
+    candidate = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
+    answer = reply(post(client, document(call, candidate)))
+    assert answer["report"] == moegrad.compare(call, candidate).to_dict()
+
+
+def test_a_float32_candidate_for_a_bfloat16_call(client):
+    call = make_call("active", ml_dtypes.bfloat16)
+    wide = call.model_copy(update={"grad_expanded_x": call.grad_expanded_x.astype(np.float32)})
+    candidate = moegrad.moe_init_routing_v2_grad(wide)  # float32 sums, never rounded to bfloat16
+    report = reply(post(client, document(call, candidate)))["report"]
+    assert (report["dtype"], report["candidate_dtype"]) == ("bfloat16", "float32")
+    assert statuses(report)["bitwise"] == "fail"
+
+
+def test_standards_choose_the_verdicts_in_report_order(client):
+    call = make_call("dropless")
+    device = moegrad.moe_init_routing_v2_grad(call)
+    report = reply(post(client, document(call, device, standards=["threshold", "bitwise", "threshold"])))["report"]
+    assert [v["standard"] for v in report["verdicts"]] == ["bitwise", "threshold"]
+
+
+def test_return_grad_x_gives_the_device_result(client):
+    call = make_call("drop_pad", np.float16, seed=2)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    answer = reply(post(client, document(call, device, return_grad_x=True)))
+    grad_x = from_tensor(answer["grad_x"])
+    assert grad_x.dtype == np.float16 and grad_x.shape == device.shape
+    np.testing.assert_array_equal(grad_x.view(np.uint16), device.view(np.uint16))
+    assert "grad_x" not in reply(post(client, document(call, device, return_grad_x=False)))
+
+
+def test_an_empty_call_is_answered(client):
+    grad = np.zeros((0, 8), np.float32)
+    call = moegrad.MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.zeros(0, np.int32), top_k=2)
+    answer = reply(post(client, document(call, np.zeros((0, 8), np.float32), return_grad_x=True)))
+    assert answer["report"]["shape"] == [0, 8]
+    assert answer["report"]["verdict"] == "pass"
+    assert answer["grad_x"] == {"dtype": "float32", "shape": [0, 8], "data": b""}
+
+
+def test_success_and_failure_are_counted(client):
+    call = make_call("dropless")
+    device = moegrad.moe_init_routing_v2_grad(call)
+    assert post(client, document(call, device)).status_code == 200
+    assert post(client, document(call, device[:-1])).status_code == 422
+    assert metric(client, "moegrad_inference_request_success_total", endpoint=PATH) == 1
+    assert metric(client, "moegrad_inference_request_failure_total", endpoint=PATH, reason="invalid_argument") == 1
+
+
+# ---- validation, all before the backend runs -----------------------------------------------------
+
+
+def _rejections():
+    call = make_call("dropless", np.float16)
+    good = moegrad.moe_init_routing_v2_grad(call)
+    return call, [
+        ("missing candidate", {}, 422, 161001, "candidate"),
+        ("short candidate", {"candidate": tensor(good[:-1])}, 422, 161002, "candidate"),
+        ("transposed candidate", {"candidate": tensor(np.ascontiguousarray(good.T))}, 422, 161002, "candidate"),
+        ("1-D candidate", {"candidate": tensor(good.reshape(-1))}, 422, 161002, "candidate"),
+        ("bfloat16 candidate for float16", {"candidate": tensor(good.astype(ml_dtypes.bfloat16))}, 422, 161002, "candidate"),
+        ("int32 candidate", {"candidate": tensor(good.astype(np.int32))}, 422, 161002, "candidate"),
+        ("unknown standard", {"candidate": tensor(good), "standards": ["bitwise", "exact"]}, 422, 161002, "standards"),
+        ("no standard", {"candidate": tensor(good), "standards": []}, 422, 161002, "standards"),
+        ("constraint", {"candidate": tensor(good), "top_k": 5}, 422, 561002, "expanded_row_idx"),
+        ("broken candidate map", {"candidate": {"dtype": "float16", "shape": [1, 2], "data": bytes(3)}}, 400, None, "candidate"),
+        ("float64 candidate", {"candidate": {"dtype": "float64", "shape": list(good.shape),
+                                             "data": good.astype(np.float64).tobytes()}}, 400, None, "candidate"),
+        ("standards not a list", {"candidate": tensor(good), "standards": "bitwise"}, 400, None, "standards"),
+        ("standards not names", {"candidate": tensor(good), "standards": [1]}, 400, None, "standards"),
+        ("return_grad_x not a bool", {"candidate": tensor(good), "return_grad_x": 1}, 400, None, "return_grad_x"),
+        ("unknown key", {"candidate": tensor(good), "candidates": 1}, 400, None, "candidates"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_rejections()[1])), ids=[case[0] for case in _rejections()[1]])
+def test_rejections_name_the_field_and_never_run_the_backend(serve, gate, gated_backend, case):
+    call, cases = _rejections()
+    _, overrides, status, aclnn, field = cases[case]
+    gate.release.set()
+    with serve(backend=gated_backend) as client:
+        body = problem(post(client, {**document(call), **overrides}), status)
+        assert body["field"] == field
+        assert body["aclnn_status"] == aclnn
+        if aclnn is not None:
+            assert body["aclnn_name"] == {161001: "ACLNN_ERR_PARAM_NULLPTR", 161002: "ACLNN_ERR_PARAM_INVALID",
+                                          561002: "ACLNN_ERR_INNER_TILING_ERROR"}[aclnn]
+        assert gate.calls == 0  # rejected before the device was asked for anything
+        good = moegrad.moe_init_routing_v2_grad(call)
+        assert post(client, document(call, good)).status_code == 200
+        assert gate.calls == 1
+
+
+def test_a_candidate_over_the_element_cap_is_413(serve):
+    call = make_call("dropless", tokens=4, top_k=2, hidden=4)  # 32 grad elements, 16 candidate elements
+    grad = call.grad_expanded_x
+    with serve(max_elements=grad.size) as client:
+        body = problem(post(client, document(call, np.zeros((call.num_tokens, grad.size), np.float32))), 413)
+        assert body["field"] == "candidate"
+
+
+def test_messages_say_what_is_wrong(client):
+    call = make_call("dropless")
+    device = moegrad.moe_init_routing_v2_grad(call)
+    detail = problem(post(client, document(call, device[:, :-1])), 422)["detail"]
+    assert str(list(device.shape[:1]) + [device.shape[1] - 1]) in detail and str(list(device.shape)) in detail
+    detail = problem(post(client, document(call, device, standards=["exact"])), 422)["detail"]
+    assert "'exact'" in detail and all(name in detail for name in moegrad.STANDARDS)
+    assert "candidate" in problem(post(client, document(call)), 422)["detail"]
+
+
+def test_authentication_applies(serve):
+    call = make_call("dropless")
+    device = moegrad.moe_init_routing_v2_grad(call)
+    with serve(auth_tokens="s3cret") as client:
+        assert post(client, document(call, device)).status_code == 401
+        answer = client.post(PATH, content=pack(document(call, device)),
+                             headers={**MSGPACK_HEADERS, "authorization": "Bearer s3cret"})
+        assert reply(answer)["report"]["verdict"] == "pass"
+
+
+def test_wrong_content_type_is_415(client):
+    call = make_call("dropless")
+    response = client.post(PATH, content=pack(document(call, moegrad.moe_init_routing_v2_grad(call))),
+                           headers={"content-type": "application/json"})
+    assert problem(response, 415)["status"] == 415
