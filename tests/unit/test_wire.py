@@ -272,8 +272,14 @@ def test_body_must_be_a_map(value):
     body_error(msgpack.packb(value), "must be a msgpack map")
 
 
-def test_deeply_nested_body_is_rejected():
-    body_error(b"\x81\xa1a" + b"\x91" * 100_000 + b"\xc0", "nested too deeply")
+@pytest.mark.parametrize("depth", [50, 2_000, 100_000])
+def test_deeply_nested_body_is_rejected(depth):
+    # {"a": [[[...[nil]...]]]}: msgpack's own stack limit, or moegrad's tighter cap, refuses it.
+    body_error(b"\x81\xa1a" + b"\x91" * depth + b"\xc0", "nested")
+
+
+def test_moderate_nesting_is_accepted():
+    assert decode_body(b"\x81\xa1a" + b"\x91" * 8 + b"\xc0")["a"] == [[[[[[[[None]]]]]]]]
 
 
 @pytest.mark.parametrize(
