@@ -15,7 +15,10 @@ S4 a pairwise tree ``bin[j-s] += bin[j]`` for s = 1, 2, 4, ... < B and j = s, 3s
 
 Nothing materialises an [N, K, H] intermediate: rows are processed in chunks whose float32 bins fit
 in a few MiB, the chunks spread over the machine's cores (NumPy releases the GIL while it copies
-and adds).
+and adds). Where numba is installed (the ``fast`` extra), the float32 accumulation runs compiled
+instead (:mod:`moegrad._fast`), with the same bits; ``_KERNEL`` or ``_accumulate(kernel=...)``
+picks the path ("auto", "numba", "numpy"). The shared pool has ``MOEGRAD_REFERENCE_THREADS``
+threads, default the CPUs this process may use (at most 8); concurrent calls share it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from moegrad import _fast
 from moegrad._spec import MoeInitRoutingV2GradCall
 
 __all__ = ["accumulation_schedule", "bin_count", "moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden"]
@@ -74,12 +78,19 @@ def accumulation_schedule(top_k: int, order: str = "ascend910b") -> tuple[tuple[
     return tuple(steps)
 
 
+_KERNEL = "auto"  # the float32 path: "auto" (numba when it imports), "numba" (required) or "numpy"
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
 
 def _workers() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
+    configured = os.environ.get("MOEGRAD_REFERENCE_THREADS", "").strip()
+    if configured:
+        if not configured.isdigit() or int(configured) < 1:
+            raise ValueError(f"MOEGRAD_REFERENCE_THREADS={configured!r} must be a positive integer")
+        return int(configured)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(usable or 1, 8))
 
 
 def _map_chunks(fn: Callable[[int, int], None], rows: int, chunk: int) -> None:
@@ -123,7 +134,7 @@ def _prepare(call: MoeInitRoutingV2GradCall) -> tuple[np.ndarray, np.ndarray, Ca
 
 
 def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: Sequence[tuple[str, int, int]],
-                out: np.ndarray, compensated: bool = False) -> np.ndarray:
+                out: np.ndarray, compensated: bool = False, kernel: str | None = None) -> np.ndarray:
     tokens, hidden = out.shape
     if tokens == 0 or hidden == 0:  # before _prepare: reshape(-1, 0) cannot infer the row count
         return out
@@ -131,6 +142,14 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
     if rows.shape[0] == 0:  # drop/pad with E*C = 0: validation left only -1, every slot is skipped
         out.fill(0.0)
         return out
+    kernel = _KERNEL if kernel is None else kernel
+    if kernel not in ("auto", "numba", "numpy"):
+        raise ValueError(f"kernel={kernel!r} is not one of 'auto', 'numba', 'numpy'")
+    if kernel == "numba" and not _fast.available():
+        raise RuntimeError("kernel='numba' needs numba: pip install 'moegrad[fast]'")
+    if kernel != "numpy" and not compensated and acc_dtype == _F32 and _fast.accumulate(
+            rows, call.expanded_row_idx, call.top_k, schedule, out, _map_chunks):
+        return out  # same bits as below; strided or byte-swapped inputs fall through to NumPy
     nbins = 1 + max(step[1] for step in schedule)
     chunk = max(1, _CHUNK_BYTES // (nbins * hidden * acc_dtype.itemsize))
     widen = rows.dtype != acc_dtype
