@@ -1,0 +1,974 @@
+"""Service benchmarks (issue 7, targets 2 and 3): moegrad on loopback, its floors, a PyTriton peer, memory.
+
+Everything runs on this machine, on 127.0.0.1 only, with bounded loops; every server this module
+starts is stopped in a ``finally``. Two sections of bench/RESULTS.md come from here:
+
+- ``service`` (target 2): S1 sequential latency with the sync :class:`moegrad.Client` against the
+  floor of a trivial ``GET /health/live`` with the same client; S1 throughput with 16 concurrent
+  requests from a separate load process; S2 end to end against the in-process time of the same
+  call's encode + validate + compute + decode, and against raw TCP loopback moving the same bytes;
+  the PyTriton peer (the naive NumPy function under PyTriton 0.7, bench/pytriton_peer/) against
+  moegrad's v2 endpoint, both driven by tritonclient[http] on the same payloads.
+- ``memory`` (target 3): the server's peak RSS growth over one S2 call (VmHWM after resetting it
+  through /proc/<pid>/clear_refs), and its RSS while serving S2 again and again.
+
+The workloads: S1 is the documentation's example (grad [[.1,.1],[.3,.3],[.2,.2],[.4,.4]] float32,
+idx [2,0,1,3], K=2); S2 is N=1024, K=2, H=4096 float32 dropless (32 MiB in, 16 MiB out). Every
+reply is checked bitwise against a result computed here (for K=2 the device order and the naive sum
+are both v0 + v1 in float32).
+
+Usage::
+
+    .venv/bin/python -m bench.service [--quick|--full]     # only this module's two sections
+    .venv/bin/python -m bench.run [--quick|--full]         # every section (make bench)
+
+``--server-pythonpath DIR`` runs the moegrad server from another source tree (DIR/client and
+DIR/service first on its PYTHONPATH), e.g. an export of an older commit for a before/after check.
+The internal ``load`` command is the load-generating process (one JSON line per event on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FULL", "QUICK", "Mode", "Payload", "main", "s1", "s2"]
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = ROOT / "bench" / "_out"
+MODEL = "moe_init_routing_v2_grad"
+CONCURRENCY = 16
+MIB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How much of each measurement a run makes (quick: ``make bench``'s default)."""
+
+    name: str
+    s1_calls: int  # S1 calls with the sync Client (and as many GET /health/live, interleaved)
+    s1_rounds: int  # concurrency rounds: each server gets one window per round, in turn
+    s1_window_s: float  # the measured window of one round, after a 0.5 s warm-up
+    peer_s1_calls: int  # sequential S1 calls per v2 server with sync tritonclient
+    s2_calls: int  # S2 calls per path (in-process, v1 Client, tritonclient x2, raw loopback)
+    memory_s: float  # how long the memory run serves S2 again and again
+    venv_limit_s: float  # how long building the PyTriton venv may take before the peer is skipped
+
+
+QUICK = Mode("quick", s1_calls=1000, s1_rounds=2, s1_window_s=3.0, peer_s1_calls=300, s2_calls=5,
+             memory_s=15.0, venv_limit_s=150.0)
+FULL = Mode("full", s1_calls=5000, s1_rounds=5, s1_window_s=5.0, peer_s1_calls=1000, s2_calls=15,
+            memory_s=60.0, venv_limit_s=900.0)
+
+
+# --- payloads ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One call and its expected grad_x (computed here, independently of moegrad)."""
+
+    name: str
+    grad_expanded_x: np.ndarray
+    expanded_row_idx: np.ndarray
+    top_k: int
+    expected: np.ndarray
+
+    @property
+    def request_bytes(self) -> int:
+        return self.grad_expanded_x.nbytes + self.expanded_row_idx.nbytes
+
+    @property
+    def reply_bytes(self) -> int:
+        return self.expected.nbytes
+
+
+def s1() -> Payload:
+    """The documentation's example; its result per DESIGN.md section 7 (float32: 0.3, 0.70000005)."""
+    grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
+    idx = np.array([2, 0, 1, 3], dtype=np.int32)
+    expected = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32)
+    return Payload("S1", grad, idx, 2, expected)
+
+
+def s2() -> Payload:
+    """N=1024, K=2, H=4096 float32 dropless: a random permutation of the 2048 rows (32 MiB in)."""
+    rng = np.random.default_rng(7)
+    grad = rng.standard_normal((2048, 4096), dtype=np.float32)
+    idx = rng.permutation(2048).astype(np.int32)
+    expected = grad[idx[0::2]] + grad[idx[1::2]]  # K=2: one float32 add per element, v0 + v1
+    return Payload("S2", grad, idx, 2, expected)
+
+
+PAYLOADS: dict[str, Callable[[], Payload]] = {"s1": s1, "s2": s2}
+
+
+# --- processes --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stat_fields(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                children.setdefault(int(_stat_fields(int(entry.name))[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` (those still alive)."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = _stat_fields(pid)
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def status_kib(pid: int, key: str) -> int:
+    """A ``kB`` line of /proc/<pid>/status (VmRSS, VmHWM, ...)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Reset the process's VmHWM to its current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+class ServerProcess:
+    """A server subprocess in its own process group, ready when ``ready_path`` answers 200.
+
+    Used as a context manager: ``__exit__`` always stops it (SIGTERM, then SIGKILL to its own
+    process group after ``stop_within_s``).
+    """
+
+    def __init__(self, name: str, argv: list[str], *, url: str, ready_path: str, env: dict[str, str],
+                 ready_within_s: float, stop_within_s: float = 30.0) -> None:
+        self.name, self.argv, self.url, self.ready_path, self.env = name, argv, url, ready_path, env
+        self.ready_within_s, self.stop_within_s = ready_within_s, stop_within_s
+        self.log_path = OUT_DIR / "logs" / f"{name}-{url.rsplit(':', 1)[1]}.log"
+        self.process: subprocess.Popen | None = None
+        self.startup_s = math.nan
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def __enter__(self) -> ServerProcess:
+        import httpx
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=self.env, cwd=ROOT, start_new_session=True)
+        try:
+            deadline = started + self.ready_within_s
+            with httpx.Client(timeout=2.0) as http:
+                while time.monotonic() < deadline:
+                    if self.process.poll() is not None:
+                        raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log "
+                                           f"{self.log_path}:\n{_tail(self.log_path)}")
+                    with contextlib.suppress(httpx.HTTPError):
+                        if http.get(self.url + self.ready_path).status_code == 200:
+                            self.startup_s = time.monotonic() - started
+                            return self
+                    time.sleep(0.2)
+            raise RuntimeError(f"{self.name} was not ready within {self.ready_within_s:.0f} s; log "
+                               f"{self.log_path}:\n{_tail(self.log_path)}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(self.stop_within_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+        # Anything the server started and left behind in its own group (PyTriton's tritonserver).
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2.0)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return "(no log)"
+
+
+def moegrad_server(*, streams: int = 2, pythonpath: str | None = None) -> ServerProcess:
+    port = free_port()
+    argv = [sys.executable, "-m", "moegrad_service", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--backend", "reference", "--streams", str(streams), "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGRAD_")}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([f"{pythonpath}/client", f"{pythonpath}/service"])
+    return ServerProcess("moegrad", argv, url=f"http://127.0.0.1:{port}", ready_path="/health/ready", env=env,
+                         ready_within_s=60.0)
+
+
+def moegrad_command(streams: int = 2) -> str:
+    return (f"python -m moegrad_service serve --host 127.0.0.1 --port PORT --backend reference "
+            f"--streams {streams} --log-level warning")
+
+
+def pytriton_server(venv: Any) -> ServerProcess:
+    port = free_port()
+    argv = [str(venv.python), str(ROOT / "bench" / "pytriton_peer" / "server.py"), "--port", str(port),
+            "--workspace", str(OUT_DIR / f"pytriton-workspace-{port}")]
+    return ServerProcess("pytriton", argv, url=f"http://127.0.0.1:{port}", ready_path=f"/v2/models/{MODEL}/ready",
+                         env=venv.env(), ready_within_s=240.0)
+
+
+# --- statistics -------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank percentile (q in 0..100) of ``values``."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}" if seconds < 0.1 else f"{seconds * 1e3:.1f}"
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**pass**" if ok else "**MISS**")
+
+
+# --- clients ----------------------------------------------------------------------------------
+
+
+def triton_inputs(module: Any, payload: Payload) -> tuple[list, list]:
+    """tritonclient inputs and outputs (binary tensor data both ways) for ``payload``."""
+    grad = module.InferInput("grad_expanded_x", list(payload.grad_expanded_x.shape), "FP32")
+    grad.set_data_from_numpy(payload.grad_expanded_x, binary_data=True)
+    idx = module.InferInput("expanded_row_idx", list(payload.expanded_row_idx.shape), "INT32")
+    idx.set_data_from_numpy(payload.expanded_row_idx, binary_data=True)
+    return [grad, idx], [module.InferRequestedOutput("grad_x", binary_data=True)]
+
+
+class TritonCaller:
+    """Sync tritonclient[http] calls of the model (the same request to moegrad v2 and PyTriton)."""
+
+    def __init__(self, url: str) -> None:
+        import tritonclient.http as triton
+
+        self._triton = triton
+        self.client = triton.InferenceServerClient(url.removeprefix("http://"), connection_timeout=120.0,
+                                                   network_timeout=120.0)
+
+    def __call__(self, payload: Payload) -> np.ndarray:
+        inputs, outputs = triton_inputs(self._triton, payload)
+        result = self.client.infer(MODEL, inputs, outputs=outputs, parameters={"top_k": payload.top_k})
+        return result.as_numpy("grad_x")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def check(result: np.ndarray, payload: Payload, where: str) -> None:
+    if result.dtype != payload.expected.dtype or not np.array_equal(result.view(np.uint32),
+                                                                    payload.expected.view(np.uint32)):
+        raise AssertionError(f"{where}: the {payload.name} reply differs from the expected result")
+
+
+# --- the load process -------------------------------------------------------------------------
+
+
+async def _load(kind: str, url: str, payload: Payload, concurrency: int, duration_s: float, warmup_s: float) -> dict:
+    """Run ``concurrency`` request loops; count replies completed inside the measured window."""
+    if kind == "moegrad":
+        from moegrad import AsyncClient
+
+        client = AsyncClient(url, retries=0, timeout_s=60.0)
+
+        async def one() -> np.ndarray:
+            return await client.moe_init_routing_v2_grad(payload.grad_expanded_x, payload.expanded_row_idx,
+                                                         payload.top_k)
+
+        close = client.aclose
+    else:
+        import tritonclient.http.aio as triton_aio
+
+        triton_client = triton_aio.InferenceServerClient(url.removeprefix("http://"), conn_limit=concurrency)
+
+        async def one() -> np.ndarray:
+            inputs, outputs = triton_inputs(triton_aio, payload)
+            result = await triton_client.infer(MODEL, inputs, outputs=outputs, parameters={"top_k": payload.top_k})
+            return result.as_numpy("grad_x")
+
+        close = triton_client.close
+    try:
+        check(await one(), payload, f"{kind} at {url}")
+        loop = asyncio.get_running_loop()
+        begin = loop.time() + warmup_s
+        end = begin + duration_s
+        counts = {"ok": 0, "errors": 0}
+        first_error: list[str] = []
+
+        async def worker() -> None:
+            while loop.time() < end:
+                try:
+                    await one()
+                except Exception as exc:  # noqa: BLE001 - counted and reported
+                    counts["errors"] += 1
+                    first_error[:1] = first_error[:1] or [f"{type(exc).__name__}: {exc}"]
+                    await asyncio.sleep(0.01)
+                    continue
+                if begin <= loop.time() <= end:
+                    counts["ok"] += 1
+
+        async def events() -> dict:
+            await asyncio.sleep(max(0.0, begin - loop.time()))
+            cpu0 = time.process_time()
+            print(json.dumps({"event": "start"}), flush=True)
+            await asyncio.sleep(max(0.0, end - loop.time()))
+            print(json.dumps({"event": "stop"}), flush=True)
+            return {"client_cpu_s": time.process_time() - cpu0}
+
+        workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+        timing = await events()
+        await asyncio.gather(*workers)
+        return {"event": "result", "requests": counts["ok"], "errors": counts["errors"], "window_s": duration_s,
+                "first_error": first_error[0] if first_error else None, **timing}
+    finally:
+        await close()
+
+
+def load_process(kind: str, url: str, payload: str, duration_s: float, server_pids: list[int],
+                 concurrency: int = CONCURRENCY) -> dict:
+    """Run the load generator as a separate process; read the server's CPU time over its window."""
+    argv = [sys.executable, "-m", "bench.service", "load", "--client", kind, "--url", url, "--payload", payload,
+            "--concurrency", str(concurrency), "--duration-s", str(duration_s)]
+    log_path = OUT_DIR / "logs" / f"load-{kind}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    marks: dict[str, float] = {}
+    result: dict = {}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                   text=True)
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                event = json.loads(line)
+                if event["event"] in ("start", "stop"):
+                    marks[event["event"]] = cpu_s(server_pids)
+                else:
+                    result = event
+            process.wait(duration_s + 120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    if process.returncode != 0 or not result:
+        raise RuntimeError(f"the load process for {kind} at {url} failed ({process.returncode}):\n{_tail(log_path)}")
+    result["server_cpu_s"] = marks.get("stop", math.nan) - marks.get("start", math.nan)
+    result["rate"] = result["requests"] / result["window_s"]
+    return result
+
+
+# --- S1 ---------------------------------------------------------------------------------------
+
+
+def s1_sequential(url: str, payload: Payload, calls: int, pid: int) -> dict:
+    """S1 with the sync Client, interleaved in blocks of 100 with GET /health/live (the floor)."""
+    from moegrad import Client
+
+    block = 100
+    grad_s: list[float] = []
+    live_s: list[float] = []
+    cpu = {"grad": 0.0, "live": 0.0}
+    args = (payload.grad_expanded_x, payload.expanded_row_idx, payload.top_k)
+    with Client(url, retries=0) as client:
+        check(client.moe_init_routing_v2_grad(*args), payload, "moegrad v1 (Client)")
+        for _ in range(block):  # warm-up: connection, caches, the server's first-call paths
+            client.moe_init_routing_v2_grad(*args)
+            client.live()
+        while len(grad_s) < calls:
+            before = cpu_s([pid])
+            for _ in range(block):
+                t0 = time.perf_counter()
+                client.moe_init_routing_v2_grad(*args)
+                grad_s.append(time.perf_counter() - t0)
+            middle = cpu_s([pid])
+            for _ in range(block):
+                t0 = time.perf_counter()
+                if not client.live():
+                    raise RuntimeError("GET /health/live failed")
+                live_s.append(time.perf_counter() - t0)
+            cpu["grad"] += middle - before
+            cpu["live"] += cpu_s([pid]) - middle
+    return {"grad": grad_s, "live": live_s, "server_cpu_per_grad_s": cpu["grad"] / len(grad_s),
+            "server_cpu_per_live_s": cpu["live"] / len(live_s)}
+
+
+def triton_sequential(callers: dict[str, TritonCaller], payload: Payload, calls: int, block: int) -> dict[str, list]:
+    """Sequential calls with sync tritonclient, servers taking turns in blocks of ``block`` calls."""
+    times: dict[str, list[float]] = {name: [] for name in callers}
+    for name, caller in callers.items():
+        check(caller(payload), payload, f"{name} (tritonclient)")
+    while min(map(len, times.values())) < calls:
+        for name, caller in callers.items():
+            for _ in range(min(block, calls - len(times[name]))):
+                t0 = time.perf_counter()
+                caller(payload)
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+# --- S2 ---------------------------------------------------------------------------------------
+
+
+def s2_in_process(payload: Payload) -> dict[str, float]:
+    """The same call without HTTP: the client's and the server's encode/validate/compute/decode steps.
+
+    Mirrors what ``Client.moe_init_routing_v2_grad`` and the v1 handler do: build and validate the
+    call, pack it; unpack and validate it again; compute with the reference (the server's backend);
+    pack the reply; unpack it and copy grad_x out (GradResult owns its array).
+    """
+    from moegrad import (MoeInitRoutingV2GradCall, decode_body, decode_tensor, encode_body, encode_tensor,
+                         moe_init_routing_v2_grad)
+
+    steps: dict[str, float] = {}
+    t0 = time.perf_counter()
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=payload.grad_expanded_x,
+                                    expanded_row_idx=payload.expanded_row_idx, top_k=payload.top_k)
+    document = call.to_wire()
+    del document["order"]  # as the Client sends it: the server's default applies
+    body = encode_body(document)
+    t1 = time.perf_counter()
+    received = MoeInitRoutingV2GradCall.from_wire(decode_body(body), default_order="ascend910b")
+    t2 = time.perf_counter()
+    grad_x = moe_init_routing_v2_grad(received)
+    t3 = time.perf_counter()
+    reply = encode_body({"grad_x": encode_tensor(grad_x), "backend": "reference", "order": received.order,
+                         "device": None, "timings_ms": {"queue": 0.0, "compute": 0.0, "total": 0.0}})
+    t4 = time.perf_counter()
+    result = decode_tensor(decode_body(reply)["grad_x"], "grad_x").copy()
+    t5 = time.perf_counter()
+    check(result, payload, "in-process")
+    steps.update({"encode": t1 - t0, "validate": t2 - t1, "compute": t3 - t2, "reply_encode": t4 - t3,
+                  "decode": t5 - t4, "total": t5 - t0})
+    return steps
+
+
+class LoopbackFloor:
+    """Raw TCP on 127.0.0.1: send the request's bytes, receive the reply's bytes, nothing else.
+
+    Buffers are allocated and touched once up front, so a round trip measures only the kernel's
+    loopback path (the floor any HTTP server on this machine stands on).
+    """
+
+    def __init__(self, request_bytes: int, reply_bytes: int) -> None:
+        self.request = np.ones(request_bytes, dtype=np.uint8)
+        self.reply = np.ones(reply_bytes, dtype=np.uint8)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._thread = threading.Thread(target=self._serve, name="loopback-floor", daemon=True)
+        self._thread.start()
+        self._sock = socket.create_connection(self._listener.getsockname())
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._inbox = np.zeros(reply_bytes, dtype=np.uint8)
+
+    def _serve(self) -> None:
+        connection, _ = self._listener.accept()
+        inbox = np.zeros(self.request.nbytes, dtype=np.uint8)
+        with connection:
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while _recv_exactly(connection, memoryview(inbox)):
+                connection.sendall(memoryview(self.reply))
+
+    def round_trip_s(self) -> float:
+        t0 = time.perf_counter()
+        self._sock.sendall(memoryview(self.request))
+        if not _recv_exactly(self._sock, memoryview(self._inbox)):
+            raise RuntimeError("the loopback floor's peer closed the connection")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._sock.close()
+        self._thread.join(10)
+        self._listener.close()
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    filled = 0
+    while filled < len(view):
+        got = sock.recv_into(view[filled:])
+        if got == 0:
+            return False
+        filled += got
+    return True
+
+
+def s2_measure(url: str, payload: Payload, calls: int) -> dict[str, Any]:
+    """In-process, end to end (v1 Client) and raw loopback, taking turns call by call."""
+    from moegrad import Client
+
+    in_process: list[dict[str, float]] = []
+    e2e: list[float] = []
+    floor_s: list[float] = []
+    floor = LoopbackFloor(payload.request_bytes, payload.reply_bytes)
+    args = (payload.grad_expanded_x, payload.expanded_row_idx, payload.top_k)
+    try:
+        with Client(url, retries=0, timeout_s=120.0) as client:
+            check(client.moe_init_routing_v2_grad(*args), payload, "moegrad v1 (Client)")  # warm-up
+            s2_in_process(payload)
+            floor.round_trip_s()
+            for _ in range(calls):
+                in_process.append(s2_in_process(payload))
+                t0 = time.perf_counter()
+                client.moe_init_routing_v2_grad(*args)
+                e2e.append(time.perf_counter() - t0)
+                floor_s.append(floor.round_trip_s())
+    finally:
+        floor.close()
+    return {"in_process": in_process, "e2e": e2e, "floor": floor_s}
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+
+def one_call_peaks(pid: int, calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Peak RSS growth (MiB) of the server over single calls: VmHWM after the call minus VmRSS before."""
+    peaks: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            time.sleep(0.2)  # let the previous reply's buffers go
+            before = status_kib(pid, "VmRSS")
+            reset_peak_rss(pid)
+            call()
+            peaks[name].append((status_kib(pid, "VmHWM") - before) / 1024)
+    return peaks
+
+
+@dataclass
+class RssRun:
+    duration_s: float
+    calls: int = 0
+    after_call: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB) as each reply arrived
+    sampled: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB) every 50 ms
+    final_mib: float = math.nan
+
+    def _quarter(self, series: list[tuple[float, float]], q: int) -> list[float]:
+        lo, hi = self.duration_s * q / 4, self.duration_s * (q + 1) / 4
+        return [mib for t, mib in series if lo <= t < hi] or [math.nan]
+
+    @property
+    def settled_mib(self) -> float:
+        """The median of the after-call samples in the run's second quarter."""
+        return statistics.median(self._quarter(self.after_call, 1))
+
+    @property
+    def last_quarter_mib(self) -> float:
+        return statistics.median(self._quarter(self.after_call, 3))
+
+    def peak_mib(self, q: int) -> float:
+        return max(self._quarter(self.sampled, q))
+
+    @property
+    def deviation(self) -> float:
+        """The larger relative distance of the last-quarter median and the final value from settled."""
+        settled = self.settled_mib
+        return max(abs(self.last_quarter_mib - settled), abs(self.final_mib - settled)) / settled
+
+
+def rss_run(pid: int, calls: list[Callable[[], Any]], duration_s: float) -> RssRun:
+    """Serve S2 again and again for ``duration_s`` (the ``calls`` in turn), watching the server's RSS."""
+    run = RssRun(duration_s)
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def sample() -> None:
+        while not stop.wait(0.05):
+            with contextlib.suppress(OSError, KeyError):
+                run.sampled.append((time.monotonic() - started, status_kib(pid, "VmRSS") / 1024))
+
+    sampler = threading.Thread(target=sample, name="rss-sampler", daemon=True)
+    sampler.start()
+    try:
+        while time.monotonic() - started < duration_s:
+            calls[run.calls % len(calls)]()
+            run.calls += 1
+            run.after_call.append((time.monotonic() - started, status_kib(pid, "VmRSS") / 1024))
+    finally:
+        stop.set()
+        sampler.join(5)
+    time.sleep(1.0)
+    run.final_mib = status_kib(pid, "VmRSS") / 1024
+    return run
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def _peer(mode: Mode) -> tuple[Any | None, str]:
+    """The PyTriton venv, or None and why not."""
+    from bench.pytriton_peer import venv
+
+    started = time.monotonic()
+    print(f"bench.service: PyTriton venv: checking / building (limit {mode.venv_limit_s:.0f} s)", flush=True)
+    found = venv.ensure(mode.venv_limit_s)
+    if isinstance(found, str):
+        return None, found
+    took = time.monotonic() - started
+    return found, ("found in bench/_out/pytriton-venv" if took < 5 else f"built in {took:.0f} s")
+
+
+def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | None = None) -> dict[str, str]:
+    """Measure targets 2 and 3; return (and with ``write``, store) the ``service`` and ``memory`` sections."""
+    from bench.run import machine
+
+    mode = QUICK if quick else FULL
+    machine_line = machine()
+    command = f"`python -m bench.run{' --full' if not quick else ''}` (this part alone: " \
+              f"`python -m bench.service{' --full' if not quick else ''}`)"
+    small, large = s1(), s2()
+    results: dict[str, Any] = {}
+    peer_venv, peer_note = _peer(mode)
+    print(f"bench.service: PyTriton peer: {peer_note}", flush=True)
+
+    with contextlib.ExitStack() as servers:
+        moegrad = servers.enter_context(moegrad_server(pythonpath=server_pythonpath))
+        print(f"bench.service: moegrad at {moegrad.url} (pid {moegrad.pid}, ready in {moegrad.startup_s:.1f} s)",
+              flush=True)
+        peer = None
+        if peer_venv is not None:
+            try:
+                peer = servers.enter_context(pytriton_server(peer_venv))
+                print(f"bench.service: PyTriton at {peer.url} (ready in {peer.startup_s:.1f} s)", flush=True)
+            except RuntimeError as exc:
+                peer_note = f"the PyTriton server did not start: {str(exc).splitlines()[0]}"
+                print(f"bench.service: {peer_note}", flush=True)
+        time.sleep(2.0)  # let start-up work settle
+
+        print("bench.service: S1 sequential (sync Client) vs GET /health/live", flush=True)
+        results["s1_seq"] = s1_sequential(moegrad.url, small, mode.s1_calls, moegrad.pid)
+
+        print("bench.service: S1, 16 concurrent requests from a load process", flush=True)
+        targets = [("moegrad v1", "moegrad", moegrad), ("moegrad v2", "triton", moegrad)]
+        if peer is not None:
+            targets.append(("PyTriton", "triton", peer))
+        rounds: dict[str, list[dict]] = {label: [] for label, _, _ in targets}
+        for _ in range(mode.s1_rounds):
+            for label, kind, server in targets:
+                rounds[label].append(load_process(kind, server.url, "s1", mode.s1_window_s, descendants(server.pid)))
+                print(f"bench.service:   {label}: {rounds[label][-1]['rate']:.0f} req/s", flush=True)
+        results["s1_conc"] = rounds
+
+        print("bench.service: S2 in-process vs end to end vs raw loopback", flush=True)
+        results["s2"] = s2_measure(moegrad.url, large, mode.s2_calls)
+
+        callers = {"moegrad v2": TritonCaller(moegrad.url)}
+        if peer is not None:
+            callers["PyTriton"] = TritonCaller(peer.url)
+        try:
+            print("bench.service: tritonclient: S1 sequential, S2 sequential", flush=True)
+            results["peer_s1"] = triton_sequential(callers, small, mode.peer_s1_calls, block=50)
+            results["peer_s2"] = triton_sequential(callers, large, mode.s2_calls, block=1)
+        finally:
+            for caller in callers.values():
+                caller.close()
+        results["peer_cpu_idle"] = None
+        if peer is not None:
+            pids = descendants(peer.pid)
+            before = cpu_s(pids)
+            time.sleep(2.0)
+            results["peer_cpu_idle"] = (cpu_s(pids) - before) / 2.0
+        peer_startup_s = peer.startup_s if peer is not None else math.nan
+
+    print(f"bench.service: memory: a fresh server, one-call peaks, then S2 for {mode.memory_s:.0f} s", flush=True)
+    with moegrad_server(pythonpath=server_pythonpath) as fresh:
+        from moegrad import Client
+
+        with Client(fresh.url, retries=0, timeout_s=120.0) as client:
+            triton_caller = TritonCaller(fresh.url)
+            try:
+                calls = {
+                    "v1 (msgpack, moegrad.Client)": lambda: client.moe_init_routing_v2_grad(
+                        large.grad_expanded_x, large.expanded_row_idx, large.top_k),
+                    "v2 (binary tensors, tritonclient)": lambda: triton_caller(large),
+                }
+                for call in calls.values():  # warm-up: first-call allocations are not the steady state
+                    call()
+                    call()
+                results["rss_idle_mib"] = status_kib(fresh.pid, "VmRSS") / 1024
+                results["peaks"] = one_call_peaks(fresh.pid, calls, repeats=3)
+                results["rss_run"] = rss_run(fresh.pid, list(calls.values()), mode.memory_s)
+            finally:
+                triton_caller.close()
+
+    sections = {
+        "service": _service_section(results, mode, machine_line, command, small, large, peer_venv, peer_note,
+                                    peer_startup_s),
+        "memory": _memory_section(results, mode, machine_line, command, large),
+    }
+    if write:
+        from bench.run import write_section
+
+        for name, body in sections.items():
+            write_section(name, body)
+    return sections
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+
+def _service_section(r: dict, mode: Mode, machine_line: str, command: str, small: Payload, large: Payload,
+                     peer_venv: Any, peer_note: str, peer_startup_s: float) -> str:
+    seq = r["s1_seq"]
+    p50, p99 = percentile(seq["grad"], 50), percentile(seq["grad"], 99)
+    l50, l99 = percentile(seq["live"], 50), percentile(seq["live"], 99)
+    conc = r["s1_conc"]
+    rate = {label: statistics.median(x["rate"] for x in runs) for label, runs in conc.items()}
+
+    def cpu_per_req(runs: list[dict]) -> str:
+        values = [x["server_cpu_s"] / x["requests"] for x in runs if x["requests"]]
+        return ms(statistics.median(values)) if values else "n/a"
+
+    def client_cpu(runs: list[dict]) -> str:
+        values = [x["client_cpu_s"] / x["window_s"] for x in runs]
+        return f"{statistics.median(values) * 100:.0f}%"
+
+    errors = {label: sum(x["errors"] for x in runs) for label, runs in conc.items()}
+    s2r = r["s2"]
+    inproc = {k: statistics.median(step[k] for step in s2r["in_process"]) for k in s2r["in_process"][0]}
+    e2e = statistics.median(s2r["e2e"])
+    floor = statistics.median(s2r["floor"])
+    moved = large.request_bytes + large.reply_bytes
+    ratio_s2 = e2e / inproc["total"]
+    peer_s1, peer_s2 = r["peer_s1"], r["peer_s2"]
+    v2_e2e = statistics.median(peer_s2["moegrad v2"])
+    have_peer = "PyTriton" in peer_s2
+
+    lines = [
+        "## Service on loopback (issue 7, target 2)",
+        "",
+        f"Command: {command}; {mode.name} mode. Machine: {machine_line}.",
+        "",
+        f"Server: `{moegrad_command()}` (one uvicorn worker, the reference backend), 127.0.0.1 only. "
+        "Every reply was checked bitwise against a result computed independently in the bench.",
+        "",
+        f"### S1 sequential, sync `moegrad.Client` ({len(seq['grad'])} calls)",
+        "",
+        "Floor: `GET /health/live` with the same client and connection (`Client.live()`), "
+        "interleaved with the S1 calls in blocks of 100 so both see the same machine load.",
+        "",
+        "| | S1 call | floor: GET /health/live | S1 / floor | target | result |",
+        "|---|---:|---:|---:|---:|---|",
+        f"| p50 latency, ms | {ms(p50)} | {ms(l50)} | {p50 / l50:.2f}x | <= 1 ms | {verdict(p50 <= 1e-3)} |",
+        f"| p99 latency, ms | {ms(p99)} | {ms(l99)} | {p99 / l99:.2f}x | <= 3 ms | {verdict(p99 <= 3e-3)} |",
+        f"| server CPU per request, ms | {ms(seq['server_cpu_per_grad_s'])} | {ms(seq['server_cpu_per_live_s'])} "
+        f"| {seq['server_cpu_per_grad_s'] / max(seq['server_cpu_per_live_s'], 1e-9):.2f}x | | |",
+        "",
+        f"### S1 with {CONCURRENCY} concurrent requests",
+        "",
+        f"Load: a separate process per window (`python -m bench.service load ...`), {CONCURRENCY} asyncio tasks "
+        f"each sending S1 back to back over its own connection; {mode.s1_rounds} rounds of a "
+        f"{mode.s1_window_s:.0f} s window (after 0.5 s of warm-up), the servers taking turns; replies completed "
+        "inside the window over its length, median of the rounds. The load process shares the 2 cores with "
+        "the server.",
+        "",
+        "| server | client | requests/s (median) | rounds | server CPU per request, ms | load process CPU "
+        "| errors | target | result |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    clients = {"moegrad v1": "moegrad.AsyncClient (msgpack)", "moegrad v2": "tritonclient.http.aio",
+               "PyTriton": "tritonclient.http.aio"}
+    for label, runs in conc.items():
+        target = ">= 1000" if label == "moegrad v1" else ""
+        result = verdict(rate[label] >= 1000) if label == "moegrad v1" else ""
+        lines.append(f"| {label} | {clients[label]} | {rate[label]:.0f} | "
+                     f"{', '.join('%.0f' % x['rate'] for x in runs)} | {cpu_per_req(runs)} | {client_cpu(runs)} | "
+                     f"{errors[label]} | {target} | {result} |")
+    lines += [
+        "",
+        f"### S2 (N=1024, K=2, H=4096 float32: {large.request_bytes / MIB:.1f} MiB in, "
+        f"{large.reply_bytes / MIB:.0f} MiB out), {len(s2r['e2e'])} calls, medians",
+        "",
+        "In-process: the same steps without HTTP, in this process: build and validate the call and pack it "
+        "(encode), unpack and validate it again as the server does (validate), the reference kernel "
+        "(compute), pack the reply and unpack it into an owned array (decode). Floor: raw TCP on "
+        "127.0.0.1 moving the same request and reply bytes once, buffers pre-touched. The three take "
+        "turns call by call.",
+        "",
+        "| path | ms | / in-process | target | result |",
+        "|---|---:|---:|---:|---|",
+        f"| in-process total | {ms(inproc['total'])} | 1.00x | | |",
+        f"| - encode / validate / compute / reply encode / decode | {ms(inproc['encode'])} / {ms(inproc['validate'])} "
+        f"/ {ms(inproc['compute'])} / {ms(inproc['reply_encode'])} / {ms(inproc['decode'])} | | | |",
+        f"| end to end, `moegrad.Client` -> v1 (msgpack) | {ms(e2e)} | {ratio_s2:.2f}x | <= 2x | "
+        f"{verdict(ratio_s2 <= 2.0)} |",
+        f"| end to end, tritonclient -> v2 (binary tensors) | {ms(v2_e2e)} | {v2_e2e / inproc['total']:.2f}x | | |",
+        f"| floor: raw TCP loopback, {moved / MIB:.0f} MiB once | {ms(floor)} ({moved / floor / 1e9:.2f} GB/s) "
+        f"| {floor / inproc['total']:.2f}x | | |",
+        "",
+        "Copies of the payload on the server: see the memory section (peak RSS growth over one S2 call, and "
+        "the buffers of the code path).",
+        "",
+        "### Peer: PyTriton serving the naive NumPy function, same client (tritonclient[http], v2 protocol)",
+        "",
+    ]
+    if not have_peer:
+        lines += [f"**Skipped**: {peer_note}. moegrad's v2 numbers (tritonclient) stand alone below.", ""]
+    else:
+        lines += [
+            f"PyTriton {peer_venv.pytriton_version} (`bench/pytriton_peer/server.py`, Python 3.12 venv "
+            f"{peer_note}; ready in {peer_startup_s:.0f} s; `batching=False`, HTTP only on 127.0.0.1) serving "
+            "`grad_expanded_x.astype(np.float32)[idx.reshape(N, K)].sum(1)` cast back to the input dtype; "
+            f"idle CPU of its process tree {r['peer_cpu_idle'] * 100:.0f}% of a core. Same tritonclient "
+            "requests (binary tensor data both ways, `top_k` as a request parameter) to both servers.",
+            "",
+        ]
+    v2 = "moegrad v2"
+    rows = [
+        ("S1 throughput, 16 concurrent (aio), requests/s", rate.get(v2), rate.get("PyTriton"), 2.0, True),
+        ("S2 throughput, sequential (sync), calls/s", 1 / statistics.median(peer_s2[v2]),
+         1 / statistics.median(peer_s2["PyTriton"]) if have_peer else None, 5.0, True),
+        ("S1 latency p50, sequential (sync), ms", percentile(peer_s1[v2], 50) * 1e3,
+         percentile(peer_s1["PyTriton"], 50) * 1e3 if have_peer else None, None, False),
+        ("S2 latency median, sequential (sync), ms", statistics.median(peer_s2[v2]) * 1e3,
+         statistics.median(peer_s2["PyTriton"]) * 1e3 if have_peer else None, None, False),
+    ]
+    lines += ["| measure | moegrad v2 | PyTriton | moegrad / PyTriton | target | result |",
+              "|---|---:|---:|---:|---:|---|"]
+    for name, ours, theirs, target, higher_better in rows:
+        if theirs is None:
+            lines.append(f"| {name} | {ours:.1f} | skipped | | {'>= %gx' % target if target else ''} | n/a |")
+            continue
+        ratio = ours / theirs if higher_better else theirs / ours
+        label = "moegrad / PyTriton" if higher_better else "PyTriton / moegrad"
+        result = verdict(ratio >= target) if target else ""
+        lines.append(f"| {name} | {ours:.1f} | {theirs:.1f} | {ratio:.2f}x ({label}) | "
+                     f"{'>= %gx' % target if target else ''} | {result} |")
+    return "\n".join(lines)
+
+
+def _memory_section(r: dict, mode: Mode, machine_line: str, command: str, large: Payload) -> str:
+    run: RssRun = r["rss_run"]
+    payload_mib = large.request_bytes / MIB
+    lines = [
+        "## Server memory (issue 7, target 3; and target 2's copies of the S2 payload)",
+        "",
+        f"Command: {command}; {mode.name} mode. Machine: {machine_line}.",
+        "",
+        f"A fresh server (`{moegrad_command()}`), warmed up with two S2 calls per protocol; RSS is VmRSS from "
+        f"/proc/<pid>/status. Idle after warm-up: {r['rss_idle_mib']:.0f} MiB.",
+        "",
+        f"### One S2 call: the server's peak RSS growth ({payload_mib:.1f} MiB request, "
+        f"{large.reply_bytes / MIB:.0f} MiB reply)",
+        "",
+        "VmRSS before the call, VmHWM (peak) reset through /proc/<pid>/clear_refs just before it and read "
+        "just after; 3 calls each, the protocols taking turns. The growth counts every buffer alive at the "
+        "peak: request copies, grad_x, the packed reply and the kernel's temporaries.",
+        "",
+        "| protocol | peak growth, MiB (median; max) | growth / request payload |",
+        "|---|---:|---:|",
+    ]
+    for name, values in r["peaks"].items():
+        lines.append(f"| {name} | {statistics.median(values):.0f}; {max(values):.0f} | "
+                     f"{statistics.median(values) / payload_mib:.2f}x |")
+    lines += [
+        "",
+        f"### S2 served again and again for {mode.memory_s:.0f} s ({run.calls} calls, v1 and v2 in turn, one client)",
+        "",
+        "After-call RSS: read as soon as each reply has arrived (the server is idle between calls). "
+        "Settled: the median after-call RSS of the run's second quarter. Pass: the last quarter's median "
+        "and the final RSS (1 s after the last call) are both within 10% of settled. Peaks: the largest "
+        "RSS sampled every 50 ms, during calls too.",
+        "",
+        "| settled, MiB | last quarter, MiB | final, MiB | max (2nd quarter / last quarter), MiB | deviation "
+        "| target | result |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+        f"| {run.settled_mib:.0f} | {run.last_quarter_mib:.0f} | {run.final_mib:.0f} | "
+        f"{run.peak_mib(1):.0f} / {run.peak_mib(3):.0f} | {run.deviation * 100:.1f}% | <= 10% | "
+        f"{verdict(run.deviation <= 0.10)} |",
+    ]
+    return "\n".join(lines)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def _cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.service", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    load = sub.add_parser("load", help="(internal) the load-generating process")
+    load.add_argument("--client", choices=["moegrad", "triton"], required=True)
+    load.add_argument("--url", required=True)
+    load.add_argument("--payload", choices=sorted(PAYLOADS), default="s1")
+    load.add_argument("--concurrency", type=int, default=CONCURRENCY)
+    load.add_argument("--duration-s", type=float, default=3.0)
+    load.add_argument("--warmup-s", type=float, default=0.5)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="quick", action="store_true", default=True)
+    mode.add_argument("--full", dest="quick", action="store_false")
+    parser.add_argument("--server-pythonpath", metavar="DIR", help="run the moegrad server from DIR/client, DIR/service")
+    args = parser.parse_args(argv)
+    if args.command == "load":
+        if not args.url.startswith("http://127.0.0.1:"):
+            parser.error("the load process only targets http://127.0.0.1:PORT")
+        result = asyncio.run(_load(args.client, args.url, PAYLOADS[args.payload](), args.concurrency,
+                                   args.duration_s, args.warmup_s))
+        print(json.dumps(result), flush=True)
+        return 0
+    sections = main(quick=args.quick, write=True, server_pythonpath=args.server_pythonpath)
+    for body in sections.values():
+        print(body, end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())
