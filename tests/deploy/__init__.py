@@ -1,0 +1,1 @@
+"""Tests of the image (Dockerfile, entrypoint) and the Kubernetes manifests (deploy/k8s)."""
