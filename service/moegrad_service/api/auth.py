@@ -55,7 +55,7 @@ class Authenticator:
         """True when at least one token is configured."""
         return bool(self._digests)
 
-    def __call__(self, request: Request) -> None:
+    async def __call__(self, request: Request) -> None:  # a coroutine: FastAPI runs a plain def on a thread
         if not self._digests or request.url.path in self._open:
             return
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
