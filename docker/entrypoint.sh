@@ -23,8 +23,11 @@ set -euo pipefail
 
 log() { printf 'moegrad-entrypoint: %s\n' "$*" >&2; }
 
-IFS=: read -r -a cann_scripts <<<"${CANN_SET_ENV_SCRIPTS:-/usr/local/Ascend/ascend-toolkit/set_env.sh:/usr/local/Ascend/cann/set_env.sh}"
-for script in "${cann_scripts[@]}"; do
+# Split the list with parameter expansion only: no here-string temp file on a read-only root.
+remaining="${CANN_SET_ENV_SCRIPTS:-/usr/local/Ascend/ascend-toolkit/set_env.sh:/usr/local/Ascend/cann/set_env.sh}:"
+while [[ -n "$remaining" ]]; do
+    script="${remaining%%:*}"
+    remaining="${remaining#*:}"
     if [[ -n "$script" && -f "$script" ]]; then
         # CANN's script reads variables that may be unset (LD_LIBRARY_PATH, PYTHONPATH, ...) and is
         # not written for errexit: source it with both off, then restore them.
