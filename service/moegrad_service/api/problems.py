@@ -125,7 +125,9 @@ def install_problem_handlers(app: FastAPI) -> None:
         return problem_response(request, exc)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return problem_response(request, HTTPProblem(str(exc.detail), exc.status_code))
+        response = problem_response(request, HTTPProblem(str(exc.detail), exc.status_code))
+        response.headers.update(exc.headers or {})  # e.g. the Allow of a 405 (RFC 9110 requires it)
+        return response
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
