@@ -1,0 +1,155 @@
+"""Bearer-token authentication in-process: who may call what, where tokens come from, and how they are compared.
+
+The rules under test are the issue's and docs/protocol.md's: authentication is off by default; with
+tokens configured every route needs ``Authorization: Bearer <token>`` except the liveness and
+readiness probes (v1 and v2) and the OpenAPI document; ``/metrics`` needs one unless
+``metrics_public`` is set; a failure is 401 with ``WWW-Authenticate: Bearer`` and a problem document.
+Tokens come from ``auth_tokens`` (a comma-separated environment variable) and ``auth_tokens_file``
+(one a line; blank lines and ``#`` comments skipped). The comparison is constant-time by
+construction: SHA-256 digests (always 32 bytes, whatever the token) through ``hmac.compare_digest``,
+against every accepted token every time.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from servicekit import example_document, grad_x_of, post
+
+from moegrad_service.app import create_app
+from moegrad_service.settings import Settings
+
+F32_03, F32_07 = np.float32(0.3).view(np.uint32), np.float32(0.70000005).view(np.uint32)
+SHA256_DIGEST_BYTES = 32  # FIPS 180-4: SHA-256 digests are 256 bits
+OPEN = ["/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready", "/openapi.json"]
+PROTECTED_GETS = ["/v1/info", "/v2"]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+def assert_unauthorized(response) -> dict:
+    """401 + WWW-Authenticate: Bearer, with v1's problem document (v2 routes answer the Open
+    Inference Protocol's ``{"error": ...}`` instead; docs/protocol.md)."""
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"].split()[0] == "Bearer"
+    if response.request.url.path.startswith("/v2"):
+        assert isinstance(response.json()["error"], str)
+        return {"detail": response.json()["error"]}
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["status"] == 401 and problem["title"] and problem["detail"]
+    return problem
+
+
+def assert_example_result(response) -> None:
+    assert response.status_code == 200, response.text
+    assert (grad_x_of(response).view(np.uint32) == [[F32_03, F32_03], [F32_07, F32_07]]).all()
+
+
+@pytest.fixture
+def tokens_file(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("# team A\nfile-token-one\n\n   file-token-two   \n#commented-out-token\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def guarded(serve, tokens_file):
+    with serve(auth_tokens=["env-token"], auth_tokens_file=tokens_file) as client:
+        yield client
+
+
+def test_no_tokens_configured_means_no_authentication(client):
+    assert_example_result(post(client, example_document()))
+    for path in OPEN + PROTECTED_GETS + ["/metrics"]:
+        assert client.get(path).status_code == 200, path
+
+
+def test_missing_token_is_401_with_www_authenticate_bearer(guarded):
+    assert_unauthorized(post(guarded, example_document()))
+    for path in PROTECTED_GETS + ["/metrics"]:
+        assert_unauthorized(guarded.get(path))
+
+
+@pytest.mark.parametrize("header", [
+    "Bearer wrong-token",
+    "Bearer env-token-but-longer",
+    "Bearer env-toke",
+    "Bearer " + "x" * 10_000,
+    "Bearer ",
+    "Basic env-token",
+    "env-token",
+    "Bearer #commented-out-token",
+    "Bearer # team A",
+    "Bearer file-token-one,file-token-two",
+])
+def test_wrong_or_malformed_token_is_401_and_not_echoed(guarded, header):
+    problem = assert_unauthorized(post(guarded, example_document(), headers={"authorization": header}))
+    presented = header.partition(" ")[2]
+    assert len(presented) < 8 or presented not in problem["detail"]  # the refusal never repeats the token
+
+
+@pytest.mark.parametrize("token", ["env-token", "file-token-one", "file-token-two"])
+def test_each_accepted_token_from_setting_and_file_is_admitted(guarded, token):
+    assert_example_result(post(guarded, example_document(), headers=bearer(token)))
+    for path in PROTECTED_GETS + ["/metrics"]:
+        assert guarded.get(path, headers=bearer(token)).status_code == 200, path
+    assert_example_result(post(guarded, example_document(), headers={"authorization": f"bearer   {token}  "}))
+
+
+def test_probes_and_openapi_stay_open(guarded):
+    for path in OPEN:
+        assert guarded.get(path).status_code == 200, path
+        assert guarded.get(path, headers=bearer("wrong")).status_code == 200, path
+
+
+def test_metrics_public_opens_only_metrics(serve):
+    with serve(auth_tokens=["t0k3n"], metrics_public=True) as client:
+        response = client.get("/metrics")
+        assert response.status_code == 200 and "moegrad_inference_request_success" in response.text
+        assert_unauthorized(client.get("/v1/info"))
+        assert_unauthorized(post(client, example_document()))
+        assert_example_result(post(client, example_document(), headers=bearer("t0k3n")))
+
+
+def test_tokens_from_the_environment_variable(monkeypatch):
+    monkeypatch.setenv("MOEGRAD_AUTH_TOKENS", " first-token , second-token,, ")
+    settings = Settings(backend="reference")
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        for token in ("first-token", "second-token"):
+            assert_example_result(post(client, example_document(), headers=bearer(token)))
+        assert_unauthorized(post(client, example_document(), headers=bearer("first-token , second-token")))
+        assert_unauthorized(post(client, example_document()))
+
+
+def test_an_unreadable_tokens_file_fails_at_startup(tmp_path):
+    with pytest.raises(OSError):
+        create_app(Settings(backend="reference", auth_tokens_file=tmp_path / "absent"))
+
+
+def test_comparison_is_constant_time_by_construction(guarded, monkeypatch):
+    """Every request compares fixed-length digests with hmac.compare_digest, against every accepted
+    token (three here), whatever the presented token's length and whether it matches: neither the
+    token's length nor the position of a match can change the work done."""
+    calls: list[tuple[type, int, type, int]] = []
+    original = hmac.compare_digest
+
+    def recording(a, b):
+        calls.append((type(a), len(a), type(b), len(b)))
+        return original(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", recording)
+    per_request = {}
+    for name, token in [("short wrong", "x"), ("long wrong", "y" * 4096), ("first accepted", "env-token"),
+                        ("last accepted", "file-token-two")]:
+        calls.clear()
+        response = guarded.get("/v1/info", headers=bearer(token))
+        assert response.status_code == (200 if "accepted" in name else 401)
+        per_request[name] = list(calls)
+    for name, recorded in per_request.items():
+        assert recorded == [(bytes, SHA256_DIGEST_BYTES, bytes, SHA256_DIGEST_BYTES)] * 3, name
