@@ -1,7 +1,8 @@
 """The ``moegrad`` command: aclnnMoeInitRoutingV2Grad on .npy files, through a service or in-process.
 
 Every remote command goes through :class:`moegrad.Client`; ``local`` calls
-:func:`moegrad.moe_init_routing_v2_grad`. There is no third code path.
+:func:`moegrad.moe_init_routing_v2_grad` and ``compare --local`` calls :func:`moegrad.compare`.
+There is no third code path; reports are rendered by ``moegrad._report`` in both modes.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from moegrad._accuracy import STANDARDS, ComparisonReport, compare
 from moegrad._client import Client, GradResult
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
 from moegrad._reference import moe_init_routing_v2_grad
+from moegrad._report import format_report, write_markdown_report
 from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 
@@ -47,8 +50,8 @@ computed by a moegrad service (the NPU, or its bit-exact emulation) or in-proces
 
 _EPILOG = """\
 exit status:
-  0  success
-  1  `example` only: the result differs from the documentation's bit for bit
+  0  success (`compare`: the candidate passed; a warning passes)
+  1  `example`: the result differs from the documentation's bit for bit; `compare`: a standard failed
   2  usage error (bad arguments, an input .npy that cannot be read, an output that cannot be written)
   3  input rejected by the operator's constraints (the message names the field and the aclnn code)
   4  the server failed, was busy past all retries, timed out, or could not be reached
@@ -137,7 +140,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="CA bundle (PEM) to verify an https:// server with (default: the system's CAs)")
 
 
-def _add_call_arguments(parser: argparse.ArgumentParser, *, order_default: str) -> None:
+def _add_call_arguments(parser: argparse.ArgumentParser, *, order_default: str, output: bool = True) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("the operator call")
     group.add_argument("--grad-expanded-x", required=True, metavar="PATH",
                        help="gradExpandedX .npy: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); "
@@ -154,12 +157,14 @@ def _add_call_arguments(parser: argparse.ArgumentParser, *, order_default: str) 
                             f"(Huawei's golden) (default: {order_default})")
     group.add_argument("--allow-duplicate-indices", action="store_true",
                        help="accept repeated indices, which the documentation forbids")
-    group.add_argument("-o", "--output", required=True, metavar="PATH",
-                       help="where to write grad_x, [N, H] in the input's dtype (.npy, written to exactly this path)")
+    if output:
+        group.add_argument("-o", "--output", required=True, metavar="PATH",
+                           help="where to write grad_x, [N, H] in the input's dtype (.npy, written to exactly this path)")
+    return group
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``moegrad`` argument parser (commands grad, local, example, info)."""
+    """The ``moegrad`` argument parser (commands grad, local, compare, example, info)."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="moegrad", description=_DESCRIPTION, epilog=_EPILOG,
                                      formatter_class=formatter)
@@ -175,6 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Compute grad_x in this process with the NumPy emulation of the "
                                             "device (bit-exact for Atlas A2/A3).", epilog=_EPILOG)
     _add_call_arguments(local, order_default="ascend910b")
+
+    comparison = commands.add_parser(
+        "compare", help="judge a candidate grad_x against the device and a float64 golden", formatter_class=formatter,
+        epilog=_EPILOG, description="Send a call and a candidate grad_x to a moegrad service (or, with --local, compute "
+                                    "in-process) and print the accuracy verdicts: per standard its status and the "
+                                    "numbers that decided it, the key metrics of candidate vs golden, device vs "
+                                    "golden and candidate vs device, and the worst elements (docs/accuracy.md).")
+    group = _add_call_arguments(comparison, order_default="the server's; with --local ascend910b", output=False)
+    group.add_argument("--candidate", required=True, metavar="PATH",
+                       help="the candidate grad_x .npy: [N, H], the dtype of grad_expanded_x or float32")
+    choose = comparison.add_argument_group("the comparison")
+    choose.add_argument("--standard", action="append", choices=STANDARDS, metavar="S", dest="standards",
+                        help=f"a standard to apply, repeatable: {', '.join(STANDARDS)} (default: all)")
+    choose.add_argument("--json", action="store_true", help="print the report as JSON (report.to_dict()) instead of tables")
+    choose.add_argument("--report", metavar="PATH",
+                        help="also write a markdown report to PATH and, when matplotlib is installed (extra 'plot'), "
+                             "a PNG histogram of the candidate's relative errors beside it (out.md -> out.png)")
+    choose.add_argument("--local", action="store_true",
+                        help="compare in-process with the NumPy emulation of the device; no server (--url is ignored)")
+    _add_server_arguments(comparison)
 
     example = commands.add_parser("example", help="run the documentation's example on a service",
                                   formatter_class=formatter, epilog=_EPILOG,
@@ -208,14 +233,17 @@ def _client(args: argparse.Namespace) -> Client:
         raise _UsageError(str(exc)) from None
 
 
+def _load(path: str, flag: str) -> np.ndarray:
+    try:
+        return load_npy(path)
+    except (OSError, ValueError) as exc:
+        raise _UsageError(f"cannot read {flag} {path}: {exc}") from None
+
+
 def _call_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for name in ("grad_expanded_x", "expanded_row_idx"):
-        path = getattr(args, name)
-        try:
-            fields[name] = load_npy(path)
-        except (OSError, ValueError) as exc:
-            raise _UsageError(f"cannot read --{name.replace('_', '-')} {path}: {exc}") from None
+        fields[name] = _load(getattr(args, name), f"--{name.replace('_', '-')}")
     fields.update(top_k=args.top_k, drop_pad_mode=args.drop_pad_mode, active_num=args.active_num,
                   allow_duplicate_indices=args.allow_duplicate_indices)
     if args.order is not None:
@@ -256,6 +284,33 @@ def _cmd_local(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    fields = _call_fields(args)
+    candidate = _load(args.candidate, "--candidate")
+    if args.local:
+        call = MoeInitRoutingV2GradCall(**fields)
+        report: ComparisonReport = compare(call, candidate, standards=args.standards)
+        source = f"in-process emulation, order {call.order}"
+    else:
+        with _client(args) as client:
+            result = client.compare(**fields, candidate=candidate, standards=args.standards)
+        report, source = result.report, _server_summary(result)
+        call = MoeInitRoutingV2GradCall(**fields) if args.report else None  # the Client checked it already
+    if args.report:
+        try:
+            png = write_markdown_report(args.report, report, call, candidate, source=source)
+        except OSError as exc:
+            raise _UsageError(f"cannot write --report {args.report}: {exc}") from None
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
+    else:
+        print(format_report(report, source=source), end="")
+        if args.report:
+            drawn = f" and {png}" if png is not None else " (histogram skipped: matplotlib is not installed)"
+            print(f"\nwrote {args.report}{drawn}")
+    return EXIT_OK if report.passed else EXIT_MISMATCH
+
+
 def _format(array: np.ndarray) -> str:
     """A small 2-D array with each element's shortest round-trip repr in its own dtype."""
     return "[" + ", ".join("[" + ", ".join(str(v) for v in row) + "]" for row in array) + "]"
@@ -288,7 +343,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"grad": _cmd_grad, "local": _cmd_local, "example": _cmd_example, "info": _cmd_info}
+_COMMANDS = {"grad": _cmd_grad, "local": _cmd_local, "compare": _cmd_compare, "example": _cmd_example,
+             "info": _cmd_info}
 
 
 def _rejection(exc: InvalidArgument | MalformedRequest) -> str:

@@ -1,0 +1,291 @@
+"""Accuracy comparisons end to end: a real moegrad-service (uvicorn), the Client, the AsyncClient and
+the ``moegrad compare`` command, in all three modes. Against the server the command runs as a
+subprocess, as a user runs it; ``--local`` runs in this process (``moegrad._cli.main``), which
+spares a process start per case.
+
+Expected values are computed in this process without the service: the device result is
+:func:`moegrad.moe_init_routing_v2_grad` (the bit-exact emulation the reference backend serves),
+Huawei's golden is the same with ``order="sequential"``, and the expected report is
+:func:`moegrad.compare` of the same call and candidate (docs/accuracy.md). Exit codes are the ones
+``moegrad --help`` documents: 0 pass (a warning passes), 1 a failed standard, 2 usage, 3 rejected
+input, 4 server or transport failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import routing
+
+import moegrad
+from moegrad._cli import main
+
+MODES = ("dropless", "active", "drop_pad")
+TOLERANCE = ("dual_thousandth", "threshold", "benchmark", "accumulative")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Runs the command with matplotlib made unimportable, as on a host without the ``plot`` extra.
+WITHOUT_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None; "
+                      "from moegrad._cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def make_call(mode: str, dtype=np.float32, *, tokens: int = 20, top_k: int = 4, hidden: int = 24, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    r = routing.route(rng, tokens, top_k, 6, mode)
+    grad = rng.standard_normal(r.grad_shape(hidden)).astype(dtype)
+    return moegrad.MoeInitRoutingV2GradCall(grad_expanded_x=grad, **r.kwargs())
+
+
+def arguments(call) -> dict:
+    return {"grad_expanded_x": call.grad_expanded_x, "expanded_row_idx": call.expanded_row_idx, "top_k": call.top_k,
+            "drop_pad_mode": call.drop_pad_mode, "active_num": call.active_num}
+
+
+def statuses(report: moegrad.ComparisonReport) -> dict[str, str]:
+    return {v.standard: v.status for v in report.verdicts}
+
+
+def corrupted(device: np.ndarray, row: int) -> np.ndarray:
+    candidate = device.copy()
+    candidate[row] = (candidate[row].astype(np.float32) + 1.0).astype(device.dtype)
+    return candidate
+
+
+# ---- Client and AsyncClient ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_client_device_result_passes_and_the_report_is_the_in_process_one(server_url, mode):
+    call = make_call(mode)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    with moegrad.Client(server_url) as client:
+        result = client.compare(**arguments(call), candidate=device, return_grad_x=True)
+    assert result.passed and result.report.verdict == "pass"
+    assert statuses(result.report) == dict.fromkeys(moegrad.STANDARDS, "pass")
+    assert result.report.to_dict() == moegrad.compare(call, device).to_dict()
+    np.testing.assert_array_equal(result.grad_x.view(np.uint32), device.view(np.uint32))
+    assert (result.backend, result.order, result.device) == ("reference", "ascend910b", None)
+    assert set(result.timings_ms) == {"queue", "compute", "golden", "compare", "total"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_client_sequential_golden_fails_only_bitwise(server_url, mode):
+    call = make_call(mode, top_k=6, seed=6)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    sequential = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
+    differing = int(np.count_nonzero(sequential.view(np.uint32) != device.view(np.uint32)))
+    with moegrad.Client(server_url) as client:
+        result = client.compare(**arguments(call), candidate=sequential)
+    assert statuses(result.report) == {**dict.fromkeys(TOLERANCE, "pass"), "bitwise": "fail"}
+    assert not result.passed
+    assert result.report.verdict_of("bitwise").failures[0].value == differing > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_client_corrupted_row_is_the_worst(server_url, mode):
+    call = make_call(mode, np.float16, seed=2)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    with moegrad.Client(server_url) as client:
+        result = client.compare(**arguments(call), candidate=corrupted(device, 11))
+    assert result.report.verdict == "fail"
+    assert result.report.candidate_vs_golden.worst.row == 11
+    assert result.report.candidate_vs_device.worst.row == 11
+
+
+def test_client_server_side_validation(server_url):
+    call = make_call("dropless")
+    device = moegrad.moe_init_routing_v2_grad(call)
+    with moegrad.Client(server_url, validate=False) as client:
+        with pytest.raises(moegrad.InvalidArgument) as caught:
+            client.compare(**arguments(call), candidate=device[:-1])
+        assert (caught.value.aclnn_status, caught.value.field) == (161002, "candidate")
+        with pytest.raises(moegrad.InvalidArgument) as caught:
+            client.compare(**arguments(call), candidate=None)
+        assert (caught.value.aclnn_status, caught.value.field) == (161001, "candidate")
+        with pytest.raises(moegrad.InvalidArgument) as caught:
+            client.compare(**arguments(call), candidate=device, standards=["exact"])
+        assert (caught.value.aclnn_status, caught.value.field) == (161002, "standards")
+
+
+def test_async_client_all_modes_concurrently(server_url):
+    calls = [make_call(mode, ml_dtypes.bfloat16, seed=i) for i, mode in enumerate(MODES)]
+    candidates = [moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"})) for call in calls]
+
+    async def run():
+        async with moegrad.AsyncClient(server_url) as client:
+            return await asyncio.gather(*(client.compare(**arguments(call), candidate=candidate)
+                                          for call, candidate in zip(calls, candidates)))
+
+    results = asyncio.run(run())
+    for call, candidate, result in zip(calls, candidates, results):
+        assert result.report.to_dict() == moegrad.compare(call, candidate).to_dict()
+
+
+# ---- the moegrad compare command -----------------------------------------------------------------
+
+
+def moegrad_cli(*argv: str, without_matplotlib: bool = False) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", WITHOUT_MATPLOTLIB] if without_matplotlib else [sys.executable, "-m", "moegrad"]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("MOEGRAD_")}
+    return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=120, env=environment)
+
+
+def run_cli(where: str, server_url: str, capsys, *argv: str, without_matplotlib: bool = False,
+            monkeypatch=None) -> subprocess.CompletedProcess:
+    """``moegrad *argv`` against the server (a subprocess) or with ``--local`` (in this process)."""
+    if where == "server":
+        return moegrad_cli(*argv, "--url", server_url, without_matplotlib=without_matplotlib)
+    if without_matplotlib:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+        monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    code = main([*argv, "--local"])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def save_case(directory: Path, call, candidate: np.ndarray) -> list[str]:
+    """Write the call's tensors and the candidate as .npy; the command line that names them."""
+    np.save(directory / "x.npy", call.grad_expanded_x)  # bfloat16 is written as '<V2'
+    np.save(directory / "idx.npy", call.expanded_row_idx)
+    np.save(directory / "candidate.npy", candidate)
+    return ["compare", "--grad-expanded-x", str(directory / "x.npy"), "--expanded-row-idx", str(directory / "idx.npy"),
+            "--top-k", str(call.top_k), "--drop-pad-mode", str(call.drop_pad_mode), "--active-num", str(call.active_num),
+            "--candidate", str(directory / "candidate.npy")]
+
+
+def table_statuses(stdout: str) -> dict[str, str]:
+    """standard -> status from the command's standards table."""
+    found = {}
+    for line in stdout.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] in moegrad.STANDARDS:
+            found[words[0]] = words[1].lower()
+    return found
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("where", ["server", "local"])
+def test_cli_pass_is_exit_0_and_prints_the_table(server_url, tmp_path, capsys, mode, where):
+    call = make_call(mode, seed=4)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    done = run_cli(where, server_url, capsys, *save_case(tmp_path, call, device))
+    assert done.returncode == 0, done.stderr
+    assert "verdict: PASS" in done.stdout
+    assert table_statuses(done.stdout) == dict.fromkeys(moegrad.STANDARDS, "pass")
+    assert ("reference" in done.stdout) == (where == "server")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("where", ["server", "local"])
+def test_cli_fail_is_exit_1_and_names_the_worst_row(server_url, tmp_path, capsys, mode, where):
+    call = make_call(mode, seed=5)
+    candidate = corrupted(moegrad.moe_init_routing_v2_grad(call), 13)
+    done = run_cli(where, server_url, capsys, *save_case(tmp_path, call, candidate))
+    assert done.returncode == 1, done.stderr
+    assert "verdict: FAIL" in done.stdout
+    expected = statuses(moegrad.compare(call, candidate))
+    assert table_statuses(done.stdout) == expected and expected["bitwise"] == "fail"
+    worst = [line.split() for line in done.stdout.splitlines() if line.startswith("candidate_vs_golden ")]
+    assert worst and worst[-1][1] == "13"  # the worst-elements table: comparison, row, column, ...
+
+
+def test_cli_a_warning_passes(server_url, tmp_path):
+    # bfloat16 keeps 8 significant bits: the device's own result warns on dual_thousandth (docs/accuracy.md)
+    call = make_call("drop_pad", ml_dtypes.bfloat16, seed=1)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    assert moegrad.compare(call, device).verdict == "warning"  # the precondition, computed in-process
+    done = moegrad_cli(*save_case(tmp_path, call, device), "--url", server_url)
+    assert done.returncode == 0, done.stderr
+    assert "verdict: WARNING" in done.stdout
+    assert table_statuses(done.stdout)["dual_thousandth"] == "warning"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("where", ["server", "local"])
+def test_cli_json_is_the_report(server_url, tmp_path, capsys, mode, where):
+    call = make_call(mode, np.float16, top_k=3, seed=8)
+    candidate = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
+    done = run_cli(where, server_url, capsys, *save_case(tmp_path, call, candidate), "--json", "--standard",
+                   "threshold", "--standard", "bitwise")
+    expected = moegrad.compare(call, candidate, standards=["bitwise", "threshold"])
+    assert done.returncode == (0 if expected.passed else 1), done.stderr
+    assert json.loads(done.stdout) == expected.to_dict()
+
+
+def test_cli_order_is_sent(server_url, tmp_path):
+    call = make_call("active", top_k=5)
+    sequential = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
+    done = moegrad_cli(*save_case(tmp_path, call, sequential), "--url", server_url, "--order", "sequential",
+                       "--standard", "bitwise")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert table_statuses(done.stdout) == {"bitwise": "pass"}
+
+
+def _report_case(tmp_path: Path) -> tuple[list[str], moegrad.ComparisonReport]:
+    call = make_call("drop_pad", seed=9)
+    candidate = corrupted(moegrad.moe_init_routing_v2_grad(call), 3)
+    return [*save_case(tmp_path, call, candidate), "--report", str(tmp_path / "out.md")], moegrad.compare(call, candidate)
+
+
+@pytest.mark.parametrize("where", ["server", "local"])
+def test_cli_report_with_matplotlib(server_url, tmp_path, capsys, where):
+    pytest.importorskip("matplotlib", reason="the optional 'plot' extra (matplotlib) is not installed here")
+    argv, expected = _report_case(tmp_path)
+    done = run_cli(where, server_url, capsys, *argv)
+    assert done.returncode == 1, done.stderr
+    markdown = (tmp_path / "out.md").read_text()
+    assert "![" in markdown and "(out.png)" in markdown and "Histogram skipped" not in markdown
+    assert (tmp_path / "out.png").read_bytes().startswith(PNG_SIGNATURE)
+    for verdict in expected.verdicts:
+        assert f"| {verdict.standard} | {verdict.status.upper() if verdict.status != 'pass' else 'pass'} |" in markdown
+    assert f"| candidate_vs_golden | {expected.candidate_vs_golden.worst.row} |" in markdown
+    assert "out.png" in done.stdout
+
+
+@pytest.mark.parametrize("where", ["server", "local"])
+def test_cli_report_without_matplotlib(server_url, tmp_path, capsys, monkeypatch, where):
+    argv, expected = _report_case(tmp_path)
+    done = run_cli(where, server_url, capsys, *argv, without_matplotlib=True, monkeypatch=monkeypatch)
+    assert done.returncode == 1, done.stderr
+    markdown = (tmp_path / "out.md").read_text()
+    assert "Histogram skipped" in markdown and "matplotlib is not installed" in markdown
+    assert "![" not in markdown
+    assert not (tmp_path / "out.png").exists()
+    assert f"| candidate_vs_golden | {expected.candidate_vs_golden.worst.row} |" in markdown
+    assert "histogram skipped" in done.stdout
+
+
+@pytest.mark.parametrize("where", ["server", "local"])
+def test_cli_rejected_candidate_is_exit_3(server_url, tmp_path, capsys, where):
+    call = make_call("dropless")
+    device = moegrad.moe_init_routing_v2_grad(call)
+    done = run_cli(where, server_url, capsys, *save_case(tmp_path, call, device[:, :-1]))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "candidate" in done.stderr and "161002" in done.stderr
+
+
+def test_cli_unreadable_candidate_is_exit_2(server_url, tmp_path, capsys):
+    call = make_call("dropless")
+    argv = save_case(tmp_path, call, moegrad.moe_init_routing_v2_grad(call))
+    (tmp_path / "candidate.npy").write_bytes(b"not an npy file")
+    done = run_cli("local", server_url, capsys, *argv)
+    assert done.returncode == 2
+    assert "--candidate" in done.stderr
+
+
+def test_cli_unreachable_server_is_exit_4(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens once the socket is closed
+    call = make_call("dropless")
+    done = moegrad_cli(*save_case(tmp_path, call, moegrad.moe_init_routing_v2_grad(call)), "--url", url,
+                       "--retries", "0")
+    assert done.returncode == 4, done.stdout + done.stderr
