@@ -183,10 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     comparison = commands.add_parser(
         "compare", help="judge a candidate grad_x against the device and a float64 golden", formatter_class=formatter,
-        epilog=_EPILOG, description="Send a call and a candidate grad_x to a moegrad service (or, with --local, compute "
-                                    "in-process) and print the accuracy verdicts: per standard its status and the "
-                                    "numbers that decided it, the key metrics of candidate vs golden, device vs "
-                                    "golden and candidate vs device, and the worst elements (docs/accuracy.md).")
+        epilog=_EPILOG, description="Send a call and a candidate grad_x to a moegrad service (or, with --local,\n"
+                                    "compute in-process) and print the accuracy verdicts: per standard its status\n"
+                                    "and the numbers that decided it, the key metrics of candidate vs golden,\n"
+                                    "device vs golden and candidate vs device, and the worst elements\n"
+                                    "(docs/accuracy.md). Exit status 0 when the candidate passed (a warning\n"
+                                    "passes), 1 when a standard failed.")
     group = _add_call_arguments(comparison, order_default="the server's; with --local ascend910b", output=False)
     group.add_argument("--candidate", required=True, metavar="PATH",
                        help="the candidate grad_x .npy: [N, H], the dtype of grad_expanded_x or float32")
@@ -196,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     choose.add_argument("--json", action="store_true", help="print the report as JSON (report.to_dict()) instead of tables")
     choose.add_argument("--report", metavar="PATH",
                         help="also write a markdown report to PATH and, when matplotlib is installed (extra 'plot'), "
-                             "a PNG histogram of the candidate's relative errors beside it (out.md -> out.png)")
+                             "a PNG histogram of the candidate's relative errors beside it (out.md -> out.png); the "
+                             "histogram's float64 golden is computed in this process")
     choose.add_argument("--local", action="store_true",
                         help="compare in-process with the NumPy emulation of the device; no server (--url is ignored)")
     _add_server_arguments(comparison)
