@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[service,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[service,dev,plot]'
 	touch $(STAMP)
 
 test: $(STAMP)
