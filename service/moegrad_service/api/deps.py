@@ -2,6 +2,10 @@
 
 Every dependency is a coroutine function, even those that only read request state: FastAPI runs a
 plain ``def`` dependency on its thread pool, one thread hop (and a GIL hand-off) each per request.
+The body, call and deadline dependencies read the settings and metrics from ``request.state``
+themselves rather than through SettingsDep/MetricsDep: FastAPI re-solves every sub-dependency of
+every node on each request (cached or not), and those nodes were a large share of a small call's
+server time.
 """
 
 from __future__ import annotations
@@ -85,9 +89,9 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
     return body
 
 
-async def get_body(request: Request, settings: SettingsDep, metrics: MetricsDep) -> bytearray:
-    body = await read_body(request, settings.max_body_bytes)
-    metrics.bytes_in.inc(len(body))
+async def get_body(request: Request) -> bytearray:
+    body = await read_body(request, request.state.settings.max_body_bytes)
+    request.state.metrics.bytes_in.inc(len(body))
     return body
 
 
@@ -103,7 +107,9 @@ async def get_document(body: BodyDep) -> dict[str, Any]:
 DocumentDep = Annotated[dict, Depends(get_document)]
 
 
-async def get_call(document: DocumentDep, settings: SettingsDep) -> MoeInitRoutingV2GradCall:
+async def get_call(request: Request, document: DocumentDep) -> MoeInitRoutingV2GradCall:
+    settings: Settings = request.state.settings
+
     def build() -> MoeInitRoutingV2GradCall:
         return MoeInitRoutingV2GradCall.from_wire(document, max_elements=settings.max_elements,
                                                   default_order=settings.order)
@@ -124,8 +130,9 @@ def _tensor_bytes(document: dict[str, Any]) -> int:
 CallDep = Annotated[MoeInitRoutingV2GradCall, Depends(get_call)]
 
 
-async def get_timeout(request: Request, settings: SettingsDep) -> float:
+async def get_timeout(request: Request) -> float:
     """Seconds the call may take: ``X-Request-Timeout`` (seconds) capped by ``request_timeout_s``."""
+    settings: Settings = request.state.settings
     raw = request.headers.get("x-request-timeout")
     if raw is None:
         return settings.request_timeout_s
