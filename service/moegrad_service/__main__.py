@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import typing
 from pathlib import Path
 
@@ -16,6 +18,9 @@ from pydantic import ValidationError
 
 from moegrad import __version__
 from moegrad_service.settings import Settings
+
+if typing.TYPE_CHECKING:
+    from moegrad_service.engine import Backend
 
 __all__ = ["main"]
 
@@ -64,15 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     return serve(settings)
 
 
-def serve(settings: Settings) -> int:
-    """Run uvicorn with one worker until SIGINT/SIGTERM; 0 on a clean stop, 1 if startup failed."""
+def serve(settings: Settings, *, backend: Backend | None = None) -> int:
+    """Run uvicorn with one worker until SIGINT/SIGTERM; 0 on a clean stop, 1 if startup failed.
+
+    ``backend`` serves instead of the one ``settings.backend`` names (tests pass a slowed or faulty
+    one; see :func:`moegrad_service.app.create_app`).
+    """
     import uvicorn
 
     from moegrad_service.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        app = create_app(settings)
+        app = create_app(settings, backend=backend)
     except OSError as exc:
         print(f"moegrad-service: {exc}", file=sys.stderr)
         return 2
@@ -100,7 +109,22 @@ def serve(settings: Settings) -> int:
         log_config=None,
     )
     server = DrainingServer(config)
-    server.run()
+
+    def after_drain(signum: int, frame: object) -> None:
+        # uvicorn, once its graceful shutdown is done, restores the SIGTERM handler it found and
+        # raises SIGTERM again (so that the default action would end the process as -SIGTERM). A
+        # drained stop is a clean stop: let it return 0. Before uvicorn has started, stop at once.
+        if not server.started:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, after_drain) if in_main_thread else None
+    try:
+        server.run()
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
 
 
