@@ -1,0 +1,323 @@
+"""Reliability against a real server: SIGTERM, disconnecting clients, backend faults, TLS, and a quick soak.
+
+Every server here is a real uvicorn process on a free 127.0.0.1 port, started through
+tests/e2e/slow_server.py, which runs ``moegrad_service.__main__.serve`` (the same server, SIGTERM
+drain and exit code as ``moegrad-service serve``) with a reference backend whose fault hook can
+slow calls down, hold them at a gate, log them, raise or hang. Every loop is bounded by a deadline.
+
+What is proved (issue 8):
+
+- SIGTERM with 8 calls admitted (2 running, 6 queued behind a 0.3 s-per-call backend): all 8 are
+  answered, bit for bit right; a call sent after the drain began is refused (503 or the connection
+  refused); the process exits 0;
+- a client that disconnects while its call is queued costs no compute (the backend never sees the
+  call), and one that disconnects while its call runs leaves no residue (gauges back to 0, the next
+  call is right);
+- a backend exception is a 500 carrying its text, and the next call succeeds; a hung backend is a
+  504, and the pool gets its capacity back while the hung call is still stuck;
+- TLS with a CA and a certificate made in the test: ``moegrad.Client(verify=<CA bundle>)`` gets the
+  right result (with a bearer token, over TLS); a client that does not trust the CA gets TransportError;
+- a 10 s soak (bench/soak.py) with 16 clients: see that module; every answer well formed, every valid
+  one bitwise right, no status but 200/400/422/503, every 503 retried to success, the server's RSS
+  settles, and the server exits 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+import routing
+import trustme
+
+import moegrad
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # bench/ is a package at the repository root
+    sys.path.insert(0, str(ROOT))
+from bench import soak  # noqa: E402
+
+LAUNCHER = Path(__file__).with_name("slow_server.py")
+GRAD_PATH = "/v1/moe_init_routing_v2_grad"
+READY_WITHIN_S = 60.0
+STOP_WITHIN_S = 30.0
+#: How far the server's settled RSS may sit above its warmed-up start after the quick soak.
+SOAK_RSS_BOUND_BYTES = 128 << 20
+
+
+def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(0.02)
+
+
+class Server:
+    """One launcher process: ``slow_server.py [hook flags] -- [serve flags]`` on a free loopback port."""
+
+    def __init__(self, log_dir: Path, hook: list[str], flags: list[str], ca_path: Path | None = None) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"{'https' if ca_path else 'http'}://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGRAD_")}
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(LAUNCHER), *hook, "--", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--backend", "reference", "--log-level", "warning", *flags],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        verify = ssl.create_default_context(cafile=str(ca_path)) if ca_path else True
+        end = time.monotonic() + READY_WITHIN_S
+        with httpx.Client(timeout=2.0, verify=verify) as http:
+            while True:
+                assert self.process.poll() is None, f"server exited early:\n{self.log()}"
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(self.url + "/health/ready").status_code == 200:
+                        return
+                assert time.monotonic() < end, f"server not ready within {READY_WITHIN_S} s:\n{self.log()}"
+                time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def metric(self, name: str, **labels: str) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        prefix = f"{name}{{{want}}} " if labels else f"{name} "
+        for line in httpx.get(self.url + "/metrics", timeout=5.0).text.splitlines():
+            if line.startswith(prefix):
+                return float(line.split()[-1])
+        return 0.0
+
+    def admitted(self) -> float:
+        """Calls queued plus calls running, from the pool's gauges."""
+        return (self.metric("moegrad_inference_pending_request_count")
+                + self.metric("moegrad_inference_exec_count"))
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_WITHIN_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_WITHIN_S)
+        return self.process.returncode
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """``launch(hook=[...], flags=[...], ca_path=None) -> Server``; every server is stopped at the end."""
+    servers: list[Server] = []
+
+    def start(hook: list[str] = (), flags: list[str] = (), ca_path: Path | None = None) -> Server:
+        server = Server(tmp_path, list(hook), list(flags), ca_path)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+# --- calls and their independently computed results ----------------------------------------------
+
+def routed_call(seed: int, *, mode: str = "dropless", hidden: int = 8, dtype=np.float32, tokens: int = 6,
+                top_k: int = 3) -> tuple[dict, np.ndarray]:
+    """Keyword arguments of a valid call (tests/routing.py) and its grad_x computed in this process."""
+    rng = np.random.default_rng(seed)
+    r = routing.route(rng, tokens=tokens, top_k=top_k, experts=5, mode=mode)
+    grad = rng.standard_normal(r.grad_shape(hidden), dtype=np.float32).astype(dtype)
+    kwargs = {"grad_expanded_x": grad, **r.kwargs()}
+    return kwargs, moegrad.moe_init_routing_v2_grad(**kwargs)
+
+
+def same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def wire_body(kwargs: dict) -> bytes:
+    """The msgpack body of a call, tensors encoded by hand (docs/protocol.md)."""
+    def tensor(array: np.ndarray) -> dict:
+        name = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32"}[array.dtype]
+        return {"dtype": name, "shape": list(array.shape), "data": np.ascontiguousarray(array).tobytes()}
+
+    return msgpack.packb({"grad_expanded_x": tensor(kwargs["grad_expanded_x"]),
+                          "expanded_row_idx": tensor(kwargs["expanded_row_idx"]), "top_k": kwargs["top_k"],
+                          "drop_pad_mode": kwargs["drop_pad_mode"], "active_num": kwargs["active_num"]},
+                         use_bin_type=True)
+
+
+def send_and_hold(server: Server, body: bytes) -> socket.socket:
+    """POST a call over a raw socket and return the socket unread (closing it disconnects the client)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    head = (f"POST {GRAD_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/msgpack\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sock.sendall(head + body)
+    return sock
+
+
+def calls_seen(calls_file: Path) -> list[str]:
+    return calls_file.read_text().split() if calls_file.exists() else []
+
+
+# --- SIGTERM --------------------------------------------------------------------------------------
+
+def test_sigterm_answers_all_8_admitted_calls_refuses_new_ones_and_exits_0(launch):
+    server = launch(hook=["--delay-s", "0.3"], flags=["--streams", "2", "--shutdown-grace-s", "20"])
+    modes = ["dropless", "active", "drop_pad", "dropless"] * 2
+    calls = [routed_call(i, mode=modes[i], hidden=4 + i, dtype=[np.float32, np.float16][i % 2]) for i in range(8)]
+
+    def run(kwargs: dict) -> np.ndarray:
+        with moegrad.Client(server.url, retries=0, timeout_s=60.0) as client:
+            return client.moe_init_routing_v2_grad(**kwargs)
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(run, kwargs) for kwargs, _ in calls]
+        wait_until(lambda: server.admitted() == 8, what="8 calls admitted")
+        server.process.send_signal(signal.SIGTERM)
+
+        def draining() -> bool:  # readiness turns 503 at once, or the listener is already closed
+            try:
+                return httpx.get(server.url + "/health/ready", timeout=2.0).status_code == 503
+            except httpx.TransportError:
+                return True
+
+        wait_until(draining, what="drain")
+        with moegrad.Client(server.url, retries=0, timeout_s=10.0) as late:
+            with pytest.raises((moegrad.DeviceBusy, moegrad.TransportError)):
+                late.moe_init_routing_v2_grad(**calls[0][0])
+        for future, (_, want) in zip(futures, calls):
+            assert same_bits(future.result(timeout=60), want)
+    assert server.process.wait(STOP_WITHIN_S) == 0, server.log()
+
+
+# --- disconnecting clients ------------------------------------------------------------------------
+
+def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_path):
+    gate, calls_file = tmp_path / "gate", tmp_path / "calls"
+    server = launch(hook=["--gate-file", str(gate), "--calls-file", str(calls_file)], flags=["--streams", "1"])
+    holder_kwargs, holder_want = routed_call(1, hidden=2)
+    queued_kwargs, _ = routed_call(2, hidden=5)
+    running_kwargs, _ = routed_call(3, hidden=7)
+    after_kwargs, after_want = routed_call(4, hidden=3)
+
+    # 1. disconnect while queued behind a call held at the gate: the backend never sees it
+    with ThreadPoolExecutor(1) as pool, moegrad.Client(server.url, retries=0, timeout_s=60.0) as client:
+        holder = pool.submit(client.moe_init_routing_v2_grad, **holder_kwargs)
+        wait_until(lambda: calls_seen(calls_file) == ["H=2"], what="the first call at the gate")
+        queued = send_and_hold(server, wire_body(queued_kwargs))
+        wait_until(lambda: server.metric("moegrad_inference_pending_request_count") == 1, what="a queued call")
+        queued.close()
+        wait_until(lambda: server.metric("moegrad_inference_pending_request_count") == 0, what="the queued call dropped")
+        gate.touch()
+        assert same_bits(holder.result(timeout=30), holder_want)
+        assert same_bits(client.moe_init_routing_v2_grad(**after_kwargs), after_want)
+    assert calls_seen(calls_file) == ["H=2", "H=3"]  # H=5, the dropped call, never reached the backend
+    assert server.metric("moegrad_inference_request_failure_total", endpoint=GRAD_PATH,
+                         reason="client_disconnected") == 1
+
+    # 2. disconnect while the call runs (held at the gate): once it ends, nothing is left behind
+    gate.unlink()
+    running = send_and_hold(server, wire_body(running_kwargs))
+    wait_until(lambda: calls_seen(calls_file)[-1:] == ["H=7"], what="the call running")
+    assert server.metric("moegrad_inference_exec_count") == 1
+    running.close()
+    gate.touch()
+    wait_until(lambda: server.admitted() == 0, what="the pool idle again")
+    with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
+        assert same_bits(client.moe_init_routing_v2_grad(**after_kwargs), after_want)
+    assert server.admitted() == 0
+
+
+# --- faults through the reference backend's hook --------------------------------------------------
+
+def test_backend_exception_is_500_with_its_text_and_a_hang_is_504_then_capacity_returns(launch):
+    text = "injected launch failure: HBM ECC error at 0x7f00"
+    server = launch(hook=["--raise-on-hidden", "7", "--raise-text", text, "--hang-on-hidden", "11",
+                          "--hang-s", "20", "--abandon-grace-s", "0.3"],
+                    flags=["--streams", "1", "--shutdown-grace-s", "1"])
+    failing, _ = routed_call(5, hidden=7)
+    hanging, _ = routed_call(6, hidden=11)
+    fine, fine_want = routed_call(7, hidden=4)
+    headers = {"content-type": "application/msgpack"}
+
+    response = httpx.post(server.url + GRAD_PATH, content=wire_body(failing), headers=headers, timeout=30.0)
+    assert response.status_code == 500
+    assert response.headers["content-type"] == "application/problem+json"
+    assert text in response.json()["detail"]
+    with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
+        with pytest.raises(moegrad.DeviceFault, match="HBM ECC error"):
+            client.moe_init_routing_v2_grad(**failing)
+        assert same_bits(client.moe_init_routing_v2_grad(**fine), fine_want)  # the next call succeeds
+
+    response = httpx.post(server.url + GRAD_PATH, content=wire_body(hanging),
+                          headers={**headers, "x-request-timeout": "1"}, timeout=30.0)
+    assert response.status_code == 504
+    assert response.json()["status"] == 504
+    # the one worker is stuck for 20 s; within far less, a replacement serves calls again
+    with moegrad.Client(server.url, retries=0, timeout_s=10.0) as client:
+        for _ in range(3):
+            assert same_bits(client.moe_init_routing_v2_grad(**fine), fine_want)
+    assert server.admitted() == 0
+
+
+# --- TLS ------------------------------------------------------------------------------------------
+
+def test_tls_with_a_test_ca_trusted_client_succeeds_untrusting_clients_fail(launch, tmp_path):
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    ca_path, cert_path, key_path = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server.key"
+    ca.cert_pem.write_to_path(str(ca_path))
+    cert_path.write_bytes(b"".join(pem.bytes() for pem in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(key_path))
+    other_ca_path = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other_ca_path))
+    token = "tls-test-token"
+    server = launch(flags=["--tls-certfile", str(cert_path), "--tls-keyfile", str(key_path), "--auth-tokens", token],
+                    ca_path=ca_path)
+    assert server.url.startswith("https://")
+    kwargs, want = routed_call(8, hidden=6)
+
+    with moegrad.Client(server.url, verify=str(ca_path), token=token, retries=0, timeout_s=30.0) as client:
+        assert same_bits(client.moe_init_routing_v2_grad(**kwargs), want)
+        assert client.info()["backend"] == "reference"
+    with moegrad.Client(server.url, verify=str(ca_path), retries=0, timeout_s=30.0) as no_token:
+        with pytest.raises(moegrad.Unauthorized):
+            no_token.moe_init_routing_v2_grad(**kwargs)
+    for verify in (True, str(other_ca_path)):  # the system's CAs, another CA: neither issued this certificate
+        with moegrad.Client(server.url, verify=verify, token=token, retries=0, timeout_s=30.0) as untrusting:
+            with pytest.raises(moegrad.TransportError):
+                untrusting.moe_init_routing_v2_grad(**kwargs)
+    with moegrad.Client(server.url.replace("https://", "http://"), retries=0, timeout_s=10.0) as plain:
+        with pytest.raises(moegrad.MoegradError):  # plain HTTP to a TLS port gets no result
+            plain.moe_init_routing_v2_grad(**kwargs)
+
+
+# --- soak (quick) ---------------------------------------------------------------------------------
+
+def test_quick_soak_16_clients_10_s(launch):
+    server = launch(flags=["--streams", "2", "--max-queue", "8"])  # as bench/soak.py starts its server
+    workload = soak.Workload.build(big_calls=2, big_mib=64.0)
+    report = soak.run_soak(server.url, workload, duration_s=10.0, clients=16, server_pid=server.process.pid)
+    assert report.failures == []
+    assert report.calls, "no calls were made"
+    assert set(report.statuses) <= {200, 400, 422, 503}
+    assert report.bitwise_checked == sum(n for (kind, outcome), n in report.calls.items() if outcome == "bitwise equal")
+    assert sum(n for (kind, _), n in report.calls.items() if kind.startswith("big")) == 2
+    assert not any(outcome == "FAILED" for _, outcome in report.calls)
+    assert report.rss_settled - report.rss_start <= SOAK_RSS_BOUND_BYTES, (report.rss_start, report.rss_settled)
+    assert server.stop() == 0, server.log()
