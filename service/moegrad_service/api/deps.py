@@ -70,16 +70,16 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
             raise MalformedRequest(f"Content-Length {declared!r} is not a byte count")
         if int(declared) > limit:
             raise PayloadTooLarge(f"the body of {int(declared)} bytes is over the limit of {limit} bytes")
-        body = bytearray(int(declared))
-        view, filled = memoryview(body), 0
+        # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
+        # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
+        # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
+        expected, body = int(declared), bytearray()
         async for chunk in request.stream():
-            if filled + len(chunk) > len(body):
+            if len(body) + len(chunk) > expected:
                 raise MalformedRequest("the body is longer than its Content-Length")
-            view[filled:filled + len(chunk)] = chunk
-            filled += len(chunk)
-        view.release()
-        if filled != len(body):
-            raise MalformedRequest(f"the body ended after {filled} of {len(body)} bytes")
+            body += chunk
+        if len(body) != expected:
+            raise MalformedRequest(f"the body ended after {len(body)} of {expected} bytes")
         return body
     body = bytearray()
     async for chunk in request.stream():
