@@ -13,6 +13,8 @@ What is proved (issue 8):
 - a client that disconnects while its call is queued costs no compute (the backend never sees the
   call), and one that disconnects while its call runs leaves no residue (gauges back to 0, the next
   call is right);
+- a client that promises a large body (Content-Length within max_body_bytes) and sends a few bytes
+  pins no server memory;
 - a backend exception is a 500 carrying its text, and the next call succeeds; a hung backend is a
   504, and the pool gets its capacity back while the hung call is still stuck;
 - TLS with a CA and a certificate made in the test: ``moegrad.Client(verify=<CA bundle>)`` gets the
@@ -241,6 +243,34 @@ def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_p
     with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
         assert same_bits(client.moe_init_routing_v2_grad(**after_kwargs), after_want)
     assert server.admitted() == 0
+
+
+def test_declared_length_without_the_bytes_pins_no_memory(launch):
+    """Content-Length up to max_body_bytes is admitted before the body is read (413 is decided from
+    it); the buffer must grow with the bytes that actually come, not be allocated from the promise."""
+    server = launch(flags=["--max-body-bytes", str(1 << 30)])
+    start = soak.rss_bytes(server.process.pid)
+    held = []
+    for _ in range(4):  # 4 x 256 MiB promised, 3 bytes sent each
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall((f"POST {GRAD_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/msgpack\r\n"
+                      f"Content-Length: {256 << 20}\r\n\r\nabc").encode())
+        held.append(sock)
+    try:
+        for _ in range(3):  # round trips through the same event loop: the held requests are being read by now
+            assert httpx.get(server.url + "/health/live", timeout=10.0).status_code == 200
+        peak = start
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            peak = max(peak, soak.rss_bytes(server.process.pid))
+            time.sleep(0.05)
+        assert peak - start < 64 << 20, f"RSS grew {(peak - start) >> 20} MiB for 12 bytes received"
+    finally:
+        for sock in held:
+            sock.close()
+    kwargs, want = routed_call(9, hidden=3)
+    with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
+        assert same_bits(client.moe_init_routing_v2_grad(**kwargs), want)
 
 
 # --- faults through the reference backend's hook --------------------------------------------------
