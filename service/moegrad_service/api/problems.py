@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from moegrad import (
     AclnnStatus,
@@ -138,7 +139,12 @@ def install_problem_handlers(app: FastAPI) -> None:
         log.exception("unexpected error")
         return problem_response(request, exc)
 
+    async def on_disconnect(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # the client hung up while its body was being read: a 499, not an internal error
+        return problem_response(request, ClientDisconnected("the client disconnected while sending its body"))
+
     app.add_exception_handler(MoegradError, on_domain)
+    app.add_exception_handler(ClientDisconnect, on_disconnect)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_unexpected)
