@@ -12,7 +12,8 @@ What is proved (issue 8):
   refused); the process exits 0;
 - a client that disconnects while its call is queued costs no compute (the backend never sees the
   call), and one that disconnects while its call runs leaves no residue (gauges back to 0, the next
-  call is right);
+  call is right), and one that hangs up halfway through its body is a disconnect, not an internal
+  error;
 - a client that promises a large body (Content-Length within max_body_bytes) and sends a few bytes
   pins no server memory;
 - a backend exception is a 500 carrying its text, and the next call succeeds; a hung backend is a
@@ -243,6 +244,22 @@ def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_p
     with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
         assert same_bits(client.moe_init_routing_v2_grad(**after_kwargs), after_want)
     assert server.admitted() == 0
+    assert calls_seen(calls_file) == ["H=2", "H=3", "H=7", "H=3"]
+
+    # 3. disconnect halfway through sending the body: nothing reaches the backend, nothing is an error
+    body = wire_body(routed_call(10, hidden=9)[0])
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall((f"POST {GRAD_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/msgpack\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: len(body) // 2])
+    sock.close()
+    disconnected = {"endpoint": GRAD_PATH, "reason": "client_disconnected"}
+    wait_until(lambda: server.metric("moegrad_inference_request_failure_total", **disconnected) == 3,
+               what="three disconnects counted")  # queued, running, mid-upload
+    with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
+        assert same_bits(client.moe_init_routing_v2_grad(**after_kwargs), after_want)
+    assert calls_seen(calls_file) == ["H=2", "H=3", "H=7", "H=3", "H=3"]
+    assert server.metric("moegrad_inference_request_failure_total", endpoint=GRAD_PATH, reason="internal") == 0
+    assert "Traceback" not in server.log()
 
 
 def test_declared_length_without_the_bytes_pins_no_memory(launch):
