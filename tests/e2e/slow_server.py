@@ -7,8 +7,9 @@ exit code as the real command -- with ``backend=ReferenceBackend(fault_hook=...)
 
 Hook flags (each call runs them in this order, on the worker thread, before computing):
 
-- ``--calls-file PATH``: append one line per call that reaches the backend (``H=<hidden size>``);
-  the file's line count is the number of backend calls;
+- ``--calls-file PATH``: append one line per call that reaches the backend
+  (``H=<hidden size> timeout_s=<seconds left before its deadline>``); the line count is the number
+  of backend calls;
 - ``--gate-file PATH``: wait until PATH exists (at most 30 s) -- a gate a test opens by creating it;
 - ``--delay-s S``: sleep S seconds;
 - ``--raise-on-hidden H --raise-text TEXT``: raise ``RuntimeError(TEXT)`` for calls of hidden size H;
@@ -44,7 +45,7 @@ def make_hook(args: argparse.Namespace):
         hidden = call.hidden_size
         if args.calls_file is not None:
             with lock, open(args.calls_file, "a", encoding="utf-8") as calls:
-                calls.write(f"H={hidden}\n")
+                calls.write(f"H={hidden} timeout_s={timeout_s}\n")
         if args.gate_file is not None:
             end = time.monotonic() + GATE_WAIT_S
             while not args.gate_file.exists() and time.monotonic() < end:

@@ -17,7 +17,8 @@ What is proved (issue 8):
 - a client that promises a large body (Content-Length within max_body_bytes) and sends a few bytes
   pins no server memory;
 - a backend exception is a 500 carrying its text, and the next call succeeds; a hung backend is a
-  504, and the pool gets its capacity back while the hung call is still stuck;
+  504, and the pool gets its capacity back while the hung call is still stuck; X-Request-Timeout
+  shortens a call's deadline but never lengthens it past request_timeout_s;
 - TLS with a CA and a certificate made in the test: ``moegrad.Client(verify=<CA bundle>)`` gets the
   right result (with a bearer token, over TLS); a client that does not trust the CA gets TransportError;
 - a 10 s soak (bench/soak.py) with 16 clients: see that module; every answer well formed, every valid
@@ -173,8 +174,15 @@ def send_and_hold(server: Server, body: bytes) -> socket.socket:
     return sock
 
 
+def calls_log(calls_file: Path) -> list[dict[str, str]]:
+    """The launcher's calls file: one ``{"H": ..., "timeout_s": ...}`` per call that reached the backend."""
+    lines = calls_file.read_text().splitlines() if calls_file.exists() else []
+    return [dict(field.split("=", 1) for field in line.split()) for line in lines]
+
+
 def calls_seen(calls_file: Path) -> list[str]:
-    return calls_file.read_text().split() if calls_file.exists() else []
+    """The hidden sizes of the calls that reached the backend, in order (``["H=2", ...]``)."""
+    return [f"H={call['H']}" for call in calls_log(calls_file)]
 
 
 # --- SIGTERM --------------------------------------------------------------------------------------
@@ -292,11 +300,12 @@ def test_declared_length_without_the_bytes_pins_no_memory(launch):
 
 # --- faults through the reference backend's hook --------------------------------------------------
 
-def test_backend_exception_is_500_with_its_text_and_a_hang_is_504_then_capacity_returns(launch):
+def test_backend_exception_is_500_with_its_text_and_a_hang_is_504_then_capacity_returns(launch, tmp_path):
     text = "injected launch failure: HBM ECC error at 0x7f00"
+    calls_file = tmp_path / "calls"
     server = launch(hook=["--raise-on-hidden", "7", "--raise-text", text, "--hang-on-hidden", "11",
-                          "--hang-s", "20", "--abandon-grace-s", "0.3"],
-                    flags=["--streams", "1", "--shutdown-grace-s", "1"])
+                          "--hang-s", "20", "--abandon-grace-s", "0.3", "--calls-file", str(calls_file)],
+                    flags=["--streams", "1", "--shutdown-grace-s", "1", "--request-timeout-s", "30"])
     failing, _ = routed_call(5, hidden=7)
     hanging, _ = routed_call(6, hidden=11)
     fine, fine_want = routed_call(7, hidden=4)
@@ -320,6 +329,15 @@ def test_backend_exception_is_500_with_its_text_and_a_hang_is_504_then_capacity_
         for _ in range(3):
             assert same_bits(client.moe_init_routing_v2_grad(**fine), fine_want)
     assert server.admitted() == 0
+
+    # X-Request-Timeout may shorten the deadline, never lengthen it past request_timeout_s (30 s here):
+    # the backend is handed the seconds left (docs/protocol.md, "The call")
+    for asked in ("3600", "2"):
+        response = httpx.post(server.url + GRAD_PATH, content=wire_body(fine),
+                              headers={**headers, "x-request-timeout": asked}, timeout=30.0)
+        assert response.status_code == 200
+    handed = [float(call["timeout_s"]) for call in calls_log(calls_file)[-2:]]
+    assert 0 < handed[0] <= 30.0 and 0 < handed[1] <= 2.0
 
 
 # --- TLS ------------------------------------------------------------------------------------------
