@@ -271,6 +271,8 @@ class SoakReport:
             f"| by status | {statuses} |",
             f"| calls by kind and outcome | {calls} |",
             f"| valid replies checked bitwise | {self.bitwise_checked} |",
+            f"| 503s (queue full), each retried by the client | {self.statuses.get(503, 0)}; calls that ended in a "
+            f"503 or any unexpected answer: {sum(n for (_, outcome), n in self.calls.items() if outcome == 'FAILED')} |",
             f"| server RSS start (idle, warmed up) / max / settled (idle after) | {self.rss_start / MIB:.0f} / {self.rss_max / MIB:.0f}"
             f" / {self.rss_settled / MIB:.0f} MiB |",
             f"| server exit code after SIGTERM | {self.server_exit_code if self.server_exit_code is not None else 'n/a'} |",
