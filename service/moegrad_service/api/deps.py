@@ -56,9 +56,15 @@ PoolDep = Annotated[StreamPool, Depends(get_pool)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
 
-async def read_body(request: Request, limit: int, media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES) -> bytearray:
+async def read_body(request: Request, limit: int, media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES, *,
+                    lead: int = 0) -> bytearray | memoryview:
     """The request body, refused with 413 before reading when Content-Length is over ``limit`` and
-    as soon as a body without one grows past it; 415 when the media type is not in ``media_types``."""
+    as soon as a body without one grows past it; 415 when the media type is not in ``media_types``.
+
+    ``lead`` > 0 puts that many zero bytes before the body in its buffer (whose start CPython
+    aligns to 16 bytes) and returns a memoryview of the body alone: a caller that knows where
+    binary data starts inside the body picks ``lead`` so that it lands 16-byte aligned, and its
+    arrays can view the body instead of copying it (v2's binary tensor data)."""
     if media_types is not None:
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media_type not in media_types:
@@ -73,20 +79,20 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
         # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
         # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
         # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
-        expected, body = int(declared), bytearray()
+        expected, body = int(declared), bytearray(lead)
         async for chunk in request.stream():
-            if len(body) + len(chunk) > expected:
+            if len(body) - lead + len(chunk) > expected:
                 raise MalformedRequest("the body is longer than its Content-Length")
             body += chunk
-        if len(body) != expected:
-            raise MalformedRequest(f"the body ended after {len(body)} of {expected} bytes")
-        return body
-    body = bytearray()
+        if len(body) - lead != expected:
+            raise MalformedRequest(f"the body ended after {len(body) - lead} of {expected} bytes")
+        return memoryview(body)[lead:] if lead else body
+    body = bytearray(lead)
     async for chunk in request.stream():
         body += chunk
-        if len(body) > limit:
+        if len(body) - lead > limit:
             raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
-    return body
+    return memoryview(body)[lead:] if lead else body
 
 
 async def get_body(request: Request) -> bytearray:
