@@ -7,8 +7,8 @@ slow calls down, hold them at a gate, log them, raise or hang. Every loop is bou
 
 What is proved (issue 8):
 
-- SIGTERM with 8 calls admitted (2 running, 6 queued behind a 0.3 s-per-call backend): all 8 are
-  answered, bit for bit right; a call sent after the drain began is refused (503 or the connection
+- SIGTERM with 8 calls admitted (2 running, held at a gate, 6 queued; once the gate opens each takes
+  0.3 s): all 8 are answered, bit for bit right; a call sent after the drain began is refused (503 or the connection
   refused); the process exits 0;
 - a client that disconnects while its call is queued costs no compute (the backend never sees the
   call), and one that disconnects while its call runs leaves no residue (gauges back to 0, the next
@@ -21,7 +21,7 @@ What is proved (issue 8):
   shortens a call's deadline but never lengthens it past request_timeout_s;
 - TLS with a CA and a certificate made in the test: ``moegrad.Client(verify=<CA bundle>)`` gets the
   right result (with a bearer token, over TLS); a client that does not trust the CA gets TransportError;
-- a 10 s soak (bench/soak.py) with 16 clients: see that module; every answer well formed, every valid
+- a 10 s soak (bench/soak.py) with 16 clients, two 32 MiB calls among them: see that module; every answer well formed, every valid
   one bitwise right, no status but 200/400/422/503, every 503 retried to success, the server's RSS
   settles, and the server exits 0 on SIGTERM.
 """
@@ -56,7 +56,7 @@ from bench import soak  # noqa: E402
 LAUNCHER = Path(__file__).with_name("slow_server.py")
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 READY_WITHIN_S = 60.0
-STOP_WITHIN_S = 30.0
+STOP_WITHIN_S = 90.0
 #: How far the server's settled RSS may sit above its warmed-up start after the quick soak.
 SOAK_RSS_BOUND_BYTES = 128 << 20
 
@@ -187,18 +187,25 @@ def calls_seen(calls_file: Path) -> list[str]:
 
 # --- SIGTERM --------------------------------------------------------------------------------------
 
-def test_sigterm_answers_all_8_admitted_calls_refuses_new_ones_and_exits_0(launch):
-    server = launch(hook=["--delay-s", "0.3"], flags=["--streams", "2", "--shutdown-grace-s", "20"])
+def test_sigterm_answers_all_8_admitted_calls_refuses_new_ones_and_exits_0(launch, tmp_path):
+    gate = tmp_path / "gate"
+    gate.touch()  # open for the warm-up
+    server = launch(hook=["--gate-file", str(gate), "--delay-s", "0.3"],
+                    flags=["--streams", "2", "--shutdown-grace-s", "60"])
     modes = ["dropless", "active", "drop_pad", "dropless"] * 2
     calls = [routed_call(i, mode=modes[i], hidden=4 + i, dtype=[np.float32, np.float16][i % 2]) for i in range(8)]
 
     def run(kwargs: dict) -> np.ndarray:
-        with moegrad.Client(server.url, retries=0, timeout_s=60.0) as client:
+        with moegrad.Client(server.url, retries=0, timeout_s=120.0) as client:
             return client.moe_init_routing_v2_grad(**kwargs)
+
+    for kwargs, want in calls:  # warm up first: a cold server may compile kernels on its first calls
+        assert same_bits(run(kwargs), want)
+    gate.unlink()  # from now on the two workers hold their calls until the gate opens again
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(run, kwargs) for kwargs, _ in calls]
-        wait_until(lambda: server.admitted() == 8, what="8 calls admitted")
+        wait_until(lambda: server.admitted() == 8, what="8 calls admitted")  # 2 running, 6 queued
         server.process.send_signal(signal.SIGTERM)
 
         def draining() -> bool:  # readiness turns 503 at once, or the listener is already closed
@@ -211,8 +218,9 @@ def test_sigterm_answers_all_8_admitted_calls_refuses_new_ones_and_exits_0(launc
         with moegrad.Client(server.url, retries=0, timeout_s=10.0) as late:
             with pytest.raises((moegrad.DeviceBusy, moegrad.TransportError)):
                 late.moe_init_routing_v2_grad(**calls[0][0])
+        gate.touch()  # the 8 admitted calls now run, 0.3 s each, two at a time, while the server stops
         for future, (_, want) in zip(futures, calls):
-            assert same_bits(future.result(timeout=60), want)
+            assert same_bits(future.result(timeout=120), want)
     assert server.process.wait(STOP_WITHIN_S) == 0, server.log()
 
 
@@ -332,12 +340,12 @@ def test_backend_exception_is_500_with_its_text_and_a_hang_is_504_then_capacity_
 
     # X-Request-Timeout may shorten the deadline, never lengthen it past request_timeout_s (30 s here):
     # the backend is handed the seconds left (docs/protocol.md, "The call")
-    for asked in ("3600", "2"):
+    for asked in ("3600", "10"):
         response = httpx.post(server.url + GRAD_PATH, content=wire_body(fine),
                               headers={**headers, "x-request-timeout": asked}, timeout=30.0)
         assert response.status_code == 200
     handed = [float(call["timeout_s"]) for call in calls_log(calls_file)[-2:]]
-    assert 0 < handed[0] <= 30.0 and 0 < handed[1] <= 2.0
+    assert 0 < handed[0] <= 30.0 and 0 < handed[1] <= 10.0
 
 
 # --- TLS ------------------------------------------------------------------------------------------
@@ -376,7 +384,7 @@ def test_tls_with_a_test_ca_trusted_client_succeeds_untrusting_clients_fail(laun
 
 def test_quick_soak_16_clients_10_s(launch):
     server = launch(flags=["--streams", "2", "--max-queue", "8"])  # as bench/soak.py starts its server
-    workload = soak.Workload.build(big_calls=2, big_mib=64.0)
+    workload = soak.Workload.build(big_calls=2, big_mib=32.0)  # bench/soak.py sends 64 MiB ones; time here is short
     report = soak.run_soak(server.url, workload, duration_s=10.0, clients=16, server_pid=server.process.pid)
     assert report.failures == []
     assert report.calls, "no calls were made"
