@@ -12,17 +12,22 @@ gathered row is read once, widened in registers and added into a bin that stays 
 (bins are cut into tiles of H so that all of them fit), and each grad_x row is written once, already
 narrowed. Nothing is allocated beyond one tile of bins per running chunk (<= 128 KiB).
 
-Threads: rows are cut into chunks of about 4 MiB of input each and run on the reference module's one
-shared thread pool (the kernel releases the GIL). Calls made at the same time, such as a service with
-two streams, queue their chunks on that same pool, so the machine never runs more compute threads
-than the pool has (``MOEGRAD_REFERENCE_THREADS``, default: the CPUs this process may use, at most 8).
-numba's own parallel layer is not used: its default (workqueue) layer aborts when two threads launch
-parallel kernels at once, which a service with two streams does.
+Threads: rows are cut into spans of about 4 MiB of input each. One task per thread of the reference
+module's shared pool (a "lane") takes spans one after the other until none is left, calling the
+kernel (which releases the GIL) on each: the load balances itself, and a span costs one kernel call
+rather than one pool task. Calls made at the same time, such as a service with two streams, queue
+their lanes on the same pool, so the machine never runs more compute threads than the pool has
+(``MOEGRAD_REFERENCE_THREADS``, default: the CPUs this process may use, at most 8). numba's own
+parallel layer (prange over the same spans) is not used: on the 2-core benchmark machine it measured
+10-25% faster than one pool task per span, but the same as these lanes (within 3% on W1-W3); and
+each calling thread starts its own team of threads, so two streams would run twice as many threads
+as cores, while numba's default (workqueue) layer aborts when two threads launch at once.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -38,7 +43,6 @@ _BIT_VIEWS = {  # the dtype the kernel sees: it names the format too (see _fast_
     np.dtype(np.float16): np.dtype(np.int16),
     np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16),
 }
-_OPS = {"set": 0, "add": 1, "merge": 2, "zero": 3}  # _fast_jit.OP_*
 
 _jit: ModuleType | None = None
 _jit_missing = False
@@ -63,14 +67,55 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=512)
-def _schedule_table(schedule: tuple[tuple[str, int, int], ...]) -> np.ndarray:
-    table = np.array([(_OPS[op], dst, src) for op, dst, src in schedule], dtype=np.int32).reshape(-1, 3)
+def _plan(schedule: tuple[tuple[str, int, int], ...]) -> tuple[np.ndarray, int] | None:
+    """The schedule as per-bin chains for the kernel, or None when it does not have the kernel's shape.
+
+    Returns ``(chains, group)``: chains [B, L, 2] int32, bin b's adds in order as (slot, aux row),
+    where slot -1 reads the aux row, and a skipped slot too: +0.0 (row 0) for a set or a zero,
+    -0.0 (row 1) for an add; chains are padded with (-1, 1) to the same even length L. ``group`` is
+    how many bins the kernel runs side by side: 4, or 1 when B < 4. The kernel starts each bin at -0.0 and adds, so a set
+    of v gives v and a skipped set +0.0, an add of -0.0 changes no bit: the same adds, in the same
+    order, as the schedule. The shape it needs: each bin's first step a set or zero, all merges after
+    the last set/add, and the merges the pairwise tree of DESIGN.md section 3 (S4) over B bins.
+    """
+    merges = [step for step in schedule if step[0] == "merge"]
+    head = list(schedule[:len(schedule) - len(merges)])
+    if any(step[0] == "merge" for step in head):
+        return None
+    nbins = 1 + max(step[1] for step in schedule)
+    tree, stride = [], 1
+    while stride < nbins:
+        tree += [("merge", j - stride, j) for j in range(stride, nbins, 2 * stride)]
+        stride *= 2
+    if nbins & (nbins - 1) or merges != tree:
+        return None
+    chains: list[list[tuple[int, int]]] = [[] for _ in range(nbins)]
+    for op, dst, src in head:
+        if (op in ("set", "zero")) != (not chains[dst]):
+            return None  # a bin must open with its one set (or zero)
+        chains[dst].append((src, 0) if op == "set" else (-1, 0) if op == "zero" else (src, 1))
+    if any(not chain for chain in chains):
+        return None
+    layers = max(len(chain) for chain in chains)
+    layers += layers % 2  # the kernel takes two elements of a chain per pass
+    table = np.array([chain + [(-1, 1)] * (layers - len(chain)) for chain in chains], dtype=np.int32)
     table.flags.writeable = False
-    return table
+    return table, 4 if nbins >= 4 else 1
+
+
+@functools.lru_cache(maxsize=8)
+def _aux(view: np.dtype, hidden: int) -> np.ndarray:
+    """[2, H] in the kernel's bit view: row 0 all +0.0, row 1 all -0.0 (only the sign bit set)."""
+    aux = np.zeros((2, hidden), dtype=view)
+    words = aux.view(np.uint32 if view.itemsize == 4 else np.uint16)
+    words[1] = 1 << (8 * view.itemsize - 1)
+    aux.flags.writeable = False
+    return aux
 
 
 def accumulate(rows: np.ndarray, index: np.ndarray, top_k: int, schedule: Sequence[tuple[str, int, int]],
-               out: np.ndarray, map_chunks: Callable[[Callable[[int, int], None], int, int], None]) -> bool:
+               out: np.ndarray, map_chunks: Callable[[Callable[[int, int], None], int, int], None],
+               lanes: int) -> bool:
     """grad_x into ``out`` with the compiled kernel; False (``out`` untouched) when it cannot take the call.
 
     Args:
@@ -81,6 +126,7 @@ def accumulate(rows: np.ndarray, index: np.ndarray, top_k: int, schedule: Sequen
         schedule: :func:`~moegrad._reference.accumulation_schedule` of K (a tuple).
         out: [N, H] C-contiguous, the dtype of ``rows``; N >= 1, H >= 1.
         map_chunks: runs ``fn(start, stop)`` over row chunks (the reference module's thread pool).
+        lanes: how many of the pool's threads this call may use.
     """
     view = _BIT_VIEWS.get(rows.dtype)
     if view is None or out.dtype != rows.dtype or not rows.flags.c_contiguous or not out.flags.c_contiguous:
@@ -88,17 +134,26 @@ def accumulate(rows: np.ndarray, index: np.ndarray, top_k: int, schedule: Sequen
     jit = _load_jit()
     if jit is None:
         return False
+    plan = _plan(tuple(schedule))
+    if plan is None:
+        return False
+    chains, group = plan
     tokens, hidden = out.shape
-    table = _schedule_table(tuple(schedule))
-    nbins = int(table[:, 1].max()) + 1
-    tile = min(hidden, max(64, _BIN_BYTES // (4 * nbins) // 64 * 64))
+    groups = chains.shape[0] // group
+    kept = group + (groups if groups > 1 else 0)  # float32 bins per element of a tile: working + group results
+    tile = min(hidden, max(64, _BIN_BYTES // (4 * kept) // 64 * 64))
+    aux = _aux(view, hidden)
     rows_bits = rows.view(view)
     out_bits = out.view(view)
     flat_index = np.ascontiguousarray(index.reshape(-1), dtype=np.int32)
     chunk = max(1, _CHUNK_INPUT_BYTES // max(1, top_k * hidden * rows.itemsize))
 
-    def run(start: int, stop: int) -> None:
-        jit.run_rows(rows_bits, flat_index, top_k, table, nbins, tile, out_bits, start, stop)
+    spans = [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
+    taken = itertools.count()  # next() on it is atomic under the GIL: each span is taken once
 
-    map_chunks(run, tokens, chunk)
+    def lane(_first: int, _last: int) -> None:  # one per thread: take spans until none is left
+        while (number := next(taken)) < len(spans):
+            jit.run_rows(rows_bits, aux, flat_index, top_k, chains, group, tile, out_bits, *spans[number])
+
+    map_chunks(lane, max(1, min(lanes, len(spans))), 1)
     return True

@@ -7,9 +7,9 @@ Numerics (DESIGN.md section 3), and how this code keeps them exact:
 
 - The element type travels as a bit view that also names the format: float32 rows as ``float32``,
   float16 rows as ``int16`` words, bfloat16 rows as ``uint16`` words. One specialisation each.
-- Widening works on the bits and is exact: bfloat16 is the upper half of a float32; float16 moves
-  its exponent and mantissa into float32 fields (a subnormal is the exact ``int -> float`` of its
-  mantissa with 24 taken off the exponent field). NaNs keep their payload, as NumPy's cast does.
+- Widening is exact: bfloat16 is the upper half of a float32; float16 goes through the CPU's own
+  conversion (x86 F16C, ARMv8) or, where there is none, moves its exponent and mantissa into float32
+  fields and rescales by 2**112 (exact). NaNs keep sign and payload (the CPU quiets a signalling one).
 - Every add is one IEEE float32 add of a bin and a value: no fastmath flags, so LLVM neither
   reassociates nor contracts into FMAs. It vectorises the loops over H, which only runs the adds of
   different output elements side by side; the adds of one element stay in the schedule's order.
@@ -19,7 +19,8 @@ Numerics (DESIGN.md section 3), and how this code keeps them exact:
   goes to inf, subnormals are rounded, and a NaN gets the same bits those casts give it.
 - The conversions are written as 32-bit LLVM IR (numba would type the same Python integer code as
   64-bit, which halves the vector width); the loops around them are plain numba.
-- The schedule (``accumulation_schedule``) is data: an int32 [steps, 3] table of (op, dst, src).
+- The schedule (``accumulation_schedule``) is data: per-bin chains of slots (see ``run_rows`` and
+  ``moegrad._fast._plan``), so both orders run through the same compiled code.
 """
 
 from __future__ import annotations
@@ -29,40 +30,77 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["OP_ADD", "OP_MERGE", "OP_SET", "OP_ZERO", "narrow_bf16", "narrow_f16", "run_rows", "widen_bf16",
-           "widen_f16"]
-
-OP_SET, OP_ADD, OP_MERGE, OP_ZERO = 0, 1, 2, 3
+__all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "run_rows", "widen_bf16", "widen_f16", "widen_f16_portable"]
 
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
 
 
+def _hardware_half() -> bool:
+    """Whether LLVM turns a half -> float conversion into one instruction here (else: a library call)."""
+    import platform
+
+    from llvmlite import binding
+
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return bool(binding.get_host_cpu_features().get("f16c", False))
+    return machine in ("aarch64", "arm64")
+
+
+_HARDWARE_HALF = _hardware_half()
+# The first lines of each row of the next token are prefetched while this one is summed: rows are
+# read one after the other in short runs (4 KiB in W3), and each run otherwise starts with misses.
+# 4 lines measured as good as 16 on the benchmark machine, and clearly better than none for W2, W3.
+_PREFETCH_LINES = 4
+HARDWARE_HALF = _HARDWARE_HALF  #: whether float16 rows are widened by the CPU's conversion instruction
+
+
 def _i32(value: int) -> ir.Constant:
     return ir.Constant(_I32, value)
 
 
+def _widen_f16_integer(builder, word):
+    """float32 of float16 bits with integer operations: exact, NaNs keep payload and sign (as NumPy)."""
+    b = builder
+    u = b.zext(word, _I32)
+    sign = b.shl(b.and_(u, _i32(0x8000)), _i32(16))
+    shifted = b.shl(b.and_(u, _i32(0x7FFF)), _i32(13))  # exponent and mantissa in float32's places
+    # times 2**112 re-biases the exponent (15 -> 127); exact, subnormals included. The product is a
+    # float16 value, so no add that meets it could be fused with it into a different result.
+    finite = b.bitcast(b.fmul(b.bitcast(shifted, _F32), ir.Constant(_F32, 2.0**112)), _I32)
+    special = b.or_(shifted, _i32(0x7F800000))  # exponent 31: inf or NaN, payload kept
+    is_special = b.icmp_unsigned("==", b.and_(u, _i32(0x7C00)), _i32(0x7C00))
+    return b.bitcast(b.or_(sign, b.select(is_special, special, finite)), _F32)
+
+
 @intrinsic
 def _widen_f16(typingctx, word):
-    """float32 of the float16 whose bits are ``word`` (int16): exact; NaNs keep payload and sign."""
+    """float32 of the float16 whose bits are ``word`` (int16): exact.
+
+    Where the CPU converts half precision itself (x86 F16C, ARMv8), one instruction; it returns a
+    signalling NaN quieted, the only bit it can differ in from the integer version.
+    """
     if word != types.int16:
         return None
 
     def codegen(context, builder, signature, args):
-        b = builder
-        u = b.zext(args[0], _I32)
-        sign = b.shl(b.and_(u, _i32(0x8000)), _i32(16))
-        shifted = b.shl(b.and_(u, _i32(0x7FFF)), _i32(13))  # exponent and mantissa in float32's places
-        normal = b.add(shifted, _i32(112 << 23))  # re-bias the exponent: 15 -> 127
-        special = b.or_(shifted, _i32(0x7F800000))  # exponent 31: inf or NaN, payload kept
-        mantissa = b.and_(u, _i32(0x3FF))
-        scaled = b.sub(b.bitcast(b.sitofp(mantissa, _F32), _I32), _i32(24 << 23))  # m * 2**-24, exact
-        tiny = b.select(b.icmp_unsigned("==", mantissa, _i32(0)), _i32(0), scaled)
-        exponent = b.and_(u, _i32(0x7C00))
-        body = b.select(b.icmp_unsigned("==", exponent, _i32(0x7C00)), special,
-                        b.select(b.icmp_unsigned("==", exponent, _i32(0)), tiny, normal))
-        return b.bitcast(b.or_(sign, body), _F32)
+        if _HARDWARE_HALF:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        return _widen_f16_integer(builder, args[0])
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _widen_f16_portable(typingctx, word):
+    """:func:`_widen_f16` with integer operations on every CPU (what runs where F16C is missing)."""
+    if word != types.int16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _widen_f16_integer(builder, args[0])
 
     return types.float32(types.int16), codegen
 
@@ -126,6 +164,27 @@ def _narrow_bf16(typingctx, value):
     return types.uint16(types.float32), codegen
 
 
+@intrinsic
+def _prefetch(typingctx, array, offset):
+    """Hint the CPU to fetch the cache line holding element ``offset`` of the C-contiguous ``array``.
+
+    Only a hint (llvm.prefetch: read, keep in all cache levels): it changes no value."""
+    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        kind = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32])
+        prefetch = cgutils.get_or_insert_function(builder.module, kind, "llvm.prefetch.p0")
+        builder.call(prefetch, [address, _i32(0), _i32(3), _i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, offset), codegen
+
+
 def _widen(word):
     """The exact float32 value of one element in its bit view (compile-time dispatch, below)."""
     raise NotImplementedError  # only called from compiled code
@@ -166,6 +225,13 @@ def widen_f16(words, out):
 
 
 @njit(nogil=True, cache=True)
+def widen_f16_portable(words, out):
+    """widen_f16 with the integer conversion, whatever the CPU. For the conversion's own tests."""
+    for i in range(words.shape[0]):
+        out[i] = _widen_f16_portable(words[i])
+
+
+@njit(nogil=True, cache=True)
 def widen_bf16(words, out):
     """out[i] = float32 of the bfloat16 bits words[i] (uint16). For the conversion's own tests."""
     for i in range(words.shape[0]):
@@ -186,16 +252,70 @@ def narrow_bf16(values, out):
         out[i] = _narrow_bf16(values[i])
 
 
+# Passes over one tile of H. Each reads several rows at once, one stream each: a core keeps more
+# loads in flight that way (on the benchmark machine one pass over 8 rows read memory about twice as
+# fast as 8 passes over one row). _pass_GxM runs G bins side by side, M chain elements each. With
+# ``first`` and ``last`` it needs no bins: -0.0 + x is x, so the chain starts at its first element;
+# otherwise the bins hold the chain so far (filled with -0.0 before the first pass). ``last`` reduces
+# the G bins by S4's levels inside the group and writes the result to ``out``, narrowed when ``out``
+# is a bit view of grad_x, as is when it is a float32 row of group results. Every add is written out
+# in the schedule's order; LLVM only vectorises over h.
+
 @njit
-def _set_row(target, segment):
-    for h in range(target.shape[0]):
-        target[h] = _widen(segment[h])
+def _pass_4x2(first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
+    n = a0.shape[0]
+    if first and last:
+        for h in range(n):
+            v0 = _widen(a0[h]) + _widen(b0[h])
+            v1 = _widen(a1[h]) + _widen(b1[h])
+            v2 = _widen(a2[h]) + _widen(b2[h])
+            v3 = _widen(a3[h]) + _widen(b3[h])
+            out[h] = _narrow((v0 + v1) + (v2 + v3), out)
+    elif last:
+        for h in range(n):
+            v0 = (w0[h] + _widen(a0[h])) + _widen(b0[h])
+            v1 = (w1[h] + _widen(a1[h])) + _widen(b1[h])
+            v2 = (w2[h] + _widen(a2[h])) + _widen(b2[h])
+            v3 = (w3[h] + _widen(a3[h])) + _widen(b3[h])
+            out[h] = _narrow((v0 + v1) + (v2 + v3), out)
+    else:  # the bins start at -0.0
+        for h in range(n):
+            w0[h] = (w0[h] + _widen(a0[h])) + _widen(b0[h])
+            w1[h] = (w1[h] + _widen(a1[h])) + _widen(b1[h])
+            w2[h] = (w2[h] + _widen(a2[h])) + _widen(b2[h])
+            w3[h] = (w3[h] + _widen(a3[h])) + _widen(b3[h])
 
 
 @njit
-def _add_row(target, segment):
-    for h in range(target.shape[0]):
-        target[h] = target[h] + _widen(segment[h])
+def _pass_1x4(first, last, out, w0, a0, b0, c0, d0):
+    n = a0.shape[0]
+    if first and last:
+        for h in range(n):
+            v0 = ((_widen(a0[h]) + _widen(b0[h])) + _widen(c0[h])) + _widen(d0[h])
+            out[h] = _narrow(v0, out)
+    elif last:
+        for h in range(n):
+            v0 = (((w0[h] + _widen(a0[h])) + _widen(b0[h])) + _widen(c0[h])) + _widen(d0[h])
+            out[h] = _narrow(v0, out)
+    else:  # the bins start at -0.0
+        for h in range(n):
+            w0[h] = (((w0[h] + _widen(a0[h])) + _widen(b0[h])) + _widen(c0[h])) + _widen(d0[h])
+
+
+@njit
+def _pass_1x2(first, last, out, w0, a0, b0):
+    n = a0.shape[0]
+    if first and last:
+        for h in range(n):
+            v0 = _widen(a0[h]) + _widen(b0[h])
+            out[h] = _narrow(v0, out)
+    elif last:
+        for h in range(n):
+            v0 = (w0[h] + _widen(a0[h])) + _widen(b0[h])
+            out[h] = _narrow(v0, out)
+    else:  # the bins start at -0.0
+        for h in range(n):
+            w0[h] = (w0[h] + _widen(a0[h])) + _widen(b0[h])
 
 
 @njit
@@ -210,44 +330,106 @@ def _store(total, segment):
         segment[h] = _narrow(total[h], segment)
 
 
+@njit
+def _row(rows, aux, index, base, chains, chain, layer, h0, h1):
+    """The slice [h0, h1) of the row a chain element reads; a skipped slot or a pad reads aux."""
+    slot = chains[chain, layer, 0]
+    if slot >= 0:
+        r = index[base + slot]
+        if 0 <= r < rows.shape[0]:
+            return rows[r, h0:h1]
+    return aux[chains[chain, layer, 1], h0:h1]
+
+
+@njit
+def _run_group(rows, aux, index, base, chains, first_bin, group, work, h0, h1, out):
+    """Bins first_bin .. first_bin + group - 1 over the tile [h0, h1), reduced into ``out``.
+
+    ``group`` is 4 or 1; the chains have an even length L (the plan pads them with -0.0).
+    """
+    layers = chains.shape[1]
+    width = h1 - h0
+    layer = 0
+    if group == 4:
+        w0, w1, w2, w3 = work[0, :width], work[1, :width], work[2, :width], work[3, :width]
+        if layers > 2:
+            work[:, :width] = -0.0
+        while layer < layers:
+            _pass_4x2(layer == 0, layer + 2 == layers, out, w0, w1, w2, w3,
+                      _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin + 1, layer, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin + 1, layer + 1, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin + 2, layer, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin + 2, layer + 1, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin + 3, layer, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin + 3, layer + 1, h0, h1))
+            layer += 2
+    else:
+        w0 = work[0, :width]
+        if layers > 4:
+            w0[:] = -0.0
+        while layer + 4 <= layers:
+            _pass_1x4(layer == 0, layer + 4 == layers, out, w0,
+                      _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin, layer + 2, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin, layer + 3, h0, h1))
+            layer += 4
+        if layer < layers:
+            _pass_1x2(layer == 0, True, out, w0,
+                      _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
+                      _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1))
+
+
 @njit(nogil=True, cache=True)
-def run_rows(rows, index, top_k, schedule, nbins, tile, out, start, stop):
-    """grad_x rows [start, stop) into ``out`` (same bit type as ``rows``), following ``schedule``.
+def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
+    """grad_x rows [start, stop) into ``out`` (same bit type as ``rows``).
+
+    Each bin is its chain of adds, in order, started from -0.0: -0.0 + x is x (so a set is an add)
+    and adding the aux row of -0.0 changes no bit (a skipped add, a pad). Groups of ``group`` bins
+    run side by side and are reduced by S4's levels inside the group; with more than one group the
+    group results are then reduced by S4's remaining levels, in S4's order.
 
     Args:
         rows: [R, H] C-contiguous float32 / int16 (float16 bits) / uint16 (bfloat16 bits).
+        aux: [2, H] the same type: row 0 all +0.0, row 1 all -0.0.
         index: [N*K] int32. A slot whose index is outside [0, R) is skipped (validation leaves only
             the mode's skips there: -1 in drop/pad mode, >= A in active mode).
         top_k: K.
-        schedule: [steps, 3] int32 (op, dst, src), ops OP_SET / OP_ADD / OP_MERGE / OP_ZERO.
-        nbins: 1 + the largest bin in the schedule.
-        tile: elements of H per pass; ``nbins * tile`` float32 bins stay in the core's cache.
+        chains: [B, L, 2] int32: bin b's L elements, in order: (slot or -1, the aux row read when the
+            slot is -1 or skipped: 0 = +0.0 for a set, 1 = -0.0 for an add or a pad).
+        group: 4, or 1 when B < 4 (B a power of two); L is even.
+        tile: elements of H per pass.
         out: [N, H] C-contiguous, the type of ``rows``.
         start, stop: the rows of ``out`` to compute.
     """
-    nrows = rows.shape[0]
     hidden = rows.shape[1]
-    steps = schedule.shape[0]
-    bins = np.empty((nbins, tile), dtype=np.float32)
+    ngroups = chains.shape[0] // group
+    work = np.empty((group, tile), dtype=np.float32)
+    results = np.empty((ngroups, tile), dtype=np.float32)
+    zero = start - start  # the first bin, typed as g * group is (a literal 0 would compile another version)
+    line = 64 // rows.itemsize  # elements per 64-byte cache line
+    ahead = min(hidden, _PREFETCH_LINES * line)
     for i in range(start, stop):
         base = i * top_k
+        if ngroups == 1 and i + 1 < stop:  # K < 16: start the next token's rows on their way
+            for t in range(top_k):
+                r = index[base + top_k + t]
+                if 0 <= r < rows.shape[0]:
+                    for e in range(0, ahead, line):
+                        _prefetch(rows, r * hidden + e)
         for h0 in range(0, hidden, tile):
             h1 = min(hidden, h0 + tile)
             width = h1 - h0
-            for s in range(steps):
-                op = schedule[s, 0]
-                target = bins[schedule[s, 1], :width]
-                if op == OP_MERGE:
-                    _add_bin(target, bins[schedule[s, 2], :width])
-                elif op == OP_ZERO:
-                    target[:] = 0.0
-                else:
-                    r = index[base + schedule[s, 2]]
-                    if 0 <= r < nrows:
-                        if op == OP_SET:
-                            _set_row(target, rows[r, h0:h1])
-                        else:
-                            _add_row(target, rows[r, h0:h1])
-                    elif op == OP_SET:  # a skipped slot sets +0.0; a skipped add adds nothing
-                        target[:] = 0.0
-            _store(bins[0, :width], out[i, h0:h1])
+            if ngroups == 1:
+                _run_group(rows, aux, index, base, chains, zero, group, work, h0, h1, out[i, h0:h1])
+                continue
+            for g in range(ngroups):
+                _run_group(rows, aux, index, base, chains, g * group, group, work, h0, h1, results[g, :width])
+            stride = 1
+            while stride < ngroups:  # S4's remaining levels, over the group results
+                for j in range(stride, ngroups, 2 * stride):
+                    _add_bin(results[j - stride, :width], results[j, :width])
+                stride *= 2
+            _store(results[0, :width], out[i, h0:h1])

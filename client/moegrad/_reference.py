@@ -148,7 +148,7 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
     if kernel == "numba" and not _fast.available():
         raise RuntimeError("kernel='numba' needs numba: pip install 'moegrad[fast]'")
     if kernel != "numpy" and not compensated and acc_dtype == _F32 and _fast.accumulate(
-            rows, call.expanded_row_idx, call.top_k, schedule, out, _map_chunks):
+            rows, call.expanded_row_idx, call.top_k, schedule, out, _map_chunks, _workers()):
         return out  # same bits as below; strided or byte-swapped inputs fall through to NumPy
     nbins = 1 + max(step[1] for step in schedule)
     chunk = max(1, _CHUNK_BYTES // (nbins * hidden * acc_dtype.itemsize))
