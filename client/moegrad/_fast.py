@@ -8,9 +8,12 @@ values, rounded once, half to even (see :mod:`moegrad._fast_jit` for how the com
 
 Why it is faster than the NumPy path: NumPy gathers each slot's rows into a buffer, widens them into
 another and adds that into a bin, so every value crosses the cache hierarchy several times. Here each
-gathered row is read once, widened in registers and added into a bin that stays in the core's cache
-(bins are cut into tiles of H so that all of them fit), and each grad_x row is written once, already
-narrowed. Nothing is allocated beyond one tile of bins per running chunk (<= 128 KiB).
+gathered row is read once and widened in registers; the bins' chains of adds (DESIGN.md section 3:
+S1-S3 touch one bin at a time) run four bins and two elements each per pass, so a pass reads eight
+rows side by side (a core keeps more loads in flight), and for K < 16 the whole sum, S4 and the
+narrowing of grad_x happen in that one pass, with no float32 bin in memory at all. Larger K keeps
+float32 bins for the group results in cache-sized tiles of H. Nothing is allocated beyond those
+bins, one set per running lane (at most ``_BIN_BYTES``).
 
 Threads: rows are cut into spans of about 4 MiB of input each. One task per thread of the reference
 module's shared pool (a "lane") takes spans one after the other until none is left, calling the

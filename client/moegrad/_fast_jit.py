@@ -10,13 +10,15 @@ Numerics (DESIGN.md section 3), and how this code keeps them exact:
 - Widening is exact: bfloat16 is the upper half of a float32; float16 goes through the CPU's own
   conversion (x86 F16C, ARMv8) or, where there is none, moves its exponent and mantissa into float32
   fields and rescales by 2**112 (exact). NaNs keep sign and payload (the CPU quiets a signalling one).
-- Every add is one IEEE float32 add of a bin and a value: no fastmath flags, so LLVM neither
-  reassociates nor contracts into FMAs. It vectorises the loops over H, which only runs the adds of
+- Every add is one IEEE float32 add, written out in the schedule's order (a chain's elements one
+  after the other, S4's tree as written): no fastmath flags, so LLVM neither reassociates nor
+  contracts into FMAs. It vectorises the loops over H, which only runs the adds of
   different output elements side by side; the adds of one element stay in the schedule's order.
   (LLVM may swap the two operands of an add. That changes nothing but which NaN's payload and sign
   a NaN + NaN keeps; NumPy's own add does not fix that either, see tests/unit/test_reference_paths.py.)
 - Narrowing rounds half to even exactly as NumPy (float16) and ml_dtypes (bfloat16) cast: overflow
-  goes to inf, subnormals are rounded, and a NaN gets the same bits those casts give it.
+  goes to inf, subnormals are rounded. A NaN gets the bits those casts give it, except that the
+  CPU's float16 conversion (where used) returns it quiet with the top payload bits.
 - The conversions are written as 32-bit LLVM IR (numba would type the same Python integer code as
   64-bit, which halves the vector width); the loops around them are plain numba.
 - The schedule (``accumulation_schedule``) is data: per-bin chains of slots (see ``run_rows`` and
@@ -30,7 +32,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "run_rows", "widen_bf16", "widen_f16", "widen_f16_portable"]
+__all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "narrow_f16_portable", "run_rows", "widen_bf16", "widen_f16",
+           "widen_f16_portable"]
 
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
@@ -50,11 +53,11 @@ def _hardware_half() -> bool:
 
 
 _HARDWARE_HALF = _hardware_half()
+HARDWARE_HALF = _HARDWARE_HALF  #: whether float16 is widened and narrowed by the CPU's conversion instructions
 # The first lines of each row of the next token are prefetched while this one is summed: rows are
 # read one after the other in short runs (4 KiB in W3), and each run otherwise starts with misses.
 # 4 lines measured as good as 16 on the benchmark machine, and clearly better than none for W2, W3.
 _PREFETCH_LINES = 4
-HARDWARE_HALF = _HARDWARE_HALF  #: whether float16 rows are widened by the CPU's conversion instruction
 
 
 def _i32(value: int) -> ir.Constant:
@@ -117,31 +120,55 @@ def _widen_bf16(typingctx, word):
     return types.float32(types.uint16), codegen
 
 
+def _narrow_f16_integer(builder, value):
+    """float16 bits of a float32 with integer operations: round half to even; NaN bits as NumPy's."""
+    b = builder
+    bits = b.bitcast(value, _I32)
+    sign = b.and_(b.lshr(bits, _i32(16)), _i32(0x8000))
+    magnitude = b.and_(bits, _i32(0x7FFFFFFF))
+    # NaN: NumPy keeps the top 10 payload bits and sets the lowest if they are all 0 (else: inf)
+    payload = b.lshr(b.and_(magnitude, _i32(0x7FFFFF)), _i32(13))
+    nan = b.or_(_i32(0x7C00), b.select(b.icmp_unsigned("==", payload, _i32(0)), _i32(1), payload))
+    # normal float16 range: re-bias the exponent, add 0xfff + the kept lsb, drop 13 bits
+    lsb = b.and_(b.lshr(magnitude, _i32(13)), _i32(1))
+    normal = b.lshr(b.add(b.add(b.sub(magnitude, _i32(112 << 23)), _i32(0xFFF)), lsb), _i32(13))
+    # below 2**-14: the ulp of 0.5 + x is 2**-24, so this float32 add rounds x half to even for us
+    half_plus = b.fadd(b.bitcast(magnitude, _F32), ir.Constant(_F32, 0.5))
+    tiny = b.sub(b.bitcast(half_plus, _I32), _i32(0x3F000000))
+    body = b.select(
+        b.icmp_unsigned(">", magnitude, _i32(0x7F800000)), nan,
+        b.select(b.icmp_unsigned(">=", magnitude, _i32(0x477FF000)), _i32(0x7C00),  # >= 65520: inf
+                 b.select(b.icmp_unsigned(">=", magnitude, _i32(0x38800000)), normal, tiny)))
+    return b.trunc(b.or_(sign, body), _I16)
+
+
 @intrinsic
 def _narrow_f16(typingctx, value):
-    """float16 bits (int16) of the float32 ``value``, rounded half to even, as NumPy casts."""
+    """float16 bits (int16) of the float32 ``value``, rounded half to even, as NumPy casts.
+
+    Where the CPU converts half precision itself, one instruction (IEEE round to nearest even in the
+    default rounding mode); a NaN then keeps its sign and top payload bits and comes out quiet, where
+    NumPy keeps a signalling one signalling (and makes an all-zero payload 1). Nothing else differs.
+    """
     if value != types.float32:
         return None
 
     def codegen(context, builder, signature, args):
-        b = builder
-        bits = b.bitcast(args[0], _I32)
-        sign = b.and_(b.lshr(bits, _i32(16)), _i32(0x8000))
-        magnitude = b.and_(bits, _i32(0x7FFFFFFF))
-        # NaN: NumPy keeps the top 10 payload bits and sets the lowest if they are all 0 (else: inf)
-        payload = b.lshr(b.and_(magnitude, _i32(0x7FFFFF)), _i32(13))
-        nan = b.or_(_i32(0x7C00), b.select(b.icmp_unsigned("==", payload, _i32(0)), _i32(1), payload))
-        # normal float16 range: re-bias the exponent, add 0xfff + the kept lsb, drop 13 bits
-        lsb = b.and_(b.lshr(magnitude, _i32(13)), _i32(1))
-        normal = b.lshr(b.add(b.add(b.sub(magnitude, _i32(112 << 23)), _i32(0xFFF)), lsb), _i32(13))
-        # below 2**-14: the ulp of 0.5 + x is 2**-24, so this float32 add rounds x half to even for us
-        half_plus = b.fadd(b.bitcast(magnitude, _F32), ir.Constant(_F32, 0.5))
-        tiny = b.sub(b.bitcast(half_plus, _I32), _i32(0x3F000000))
-        body = b.select(
-            b.icmp_unsigned(">", magnitude, _i32(0x7F800000)), nan,
-            b.select(b.icmp_unsigned(">=", magnitude, _i32(0x477FF000)), _i32(0x7C00),  # >= 65520: inf
-                     b.select(b.icmp_unsigned(">=", magnitude, _i32(0x38800000)), normal, tiny)))
-        return b.trunc(b.or_(sign, body), _I16)
+        if _HARDWARE_HALF:
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+        return _narrow_f16_integer(builder, args[0])
+
+    return types.int16(types.float32), codegen
+
+
+@intrinsic
+def _narrow_f16_portable(typingctx, value):
+    """:func:`_narrow_f16` with integer operations on every CPU (what runs where F16C is missing)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _narrow_f16_integer(builder, args[0])
 
     return types.int16(types.float32), codegen
 
@@ -243,6 +270,13 @@ def narrow_f16(values, out):
     """out[i] = float16 bits (int16) of values[i] (float32). For the conversion's own tests."""
     for i in range(values.shape[0]):
         out[i] = _narrow_f16(values[i])
+
+
+@njit(nogil=True, cache=True)
+def narrow_f16_portable(values, out):
+    """narrow_f16 with the integer conversion, whatever the CPU. For the conversion's own tests."""
+    for i in range(values.shape[0]):
+        out[i] = _narrow_f16_portable(values[i])
 
 
 @njit(nogil=True, cache=True)
