@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     def service() -> str:
         from bench import service as service_bench
 
-        service_sections.update(service_bench.main(quick=quick, write=False))
+        budget_s = QUICK_BUDGET_S - (time.monotonic() - started) if quick else None
+        service_sections.update(service_bench.main(quick=quick, write=False, budget_s=budget_s))
         return "bench.service.main(quick=%s)" % quick
 
     def soak() -> str:

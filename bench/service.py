@@ -75,7 +75,7 @@ class Mode:
 
 
 QUICK = Mode("quick", s1_calls=1000, s1_max_s=12.0, s1_rounds=2, s1_window_s=2.5, peer_s1_calls=300,
-             peer_s1_max_s=5.0, s2_calls=5, memory_s=15.0, venv_limit_s=150.0)
+             peer_s1_max_s=5.0, s2_calls=7, memory_s=15.0, venv_limit_s=150.0)
 FULL = Mode("full", s1_calls=5000, s1_max_s=120.0, s1_rounds=5, s1_window_s=5.0, peer_s1_calls=1000,
             peer_s1_max_s=30.0, s2_calls=15, memory_s=60.0, venv_limit_s=900.0)
 
@@ -783,21 +783,44 @@ def log(message: str) -> None:
     print(f"bench.service [{time.monotonic() - _STARTED:5.0f} s]: {message}", flush=True)
 
 
-def _peer(mode: Mode) -> tuple[Any | None, str]:
-    """The PyTriton venv, or None and why not."""
+#: What a quick run still needs after the venv step: this module's measurements (about 2 minutes on
+#: the 2-core machine) and the shortened soak that bench.run runs after it.
+QUICK_RESERVE_S = 170.0
+#: A build given less time than this is not started (it took 3 to 5 minutes here).
+MIN_BUILD_S = 90.0
+
+
+def _peer(mode: Mode, budget_s: float | None) -> tuple[Any | None, str]:
+    """The PyTriton venv, or None and why not.
+
+    ``budget_s``: the seconds quick mode has left for this module and what follows it (None: no
+    budget); a missing venv is built only when that leaves enough time.
+    """
     from bench.pytriton_peer import venv
 
+    found = venv.find()
+    if found is not None:
+        return found, "found in bench/_out/pytriton-venv"
+    limit_s = mode.venv_limit_s if budget_s is None else min(mode.venv_limit_s, budget_s - QUICK_RESERVE_S)
+    if limit_s < MIN_BUILD_S:
+        return None, (f"the PyTriton venv (bench/_out/pytriton-venv) is not built, and quick mode's 5-minute "
+                      f"budget leaves {max(limit_s, 0):.0f} s for building it (it takes minutes); build it once with "
+                      "`.venv/bin/python -m bench.pytriton_peer.venv`, or run `make bench BENCH_ARGS=--full`")
     started = time.monotonic()
-    log(f"PyTriton venv: checking / building (limit {mode.venv_limit_s:.0f} s)")
-    found = venv.ensure(mode.venv_limit_s)
+    log(f"PyTriton venv: building (limit {limit_s:.0f} s)")
+    found = venv.ensure(limit_s)
     if isinstance(found, str):
         return None, found
-    took = time.monotonic() - started
-    return found, ("found in bench/_out/pytriton-venv" if took < 5 else f"built in {took:.0f} s")
+    return found, f"built in this run ({time.monotonic() - started:.0f} s)"
 
 
-def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | None = None) -> dict[str, str]:
-    """Measure targets 2 and 3; return (and with ``write``, store) the ``service`` and ``memory`` sections."""
+def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | None = None,
+         budget_s: float | None = None) -> dict[str, str]:
+    """Measure targets 2 and 3; return (and with ``write``, store) the ``service`` and ``memory`` sections.
+
+    ``budget_s``: seconds left of quick mode's 5-minute budget (bench.run passes it); None in full
+    mode. It only decides whether a missing PyTriton venv may be built in this run.
+    """
     from bench.run import machine
 
     global _STARTED
@@ -808,7 +831,11 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
               f"`python -m bench.service{' --full' if not quick else ''}`)"
     small, large = s1(), s2()
     results: dict[str, Any] = {}
-    peer_venv, peer_note = _peer(mode)
+    if quick and budget_s is None:
+        from bench.run import QUICK_BUDGET_S
+
+        budget_s = QUICK_BUDGET_S  # run alone: the whole budget is this module's
+    peer_venv, peer_note = _peer(mode, budget_s if quick else None)
     log(f"PyTriton peer: {peer_note}")
 
     with contextlib.ExitStack() as servers:

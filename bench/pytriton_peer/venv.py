@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PYTRITON_REQUIREMENT", "PeerVenv", "ensure", "find_python312"]
+__all__ = ["PYTRITON_REQUIREMENT", "PeerVenv", "ensure", "find", "find_python312"]
 
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
 OUT_DIR = Path(__file__).resolve().parents[1] / "_out"
@@ -77,6 +77,11 @@ def _lib_dir(python: Path) -> str:
     code = "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"
     return subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60,
                           check=True).stdout.strip()
+
+
+def find() -> PeerVenv | None:
+    """The venv when a finished build is there (its stamp file), else None; builds nothing."""
+    return _ready()
 
 
 def _ready() -> PeerVenv | None:
