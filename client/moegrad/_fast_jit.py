@@ -54,10 +54,6 @@ def _hardware_half() -> bool:
 
 _HARDWARE_HALF = _hardware_half()
 HARDWARE_HALF = _HARDWARE_HALF  #: whether float16 is widened and narrowed by the CPU's conversion instructions
-# The first lines of each row of the next token are prefetched while this one is summed: rows are
-# read one after the other in short runs (4 KiB in W3), and each run otherwise starts with misses.
-# 4 lines measured as good as 16 on the benchmark machine, and clearly better than none for W2, W3.
-_PREFETCH_LINES = 4
 
 
 def _i32(value: int) -> ir.Constant:
@@ -189,27 +185,6 @@ def _narrow_bf16(typingctx, value):
         return b.trunc(b.select(is_nan, quiet, rounded), _I16)
 
     return types.uint16(types.float32), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, array, offset):
-    """Hint the CPU to fetch the cache line holding element ``offset`` of the C-contiguous ``array``.
-
-    Only a hint (llvm.prefetch: read, keep in all cache levels): it changes no value."""
-    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        from numba.core import cgutils
-
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-        kind = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32])
-        prefetch = cgutils.get_or_insert_function(builder.module, kind, "llvm.prefetch.p0")
-        builder.call(prefetch, [address, _i32(0), _i32(3), _i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(array, offset), codegen
 
 
 def _widen(word):
@@ -443,16 +418,8 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
     work = np.empty((group, tile), dtype=np.float32)
     results = np.empty((ngroups, tile), dtype=np.float32)
     zero = start - start  # the first bin, typed as g * group is (a literal 0 would compile another version)
-    line = 64 // rows.itemsize  # elements per 64-byte cache line
-    ahead = min(hidden, _PREFETCH_LINES * line)
     for i in range(start, stop):
         base = i * top_k
-        if ngroups == 1 and i + 1 < stop:  # K < 16: start the next token's rows on their way
-            for t in range(top_k):
-                r = index[base + top_k + t]
-                if 0 <= r < rows.shape[0]:
-                    for e in range(0, ahead, line):
-                        _prefetch(rows, r * hidden + e)
         for h0 in range(0, hidden, tile):
             h1 = min(hidden, h0 + tile)
             width = h1 - h0

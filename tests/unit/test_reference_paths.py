@@ -267,6 +267,18 @@ def test_strided_and_byte_swapped_inputs_fall_back_to_numpy(compiled_calls):
 # Without numba, and the switches.
 # --------------------------------------------------------------------------------------------------
 
+def test_byte_swapped_or_strided_index_still_takes_the_compiled_path(compiled_calls):
+    rng = np.random.default_rng(11)
+    grad, idx, drop_pad_mode, active_num = random_call(rng, "drop_pad", 4, BF16, tokens=5, hidden=20)
+    expected = slow_grad_x(grad, idx, 4, drop_pad_mode, active_num)
+    swapped = idx.astype(idx.dtype.newbyteorder(">"))
+    strided = np.repeat(idx, 2)[::2]
+    for sample in (swapped, strided):
+        out = run(grad, sample, 4, drop_pad_mode, active_num, kernel="numba")
+        assert_bitwise_equal(out, expected)
+    assert len(compiled_calls) == 2
+
+
 @pytest.fixture
 def without_numba(monkeypatch):
     """As if numba were not installed: its import fails and the fast module has not loaded it yet."""
