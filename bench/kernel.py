@@ -356,6 +356,11 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
         for when, p in zip(("before", "after"), probes):
             if p:
                 lines.append(f"| {when} | {p['read1_gbs']:.2f} | {p['read2_gbs']:.2f} | {p['cores']:.2f} |")
+        if min(p["cores"] for p in measured) < 1.5:
+            lines += ["", "This run did not get both cores (other work was running): the kernel's two lanes then "
+                      "share about one core, and one core reads memory at about the pure read stream's rate, which "
+                      "is below half of what `copyto` counts (it counts its writes too). Bandwidth ratios under 0.5 "
+                      "in such a run measure the machine's share, not the kernel: rerun when the machine is quiet."]
     lines += [
         "",
         "Peak memory beyond inputs and output (target: at most grad_x), one fresh process per row: after a "

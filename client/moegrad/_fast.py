@@ -2,17 +2,19 @@
 
 :func:`moegrad._reference.moe_init_routing_v2_grad` hands its float32 accumulation here first; when
 this path cannot take a call (numba missing, or an input layout it does not handle) it returns False
-and the NumPy path runs instead. Both give the same bits: the adds are the ones
-:func:`~moegrad._reference.accumulation_schedule` lists, in its order, on exactly widened float32
-values, rounded once, half to even (see :mod:`moegrad._fast_jit` for how the compiled code keeps that).
+and the NumPy path runs instead. Both give the same bits (a NaN's payload aside: NaN where the other
+has NaN): the adds are the ones :func:`~moegrad._reference.accumulation_schedule` lists, in its
+order, on exactly widened float32 values, rounded once, half to even (see :mod:`moegrad._fast_jit`
+for how the compiled code keeps that).
 
 Why it is faster than the NumPy path: NumPy gathers each slot's rows into a buffer, widens them into
 another and adds that into a bin, so every value crosses the cache hierarchy several times. Here each
 gathered row is read once and widened in registers; the bins' chains of adds (DESIGN.md section 3:
 S1-S3 touch one bin at a time) run four bins and two elements each per pass, so a pass reads eight
-rows side by side (a core keeps more loads in flight), and for K < 16 the whole sum, S4 and the
-narrowing of grad_x happen in that one pass, with no float32 bin in memory at all. Larger K keeps
-float32 bins for the group results in cache-sized tiles of H. Nothing is allocated beyond those
+rows side by side (a core keeps more loads in flight). For K = 1-3 and 8-15 (B = 1 or 4) the whole
+sum, S4 and the narrowing of grad_x happen in passes that end in grad_x directly, K = 8 in a single
+pass with no float32 bin in memory at all. Other K keep float32 bins for the group results, in
+cache-sized tiles of H. Nothing is allocated beyond those
 bins, one set per running lane (at most ``_BIN_BYTES``).
 
 Threads: rows are cut into spans of about 4 MiB of input each. One task per thread of the reference
@@ -75,11 +77,12 @@ def _plan(schedule: tuple[tuple[str, int, int], ...]) -> tuple[np.ndarray, int] 
 
     Returns ``(chains, group)``: chains [B, L, 2] int32, bin b's adds in order as (slot, aux row),
     where slot -1 reads the aux row, and a skipped slot too: +0.0 (row 0) for a set or a zero,
-    -0.0 (row 1) for an add; chains are padded with (-1, 1) to the same even length L. ``group`` is
-    how many bins the kernel runs side by side: 4, or 1 when B < 4. The kernel starts each bin at -0.0 and adds, so a set
-    of v gives v and a skipped set +0.0, an add of -0.0 changes no bit: the same adds, in the same
-    order, as the schedule. The shape it needs: each bin's first step a set or zero, all merges after
-    the last set/add, and the merges the pairwise tree of DESIGN.md section 3 (S4) over B bins.
+    -0.0 (row 1) for an add; chains are padded with (-1, 1) to the same even length L. ``group``
+    is how many bins the kernel runs side by side: 4, or 1 when B < 4. The kernel starts each bin
+    at -0.0 and adds, so a set of v gives v and a skipped set +0.0, and an add of -0.0 changes no
+    bit: the same adds, in the same order, as the schedule. The shape it needs: each bin's first
+    step a set or zero, all merges after the last set/add, and the merges the pairwise tree of
+    DESIGN.md section 3 (S4) over B bins (both orders have it).
     """
     merges = [step for step in schedule if step[0] == "merge"]
     head = list(schedule[:len(schedule) - len(merges)])
