@@ -1129,8 +1129,7 @@ def _memory_section(r: dict, mode: Mode, machine_line: str, command: str, large:
     ]
     code_path = {  # (what is alive at the peak, MiB expected, copies of the request among them)
         "v1": ("body bytearray (read_body) + msgpack `bin` bytes (decode_body; the call's arrays view them) "
-               "+ grad_x + the reply twice (msgpack's packing buffer and the bytes packb returns from it)",
-               2 * payload_mib + 3 * reply_mib, 2),
+               "+ grad_x + the packed reply (msgpack's buffer, sent as is)", 2 * payload_mib + 2 * reply_mib, 2),
         "v2": ("body bytearray (read_body; binary data lands 16-byte aligned, the call's arrays view it) "
                "+ grad_x + the reply (JSON header joined with grad_x's bytes)", payload_mib + 2 * reply_mib, 1),
     }

@@ -23,6 +23,7 @@ __all__ = [
     "decode_tensor",
     "dtype_name",
     "encode_body",
+    "encode_body_view",
     "encode_tensor",
 ]
 
@@ -122,6 +123,18 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
 def encode_body(document: Mapping[str, Any]) -> bytes:
     """Pack a request or reply document (string keys; tensors already encoded) as msgpack."""
     return msgpack.packb(document, use_bin_type=True)
+
+
+def encode_body_view(document: Mapping[str, Any]) -> memoryview:
+    """:func:`encode_body`'s bytes as a view of msgpack's own buffer, without copying them out.
+
+    ``packb`` packs into the packer's buffer and then copies the result into a new ``bytes``, so a
+    large document is briefly held twice; the view skips that copy (and keeps the buffer alive).
+    A server's reply (grad_x of up to GiBs) is the intended use.
+    """
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    packer.pack(document)
+    return packer.getbuffer()
 
 
 def _reject_ext(code: int, data: bytes) -> Any:

@@ -24,6 +24,7 @@ from moegrad import (
     encode_body,
     encode_tensor,
 )
+from moegrad._wire import encode_body_view
 
 WIRE = {
     "float16": (np.dtype("<f2"), np.uint16),
@@ -253,6 +254,14 @@ def test_body_round_trip():
     back = decode_body(encode_body(document))
     assert back["a"] == 1 and back["b"] == [1.5, "x", None, True] and back["c"] == {"d": b"\x00\x01"}
     assert back["t"]["data"] == struct.pack("<3i", 0, 1, 2)
+
+
+def test_body_view_is_the_same_bytes_as_the_packed_body():
+    document = {"grad_x": encode_tensor(np.arange(70_000, dtype=np.float32)), "backend": "reference", "device": None,
+                "timings_ms": {"queue": 0.25}}
+    view = encode_body_view(document)
+    assert isinstance(view, memoryview)
+    assert view.tobytes() == msgpack.packb(document, use_bin_type=True)
 
 
 def test_ext_types_are_rejected():
