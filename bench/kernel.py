@@ -357,10 +357,11 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
             if p:
                 lines.append(f"| {when} | {p['read1_gbs']:.2f} | {p['read2_gbs']:.2f} | {p['cores']:.2f} |")
         if min(p["cores"] for p in measured) < 1.5:
-            lines += ["", "This run did not get both cores (other work was running): the kernel's two lanes then "
-                      "share about one core, and one core reads memory at about the pure read stream's rate, which "
-                      "is below half of what `copyto` counts (it counts its writes too). Bandwidth ratios under 0.5 "
-                      "in such a run measure the machine's share, not the kernel: rerun when the machine is quiet."]
+            lines += ["", "The compute probe did not get both cores in this run (other work was running). While the "
+                      "kernel's two lanes share about one core, it reads memory at about one core's read-stream "
+                      "rate (measured 10-12 GB/s single-threaded on W1/W2, the same as the probe), which is below "
+                      "half of what `copyto` counts, since copyto's writes count too: a bandwidth ratio under 0.5 "
+                      "in such a run measures the machine's share more than the kernel."]
     lines += [
         "",
         "Peak memory beyond inputs and output (target: at most grad_x), one fresh process per row: after a "
