@@ -56,6 +56,21 @@ _HARDWARE_HALF = _hardware_half()
 HARDWARE_HALF = _HARDWARE_HALF  #: whether float16 is widened and narrowed by the CPU's conversion instructions
 
 
+def _compiled(function):
+    """njit(nogil=True), cached on disk where numba finds a writable place for its cache.
+
+    numba looks beside this file, then in NUMBA_CACHE_DIR or the user's cache folder; with none
+    writable (a read-only install and home, as in a container with a read-only root filesystem)
+    ``cache=True`` raises at decoration time. The kernel then compiles once per process instead.
+    """
+    try:
+        return njit(nogil=True, cache=True)(function)
+    except RuntimeError as error:
+        if "cannot cache" not in str(error):
+            raise
+        return njit(nogil=True)(function)
+
+
 def _i32(value: int) -> ir.Constant:
     return ir.Constant(_I32, value)
 
@@ -219,42 +234,42 @@ def _narrow_overload(value, like):
     return None
 
 
-@njit(nogil=True, cache=True)
+@_compiled
 def widen_f16(words, out):
     """out[i] = float32 of the float16 bits words[i] (int16). For the conversion's own tests."""
     for i in range(words.shape[0]):
         out[i] = _widen_f16(words[i])
 
 
-@njit(nogil=True, cache=True)
+@_compiled
 def widen_f16_portable(words, out):
     """widen_f16 with the integer conversion, whatever the CPU. For the conversion's own tests."""
     for i in range(words.shape[0]):
         out[i] = _widen_f16_portable(words[i])
 
 
-@njit(nogil=True, cache=True)
+@_compiled
 def widen_bf16(words, out):
     """out[i] = float32 of the bfloat16 bits words[i] (uint16). For the conversion's own tests."""
     for i in range(words.shape[0]):
         out[i] = _widen_bf16(words[i])
 
 
-@njit(nogil=True, cache=True)
+@_compiled
 def narrow_f16(values, out):
     """out[i] = float16 bits (int16) of values[i] (float32). For the conversion's own tests."""
     for i in range(values.shape[0]):
         out[i] = _narrow_f16(values[i])
 
 
-@njit(nogil=True, cache=True)
+@_compiled
 def narrow_f16_portable(values, out):
     """narrow_f16 with the integer conversion, whatever the CPU. For the conversion's own tests."""
     for i in range(values.shape[0]):
         out[i] = _narrow_f16_portable(values[i])
 
 
-@njit(nogil=True, cache=True)
+@_compiled
 def narrow_bf16(values, out):
     """out[i] = bfloat16 bits (uint16) of values[i] (float32). For the conversion's own tests."""
     for i in range(values.shape[0]):
@@ -391,7 +406,7 @@ def _run_group(rows, aux, index, base, chains, first_bin, group, work, h0, h1, o
                       _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1))
 
 
-@njit(nogil=True, cache=True)
+@_compiled
 def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
     """grad_x rows [start, stop) into ``out`` (same bit type as ``rows``).
 

@@ -304,6 +304,32 @@ def test_without_numba_forcing_it_is_an_error(without_numba):
         run(grad, idx, 2, kernel="numba")
 
 
+def test_warm_up_compiles_every_dtype():
+    assert _fast.warm_up()
+    assert len(_fast_jit.run_rows.signatures) >= 3  # float32, int16 (float16 bits), uint16 (bfloat16 bits)
+
+
+def test_warm_up_without_numba_says_so(without_numba):
+    assert not _fast.warm_up()
+
+
+def test_kernel_compiles_without_a_writable_cache(monkeypatch):
+    # numba raises "cannot cache function ..." at decoration when it finds no writable cache folder
+    njit = _fast_jit.njit
+
+    def refuse(**options):
+        if options.get("cache"):
+            def decorate(function):
+                raise RuntimeError(f"cannot cache function {function.__name__!r}: no locator available")
+            return decorate
+        return njit(**options)
+
+    monkeypatch.setattr(_fast_jit, "njit", refuse)
+    kernel = _fast_jit._compiled(lambda words: words.sum())
+    assert type(kernel._cache).__name__ == "NullCache"  # compiled in this process, not cached
+    assert kernel(np.arange(4, dtype=np.int64)) == 6
+
+
 def test_unknown_kernel_is_an_error():
     with pytest.raises(ValueError, match="kernel='cuda'"):
         run(np.ones((2, 3), dtype=np.float32), np.arange(2, dtype=np.int32), 2, kernel="cuda")
