@@ -40,10 +40,12 @@ ARG APP_ROOT
 # by default) so the process may open the NPU device files: --build-arg APP_UID=$(id -u HwHiAiUser) ...
 ARG APP_UID=1000
 ARG APP_GID=1000
+# NUMBA_CACHE_DIR: where the compiled reference kernel is cached; /tmp is writable (an emptyDir in the pod).
 ENV VIRTUAL_ENV=${APP_ROOT}/venv \
     PATH=${APP_ROOT}/venv/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    NUMBA_CACHE_DIR=/tmp/numba-cache \
     MOEGRAD_HOST=0.0.0.0 \
     MOEGRAD_PORT=8000
 WORKDIR ${APP_ROOT}

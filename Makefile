@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/python -c "import moegrad; moegrad.warm_up()"  # compile the kernel once; test servers then load it
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 serve: $(STAMP)

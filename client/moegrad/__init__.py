@@ -47,6 +47,7 @@ from moegrad._reference import (
     bin_count,
     moe_init_routing_v2_grad,
     moe_init_routing_v2_grad_golden,
+    warm_up,
 )
 from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
@@ -99,4 +100,5 @@ __all__ = [
     "moe_init_routing_v2_grad_golden",
     "skipped_rows",
     "summand_magnitude",
+    "warm_up",
 ]

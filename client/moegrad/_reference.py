@@ -35,7 +35,13 @@ import numpy as np
 from moegrad import _fast
 from moegrad._spec import MoeInitRoutingV2GradCall
 
-__all__ = ["accumulation_schedule", "bin_count", "moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden"]
+__all__ = [
+    "accumulation_schedule",
+    "bin_count",
+    "moe_init_routing_v2_grad",
+    "moe_init_routing_v2_grad_golden",
+    "warm_up",
+]
 
 _CHUNK_BYTES = 2 << 20  # float32 bins of one chunk: small enough to stay in cache
 _F32 = np.dtype(np.float32)
@@ -307,3 +313,17 @@ def moe_init_routing_v2_grad_golden(
                       allow_duplicate_indices)
     out = np.empty((call.num_tokens, call.hidden_size), dtype=_F64)
     return _accumulate(call, _F64, accumulation_schedule(call.top_k, "sequential"), out, compensated=True)
+
+
+def warm_up() -> bool:
+    """Compile (or load from numba's on-disk cache) the compiled kernel for every dtype, now.
+
+    Without it the first call of each dtype pays for the compilation (seconds). The service calls it
+    before it reports ready. Set ``NUMBA_CACHE_DIR`` to a writable folder where the package's own
+    folder is read-only (a container), so later processes load instead of compiling.
+
+    Returns:
+        True when the compiled path is ready; False when numba is missing (the NumPy path serves).
+    """
+    return _fast.warm_up()
+

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     metrics_public: bool = Field(False, description="serve /metrics without a token even when authentication is on")
     tls_certfile: Path | None = Field(None, description="PEM certificate; with tls_keyfile, serve HTTPS")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile")
+    warm_up: bool = Field(
+        True, description="compile the reference kernel before reporting ready (about 30 s with a cold numba "
+                          "cache); off: the first call of each dtype waits for it instead")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     ascend_home_path: Path | None = Field(
         None, validation_alias=AliasChoices("ascend_home_path", "MOEGRAD_ASCEND_HOME_PATH", "ASCEND_HOME_PATH"),

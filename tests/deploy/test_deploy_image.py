@@ -340,7 +340,7 @@ def _is_user_creation(command: str) -> bool:
     return "useradd" in command or "groupadd" in command
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)  # a fresh venv's install, then numba compiling the kernel before ready
 def test_image_build_installs_and_serves(tmp_path, dockerfile):
     pytest.importorskip("moegrad_service.__main__", reason="the service package (moegrad_service) is not written yet")
     base = _base_image_python(tmp_path / "base")
@@ -377,7 +377,7 @@ def test_image_build_installs_and_serves(tmp_path, dockerfile):
         service = subprocess.Popen([entrypoint, *image.cmd.exec_form], cwd=image.workdir, env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 150
         status = None
         while time.monotonic() < deadline and service.poll() is None:
             try:

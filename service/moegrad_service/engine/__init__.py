@@ -22,11 +22,11 @@ def open_backend(settings: Settings) -> Backend:
             names what is missing).
     """
     if settings.backend == "reference":
-        return ReferenceBackend()
+        return ReferenceBackend(warm_up=settings.warm_up)
     from moegrad_service.engine import ascend  # lazy: loads nothing until a backend is made
 
     if settings.backend == "auto" and not ascend.ascend_available(settings.ascend_home_path):
-        return ReferenceBackend()
+        return ReferenceBackend(warm_up=settings.warm_up)
     try:
         return ascend.AscendBackend(device_id=settings.device_id, ascend_home_path=settings.ascend_home_path)
     except DeviceFault:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+import moegrad
 from moegrad import MoeInitRoutingV2GradCall, moe_init_routing_v2_grad
 
 __all__ = ["ReferenceBackend"]
@@ -17,6 +18,8 @@ class ReferenceBackend:
     """Runs calls with :func:`moegrad.moe_init_routing_v2_grad` on the CPU, in the call's ``order``.
 
     Args:
+        warm_up: compile the kernel when the first worker opens (:func:`moegrad.warm_up`), so the
+            pool, and with it readiness, waits for the compilation instead of the first calls.
         fault_hook: called as ``hook(call, timeout_s)`` on the worker thread before each compute;
             tests use it to slow the backend down, raise, or hang (fault injection).
     """
@@ -24,11 +27,14 @@ class ReferenceBackend:
     name = "reference"
     device = None
 
-    def __init__(self, *, fault_hook: FaultHook | None = None) -> None:
+    def __init__(self, *, warm_up: bool = True, fault_hook: FaultHook | None = None) -> None:
+        self.warm_up = warm_up
         self.fault_hook = fault_hook
 
     def open_worker(self, index: int) -> _ReferenceWorker:
-        """A CPU slot; nothing to open."""
+        """A CPU slot; the first one compiles the kernel when ``warm_up`` is set."""
+        if index == 0 and self.warm_up:
+            moegrad.warm_up()
         return _ReferenceWorker(self)
 
     def check_health(self) -> None:
