@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: Settings, *, backend: Backend | None = None) -> int:
-    """Run uvicorn with one worker until SIGINT/SIGTERM; 0 on a clean stop, 1 if startup failed.
+    """Run uvicorn with one worker until SIGINT/SIGTERM; 0 on a clean stop, 1 if the server never
+    started (when the app's own startup fails, e.g. no device, uvicorn exits with status 3 itself).
 
     ``backend`` serves instead of the one ``settings.backend`` names (tests pass a slowed or faulty
     one; see :func:`moegrad_service.app.create_app`).
