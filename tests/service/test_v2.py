@@ -459,3 +459,23 @@ def test_tokens_are_required_when_configured(serve):
         assert response.headers["www-authenticate"].startswith("Bearer")
         assert client.get("/v2/health/ready").status_code == 200
         assert infer(client, example(), headers={"authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_huge_timeout_parameter_is_capped_not_a_500(client):
+    response = infer(client, example(parameters={"top_k": 2, "timeout": 10**400}))
+    assert response.status_code == 200, response.text
+    _, grad_x = json_output(response)
+    assert grad_x.astype(np.float32).view(np.uint32).ravel().tolist() == DOC_BITS
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_empty_tensor_with_an_unrepresentable_dimension_is_400(client, binary):
+    huge = [0, 2**62]
+    grad = {"name": "grad_expanded_x", "shape": huge, "datatype": "FP32"}
+    grad.update({"parameters": {"binary_data_size": 0}} if binary else {"data": []})
+    idx = {"name": "expanded_row_idx", "shape": [0], "datatype": "INT32", "data": []}
+    document = example(inputs=[grad, idx])
+    header = json.dumps(document).encode()
+    headers = {"Inference-Header-Content-Length": str(len(header))} if binary else None
+    assert "too large for an array" in error(infer(client, body=header, headers=headers), 400)
+    assert infer(client, example()).status_code == 200

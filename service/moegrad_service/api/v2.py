@@ -34,6 +34,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from moegrad import (
     DTYPES,
@@ -51,6 +52,7 @@ from moegrad import (
 from moegrad._wire import MAX_RANK
 from moegrad_service.api import health, v1
 from moegrad_service.api.deps import INLINE_DECODE_BYTES, MetricsDep, PoolDep, SettingsDep, TimeoutDep, read_body
+from moegrad_service.api.problems import ClientDisconnected
 from moegrad_service.engine import StreamPool, Timings
 
 __all__ = [
@@ -138,6 +140,8 @@ V2_ERRORS: dict[type[BaseException], V2Error] = {
     DeviceBusy: V2Error(503, "busy"),
     DeadlineExceeded: V2Error(504, "deadline_exceeded"),
     DeviceFault: V2Error(500, "device_fault"),
+    ClientDisconnected: V2Error(499, "client_disconnected"),
+    ClientDisconnect: V2Error(499, "client_disconnected"),  # starlette's: gone while sending the body
     Exception: V2Error(500, "internal"),
 }
 
@@ -145,8 +149,8 @@ V2_ERRORS: dict[type[BaseException], V2Error] = {
 def error_response(request: Request, exc: Exception, endpoint: str) -> JSONResponse:
     """``{"error": message}`` for ``exc`` with its table status; counts the failure in the metrics."""
     entry = next(V2_ERRORS[cls] for cls in type(exc).__mro__ if cls in V2_ERRORS)
-    if isinstance(exc, MoegradError):
-        message = str(exc)  # InvalidArgument's names the field and the aclnn code
+    if isinstance(exc, (MoegradError, ClientDisconnect)):
+        message = str(exc) or "the client disconnected"  # InvalidArgument's names the field and the aclnn code
     else:
         log.exception("unexpected error on %s", endpoint)
         message = f"internal error ({type(exc).__name__}: {exc})"
@@ -282,7 +286,7 @@ def _from_json(data: Any, name: str, datatype: str, shape: list[int]) -> np.ndar
         raise MalformedRequest(f"{where}[{at}]={flat[at]!r} is not valid {datatype} data; send {described}", field=name)
     try:
         if dtype.kind != "f":
-            return np.array(flat, dtype=dtype).reshape(shape)
+            return _shaped(np.array(flat, dtype=dtype), shape, name)
         wide = np.array(flat, dtype=np.float64)
     except OverflowError as exc:  # an integer the datatype cannot hold
         raise MalformedRequest(f"{where} holds a value out of {datatype} range ({exc})", field=name) from None
@@ -292,7 +296,15 @@ def _from_json(data: Any, name: str, datatype: str, shape: list[int]) -> np.ndar
     if overflow.any():
         at = int(np.flatnonzero(overflow)[0])
         raise MalformedRequest(f"{where}[{at}]={flat[at]!r} is out of {datatype} range", field=name)
-    return array.reshape(shape)
+    return _shaped(array, shape, name)
+
+
+def _shaped(array: np.ndarray, shape: list[int], name: str) -> np.ndarray:
+    """``array.reshape(shape)``; a shape NumPy cannot represent (an empty one with a huge dimension) is 400."""
+    try:
+        return array.reshape(shape)
+    except ValueError:
+        raise MalformedRequest(f"{name}.shape={shape} is too large for an array", field=name) from None
 
 
 def _decode_inputs(inputs: Any, binary: memoryview, max_elements: int) -> dict[str, np.ndarray]:
@@ -337,7 +349,7 @@ def _decode_inputs(inputs: Any, binary: memoryview, max_elements: int) -> dict[s
         if offset + size > len(binary):
             missing = f"no {HEADER_LENGTH} header" if not binary else f"the binary data has {len(binary)} bytes"
             raise MalformedRequest(f"{name} needs binary bytes [{offset}, {offset + size}) but {missing}", field=name)
-        array = np.frombuffer(binary[offset:offset + size], dtype=dtype).reshape(shape)
+        array = _shaped(np.frombuffer(binary[offset:offset + size], dtype=dtype), shape, name)
         tensors[name] = np.require(array, requirements="A")  # copied only when its offset is misaligned
         offset += size
     if offset != len(binary):
@@ -407,7 +419,7 @@ def decode_infer_request(body: bytearray | memoryview, header_length: str | None
         if isinstance(micros, bool) or not isinstance(micros, int) or micros <= 0:
             raise MalformedRequest(f"parameters.timeout={micros!r} must be a positive number of microseconds",
                                    field="timeout")
-        timeout_s = micros / 1e6
+        timeout_s = min(micros, 2**53) / 1e6  # the server caps it at request_timeout_s anyway
     return InferRequest(call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s)
 
 
@@ -528,7 +540,7 @@ async def infer(request: Request, model_name: str, pool: PoolDep, settings: Sett
     decoded = await run_in_threadpool(decode) if len(body) > INLINE_DECODE_BYTES else decode()
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
-    grad_x, timings = await v1.compute(decoded.call, pool, metrics, timeout_s)
+    grad_x, timings = await v1.compute(decoded.call, pool, metrics, timeout_s, request)
     encode = partial(encode_infer_response, grad_x, decoded, _reply_parameters(pool, decoded.call, timings))
     response = await run_in_threadpool(encode) if grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
     metrics.bytes_out.inc(len(response.body))
