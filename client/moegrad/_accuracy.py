@@ -782,7 +782,8 @@ def _check_candidate(candidate: Any, shape: tuple[int, int], dtype: str) -> np.n
     allowed = (dtype,) if dtype == "float32" else (dtype, "float32")
     if name not in allowed:
         raise InvalidArgument(f"candidate.dtype={candidate.dtype} must be {' or '.join(allowed)} "
-                              f"(the operator's dtype {dtype}, or float32)", aclnn_status=_INVALID, field="candidate")
+                              f"(grad_expanded_x's dtype{'' if dtype == 'float32' else ', or float32'})",
+                              aclnn_status=_INVALID, field="candidate")
     if candidate.shape != shape:
         raise InvalidArgument(f"candidate has shape {list(candidate.shape)}; grad_x of this call is {list(shape)} [N, H]",
                               aclnn_status=_INVALID, field="candidate")

@@ -254,6 +254,13 @@ def _call_fields(args: argparse.Namespace) -> dict[str, Any]:
     return fields
 
 
+def _check_writable(path: str) -> None:
+    """Refuse an output path whose folder does not exist, before any work is done."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _UsageError(f"cannot write -o {path}: the folder {folder} does not exist")
+
+
 def _write(path: str, grad_x: np.ndarray) -> None:
     try:
         save_npy(path, grad_x)
@@ -273,6 +280,7 @@ def _server_summary(result: GradResult) -> str:
 
 def _cmd_grad(args: argparse.Namespace) -> int:
     call = MoeInitRoutingV2GradCall(**_call_fields(args))  # the Client's own local check, before connecting
+    _check_writable(args.output)
     with _client(args) as client:
         result = client.run(call)
     _write(args.output, result.grad_x)
@@ -281,7 +289,9 @@ def _cmd_grad(args: argparse.Namespace) -> int:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    grad_x = moe_init_routing_v2_grad(**_call_fields(args))
+    fields = _call_fields(args)
+    _check_writable(args.output)
+    grad_x = moe_init_routing_v2_grad(**fields)
     _write(args.output, grad_x)
     print(f"wrote {args.output}: grad_x {_describe(grad_x)} (in-process, order {args.order or 'ascend910b'})")
     return EXIT_OK
@@ -362,6 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
+    except BrokenPipeError:  # `moegrad ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except _UsageError as exc:
         print(f"moegrad: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

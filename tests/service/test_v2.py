@@ -479,3 +479,8 @@ def test_empty_tensor_with_an_unrepresentable_dimension_is_400(client, binary):
     headers = {"Inference-Header-Content-Length": str(len(header))} if binary else None
     assert "too large for an array" in error(infer(client, body=header, headers=headers), 400)
     assert infer(client, example()).status_code == 200
+
+
+def test_json_number_beyond_float_range_is_400_not_infinity(client):
+    body = json.dumps(example()).replace('"data": [0.1', '"data": [1e400', 1).encode()
+    assert "beyond the range" in error(infer(client, body=body), 400)

@@ -221,3 +221,11 @@ def test_python_dash_m_moegrad(example_files):
     np.testing.assert_array_equal(np.load(out).view(np.uint32), EXAMPLE_BITS)
     assert run_module("--help").returncode == 0
     assert run_module("local").returncode == 2
+
+
+def test_grad_with_an_unwritable_output_exits_2_before_contacting_the_server(example_files, tmp_path, capsys):
+    x, idx, _ = example_files
+    argv = ["grad", "--url", closed_port_url(), "--retries", "0", "--grad-expanded-x", str(x),
+            "--expanded-row-idx", str(idx), "--top-k", "2", "-o", str(tmp_path / "no-such-dir" / "o.npy")]
+    assert main(argv) == 2  # an attempted connection would have been a TransportError, exit 4
+    assert "does not exist" in capsys.readouterr().err

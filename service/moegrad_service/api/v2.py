@@ -252,9 +252,17 @@ def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[byt
     return bytes(memoryview(body)[:size]), memoryview(body)[size:]
 
 
+def _finite_number(text: str) -> float:
+    """A JSON number as a float; one beyond float64's range is refused rather than read as infinity."""
+    value = float(text)
+    if math.isinf(value):
+        raise MalformedRequest(f"the JSON number {text[:64]} is beyond the range of a float")
+    return value
+
+
 def _parse_json(text: bytes | bytearray) -> dict[str, Any]:
     try:
-        document = json.loads(text)
+        document = json.loads(text, parse_float=_finite_number)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise MalformedRequest(f"the inference request is not valid JSON ({type(exc).__name__}: {exc})") from None
     return _object(document, "the inference request")
