@@ -84,7 +84,7 @@ def warm_up() -> bool:
     for view in _BIT_VIEWS.values():
         rows = np.zeros((2, 1), dtype=view)
         chains, group = _plan((("set", 0, 0), ("add", 0, 1)))
-        jit.run_rows(rows, _aux(view, 1), np.arange(2, dtype=np.int32), 2, chains, group, 1,
+        jit.run_rows(_read_only(rows), _aux(view, 1), _read_only(np.arange(2, dtype=np.int32)), 2, chains, group, 1,
                      np.empty((1, 1), dtype=view), 0, 1)
     return True
 
@@ -137,6 +137,14 @@ def _aux(view: np.dtype, hidden: int) -> np.ndarray:
     return aux
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view: numba compiles one specialisation per writability, and the service's inputs
+    (views of the request body) are read-only, so every caller passes inputs this way."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 def accumulate(rows: np.ndarray, index: np.ndarray, top_k: int, schedule: Sequence[tuple[str, int, int]],
                out: np.ndarray, map_chunks: Callable[[Callable[[int, int], None], int, int], None],
                lanes: int) -> bool:
@@ -167,9 +175,9 @@ def accumulate(rows: np.ndarray, index: np.ndarray, top_k: int, schedule: Sequen
     kept = group + (groups if groups > 1 else 0)  # float32 bins per element of a tile: working + group results
     tile = min(hidden, max(64, _BIN_BYTES // (4 * kept) // 64 * 64))
     aux = _aux(view, hidden)
-    rows_bits = rows.view(view)
+    rows_bits = _read_only(rows.view(view))
     out_bits = out.view(view)
-    flat_index = np.ascontiguousarray(index.reshape(-1), dtype=np.int32)
+    flat_index = _read_only(np.ascontiguousarray(index.reshape(-1), dtype=np.int32))
     chunk = max(1, _CHUNK_INPUT_BYTES // max(1, top_k * hidden * rows.itemsize))
 
     spans = [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
