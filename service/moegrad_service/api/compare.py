@@ -29,25 +29,19 @@ from moegrad import (
     moe_init_routing_v2_grad_golden,
 )
 from moegrad_service.api.deps import DocumentDep, MetricsDep, PoolDep, SettingsDep, TimeoutDep
-from moegrad_service.api.v1 import MSGPACK, compute, msgpack_response, timings_ms
+from moegrad_service.api.v1 import compute, msgpack_openapi, msgpack_response, timings_ms
 from moegrad_service.settings import Settings
 
 __all__ = ["router"]
 
 router = APIRouter()
 COMPARE_FIELDS = frozenset({"candidate", "standards", "return_grad_x"})
-_MSGPACK_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
-        "description": "msgpack map: the fields of POST /v1/moe_init_routing_v2_grad plus candidate (tensor "
-                       "[N, H], the call's dtype or float32), optional standards (list of names) and "
-                       "return_grad_x (bool) (docs/protocol.md)",
-    },
-    "responses": {"200": {"content": {MSGPACK: {}},
-                          "description": "msgpack map with report, backend, order, device, timings_ms and, "
-                                         "when asked for, grad_x (docs/protocol.md, docs/accuracy.md)"}},
-}
+_MSGPACK_BODY = msgpack_openapi(
+    "msgpack map: the fields of POST /v1/moe_init_routing_v2_grad plus candidate (tensor [N, H], the call's "
+    "dtype or float32), optional standards (list of names) and return_grad_x (bool) (docs/protocol.md)",
+    "msgpack map with report, backend, order, device, timings_ms and, when asked for, grad_x "
+    "(docs/protocol.md, docs/accuracy.md)",
+)
 
 
 @dataclass(frozen=True)

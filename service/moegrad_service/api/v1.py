@@ -22,20 +22,25 @@ from moegrad_service.api.problems import ClientDisconnected
 from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 
-__all__ = ["compute", "router"]
+__all__ = ["compute", "msgpack_openapi", "router"]
 
 router = APIRouter()
 T = TypeVar("T")
 MSGPACK = "application/msgpack"
-_MSGPACK_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
-        "description": "msgpack map: grad_expanded_x, expanded_row_idx (tensors), top_k, drop_pad_mode, "
-                       "active_num, optional order and allow_duplicate_indices (docs/protocol.md)",
-    },
-    "responses": {"200": {"content": {MSGPACK: {}}, "description": "msgpack map with grad_x (docs/protocol.md)"}},
-}
+def msgpack_openapi(request: str, reply: str) -> dict[str, Any]:
+    """OpenAPI ``openapi_extra`` for a route whose body and 200 reply are msgpack maps (described in words)."""
+    return {
+        "requestBody": {"required": True, "description": request,
+                        "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}}},
+        "responses": {"200": {"content": {MSGPACK: {}}, "description": reply}},
+    }
+
+
+_MSGPACK_BODY = msgpack_openapi(
+    "msgpack map: grad_expanded_x, expanded_row_idx (tensors), top_k, drop_pad_mode, active_num, "
+    "optional order and allow_duplicate_indices (docs/protocol.md)",
+    "msgpack map with grad_x (docs/protocol.md)",
+)
 
 
 async def compute(call: MoeInitRoutingV2GradCall, pool: StreamPool, metrics: Metrics,
