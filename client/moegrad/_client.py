@@ -323,6 +323,7 @@ class _ClientCore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.base_url = _base_url(base_url)
+        self._urls: dict[str, httpx.URL] = {}  # path -> absolute URL: parsing one costs more than a small call's codec
         self.timeout_s = _seconds("timeout_s", timeout_s, allow_none=True)
         self.connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s, allow_none=True)
         if isinstance(retries, bool) or not isinstance(retries, int):
@@ -369,7 +370,9 @@ class _ClientCore:
         if remaining_s is not None:
             connect = remaining_s if connect is None else min(connect, remaining_s)
         timeout = httpx.Timeout(remaining_s, connect=connect)
-        url = httpx.URL(str(self.base_url).rstrip("/") + path)
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(str(self.base_url).rstrip("/") + path)
         return httpx.Request(method, url, headers=headers, content=body, extensions={"timeout": timeout.as_dict()})
 
     def grad_body(self, call: MoeInitRoutingV2GradCall | Mapping[str, Any]) -> tuple[bytes, MoeInitRoutingV2GradCall | None]:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from moegrad import __version__
 from moegrad_service.api import compare, health, v1, v2
@@ -32,7 +32,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             slowed or faulty one); the app closes it on shutdown all the same.
 
     The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers, yields
-    them as request state (``settings``, ``pool``, ``metrics``) and, on shutdown, stops admitting,
+    them as request state (``settings``, ``pool``, ``metrics``, ``authenticator``) and, on shutdown, stops admitting,
     lets admitted calls finish (``shutdown_grace_s``) and closes the backend. ``app.state.drain()``
     stops admitting at once (new calls get 503, readiness turns 503) while admitted calls finish;
     ``moegrad-service serve`` calls it when SIGTERM arrives.
@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         log.info("moegrad %s ready: backend=%s device=%s streams=%d", __version__, opened.name, opened.device,
                  settings.streams)
         try:
-            yield {"settings": settings, "pool": pool, "metrics": metrics}
+            yield {"settings": settings, "pool": pool, "metrics": metrics, "authenticator": authenticate}
         finally:
             await pool.close(grace_s=settings.shutdown_grace_s)
             log.info("moegrad stopped")
@@ -65,7 +65,6 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         version=__version__,
         summary="aclnnMoeInitRoutingV2Grad (MoE routing backward) as a service",
         lifespan=lifespan,
-        dependencies=[Depends(authenticate)],
     )
     install_problem_handlers(app)
     app.include_router(health.router)

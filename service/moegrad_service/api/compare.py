@@ -3,7 +3,7 @@
 A v1 call plus a ``candidate`` grad_x: the service runs the call on its backend (the device or the
 emulation) with :func:`moegrad_service.api.v1.compute`, computes the float64 golden, and judges the
 candidate with :func:`moegrad.compare` (docs/accuracy.md; wire format in docs/protocol.md). The body
-is read, limited and decoded by the v1 dependencies; the candidate and the standards are checked
+is read, limited and decoded as v1's (api/inputs.py); the candidate and the standards are checked
 before the backend runs, and the golden and the comparison (CPU work, float64) run on a worker
 thread, off the event loop.
 """
@@ -28,13 +28,14 @@ from moegrad import (
     encode_tensor,
     moe_init_routing_v2_grad_golden,
 )
-from moegrad_service.api.deps import DocumentDep, MetricsDep, PoolDep, SettingsDep, TimeoutDep
+from moegrad_service.api.auth import AuthenticatedRoute
+from moegrad_service.api.inputs import metrics_of, pool_of, read_document, request_timeout, settings_of
 from moegrad_service.api.v1 import compute, msgpack_openapi, msgpack_response, timings_ms
 from moegrad_service.settings import Settings
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = APIRouter(route_class=AuthenticatedRoute)
 COMPARE_FIELDS = frozenset({"candidate", "standards", "return_grad_x"})
 _MSGPACK_BODY = msgpack_openapi(
     "msgpack map: the fields of POST /v1/moe_init_routing_v2_grad plus candidate (tensor [N, H], the call's "
@@ -91,12 +92,12 @@ def _judge(request: _Comparison, device_result: np.ndarray) -> tuple[ComparisonR
 
 @router.post("/v1/moe_init_routing_v2_grad/compare", openapi_extra=_MSGPACK_BODY, response_class=Response,
              summary="Judge a candidate grad_x against the device's result and a float64 golden")
-async def compare_candidate(
-    request: Request, document: DocumentDep, settings: SettingsDep, pool: PoolDep, metrics: MetricsDep,
-    timeout_s: TimeoutDep,
-) -> Response:
+async def compare_candidate(request: Request) -> Response:
     started = getattr(request.state, "started", time.perf_counter())
-    comparison = await run_in_threadpool(_decode, document, settings)
+    document = await read_document(request)
+    pool, metrics = pool_of(request), metrics_of(request)
+    timeout_s = request_timeout(request)
+    comparison = await run_in_threadpool(_decode, document, settings_of(request))
     grad_x, timings = await compute(comparison.call, pool, metrics, timeout_s, request)
     report, golden_s, compare_s = await run_in_threadpool(_judge, comparison, grad_x)
     measured = timings_ms(started, timings)

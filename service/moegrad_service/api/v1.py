@@ -1,6 +1,6 @@
 """Protocol v1: ``POST /v1/moe_init_routing_v2_grad`` (msgpack in, msgpack out) and ``GET /v1/info``.
 
-The wire format is docs/protocol.md; the handler only decodes (a dependency), runs on the pool, and
+The wire format is docs/protocol.md; the handler only decodes (api/inputs.py), runs on the pool, and
 encodes. Empty calls (N = 0 or H = 0) are answered here without touching the backend (DESIGN.md
 section 3: the documentation supports empty tensors; the 8.x kernel's tiling would reject them).
 """
@@ -17,14 +17,15 @@ from fastapi import APIRouter, Request, Response
 
 from moegrad import MoeInitRoutingV2GradCall, __version__, encode_tensor
 from moegrad._wire import encode_body_view
-from moegrad_service.api.deps import CallDep, MetricsDep, PoolDep, SettingsDep, TimeoutDep
+from moegrad_service.api.auth import AuthenticatedRoute
+from moegrad_service.api.inputs import metrics_of, pool_of, read_call, request_timeout, settings_of
 from moegrad_service.api.problems import ClientDisconnected
 from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 
 __all__ = ["compute", "msgpack_openapi", "router"]
 
-router = APIRouter()
+router = APIRouter(route_class=AuthenticatedRoute)
 T = TypeVar("T")
 MSGPACK = "application/msgpack"
 def msgpack_openapi(request: str, reply: str) -> dict[str, Any]:
@@ -60,23 +61,35 @@ async def compute(call: MoeInitRoutingV2GradCall, pool: StreamPool, metrics: Met
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first; then cancel it and raise ClientDisconnected."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
+    """Await ``work`` unless the client disconnects first; then cancel it and raise ClientDisconnected.
+
+    One watcher task per call, which cancels this (the handler's) task when ``http.disconnect``
+    arrives; ``work`` is awaited in place (a task of its own plus asyncio.wait cost more server CPU
+    per small call than the call's compute).
+    """
+    handler = asyncio.current_task()
+    gone = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, handler))
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not _finished(gone):
+            raise  # cancelled for another reason (e.g. shutdown)
+        handler.uncancel()
+        raise ClientDisconnected("the client disconnected before its result was ready") from None
     finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        raise ClientDisconnected("the client disconnected before its result was ready")
-    return task.result()
+        gone.cancel()
 
 
-async def _disconnected(request: Request) -> None:
-    """Return when the client has gone (the body is already read, so only http.disconnect is left)."""
+def _finished(task: asyncio.Task) -> bool:
+    """True when ``task`` ran to its end (not cancelled, no exception)."""
+    return task.done() and not task.cancelled() and task.exception() is None
+
+
+async def _cancel_on_disconnect(request: Request, handler: asyncio.Task) -> None:
+    """Once the client has gone (the body is already read, so only http.disconnect is left), cancel ``handler``."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    handler.cancel()
 
 
 def msgpack_response(document: dict[str, Any], metrics: Metrics) -> Response:
@@ -94,11 +107,11 @@ def timings_ms(started: float, timings: Timings) -> dict[str, float]:
 
 @router.post("/v1/moe_init_routing_v2_grad", openapi_extra=_MSGPACK_BODY, response_class=Response,
              summary="Run aclnnMoeInitRoutingV2Grad: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]")
-async def moe_init_routing_v2_grad(
-    request: Request, call: CallDep, pool: PoolDep, metrics: MetricsDep, timeout_s: TimeoutDep,
-) -> Response:
+async def moe_init_routing_v2_grad(request: Request) -> Response:
     started = getattr(request.state, "started", time.perf_counter())
-    grad_x, timings = await compute(call, pool, metrics, timeout_s, request)
+    call = await read_call(request)
+    pool, metrics = pool_of(request), metrics_of(request)
+    grad_x, timings = await compute(call, pool, metrics, request_timeout(request), request)
     reply = {
         "grad_x": encode_tensor(grad_x),
         "backend": pool.backend.name,
@@ -111,7 +124,8 @@ async def moe_init_routing_v2_grad(
 
 
 @router.get("/v1/info", summary="Version, backend, device and limits of this service")
-async def info(pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
+async def info(request: Request) -> dict[str, Any]:
+    pool, settings = pool_of(request), settings_of(request)
     return {
         "version": __version__,
         "backend": pool.backend.name,

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -51,7 +50,15 @@ from moegrad import (
 )
 from moegrad._wire import MAX_RANK
 from moegrad_service.api import health, v1
-from moegrad_service.api.deps import INLINE_DECODE_BYTES, MetricsDep, PoolDep, SettingsDep, TimeoutDep, read_body
+from moegrad_service.api.auth import AuthenticatedRoute
+from moegrad_service.api.inputs import (
+    INLINE_DECODE_BYTES,
+    metrics_of,
+    pool_of,
+    read_body,
+    request_timeout,
+    settings_of,
+)
 from moegrad_service.api.problems import ClientDisconnected
 from moegrad_service.engine import StreamPool, Timings
 
@@ -167,8 +174,8 @@ def error_response(request: Request, exc: Exception, endpoint: str) -> JSONRespo
     return JSONResponse({"error": message}, status_code=entry.status, headers=headers)
 
 
-class V2Route(APIRoute):
-    """An APIRoute whose errors (from its dependencies or its handler) are answered as v2 errors."""
+class V2Route(AuthenticatedRoute):
+    """An authenticated route whose errors (the token check's or its handler's) are answered as v2 errors."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
@@ -483,16 +490,17 @@ async def server_live() -> dict[str, bool]:
 
 
 @router.get("/v2/health/ready", summary="v2 readiness: the backend is healthy and the pool admits calls")
-async def server_ready(pool: PoolDep) -> dict[str, bool]:
-    await health.ready(pool)
+async def server_ready(request: Request) -> dict[str, bool]:
+    await health.check_ready(pool_of(request))
     return {"ready": True}
 
 
 @router.get("/v2/models/{model_name}", summary="v2 model metadata")
 @router.get("/v2/models/{model_name}/versions/{model_version}", summary="v2 model metadata (a version)",
             openapi_extra=_VERSION_PARAMETER)
-async def model_metadata(request: Request, model_name: str, pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
+async def model_metadata(request: Request, model_name: str) -> dict[str, Any]:
     _check_model(request)
+    pool, settings = pool_of(request), settings_of(request)
     parameters = {
         "operator": "aclnnMoeInitRoutingV2Grad",
         "backend": pool.backend.name,
@@ -522,9 +530,9 @@ async def model_metadata(request: Request, model_name: str, pool: PoolDep, setti
 @router.get("/v2/models/{model_name}/ready", summary="v2 model readiness")
 @router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="v2 model readiness (a version)",
             openapi_extra=_VERSION_PARAMETER)
-async def model_ready(request: Request, model_name: str, pool: PoolDep) -> dict[str, Any]:
+async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
     _check_model(request)
-    await health.ready(pool)
+    await health.check_ready(pool_of(request))
     return {"name": MODEL_NAME, "ready": True}
 
 
@@ -532,9 +540,10 @@ async def model_ready(request: Request, model_name: str, pool: PoolDep) -> dict[
              summary="v2 inference: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]")
 @router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_class=Response,
              summary="v2 inference (a version)", openapi_extra=_VERSION_PARAMETER)
-async def infer(request: Request, model_name: str, pool: PoolDep, settings: SettingsDep, metrics: MetricsDep,
-                timeout_s: TimeoutDep) -> Response:
+async def infer(request: Request, model_name: str) -> Response:
     _check_model(request)
+    pool, settings, metrics = pool_of(request), settings_of(request), metrics_of(request)
+    timeout_s = request_timeout(request)
     coding = request.headers.get("content-encoding", "identity").strip().lower()
     if coding != "identity":
         raise MalformedRequest(f"Content-Encoding {coding!r} is not supported; send the body uncompressed",

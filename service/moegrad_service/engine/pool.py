@@ -78,12 +78,6 @@ class _Job:
             self.future.set_result(result)
 
 
-def _discard_outcome(future: asyncio.Future) -> None:
-    """Mark a late outcome as seen, so asyncio does not log it as never retrieved."""
-    if not future.cancelled():
-        future.exception()
-
-
 class StreamPool:
     """A fixed set of worker threads over one backend, with a bounded queue in front.
 
@@ -218,23 +212,34 @@ class StreamPool:
             self._pending.add(job)
             self._idle.clear()
         self._queue.put(job)
+        # The deadline is a timer on the loop that settles the job's future itself (cheaper per call
+        # than wait_for + shield, which wrap the future in two more).
+        timer = None if timeout_s is None else loop.call_at(loop.time() + timeout_s, self._expire, job, timeout_s)
         try:
-            result = await asyncio.wait_for(asyncio.shield(job.future), timeout=timeout_s)
-        except TimeoutError:
-            if job.transition("queued", "cancelled"):
-                self._dequeued(job)
-                raise DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed while the call was queued; it was not run") from None
-            if job.state == "running":
-                loop.call_later(ABANDON_GRACE_S, self._abandon, job)
-                job.future.add_done_callback(_discard_outcome)  # nobody awaits it any more
-                raise DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed while the call was running") from None
-            result = await job.future  # it finished in the meantime
+            result = await job.future
         except asyncio.CancelledError:
             if job.transition("queued", "cancelled"):  # the caller went away before its turn: costs nothing
                 self._dequeued(job)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         return result, Timings(queue_s=(job.started or job.enqueued) - job.enqueued,
                                compute_s=(job.finished or job.enqueued) - (job.started or job.enqueued))
+
+    def _expire(self, job: _Job, timeout_s: float) -> None:
+        """The call's deadline passed (on the loop): drop it if still queued, else give up on it."""
+        if job.future.done():
+            return
+        if job.transition("queued", "cancelled"):
+            self._dequeued(job)
+            job.future.set_exception(DeadlineExceeded(
+                f"the deadline of {timeout_s:.3f} s passed while the call was queued; it was not run"))
+        elif job.state == "running":
+            job.loop.call_later(ABANDON_GRACE_S, self._abandon, job)
+            job.future.set_exception(DeadlineExceeded(
+                f"the deadline of {timeout_s:.3f} s passed while the call was running"))
+        # else it is done: its outcome is already on its way to the future
 
     def _dequeued(self, job: _Job) -> None:
         with self._lock:

@@ -1,19 +1,21 @@
-"""Request dependencies: the settings, the pool, a size-limited body, the decoded call, the deadline.
+"""What a handler reads from its request: the app's services, a size-limited body, the call, the deadline.
 
-Every dependency is a coroutine function, even those that only read request state: FastAPI runs a
-plain ``def`` dependency on its thread pool, one thread hop (and a GIL hand-off) each per request.
-The body, call and deadline dependencies read the settings and metrics from ``request.state``
-themselves rather than through SettingsDep/MetricsDep: FastAPI re-solves every sub-dependency of
-every node on each request (cached or not), and those nodes were a large share of a small call's
-server time.
+Plain functions that the handlers call, not FastAPI dependencies. FastAPI re-solves a route's whole
+dependency graph on every request; with the six small dependencies the v1 route once had, that was
+over half of the server's CPU per small call (cProfile of 3,000 S1 calls on one uvicorn worker:
+``solve_dependencies`` 2.6 s of the 4.8 s spent inside the app). Authentication is a route class for
+the same reason (:class:`moegrad_service.api.auth.AuthenticatedRoute`).
+
+The app's lifespan puts ``settings``, ``pool``, ``metrics`` and ``authenticator`` in every request's
+state (``create_app``); the accessors below only give them their types.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, Request
+from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from moegrad import MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, decode_body
@@ -23,15 +25,15 @@ from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
 __all__ = [
+    "INLINE_DECODE_BYTES",
     "MSGPACK_MEDIA_TYPES",
-    "BodyDep",
-    "CallDep",
-    "DocumentDep",
-    "MetricsDep",
-    "PoolDep",
-    "SettingsDep",
-    "TimeoutDep",
+    "metrics_of",
+    "pool_of",
     "read_body",
+    "read_call",
+    "read_document",
+    "request_timeout",
+    "settings_of",
 ]
 
 MSGPACK_MEDIA_TYPES = frozenset({"application/msgpack", "application/x-msgpack"})
@@ -39,21 +41,16 @@ MSGPACK_MEDIA_TYPES = frozenset({"application/msgpack", "application/x-msgpack"}
 INLINE_DECODE_BYTES = 1 << 20
 
 
-async def get_settings(request: Request) -> Settings:
+def settings_of(request: Request) -> Settings:
     return request.state.settings
 
 
-async def get_pool(request: Request) -> StreamPool:
+def pool_of(request: Request) -> StreamPool:
     return request.state.pool
 
 
-async def get_metrics(request: Request) -> Metrics:
+def metrics_of(request: Request) -> Metrics:
     return request.state.metrics
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-PoolDep = Annotated[StreamPool, Depends(get_pool)]
-MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
 
 async def read_body(request: Request, limit: int, media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES, *,
@@ -95,26 +92,21 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
     return memoryview(body)[lead:] if lead else body
 
 
-async def get_body(request: Request) -> bytearray:
-    body = await read_body(request, request.state.settings.max_body_bytes)
-    request.state.metrics.bytes_in.inc(len(body))
-    return body
-
-
-BodyDep = Annotated[bytearray, Depends(get_body)]
-
-
-async def get_document(body: BodyDep) -> dict[str, Any]:
+async def read_document(request: Request) -> dict[str, Any]:
+    """The msgpack body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`),
+    its bytes counted; bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
+    body = await read_body(request, settings_of(request).max_body_bytes)
+    metrics_of(request).bytes_in.inc(len(body))
     if len(body) > INLINE_DECODE_BYTES:
         return await run_in_threadpool(decode_body, body)
     return decode_body(body)
 
 
-DocumentDep = Annotated[dict, Depends(get_document)]
-
-
-async def get_call(request: Request, document: DocumentDep) -> MoeInitRoutingV2GradCall:
-    settings: Settings = request.state.settings
+async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
+    """The v1 body as a call validated with the app's limits and default order (InvalidArgument,
+    422, names the field and the aclnn code); large tensors are validated on a worker thread."""
+    document = await read_document(request)
+    settings = settings_of(request)
 
     def build() -> MoeInitRoutingV2GradCall:
         return MoeInitRoutingV2GradCall.from_wire(document, max_elements=settings.max_elements,
@@ -133,12 +125,13 @@ def _tensor_bytes(document: dict[str, Any]) -> int:
     return total
 
 
-CallDep = Annotated[MoeInitRoutingV2GradCall, Depends(get_call)]
+def request_timeout(request: Request) -> float:
+    """Seconds the call may take: ``X-Request-Timeout`` (seconds) capped by ``request_timeout_s``.
 
-
-async def get_timeout(request: Request) -> float:
-    """Seconds the call may take: ``X-Request-Timeout`` (seconds) capped by ``request_timeout_s``."""
-    settings: Settings = request.state.settings
+    Raises:
+        MalformedRequest: (400) the header is not a positive, finite number.
+    """
+    settings = settings_of(request)
     raw = request.headers.get("x-request-timeout")
     if raw is None:
         return settings.request_timeout_s
@@ -149,6 +142,3 @@ async def get_timeout(request: Request) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise MalformedRequest(f"X-Request-Timeout {raw!r} must be a positive number of seconds", field="X-Request-Timeout")
     return min(value, settings.request_timeout_s)
-
-
-TimeoutDep = Annotated[float, Depends(get_timeout)]
