@@ -6,14 +6,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 
 from moegrad import __version__
 from moegrad_service.api import compare, health, v1, v2
 from moegrad_service.api.auth import Authenticator
+from moegrad_service.api.direct import DirectRoute, DirectRoutes, route_of
 from moegrad_service.api.middleware import RequestLogMiddleware
-from moegrad_service.api.problems import install_problem_handlers
+from moegrad_service.api.problems import error_response, install_problem_handlers
 from moegrad_service.engine import Backend, StreamPool, open_backend
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -71,5 +73,21 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
     app.include_router(v1.router)
     app.include_router(compare.router)
     app.include_router(v2.router)
+    app.add_middleware(DirectRoutes, routes=direct_routes())
     app.add_middleware(RequestLogMiddleware)
     return app
+
+
+def direct_routes() -> dict[str, DirectRoute]:
+    """The inference routes that :class:`DirectRoutes` serves, by exact path: v1's and v2's infer
+    (the served model, unversioned and at its one version)."""
+    grad = route_of(v1.router.routes, v1.GRAD_PATH)
+    routes = {v1.GRAD_PATH: DirectRoute(grad, grad.endpoint, error_response, {})}
+    for template, params in [("/v2/models/{model_name}/infer", {"model_name": v2.MODEL_NAME}),
+                             ("/v2/models/{model_name}/versions/{model_version}/infer",
+                              {"model_name": v2.MODEL_NAME, "model_version": v2.MODEL_VERSION})]:
+        infer = route_of(v2.router.routes, template)
+        routes[template.format(**params)] = DirectRoute(
+            infer, partial(infer.endpoint, model_name=v2.MODEL_NAME),
+            partial(v2.error_response, endpoint=infer.path), params)
+    return routes

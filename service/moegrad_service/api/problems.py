@@ -30,7 +30,15 @@ from moegrad import (
     Unauthorized,
 )
 
-__all__ = ["PROBLEMS", "ClientDisconnected", "Problem", "UnsupportedMediaType", "install_problem_handlers", "problem_response"]
+__all__ = [
+    "PROBLEMS",
+    "ClientDisconnected",
+    "Problem",
+    "UnsupportedMediaType",
+    "error_response",
+    "install_problem_handlers",
+    "problem_response",
+]
 
 log = logging.getLogger("moegrad_service.api")
 PROBLEM_JSON = "application/problem+json"
@@ -119,32 +127,31 @@ def problem_response(request: Request, exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
 
 
-def install_problem_handlers(app: FastAPI) -> None:
-    """Route every error the app can raise through :func:`problem_response`."""
-
-    async def on_domain(request: Request, exc: Exception) -> JSONResponse:
-        return problem_response(request, exc)
-
-    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+def error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The answer to an error a v1 handler raised: the installed handlers' mapping, in one function
+    (api/direct.py answers the routes it serves with it)."""
+    if isinstance(exc, ClientDisconnect):  # the client hung up while its body was being read: a 499
+        return problem_response(request, ClientDisconnected("the client disconnected while sending its body"))
+    if isinstance(exc, StarletteHTTPException):
         response = problem_response(request, HTTPProblem(str(exc.detail), exc.status_code))
         response.headers.update(exc.headers or {})  # e.g. the Allow of a 405 (RFC 9110 requires it)
         return response
+    if not isinstance(exc, MoegradError):
+        log.error("unexpected error", exc_info=exc)
+    return problem_response(request, exc)
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    """Route every error the app can raise through :func:`error_response`."""
+
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request, exc)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         field = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "header"))
         return problem_response(request, MalformedRequest(f"{field or 'request'}: {first.get('msg')}", field=field or None))
 
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return problem_response(request, exc)
-
-    async def on_disconnect(request: Request, exc: ClientDisconnect) -> JSONResponse:
-        # the client hung up while its body was being read: a 499, not an internal error
-        return problem_response(request, ClientDisconnected("the client disconnected while sending its body"))
-
-    app.add_exception_handler(MoegradError, on_domain)
-    app.add_exception_handler(ClientDisconnect, on_disconnect)
-    app.add_exception_handler(StarletteHTTPException, on_http)
+    for kind in (MoegradError, ClientDisconnect, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, on_error)
     app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(Exception, on_unexpected)

@@ -23,9 +23,10 @@ from moegrad_service.api.problems import ClientDisconnected
 from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 
-__all__ = ["compute", "msgpack_openapi", "router"]
+__all__ = ["GRAD_PATH", "compute", "msgpack_openapi", "router"]
 
 router = APIRouter(route_class=AuthenticatedRoute)
+GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 T = TypeVar("T")
 MSGPACK = "application/msgpack"
 def msgpack_openapi(request: str, reply: str) -> dict[str, Any]:
@@ -105,7 +106,7 @@ def timings_ms(started: float, timings: Timings) -> dict[str, float]:
             "total": (time.perf_counter() - started) * 1e3}
 
 
-@router.post("/v1/moe_init_routing_v2_grad", openapi_extra=_MSGPACK_BODY, response_class=Response,
+@router.post(GRAD_PATH, openapi_extra=_MSGPACK_BODY, response_class=Response,
              summary="Run aclnnMoeInitRoutingV2Grad: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]")
 async def moe_init_routing_v2_grad(request: Request) -> Response:
     started = getattr(request.state, "started", time.perf_counter())
