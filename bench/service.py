@@ -3,9 +3,10 @@
 Everything runs on this machine, on 127.0.0.1 only, with bounded loops; every server this module
 starts is stopped in a ``finally``. Two sections of bench/RESULTS.md come from here:
 
-- ``service`` (target 2): S1 sequential latency with the sync :class:`moegrad.Client` against the
-  floor of a trivial ``GET /health/live`` with the same client; S1 throughput with 16 concurrent
-  requests from a separate load process; S2 end to end against the in-process time of the same
+- ``service`` (target 2): S1 sequential latency with the sync :class:`moegrad.Client` against its
+  floors (the same bytes POSTed by bare httpx and by a plain socket; ``GET /health/live`` with the
+  same client); S1 throughput with 16 concurrent requests from a separate load process (moegrad's
+  clients, tritonclient, and a plain-socket load that measures the server's capacity); S2 end to end against the in-process time of the same
   call's encode + validate + compute + decode, and against raw TCP loopback moving the same bytes;
   the PyTriton peer (the naive NumPy function under PyTriton 0.7, bench/pytriton_peer/) against
   moegrad's v2 endpoint, both driven by tritonclient[http] on the same payloads.
@@ -326,6 +327,66 @@ class TritonCaller:
         self.client.close()
 
 
+def grad_request(url: str, payload: Payload) -> bytes:
+    """The bytes of one v1 POST of ``payload`` (HTTP/1.1, keep-alive), built once for the raw clients."""
+    from moegrad import MoeInitRoutingV2GradCall, encode_body
+
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=payload.grad_expanded_x,
+                                    expanded_row_idx=payload.expanded_row_idx, top_k=payload.top_k)
+    body = bytes(encode_body({k: v for k, v in call.to_wire().items() if k != "order"}))
+    host = url.removeprefix("http://")
+    return (f"POST /v1/moe_init_routing_v2_grad HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/msgpack\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def grad_x_of_reply(status_and_headers: bytes, body: bytes) -> np.ndarray:
+    """grad_x from a raw v1 reply (the status line must be 200)."""
+    from moegrad import decode_body, decode_tensor
+
+    if not status_and_headers.startswith(b"HTTP/1.1 200 "):
+        raise RuntimeError(f"the server answered {status_and_headers.splitlines()[0]!r}")
+    return decode_tensor(decode_body(body)["grad_x"], "grad_x")
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    raise RuntimeError("a reply without Content-Length")
+
+
+class RawCaller:
+    """One keep-alive connection sending a prebuilt v1 request over a plain socket: no client library,
+    so the time is the server's and the kernel's (the floor under any HTTP client)."""
+
+    def __init__(self, url: str, payload: Payload) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.request = grad_request(url, payload)
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def __call__(self) -> np.ndarray:
+        self.sock.sendall(self.request)
+        buffer = b""
+        while b"\r\n\r\n" not in buffer:
+            buffer += self._recv()
+        head, _, body = buffer.partition(b"\r\n\r\n")
+        length = _content_length(head)
+        while len(body) < length:
+            body += self._recv()
+        return grad_x_of_reply(head, body)
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise RuntimeError("the server closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def check(result: np.ndarray, payload: Payload, where: str) -> None:
     if result.dtype != payload.expected.dtype or not np.array_equal(result.view(np.uint32),
                                                                     payload.expected.view(np.uint32)):
@@ -360,6 +421,33 @@ async def _load_async(kind: str, url: str, payload: Payload, concurrency: int, d
                                                          payload.top_k)
 
         close = client.aclose
+    elif kind == "raw":
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        request = grad_request(url, payload)
+        connections: asyncio.LifoQueue = asyncio.LifoQueue()
+        for _ in range(concurrency):  # one connection per task, as with the clients
+            connections.put_nowait(await asyncio.open_connection(host, int(port)))
+
+        async def one() -> np.ndarray:
+            reader, writer = await connections.get()
+            try:
+                if reader.at_eof():  # the server closed it while idle (keep-alive timeout between windows)
+                    writer.close()
+                    reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = await reader.readexactly(_content_length(head))
+            except (OSError, asyncio.IncompleteReadError):
+                writer.close()
+                reader, writer = await asyncio.open_connection(host, int(port))
+                raise
+            finally:
+                connections.put_nowait((reader, writer))
+            return grad_x_of_reply(head, body)
+
+        async def close() -> None:
+            while not connections.empty():
+                connections.get_nowait()[1].close()
     else:
         import tritonclient.http.aio as triton_aio
 
@@ -385,7 +473,7 @@ async def _load_async(kind: str, url: str, payload: Payload, concurrency: int, d
             async def worker() -> None:
                 while loop.time() < end:
                     try:
-                        await one()
+                        check(await one(), payload, kind)  # every reply, bitwise; a mismatch counts as an error
                     except Exception as exc:  # noqa: BLE001 - counted and reported
                         counts["errors"] += 1
                         first_error[:1] = first_error[:1] or [f"{type(exc).__name__}: {exc}"]
@@ -428,7 +516,7 @@ def _load_threads(url: str, payload: Payload, concurrency: int, duration_s: floa
             def worker(k: int, end: float = end, begin: float = begin) -> None:
                 while time.monotonic() < end:
                     try:
-                        clients[k].moe_init_routing_v2_grad(*args)
+                        check(clients[k].moe_init_routing_v2_grad(*args), payload, "Client")
                     except Exception as exc:  # noqa: BLE001 - counted and reported
                         failures[k] += 1
                         first_error[:1] = first_error[:1] or [f"{type(exc).__name__}: {exc}"]
@@ -518,41 +606,54 @@ class LoadProcess:
 
 
 def s1_sequential(url: str, payload: Payload, calls: int, pid: int, max_s: float) -> dict:
-    """S1 with the sync Client, interleaved in blocks of 100 with GET /health/live (the floor)."""
+    """S1 with the sync Client, interleaved in blocks of 100 with its floors: GET /health/live with the
+    same Client, the same request bytes POSTed by bare httpx (the client library alone, no moegrad code),
+    and by a plain socket (no client library: the server's and the kernel's time)."""
+    import httpx
+
     from moegrad import Client
 
     block = 100
-    grad_s: list[float] = []
-    live_s: list[float] = []
-    cpu = {"grad": 0.0, "live": 0.0}
-    client_cpu = {"grad": 0.0, "live": 0.0}
+    kinds = ("grad", "live", "httpx", "raw")
+    wall: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu = dict.fromkeys(kinds, 0.0)
+    client_cpu = dict.fromkeys(kinds, 0.0)
     args = (payload.grad_expanded_x, payload.expanded_row_idx, payload.top_k)
-    with Client(url, retries=0) as client:
-        check(client.moe_init_routing_v2_grad(*args), payload, "moegrad v1 (Client)")
-        for _ in range(block):  # warm-up: connection, caches, the server's first-call paths
-            client.moe_init_routing_v2_grad(*args)
-            client.live()
+    head, _, body = grad_request(url, payload).partition(b"\r\n\r\n")
+    with Client(url, retries=0) as client, httpx.Client(timeout=60) as bare, contextlib.closing(RawCaller(url, payload)) as raw:
+        def bare_post() -> np.ndarray:
+            response = bare.post(url + "/v1/moe_init_routing_v2_grad", content=body,
+                                 headers={"content-type": "application/msgpack"})
+            return grad_x_of_reply(f"HTTP/1.1 {response.status_code} ".encode(), response.content)
+
+        def live() -> None:
+            if not client.live():
+                raise RuntimeError("GET /health/live failed")
+
+        steps: dict[str, Callable[[], Any]] = {"grad": lambda: client.moe_init_routing_v2_grad(*args), "live": live,
+                                               "httpx": bare_post, "raw": raw}
+        for kind in ("grad", "httpx", "raw"):
+            check(steps[kind](), payload, f"S1 sequential ({kind})")
+        for _ in range(block):  # warm-up: connections, caches, the server's first-call paths
+            for step in steps.values():
+                step()
         deadline = time.monotonic() + max_s
-        while len(grad_s) < calls and time.monotonic() < deadline:
-            before, own_before = cpu_s([pid]), time.process_time()
-            for _ in range(block):
-                t0 = time.perf_counter()
-                client.moe_init_routing_v2_grad(*args)
-                grad_s.append(time.perf_counter() - t0)
-            middle, own_middle = cpu_s([pid]), time.process_time()
-            for _ in range(block):
-                t0 = time.perf_counter()
-                if not client.live():
-                    raise RuntimeError("GET /health/live failed")
-                live_s.append(time.perf_counter() - t0)
-            cpu["grad"] += middle - before
-            cpu["live"] += cpu_s([pid]) - middle
-            client_cpu["grad"] += own_middle - own_before
-            client_cpu["live"] += time.process_time() - own_middle
-    return {"grad": grad_s, "live": live_s, "server_cpu_per_grad_s": cpu["grad"] / len(grad_s),
-            "server_cpu_per_live_s": cpu["live"] / len(live_s),
-            "client_cpu_per_grad_s": client_cpu["grad"] / len(grad_s),
-            "client_cpu_per_live_s": client_cpu["live"] / len(live_s)}
+        while len(wall["grad"]) < calls and time.monotonic() < deadline:
+            for kind, step in steps.items():
+                before, own_before = cpu_s([pid]), time.process_time()
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    out = step()
+                    wall[kind].append(time.perf_counter() - t0)
+                    if kind != "live":
+                        check(out, payload, f"S1 sequential ({kind})")  # every reply, outside the timing
+                cpu[kind] += cpu_s([pid]) - before
+                client_cpu[kind] += time.process_time() - own_before
+    result: dict[str, Any] = dict(wall)
+    for kind in kinds:
+        result[f"server_cpu_per_{kind}_s"] = cpu[kind] / len(wall[kind])
+        result[f"client_cpu_per_{kind}_s"] = client_cpu[kind] / len(wall[kind])
+    return result
 
 
 def triton_sequential(callers: dict[str, TritonCaller], payload: Payload, calls: int, block: int,
@@ -857,7 +958,7 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
 
         log("S1, 16 concurrent requests from a load process")
         targets = [("moegrad v1", "moegrad", moegrad), ("moegrad v1 (threads)", "moegrad-threads", moegrad),
-                   ("moegrad v2", "triton", moegrad)]
+                   ("moegrad v1 (plain sockets)", "raw", moegrad), ("moegrad v2", "triton", moegrad)]
         if peer is not None:
             targets.append(("PyTriton", "triton", peer))
         rounds: dict[str, list[dict]] = {label: [] for label, _, _ in targets}
@@ -972,22 +1073,29 @@ def _service_section(r: dict, mode: Mode, machine_line: str, command: str, small
         "",
         f"### S1 sequential, sync `moegrad.Client` ({len(seq['grad'])} calls)",
         "",
-        "Floor: `GET /health/live` with the same client and connection (`Client.live()`), "
-        "interleaved with the S1 calls in blocks of 100 so both see the same machine load "
-        f"(up to {mode.s1_calls} of each, fewer when {mode.s1_max_s:.0f} s have passed).",
+        "Floors, the same S1 request bytes on one keep-alive connection each: bare `httpx.Client.post` "
+        "(the client library the target names, without moegrad's code: no validation, no encoding) and a "
+        "plain socket (no client library: the server's and the kernel's time alone); and `GET /health/live` "
+        "with the same `moegrad.Client`. All four take turns in blocks of 100 so they see the same machine "
+        f"load (up to {mode.s1_calls} calls each, fewer when {mode.s1_max_s:.0f} s have passed); every S1 "
+        "reply is checked bitwise, outside the timing.",
         "",
-        "| | S1 call | floor: GET /health/live | S1 / floor | target | result |",
-        "|---|---:|---:|---:|---:|---|",
-        f"| p50 latency, ms | {ms(p50)} | {ms(l50)} | {p50 / l50:.2f}x | <= 1 ms | {verdict(p50 <= 1e-3)} |",
-        f"| p99 latency, ms | {ms(p99)} | {ms(l99)} | {p99 / l99:.2f}x | <= 3 ms | {verdict(p99 <= 3e-3)} |",
-        f"| server CPU per request, ms | {ms(seq['server_cpu_per_grad_s'])} | {ms(seq['server_cpu_per_live_s'])} "
-        f"| {seq['server_cpu_per_grad_s'] / max(seq['server_cpu_per_live_s'], 1e-9):.2f}x | | |",
-        f"| client CPU per request, ms | {ms(seq['client_cpu_per_grad_s'])} | {ms(seq['client_cpu_per_live_s'])} "
-        f"| {seq['client_cpu_per_grad_s'] / max(seq['client_cpu_per_live_s'], 1e-9):.2f}x | | |",
+        "| | S1, `moegrad.Client` | floor: bare httpx | floor: plain socket | GET /health/live | target | result |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        f"| p50 latency, ms | {ms(p50)} | {ms(percentile(seq['httpx'], 50))} | {ms(percentile(seq['raw'], 50))} "
+        f"| {ms(l50)} | <= 1 ms | {verdict(p50 <= 1e-3)} |",
+        f"| p99 latency, ms | {ms(p99)} | {ms(percentile(seq['httpx'], 99))} | {ms(percentile(seq['raw'], 99))} "
+        f"| {ms(l99)} | <= 3 ms | {verdict(p99 <= 3e-3)} |",
+        f"| server CPU per request, ms | {ms(seq['server_cpu_per_grad_s'])} | {ms(seq['server_cpu_per_httpx_s'])} "
+        f"| {ms(seq['server_cpu_per_raw_s'])} | {ms(seq['server_cpu_per_live_s'])} | | |",
+        f"| client CPU per request, ms | {ms(seq['client_cpu_per_grad_s'])} | {ms(seq['client_cpu_per_httpx_s'])} "
+        f"| {ms(seq['client_cpu_per_raw_s'])} | {ms(seq['client_cpu_per_live_s'])} | | |",
         "",
-        f"CPU alone, before any wait: {ms(seq['server_cpu_per_grad_s'] + seq['client_cpu_per_grad_s'])} ms per S1 "
-        f"call (server + client), {ms(seq['server_cpu_per_live_s'] + seq['client_cpu_per_live_s'])} ms per "
-        "`GET /health/live`.",
+        f"Where the S1 time goes (p50): the server and the kernel {ms(percentile(seq['raw'], 50))} ms (plain socket); "
+        f"httpx adds {ms(percentile(seq['httpx'], 50) - percentile(seq['raw'], 50))} ms (bare httpx); moegrad's "
+        f"client code (validation, encoding, checks) {ms(p50 - percentile(seq['httpx'], 50))} ms more. "
+        f"httpx's own CPU per POST here ({ms(seq['client_cpu_per_httpx_s'] - seq['client_cpu_per_raw_s'])} ms "
+        "over the plain socket's) is the largest part of the client's share.",
         "",
         f"### S1 with {CONCURRENCY} concurrent requests",
         "",
@@ -1004,6 +1112,7 @@ def _service_section(r: dict, mode: Mode, machine_line: str, command: str, small
     ]
     clients = {"moegrad v1": f"moegrad.AsyncClient, {CONCURRENCY} asyncio tasks",
                "moegrad v1 (threads)": f"moegrad.Client, {CONCURRENCY} threads",
+               "moegrad v1 (plain sockets)": f"prebuilt HTTP/1.1 request on {CONCURRENCY} asyncio connections",
                "moegrad v2": f"tritonclient.http.aio, {CONCURRENCY} asyncio tasks",
                "PyTriton": f"tritonclient.http.aio, {CONCURRENCY} asyncio tasks"}
     for label, runs in conc.items():
@@ -1013,14 +1122,16 @@ def _service_section(r: dict, mode: Mode, machine_line: str, command: str, small
         lines.append(f"| {label} | {clients[label]} | {rate[label]:.0f} | "
                      f"{', '.join('%.0f' % x['rate'] for x in runs)} | {cpu_per_req(runs)} | {load_cpu(runs)} | "
                      f"{errors[label]} | {target} | {result} |")
-    v1_cpu = [x["server_cpu_s"] / x["requests"] for label in ("moegrad v1", "moegrad v1 (threads)")
+    v1_cpu = [x["server_cpu_s"] / x["requests"] for label in conc if label.startswith("moegrad v1")
               for x in conc[label] if x["requests"]]
     if v1_cpu:
         lines += [
             "",
             f"One event loop (and one GIL) serves every request: 1000 requests/s needs at most 1 ms of server CPU "
             f"per S1 request, and the load needs its own share of the 2 cores; the server spent "
-            f"{ms(statistics.median(v1_cpu))} ms per v1 request here (median over the v1 windows).",
+            f"{ms(statistics.median(v1_cpu))} ms per v1 request here (median over the v1 windows). The plain-socket "
+            "row is the server's capacity with a load that costs little CPU; the client rows add what moegrad's "
+            "own clients cost on the same 2 cores (their CPU per request is in the load column).",
         ]
     lines += [
         "",
@@ -1130,8 +1241,10 @@ def _memory_section(r: dict, mode: Mode, machine_line: str, command: str, large:
         "|---|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     code_path = {  # (what is alive at the peak, MiB expected, copies of the request among them)
-        "v1": ("body bytearray (read_body) + msgpack `bin` bytes (decode_body; the call's arrays view them) "
-               "+ grad_x + the packed reply (msgpack's buffer, sent as is)", 2 * payload_mib + 2 * reply_mib, 2),
+        "v1": ("while decoding: body bytearray (read_body) + msgpack `bin` bytes (decode_body; the call's "
+               "arrays view them); the body is then freed; after the compute: the `bin` bytes + grad_x + the "
+               "packed reply (msgpack's buffer, sent as is); the larger of the two",
+               max(2 * payload_mib, payload_mib + 2 * reply_mib), 2),
         "v2": ("body bytearray (read_body; binary data lands 16-byte aligned, the call's arrays view it) "
                "+ grad_x + the reply (JSON header joined with grad_x's bytes)", payload_mib + 2 * reply_mib, 1),
     }
@@ -1174,7 +1287,7 @@ def _cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.service", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     load = sub.add_parser("load", help="(internal) the load-generating process")
-    load.add_argument("--client", choices=["moegrad", "moegrad-threads", "triton"], required=True)
+    load.add_argument("--client", choices=["moegrad", "moegrad-threads", "raw", "triton"], required=True)
     load.add_argument("--url", required=True)
     load.add_argument("--payload", choices=sorted(PAYLOADS), default="s1")
     load.add_argument("--concurrency", type=int, default=CONCURRENCY)
