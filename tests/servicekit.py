@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import msgpack
 import numpy as np
 
 import moegrad
+
+if TYPE_CHECKING:
+    from fastapi.testclient import TestClient
 
 MSGPACK_HEADERS = {"content-type": "application/msgpack"}
 DOC_GRAD = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)

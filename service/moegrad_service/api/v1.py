@@ -29,6 +29,8 @@ router = APIRouter(route_class=AuthenticatedRoute)
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 T = TypeVar("T")
 MSGPACK = "application/msgpack"
+
+
 def msgpack_openapi(request: str, reply: str) -> dict[str, Any]:
     """OpenAPI ``openapi_extra`` for a route whose body and 200 reply are msgpack maps (described in words)."""
     return {
