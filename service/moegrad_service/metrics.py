@@ -5,6 +5,7 @@ One registry per app, so several apps (tests) never collide.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,6 +35,12 @@ class Metrics:
         self.bytes_out = Counter("moegrad_inference_response_bytes", "Response body bytes sent.", registry=r)
         self.pending = Gauge("moegrad_inference_pending_request_count", "Calls queued for a worker.", registry=r)
         self.in_flight = Gauge("moegrad_inference_exec_count", "Calls running on a worker now.", registry=r)
+
+    def succeeded(self, endpoint: str, started: float) -> None:
+        """Count a call answered with a result on ``endpoint`` (a route's path) and observe its whole
+        duration: ``started`` is the ``time.perf_counter()`` reading when its request arrived."""
+        self.success.labels(endpoint=endpoint).inc()
+        self.request_duration.labels(endpoint=endpoint).observe(time.perf_counter() - started)
 
     def bind(self, queue_depth: Callable[[], float], in_flight: Callable[[], float]) -> None:
         """Read the two gauges from the live pool at scrape time."""

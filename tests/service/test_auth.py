@@ -17,7 +17,7 @@ import hmac
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from servicekit import example_document, grad_x_of, post
+from servicekit import example_document, grad_x_of, pack, post
 
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
@@ -173,3 +173,15 @@ def test_comparison_is_constant_time_by_construction(guarded, monkeypatch):
         per_request[name] = list(calls)
     for name, recorded in per_request.items():
         assert recorded == [(bytes, SHA256_DIGEST_BYTES, bytes, SHA256_DIGEST_BYTES)] * 3, name
+
+
+def test_probes_stay_open_under_a_root_path(tokens_file):
+    """Behind a proxy that strips a prefix (ASGI root_path), the open paths are still the probes."""
+    app = create_app(Settings(backend="reference", auth_tokens=["env-token"]))
+    with TestClient(app, raise_server_exceptions=False, root_path="/api") as client:
+        for path in ("/api/health/live", "/api/health/ready", "/api/v2/health/live"):
+            assert client.get(path).status_code == 200, path
+        assert_unauthorized(client.get("/api/v1/info"))
+        assert_unauthorized(client.post("/api/v1/moe_init_routing_v2_grad", content=pack(example_document()),
+                                        headers={"content-type": "application/msgpack"}))
+        assert client.get("/api/v1/info", headers=bearer("env-token")).status_code == 200

@@ -71,6 +71,7 @@ REQUESTS = [
     ("v2 not JSON", "POST", INFER, b"{", {}),
     ("v2 gzip", "POST", INFER, v2_json(), {"content-encoding": "gzip"}),
     ("v2 too large", "POST", INFER, b" " * 5000, {}),
+    ("v2 header length of 5000 digits", "POST", INFER, v2_json(), {"inference-header-content-length": "9" * 5000}),
     ("v2 unknown model", "POST", "/v2/models/other/infer", v2_json(), {}),
     ("v2 unknown version", "POST", "/v2/models/moe_init_routing_v2_grad/versions/2/infer", v2_json(), {}),
     ("v2 GET infer", "GET", INFER, b"", {}),

@@ -250,3 +250,62 @@ def test_backend_exception_is_500_with_its_text_then_next_call_succeeds(serve, g
         gate.error = None
         gate.release.set()
         assert post(client, example_document()).status_code == 200
+
+
+def test_each_answered_call_is_timed_under_its_endpoint(client):
+    """moegrad_inference_request_duration_seconds: one observation per call answered with a result,
+    labelled with its route, no longer than the client saw the call take; failures are not timed."""
+    import json
+
+    v2_body = json.dumps({"parameters": {"top_k": 2}, "inputs": [
+        {"name": "grad_expanded_x", "shape": [4, 2], "datatype": "FP32", "data": DOC_GRAD.ravel().tolist()},
+        {"name": "expanded_row_idx", "shape": [4], "datatype": "INT32", "data": DOC_IDX.tolist()}]}).encode()
+    expected = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], np.float32)
+    candidate = {"dtype": "float32", "shape": [2, 2], "data": expected.tobytes()}
+    calls = {
+        "/v1/moe_init_routing_v2_grad": lambda: post(client, example_document()),
+        "/v1/moe_init_routing_v2_grad/compare": lambda: client.post(
+            "/v1/moe_init_routing_v2_grad/compare", content=pack(example_document(candidate=candidate)),
+            headers={"content-type": "application/msgpack"}),
+        "/v2/models/{model_name}/infer": lambda: client.post("/v2/models/moe_init_routing_v2_grad/infer",
+                                                             content=v2_body),
+    }
+    for endpoint, call in calls.items():
+        started = time.perf_counter()
+        assert call().status_code == 200
+        seen_s = time.perf_counter() - started
+        count = metric(client, "moegrad_inference_request_duration_seconds_count", endpoint=endpoint)
+        total = metric(client, "moegrad_inference_request_duration_seconds_sum", endpoint=endpoint)
+        assert count == 1, endpoint
+        assert 0 < total <= seen_s, endpoint
+    problem(post(client, example_document(top_k=0)), 422)
+    assert metric(client, "moegrad_inference_request_duration_seconds_count",
+                  endpoint="/v1/moe_init_routing_v2_grad") == 1
+
+
+@pytest.mark.parametrize(("declared", "refusal"), [
+    ("9" * 5000, "PayloadTooLarge"),
+    ("1" + "0" * 18, "PayloadTooLarge"),
+    ("0" * 5000 + "5", "MalformedRequest"),  # 5 bytes promised (leading zeros), none sent
+])
+def test_a_content_length_of_thousands_of_digits_is_refused_not_an_error(declared, refusal):
+    """Content-Length is compared with the limit before any byte is read; thousands of digits
+    (past int()'s 4300-digit cap) are a client's mistake, never an internal error. uvicorn refuses
+    such a header itself, so read_body is called directly, as another ASGI server would reach it."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    import moegrad
+    from moegrad_service.api.inputs import read_body
+
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+             "headers": [(b"content-type", b"application/msgpack"), (b"content-length", declared.encode())]}
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    with pytest.raises(getattr(moegrad, refusal)) as caught:
+        asyncio.run(read_body(Request(scope, receive), 1 << 20))
+    assert type(caught.value).__name__ == refusal
+    assert len(str(caught.value)) < 200  # the digits are not echoed whole

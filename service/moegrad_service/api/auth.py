@@ -64,7 +64,7 @@ class Authenticator:
         Raises:
             Unauthorized: (HTTP 401 with ``WWW-Authenticate: Bearer``) a token is required and missing or wrong.
         """
-        if not self._digests or request.url.path in self._open:
+        if not self._digests or _route_path(request) in self._open:
             return
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
@@ -75,6 +75,13 @@ class Authenticator:
             accepted |= hmac.compare_digest(digest, known)
         if not accepted:
             raise Unauthorized("the bearer token is not accepted", status_code=401)
+
+
+def _route_path(request: Request) -> str:
+    """The path the app routes on: the request's path less the ``root_path`` it is served under
+    (behind a proxy that strips a prefix, ``/api/health/live`` is the open ``/health/live``)."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 class AuthenticatedRoute(APIRoute):

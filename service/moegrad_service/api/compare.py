@@ -111,5 +111,6 @@ async def compare_candidate(request: Request) -> Response:
     }
     if comparison.return_grad_x:
         reply["grad_x"] = encode_tensor(grad_x)
-    metrics.success.labels(endpoint=request.scope["route"].path).inc()
-    return msgpack_response(reply, metrics)
+    response = msgpack_response(reply, metrics)
+    metrics.succeeded(request.scope["route"].path, started)
+    return response

@@ -19,6 +19,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from moegrad import MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, decode_body
+from moegrad._wire import _brief
 from moegrad_service.api.problems import UnsupportedMediaType
 from moegrad_service.engine import StreamPool
 from moegrad_service.metrics import Metrics
@@ -69,14 +70,15 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
                 f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}")
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
-            raise MalformedRequest(f"Content-Length {declared!r} is not a byte count")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"the body of {int(declared)} bytes is over the limit of {limit} bytes")
+        if not (declared.isascii() and declared.isdigit()):
+            raise MalformedRequest(f"Content-Length {_brief(declared)} is not a byte count")
+        significant = declared.lstrip("0") or "0"
+        if len(significant) > 18 or int(significant) > limit:  # 19+ digits: over any limit (and int()'s digit cap)
+            raise PayloadTooLarge(f"the body of {_brief(declared)} bytes is over the limit of {limit} bytes")
         # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
         # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
         # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
-        expected, body = int(declared), bytearray(lead)
+        expected, body = int(significant), bytearray(lead)
         async for chunk in request.stream():
             if len(body) - lead + len(chunk) > expected:
                 raise MalformedRequest("the body is longer than its Content-Length")

@@ -122,8 +122,9 @@ async def moe_init_routing_v2_grad(request: Request) -> Response:
         "device": pool.backend.device,
         "timings_ms": timings_ms(started, timings),
     }
-    metrics.success.labels(endpoint=request.scope["route"].path).inc()
-    return msgpack_response(reply, metrics)
+    response = msgpack_response(reply, metrics)
+    metrics.succeeded(request.scope["route"].path, started)
+    return response
 
 
 @router.get("/v1/info", summary="Version, backend, device and limits of this service")

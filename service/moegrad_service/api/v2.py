@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -48,7 +49,7 @@ from moegrad import (
     Unauthorized,
     __version__,
 )
-from moegrad._wire import MAX_RANK
+from moegrad._wire import MAX_RANK, _brief
 from moegrad_service.api import health, v1
 from moegrad_service.api.auth import AuthenticatedRoute
 from moegrad_service.api.inputs import (
@@ -238,12 +239,21 @@ def _count(value: Any, where: str) -> int:
     return value
 
 
+def _byte_count(header_length: str) -> int | None:
+    """The header's value as a byte count, or None when it is not one (only ASCII digits, and few
+    enough of them for int(): no body has more than 18 digits of bytes)."""
+    digits = header_length.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    significant = digits.lstrip("0") or "0"
+    return int(significant) if len(significant) <= 18 else None
+
+
 def _binary_lead(header_length: str | None) -> int:
     """Bytes to put before the body so that its binary part, after the JSON header, starts 16-byte
     aligned (read_body's ``lead``); 0 without a well-formed header, which _split then rejects."""
-    if header_length is None or not (header_length.isascii() and header_length.strip().isdigit()):
-        return 0
-    return -int(header_length) % 16
+    size = None if header_length is None else _byte_count(header_length)
+    return 0 if size is None else -size % 16
 
 
 def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[bytes | bytearray | memoryview,
@@ -251,9 +261,9 @@ def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[byt
     """The JSON part and the binary part of a body (the binary part is empty without the header)."""
     if header_length is None:
         return body, memoryview(b"")
-    if not (header_length.isascii() and header_length.strip().isdigit()):
-        raise MalformedRequest(f"{HEADER_LENGTH} {header_length!r} is not a byte count", field=HEADER_LENGTH)
-    size = int(header_length)
+    size = _byte_count(header_length)
+    if size is None:
+        raise MalformedRequest(f"{HEADER_LENGTH} {_brief(header_length)} is not a byte count", field=HEADER_LENGTH)
     if size > len(body):
         raise MalformedRequest(f"{HEADER_LENGTH}={size} is larger than the {len(body)}-byte body", field=HEADER_LENGTH)
     return bytes(memoryview(body)[:size]), memoryview(body)[size:]
@@ -541,6 +551,7 @@ async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
 @router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_class=Response,
              summary="v2 inference (a version)", openapi_extra=_VERSION_PARAMETER)
 async def infer(request: Request, model_name: str) -> Response:
+    started = getattr(request.state, "started", time.perf_counter())
     _check_model(request)
     pool, settings, metrics = pool_of(request), settings_of(request), metrics_of(request)
     timeout_s = request_timeout(request)
@@ -561,7 +572,7 @@ async def infer(request: Request, model_name: str) -> Response:
     encode = partial(encode_infer_response, grad_x, decoded, _reply_parameters(pool, decoded.call, timings))
     response = await run_in_threadpool(encode) if grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
     metrics.bytes_out.inc(len(response.body))
-    metrics.success.labels(endpoint=request.scope["route"].path).inc()
+    metrics.succeeded(request.scope["route"].path, started)
     return response
 
 
