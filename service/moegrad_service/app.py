@@ -34,10 +34,10 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             slowed or faulty one); the app closes it on shutdown all the same.
 
     The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers, yields
-    them as request state (``settings``, ``pool``, ``metrics``, ``authenticator``) and, on shutdown, stops admitting,
-    lets admitted calls finish (``shutdown_grace_s``) and closes the backend. ``app.state.drain()``
-    stops admitting at once (new calls get 503, readiness turns 503) while admitted calls finish;
-    ``moegrad-service serve`` calls it when SIGTERM arrives.
+    them as request state (``settings``, ``pool``, ``metrics``, ``authenticator``) and, on shutdown,
+    stops admitting, lets admitted calls finish (``shutdown_grace_s``) and closes the backend.
+    ``app.state.drain()`` stops admitting at once (new calls get 503, readiness turns 503) while
+    admitted calls finish; ``moegrad-service serve`` calls it when SIGTERM arrives.
 
     Raises:
         OSError: ``auth_tokens_file`` cannot be read.

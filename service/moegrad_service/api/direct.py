@@ -15,7 +15,6 @@ answer for answer).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +23,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["DirectRoute", "DirectRoutes"]
-
-log = logging.getLogger("moegrad_service.api")
+__all__ = ["DirectRoute", "DirectRoutes", "route_of"]
 
 
 @dataclass(frozen=True)
