@@ -687,8 +687,7 @@ def s2_in_process(payload: Payload) -> dict[str, float]:
     call, pack it; unpack and validate it again; compute with the reference (the server's backend);
     pack the reply; unpack it and copy grad_x out (GradResult owns its array).
     """
-    from moegrad import (MoeInitRoutingV2GradCall, decode_body, decode_tensor, encode_body, encode_tensor,
-                         moe_init_routing_v2_grad)
+    from moegrad import MoeInitRoutingV2GradCall, decode_body, decode_tensor, encode_tensor, moe_init_routing_v2_grad
     from moegrad._wire import encode_body_view
 
     steps: dict[str, float] = {}
@@ -697,7 +696,7 @@ def s2_in_process(payload: Payload) -> dict[str, float]:
                                     expanded_row_idx=payload.expanded_row_idx, top_k=payload.top_k)
     document = call.to_wire()
     del document["order"]  # as the Client sends it: the server's default applies
-    body = encode_body(document)
+    body = encode_body_view(document)  # as the Client packs it (and streams it from msgpack's buffer)
     t1 = time.perf_counter()
     received = MoeInitRoutingV2GradCall.from_wire(decode_body(body), default_order="ascend910b")
     t2 = time.perf_counter()

@@ -59,7 +59,7 @@ def tensor_to(array: np.ndarray, name: str) -> dict:
 
 def fake_grad(request: httpx.Request) -> httpx.Response:
     """A minimal service: sequential float32 sum per token (dropless), reply per the protocol."""
-    doc = msgpack.unpackb(request.content, raw=False)
+    doc = msgpack.unpackb(request.read(), raw=False)  # the client streams its body: read it as a transport does
     x, idx, k = tensor_from(doc["grad_expanded_x"]), tensor_from(doc["expanded_row_idx"]), doc["top_k"]
     name = doc["grad_expanded_x"]["dtype"]
     rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
@@ -671,3 +671,59 @@ async def test_async_info_ready_live():
 def test_async_transport_must_be_async():
     with pytest.raises(TypeError):
         AsyncClient(BASE, transport=httpx.HTTPTransport())
+
+
+class SliceRecorder(httpx.BaseTransport, httpx.AsyncBaseTransport):
+    """A transport that reads each request body slice by slice, as httpx's own transports do (not
+    through request.read(), as MockTransport does), answering from ``answers`` in turn."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.slices: list[list[int]] = []
+        self.bodies: list[bytes] = []
+
+    def _answer(self, request: httpx.Request, parts: list) -> httpx.Response:
+        self.slices.append([len(part) for part in parts])
+        self.bodies.append(b"".join(bytes(part) for part in parts))
+        assert request.headers["content-length"] == str(len(self.bodies[-1]))
+        assert "transfer-encoding" not in request.headers
+        answer = self.answers.pop(0)
+        return answer(httpx.Request("POST", GRAD_URL, content=self.bodies[-1])) if callable(answer) else answer
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self._answer(request, list(request.stream))
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return self._answer(request, [part async for part in request.stream])
+
+
+def test_a_large_body_is_streamed_in_slices_with_its_length_and_resent_whole_on_retry():
+    """The request body goes out in slices of at most 1 MiB with an explicit Content-Length (no
+    chunked encoding), the slices add up to the msgpack of the call (packed here by msgpack itself),
+    and a retried attempt sends all of it again."""
+    rng = np.random.default_rng(3)
+    grad = rng.standard_normal((2 * 65536, 16), dtype=np.float32)  # 8 MiB
+    idx = rng.permutation(grad.shape[0]).astype(np.int32)
+    want = msgpack.packb({"grad_expanded_x": tensor_to(grad, "float32"), "expanded_row_idx": tensor_to(idx, "int32"),
+                          "top_k": 2, "drop_pad_mode": 0, "active_num": 0, "allow_duplicate_indices": False},
+                         use_bin_type=True)
+    rows = grad[idx].reshape(-1, 2, 16).sum(1, dtype=np.float32)
+    reply = httpx.Response(200, content=msgpack.packb(
+        {"grad_x": tensor_to(rows, "float32"), "backend": "x", "order": "ascend910b", "device": None, "timings_ms": {}}),
+        headers={"content-type": "application/msgpack"})
+    transport = SliceRecorder(problem(503, headers={"Retry-After": "0"}), reply)
+    with Client(BASE, transport=transport, retries=1) as c:
+        np.testing.assert_array_equal(c.moe_init_routing_v2_grad(grad, idx, 2), rows)
+    assert transport.bodies == [want, want]
+    for slices in transport.slices:
+        assert len(slices) == -(-len(want) // (1 << 20)) and max(slices) == 1 << 20
+
+
+@pytest.mark.asyncio
+async def test_the_async_client_streams_the_same_body():
+    transport = SliceRecorder(fake_grad)
+    async with moegrad.AsyncClient(BASE, transport=transport, retries=0, token="s3cret",
+                                   headers={"x-team": "acc"}) as c:
+        grad_x = await c.moe_init_routing_v2_grad(EXAMPLE_X, EXAMPLE_IDX, 2)
+    np.testing.assert_array_equal(bits(grad_x), EXAMPLE_BITS)
+    assert msgpack.unpackb(transport.bodies[0])["grad_expanded_x"]["data"] == EXAMPLE_X.tobytes()
