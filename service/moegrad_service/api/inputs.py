@@ -28,6 +28,7 @@ from moegrad_service.settings import Settings
 __all__ = [
     "INLINE_DECODE_BYTES",
     "MSGPACK_MEDIA_TYPES",
+    "byte_count",
     "metrics_of",
     "pool_of",
     "read_body",
@@ -40,6 +41,19 @@ __all__ = [
 MSGPACK_MEDIA_TYPES = frozenset({"application/msgpack", "application/x-msgpack"})
 #: Bodies larger than this are decoded and validated on a worker thread, not on the event loop.
 INLINE_DECODE_BYTES = 1 << 20
+
+
+def byte_count(text: str) -> int | None:
+    """A header's byte count (ASCII digits, leading zeros allowed), or None when it is not one.
+
+    19 or more significant digits come back as 10**18, more than any body: such a count is refused as
+    too large rather than handed to int(), whose 4300-digit cap would raise (an internal error).
+    """
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    significant = digits.lstrip("0") or "0"
+    return int(significant) if len(significant) <= 18 else 10**18
 
 
 def settings_of(request: Request) -> Settings:
@@ -70,15 +84,15 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
                 f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}")
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not (declared.isascii() and declared.isdigit()):
+        expected = byte_count(declared)
+        if expected is None:
             raise MalformedRequest(f"Content-Length {_brief(declared)} is not a byte count")
-        significant = declared.lstrip("0") or "0"
-        if len(significant) > 18 or int(significant) > limit:  # 19+ digits: over any limit (and int()'s digit cap)
-            raise PayloadTooLarge(f"the body of {_brief(declared)} bytes is over the limit of {limit} bytes")
+        if expected > limit:
+            raise PayloadTooLarge(f"Content-Length {_brief(declared)} is over the limit of {limit} bytes")
         # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
         # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
         # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
-        expected, body = int(significant), bytearray(lead)
+        body = bytearray(lead)
         async for chunk in request.stream():
             if len(body) - lead + len(chunk) > expected:
                 raise MalformedRequest("the body is longer than its Content-Length")

@@ -54,6 +54,7 @@ from moegrad_service.api import health, v1
 from moegrad_service.api.auth import AuthenticatedRoute
 from moegrad_service.api.inputs import (
     INLINE_DECODE_BYTES,
+    byte_count,
     metrics_of,
     pool_of,
     read_body,
@@ -239,20 +240,10 @@ def _count(value: Any, where: str) -> int:
     return value
 
 
-def _byte_count(header_length: str) -> int | None:
-    """The header's value as a byte count, or None when it is not one (only ASCII digits, and few
-    enough of them for int(): no body has more than 18 digits of bytes)."""
-    digits = header_length.strip()
-    if not (digits.isascii() and digits.isdigit()):
-        return None
-    significant = digits.lstrip("0") or "0"
-    return int(significant) if len(significant) <= 18 else None
-
-
 def _binary_lead(header_length: str | None) -> int:
     """Bytes to put before the body so that its binary part, after the JSON header, starts 16-byte
     aligned (read_body's ``lead``); 0 without a well-formed header, which _split then rejects."""
-    size = None if header_length is None else _byte_count(header_length)
+    size = None if header_length is None else byte_count(header_length)
     return 0 if size is None else -size % 16
 
 
@@ -261,11 +252,12 @@ def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[byt
     """The JSON part and the binary part of a body (the binary part is empty without the header)."""
     if header_length is None:
         return body, memoryview(b"")
-    size = _byte_count(header_length)
+    size = byte_count(header_length)
     if size is None:
         raise MalformedRequest(f"{HEADER_LENGTH} {_brief(header_length)} is not a byte count", field=HEADER_LENGTH)
     if size > len(body):
-        raise MalformedRequest(f"{HEADER_LENGTH}={size} is larger than the {len(body)}-byte body", field=HEADER_LENGTH)
+        raise MalformedRequest(f"{HEADER_LENGTH} {_brief(header_length)} is larger than the {len(body)}-byte body",
+                               field=HEADER_LENGTH)
     return bytes(memoryview(body)[:size]), memoryview(body)[size:]
 
 
