@@ -442,4 +442,7 @@ def _cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from bench.run import stop_on_sigterm
+
+    stop_on_sigterm()
     sys.exit(_cli())

@@ -23,6 +23,7 @@ import datetime as dt
 import importlib
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -198,5 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def stop_on_sigterm() -> None:
+    """Let SIGTERM (``timeout``, a CI runner) unwind the bench like Ctrl-C does, so the ``finally``
+    blocks stop every server and load process it started instead of leaving them running."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

@@ -473,4 +473,7 @@ def main(argv: list[str] | None = None, *, duration_s: float | None = None) -> i
 
 
 if __name__ == "__main__":
+    from bench.run import stop_on_sigterm
+
+    stop_on_sigterm()
     sys.exit(main())
