@@ -101,15 +101,14 @@ def comparable(response) -> tuple:
         body = response.json()
         if isinstance(body, dict):
             body.pop("request_id", None)
-            for output in body.get("outputs", []):
-                output.get("parameters", {}).pop("queue_ms", None)
             body.get("parameters", {}).pop("queue_ms", None)
             body.get("parameters", {}).pop("compute_ms", None)
     else:
         size = int(response.headers.get("inference-header-content-length", 0))
         header = json.loads(response.content[:size]) if size else None
         if header:
-            header["parameters"].pop("queue_ms"), header["parameters"].pop("compute_ms")
+            header["parameters"].pop("queue_ms")
+            header["parameters"].pop("compute_ms")
         body = (header, response.content[size:])
     return response.status_code, headers, json.dumps(body, sort_keys=True, default=repr)
 
