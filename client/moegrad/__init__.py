@@ -51,12 +51,23 @@ from moegrad._reference import (
 )
 from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
-from moegrad._wire import DTYPES, decode_body, decode_tensor, dtype_name, encode_body, encode_tensor
+from moegrad._wire import (
+    DTYPES,
+    MAX_RANK,
+    brief,
+    decode_body,
+    decode_tensor,
+    dtype_name,
+    encode_body,
+    encode_body_view,
+    encode_tensor,
+)
 
 __all__ = [
     "DTYPES",
     "DTYPE_LIMITS",
     "GRAD_DTYPES",
+    "MAX_RANK",
     "ORDERS",
     "STANDARDS",
     "THRESHOLDS",
@@ -87,6 +98,7 @@ __all__ = [
     "__version__",
     "accumulation_schedule",
     "bin_count",
+    "brief",
     "check_compare_arguments",
     "compare",
     "compare_arrays",
@@ -94,6 +106,7 @@ __all__ = [
     "decode_tensor",
     "dtype_name",
     "encode_body",
+    "encode_body_view",
     "encode_tensor",
     "metrics",
     "moe_init_routing_v2_grad",

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
-from moegrad._wire import _brief, decode_tensor, dtype_name, encode_tensor
+from moegrad._wire import brief, decode_tensor, dtype_name, encode_tensor
 
 __all__ = ["ORDERS", "GRAD_DTYPES", "MoeInitRoutingV2GradCall", "Order"]
 
@@ -121,7 +121,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
                     raise TypeError
                 value = operator.index(raw)
             except TypeError:
-                raise _fail(_TILING, field, f"{field}={_brief(raw)} must be an integer") from None
+                raise _fail(_TILING, field, f"{field}={brief(raw)} must be an integer") from None
             if not _INT64[0] <= value <= _INT64[1]:
                 raise _fail(_TILING, field, f"{field}={value} does not fit the operator's int64_t")
             values.append(value)
@@ -244,7 +244,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
         """
         unknown = sorted(map(str, set(document) - _WIRE_FIELDS - extra_fields))
         if unknown:
-            raise MalformedRequest(f"unknown field {_brief(unknown[0])}; the fields are "
+            raise MalformedRequest(f"unknown field {brief(unknown[0])}; the fields are "
                                    f"{sorted(_WIRE_FIELDS | extra_fields)}", field=unknown[0][:64])
         fields: dict[str, Any] = {}
         for name in _TENSORS:

@@ -20,6 +20,8 @@ from moegrad._errors import MalformedRequest, PayloadTooLarge
 
 __all__ = [
     "DTYPES",
+    "MAX_RANK",
+    "brief",
     "decode_body",
     "decode_tensor",
     "dtype_name",
@@ -81,7 +83,7 @@ _BRIEF = reprlib.Repr()
 _BRIEF.maxlist, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlevel = 12, 64, 64, 2
 
 
-def _brief(value: Any) -> str:
+def brief(value: Any) -> str:
     """A bounded repr for error messages: a client's million-entry shape is not echoed back whole."""
     return _BRIEF.repr(value)
 
@@ -110,9 +112,9 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
         raise MalformedRequest(f"{field} must have exactly the keys dtype, shape, data (missing {missing}, unknown {extra})", field=field)
     name, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(name, str) or name not in DTYPES:
-        raise MalformedRequest(f"{field}.dtype={_brief(name)} is not one of {sorted(DTYPES)}", field=field)
+        raise MalformedRequest(f"{field}.dtype={brief(name)} is not one of {sorted(DTYPES)}", field=field)
     if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedRequest(f"{field}.shape={_brief(shape)} must be a list of at most {MAX_RANK} non-negative integers", field=field)
+        raise MalformedRequest(f"{field}.shape={brief(shape)} must be a list of at most {MAX_RANK} non-negative integers", field=field)
     if not isinstance(data, bytes):
         raise MalformedRequest(f"{field}.data must be msgpack bin, got {type(data).__name__}", field=field)
     count = math.prod(shape)

@@ -6,16 +6,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 
 from fastapi import FastAPI
 
 from moegrad import __version__
 from moegrad_service.api import compare, health, v1, v2
-from moegrad_service.api.auth import Authenticator
-from moegrad_service.api.direct import DirectRoute, DirectRoutes, route_of
+from moegrad_service.api.auth import Authenticator, AuthMiddleware
+from moegrad_service.api.errors import install_error_handlers
 from moegrad_service.api.middleware import RequestLogMiddleware
-from moegrad_service.api.problems import error_response, install_problem_handlers
+from moegrad_service.api.routing import openapi_with_endpoints
+from moegrad_service.dataplane import DataPlane
 from moegrad_service.engine import Backend, StreamPool, open_backend
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -34,7 +34,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             slowed or faulty one); the app closes it on shutdown all the same.
 
     The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers, yields
-    them as request state (``settings``, ``pool``, ``metrics``, ``authenticator``) and, on shutdown,
+    them as request state (``settings``, ``dataplane`` over the pool, ``metrics``) and, on shutdown,
     stops admitting, lets admitted calls finish (``shutdown_grace_s``) and closes the backend.
     ``app.state.drain()`` stops admitting at once (new calls get 503, readiness turns 503) while
     admitted calls finish; ``moegrad-service serve`` calls it when SIGTERM arrives.
@@ -57,7 +57,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         log.info("moegrad %s ready: backend=%s device=%s streams=%d", __version__, opened.name, opened.device,
                  settings.streams)
         try:
-            yield {"settings": settings, "pool": pool, "metrics": metrics, "authenticator": authenticate}
+            yield {"settings": settings, "dataplane": DataPlane(settings, pool, metrics), "metrics": metrics}
         finally:
             await pool.close(grace_s=settings.shutdown_grace_s)
             log.info("moegrad stopped")
@@ -68,26 +68,12 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         summary="aclnnMoeInitRoutingV2Grad (MoE routing backward) as a service",
         lifespan=lifespan,
     )
-    install_problem_handlers(app)
-    app.include_router(health.router)
-    app.include_router(v1.router)
-    app.include_router(compare.router)
-    app.include_router(v2.router)
-    app.add_middleware(DirectRoutes, routes=direct_routes())
+    install_error_handlers(app)
+    # The tensor-carrying POST routes first (they are matched on every inference call), then the rest.
+    app.router.routes[:0] = [*v1.routes, *compare.routes, *v2.routes]
+    for router in (health.router, v1.router, v2.router):
+        app.include_router(router)
+    app.openapi = openapi_with_endpoints(app)  # type: ignore[method-assign]
+    app.add_middleware(AuthMiddleware, authenticator=authenticate)
     app.add_middleware(RequestLogMiddleware)
     return app
-
-
-def direct_routes() -> dict[str, DirectRoute]:
-    """The inference routes that :class:`DirectRoutes` serves, by exact path: v1's and v2's infer
-    (the served model, unversioned and at its one version)."""
-    grad = route_of(v1.router.routes, v1.GRAD_PATH)
-    routes = {v1.GRAD_PATH: DirectRoute(grad, grad.endpoint, error_response, {})}
-    for template, params in [("/v2/models/{model_name}/infer", {"model_name": v2.MODEL_NAME}),
-                             ("/v2/models/{model_name}/versions/{model_version}/infer",
-                              {"model_name": v2.MODEL_NAME, "model_version": v2.MODEL_VERSION})]:
-        infer = route_of(v2.router.routes, template)
-        routes[template.format(**params)] = DirectRoute(
-            infer, partial(infer.endpoint, model_name=v2.MODEL_NAME),
-            partial(v2.error_response, endpoint=infer.path), params)
-    return routes

@@ -1,4 +1,4 @@
-"""Optional bearer-token authentication (off when no token is configured).
+"""Optional bearer-token authentication (off when no token is configured): one check, before routing.
 
 Tokens come from ``auth_tokens`` and ``auth_tokens_file`` (one per line; blank lines and ``#``
 comments skipped). A presented token is compared with every accepted one through SHA-256 digests
@@ -6,25 +6,24 @@ and :func:`hmac.compare_digest`, so the time taken depends on neither the token'
 length. Health, readiness and the OpenAPI document stay open; ``/metrics`` is open only when
 ``metrics_public`` is set.
 
-Every route of the app's routers is an :class:`AuthenticatedRoute`, which checks the token before
-the handler runs (an app-wide FastAPI dependency did the same at a higher cost per request:
-see moegrad_service.api.inputs).
+:class:`AuthMiddleware` checks every HTTP request before the router sees it, so every route of
+every protocol has the same one hook, and a request without a token learns nothing about the
+routes (an unknown path, a wrong method or a trailing-slash redirect is a 401 like any other).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Coroutine
-from typing import Any
 
-from fastapi import Request, Response
-from fastapi.routing import APIRoute
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moegrad import Unauthorized
+from moegrad_service.api.errors import error_response
 from moegrad_service.settings import Settings
 
-__all__ = ["OPEN_PATHS", "AuthenticatedRoute", "Authenticator", "load_tokens"]
+__all__ = ["OPEN_PATHS", "AuthMiddleware", "Authenticator", "load_tokens"]
 
 #: Paths that never require a token (probes and the API description).
 OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready",
@@ -58,15 +57,19 @@ class Authenticator:
         """True when at least one token is configured."""
         return bool(self._digests)
 
-    def check(self, request: Request) -> None:
-        """Return when ``request`` may proceed: auth is off, its path is open, or its token is accepted.
+    def check(self, path: str, authorization: str) -> None:
+        """Return when a request may proceed: auth is off, its path is open, or its token is accepted.
+
+        Args:
+            path: the path the app routes on (less any ``root_path``).
+            authorization: the request's ``Authorization`` header ("" when absent).
 
         Raises:
             Unauthorized: (HTTP 401 with ``WWW-Authenticate: Bearer``) a token is required and missing or wrong.
         """
-        if not self._digests or _route_path(request) in self._open:
+        if not self._digests or path in self._open:
             return
-        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        scheme, _, presented = authorization.partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise Unauthorized("this service requires an Authorization: Bearer <token> header", status_code=401)
         digest = hashlib.sha256(presented.strip().encode()).digest()
@@ -77,22 +80,27 @@ class Authenticator:
             raise Unauthorized("the bearer token is not accepted", status_code=401)
 
 
-def _route_path(request: Request) -> str:
+def _route_path(scope: Scope) -> str:
     """The path the app routes on: the request's path less the ``root_path`` it is served under
     (behind a proxy that strips a prefix, ``/api/health/live`` is the open ``/health/live``)."""
-    path, root = request.scope["path"], request.scope.get("root_path", "")
+    path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
 
 
-class AuthenticatedRoute(APIRoute):
-    """An APIRoute whose handler runs only once the app's :class:`Authenticator` (request state
-    ``authenticator``) has admitted the request; its Unauthorized goes to the app's error handlers."""
+class AuthMiddleware:
+    """Pure ASGI: an HTTP request goes on only once ``authenticator`` has admitted it; a refusal is
+    answered in the request's protocol by the one error renderer (api/errors.py)."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handle = super().get_route_handler()
+    def __init__(self, app: ASGIApp, authenticator: Authenticator) -> None:
+        self.app = app
+        self.authenticator = authenticator
 
-        async def authenticated(request: Request) -> Response:
-            request.state.authenticator.check(request)
-            return await handle(request)
-
-        return authenticated
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.authenticator.enabled:
+            authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+            try:
+                self.authenticator.check(_route_path(scope), authorization)
+            except Unauthorized as exc:
+                await error_response(Request(scope, receive), exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,13 +1,10 @@
 """What a handler reads from its request: the app's services, a size-limited body, the call, the deadline.
 
-Plain functions that the handlers call, not FastAPI dependencies. FastAPI re-solves a route's whole
-dependency graph on every request; with the six small dependencies the v1 route once had, that was
-over half of the server's CPU per small call (cProfile of 3,000 S1 calls on one uvicorn worker:
-``solve_dependencies`` 2.6 s of the 4.8 s spent inside the app). Authentication is a route class for
-the same reason (:class:`moegrad_service.api.auth.AuthenticatedRoute`).
+Plain functions that the handlers call, not FastAPI dependencies: FastAPI re-solves a route's whole
+dependency graph on every request, which costs more server CPU than a small call's compute.
 
-The app's lifespan puts ``settings``, ``pool``, ``metrics`` and ``authenticator`` in every request's
-state (``create_app``); the accessors below only give them their types.
+The app's lifespan puts ``settings``, ``dataplane`` and ``metrics`` in every request's state
+(``create_app``); the accessors below only give them their types.
 """
 
 from __future__ import annotations
@@ -18,10 +15,9 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from moegrad import MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, decode_body
-from moegrad._wire import _brief
-from moegrad_service.api.problems import UnsupportedMediaType
-from moegrad_service.engine import StreamPool
+from moegrad import MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief, decode_body
+from moegrad_service.api.errors import UnsupportedMediaType
+from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
@@ -29,8 +25,9 @@ __all__ = [
     "INLINE_DECODE_BYTES",
     "MSGPACK_MEDIA_TYPES",
     "byte_count",
+    "dataplane_of",
+    "disconnected",
     "metrics_of",
-    "pool_of",
     "read_body",
     "read_call",
     "read_document",
@@ -60,8 +57,15 @@ def settings_of(request: Request) -> Settings:
     return request.state.settings
 
 
-def pool_of(request: Request) -> StreamPool:
-    return request.state.pool
+def dataplane_of(request: Request) -> DataPlane:
+    return request.state.dataplane
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client has gone: for a handler whose body is already read, only
+    ``http.disconnect`` is left to receive."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def metrics_of(request: Request) -> Metrics:
@@ -86,9 +90,9 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
     if declared is not None:
         expected = byte_count(declared)
         if expected is None:
-            raise MalformedRequest(f"Content-Length {_brief(declared)} is not a byte count")
+            raise MalformedRequest(f"Content-Length {brief(declared)} is not a byte count")
         if expected > limit:
-            raise PayloadTooLarge(f"Content-Length {_brief(declared)} is over the limit of {limit} bytes")
+            raise PayloadTooLarge(f"Content-Length {brief(declared)} is over the limit of {limit} bytes")
         # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
         # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
         # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
@@ -122,11 +126,10 @@ async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
     """The v1 body as a call validated with the app's limits and default order (InvalidArgument,
     422, names the field and the aclnn code); large tensors are validated on a worker thread."""
     document = await read_document(request)
-    settings = settings_of(request)
+    max_elements, default_order = settings_of(request).max_elements, dataplane_of(request).default_order
 
     def build() -> MoeInitRoutingV2GradCall:
-        return MoeInitRoutingV2GradCall.from_wire(document, max_elements=settings.max_elements,
-                                                  default_order=settings.order)
+        return MoeInitRoutingV2GradCall.from_wire(document, max_elements=max_elements, default_order=default_order)
 
     if _tensor_bytes(document) > INLINE_DECODE_BYTES:
         return await run_in_threadpool(build)

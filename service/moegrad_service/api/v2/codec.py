@@ -1,82 +1,40 @@
-"""Protocol v2: the Open Inference Protocol (KServe v2, Triton's HTTP/REST API) for one model.
-
-Routes (docs/protocol.md, "Protocol v2")::
-
-    GET  /v2                                            server metadata
-    GET  /v2/health/live, /v2/health/ready              liveness, readiness
-    GET  /v2/models/{name}[/versions/{version}]         model metadata
-    GET  /v2/models/{name}[/versions/{version}]/ready   model readiness
-    POST /v2/models/{name}[/versions/{version}]/infer   inference: JSON, or JSON + binary tensor data
+"""Protocol v2's codec: Open Inference Protocol (KServe v2) requests in, responses out. No routes here.
 
 The one model is ``moe_init_routing_v2_grad`` (version ``"1"``): inputs ``grad_expanded_x`` and
 ``expanded_row_idx``, output ``grad_x``; the operator's attributes travel as request parameters.
-The decoded tensors become a :class:`moegrad.MoeInitRoutingV2GradCall` (the validation v1 uses) and
-run through :func:`moegrad_service.api.v1.compute` (the same engine), so a call gives the same bits
-through either protocol.
-
-Errors are ``{"error": "..."}`` as the protocol has them, not v1's problem+json: every route of
-:data:`router` is a :class:`V2Route`, which answers the domain errors through one table
-(:data:`V2_ERRORS`) before the app-wide handlers see them.
+A request body is JSON, or JSON followed by binary tensor data (the protocol's binary tensor data
+extension, its JSON part's length in ``Inference-Header-Content-Length``). The decoded tensors
+become a :class:`moegrad.MoeInitRoutingV2GradCall`, the validation every protocol uses.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect
+from fastapi import Response
 
-from moegrad import (
-    DTYPES,
-    DeadlineExceeded,
-    DeviceBusy,
-    DeviceFault,
-    InvalidArgument,
-    MalformedRequest,
-    MoeInitRoutingV2GradCall,
-    MoegradError,
-    PayloadTooLarge,
-    Unauthorized,
-    __version__,
-)
-from moegrad._wire import MAX_RANK, _brief
-from moegrad_service.api import health, v1
-from moegrad_service.api.auth import AuthenticatedRoute
-from moegrad_service.api.inputs import (
-    INLINE_DECODE_BYTES,
-    byte_count,
-    metrics_of,
-    pool_of,
-    read_body,
-    request_timeout,
-    settings_of,
-)
-from moegrad_service.api.problems import ClientDisconnected
-from moegrad_service.engine import StreamPool, Timings
+from moegrad import DTYPES, MAX_RANK, MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief
+from moegrad_service.api.inputs import byte_count
 
 __all__ = [
+    "BINARY_ONLY",
     "DATATYPES",
+    "GRAD_DATATYPES",
+    "HEADER_LENGTH",
+    "INLINE_ENCODE_ELEMENTS",
     "MODEL_NAME",
     "MODEL_VERSION",
-    "V2_ERRORS",
+    "OUTPUT",
     "InferRequest",
-    "NotFound",
-    "V2Route",
+    "binary_lead",
     "decode_infer_request",
-    "router",
+    "encode_infer_response",
 ]
-
-log = logging.getLogger("moegrad_service.api")
 
 MODEL_NAME = "moe_init_routing_v2_grad"
 MODEL_VERSION = "1"
@@ -127,74 +85,6 @@ _JSON_TYPES: Mapping[str, tuple[frozenset[type], str]] = {
 GRAD_DATATYPES = ("FP16", "BF16", "FP32")
 
 
-class NotFound(MoegradError):
-    """A model, model version or v2 path this server does not have."""
-
-
-@dataclass(frozen=True)
-class V2Error:
-    """How one domain error is answered on v2: HTTP status and the metrics reason label."""
-
-    status: int
-    reason: str
-
-
-#: The one mapping from domain errors to v2 answers, looked up along the exception's MRO.
-V2_ERRORS: dict[type[BaseException], V2Error] = {
-    NotFound: V2Error(404, "not_found"),
-    InvalidArgument: V2Error(400, "invalid_argument"),
-    PayloadTooLarge: V2Error(413, "payload_too_large"),
-    MalformedRequest: V2Error(400, "malformed_request"),
-    Unauthorized: V2Error(401, "unauthorized"),
-    DeviceBusy: V2Error(503, "busy"),
-    DeadlineExceeded: V2Error(504, "deadline_exceeded"),
-    DeviceFault: V2Error(500, "device_fault"),
-    ClientDisconnected: V2Error(499, "client_disconnected"),
-    ClientDisconnect: V2Error(499, "client_disconnected"),  # starlette's: gone while sending the body
-    Exception: V2Error(500, "internal"),
-}
-
-
-def error_response(request: Request, exc: Exception, endpoint: str) -> JSONResponse:
-    """``{"error": message}`` for ``exc`` with its table status; counts the failure in the metrics."""
-    entry = next(V2_ERRORS[cls] for cls in type(exc).__mro__ if cls in V2_ERRORS)
-    if isinstance(exc, (MoegradError, ClientDisconnect)):
-        message = str(exc) or "the client disconnected"  # InvalidArgument's names the field and the aclnn code
-    else:
-        log.exception("unexpected error on %s", endpoint)
-        message = f"internal error ({type(exc).__name__}: {exc})"
-    headers = {}
-    if isinstance(exc, DeviceFault) and exc.device_message:
-        message = f"{message} (device: {exc.device_message})"
-    if isinstance(exc, DeviceBusy):
-        headers["Retry-After"] = str(max(0, math.ceil(exc.retry_after_s)))
-    if isinstance(exc, Unauthorized):
-        headers["WWW-Authenticate"] = 'Bearer realm="moegrad"'
-    metrics = getattr(request.state, "metrics", None)
-    if metrics is not None:
-        metrics.failure.labels(endpoint=endpoint, reason=entry.reason).inc()
-    return JSONResponse({"error": message}, status_code=entry.status, headers=headers)
-
-
-class V2Route(AuthenticatedRoute):
-    """An authenticated route whose errors (the token check's or its handler's) are answered as v2 errors."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handle = super().get_route_handler()
-        endpoint = self.path
-
-        async def guarded(request: Request) -> Response:
-            try:
-                return await handle(request)
-            except Exception as exc:
-                return error_response(request, exc, endpoint)
-
-        return guarded
-
-
-router = APIRouter(route_class=V2Route)
-
-
 # --- decoding ---------------------------------------------------------------------------------
 
 
@@ -240,9 +130,9 @@ def _count(value: Any, where: str) -> int:
     return value
 
 
-def _binary_lead(header_length: str | None) -> int:
+def binary_lead(header_length: str | None) -> int:
     """Bytes to put before the body so that its binary part, after the JSON header, starts 16-byte
-    aligned (read_body's ``lead``); 0 without a well-formed header, which _split then rejects."""
+    aligned (api.inputs.read_body's ``lead``); 0 without a well-formed header, which _split then rejects."""
     size = None if header_length is None else byte_count(header_length)
     return 0 if size is None else -size % 16
 
@@ -254,9 +144,9 @@ def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[byt
         return body, memoryview(b"")
     size = byte_count(header_length)
     if size is None:
-        raise MalformedRequest(f"{HEADER_LENGTH} {_brief(header_length)} is not a byte count", field=HEADER_LENGTH)
+        raise MalformedRequest(f"{HEADER_LENGTH} {brief(header_length)} is not a byte count", field=HEADER_LENGTH)
     if size > len(body):
-        raise MalformedRequest(f"{HEADER_LENGTH} {_brief(header_length)} is larger than the {len(body)}-byte body",
+        raise MalformedRequest(f"{HEADER_LENGTH} {brief(header_length)} is larger than the {len(body)}-byte body",
                                field=HEADER_LENGTH)
     return bytes(memoryview(body)[:size]), memoryview(body)[size:]
 
@@ -462,120 +352,3 @@ def encode_infer_response(grad_x: np.ndarray, request: InferRequest, reply_param
         return Response(header, media_type="application/json")
     return Response(b"".join((header, raw.view(np.uint8).data)), media_type="application/octet-stream",
                     headers={HEADER_LENGTH: str(len(header))})
-
-
-# --- routes -----------------------------------------------------------------------------------
-
-
-#: The versioned routes read model_version from the path (one handler serves both forms); declared for OpenAPI.
-_VERSION_PARAMETER = {"parameters": [{"name": "model_version", "in": "path", "required": True,
-                                      "schema": {"type": "string", "enum": [MODEL_VERSION]}}]}
-
-
-def _check_model(request: Request) -> None:
-    name = request.path_params["model_name"]
-    if name != MODEL_NAME:
-        raise NotFound(f"unknown model {name!r}; this server serves {MODEL_NAME!r}")
-    version = request.path_params.get("model_version", MODEL_VERSION)
-    if version != MODEL_VERSION:
-        raise NotFound(f"unknown version {version!r} of model {MODEL_NAME!r}; the versions are [{MODEL_VERSION!r}]")
-
-
-@router.get("/v2", summary="v2 server metadata")
-async def server_metadata() -> dict[str, Any]:
-    return {"name": "moegrad", "version": __version__, "extensions": ["binary_tensor_data"]}
-
-
-@router.get("/v2/health/live", summary="v2 liveness (never touches the device)")
-async def server_live() -> dict[str, bool]:
-    return {"live": True}
-
-
-@router.get("/v2/health/ready", summary="v2 readiness: the backend is healthy and the pool admits calls")
-async def server_ready(request: Request) -> dict[str, bool]:
-    await health.check_ready(pool_of(request))
-    return {"ready": True}
-
-
-@router.get("/v2/models/{model_name}", summary="v2 model metadata")
-@router.get("/v2/models/{model_name}/versions/{model_version}", summary="v2 model metadata (a version)",
-            openapi_extra=_VERSION_PARAMETER)
-async def model_metadata(request: Request, model_name: str) -> dict[str, Any]:
-    _check_model(request)
-    pool, settings = pool_of(request), settings_of(request)
-    parameters = {
-        "operator": "aclnnMoeInitRoutingV2Grad",
-        "backend": pool.backend.name,
-        "grad_expanded_x_datatypes": ",".join(GRAD_DATATYPES),
-        "grad_expanded_x_shape_drop_pad": "[-1,-1,-1] ([E, C, H]) when drop_pad_mode=1",
-        "grad_x_datatype": "the datatype of grad_expanded_x",
-        "binary_only_datatypes": ",".join(sorted(BINARY_ONLY)),
-        "request_parameters": "top_k (int, required), drop_pad_mode (int, default 0), active_num (int, default 0), "
-                              "order (ascend910b|sequential), allow_duplicate_indices (bool, default false)",
-        "default_order": settings.order,
-    }
-    if pool.backend.device is not None:
-        parameters["device"] = pool.backend.device
-    return {
-        "name": MODEL_NAME,
-        "versions": [MODEL_VERSION],
-        "platform": f"moegrad_{pool.backend.name}",
-        "inputs": [
-            {"name": "grad_expanded_x", "datatype": "FP32", "shape": [-1, -1]},
-            {"name": "expanded_row_idx", "datatype": "INT32", "shape": [-1]},
-        ],
-        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, -1]}],
-        "parameters": parameters,
-    }
-
-
-@router.get("/v2/models/{model_name}/ready", summary="v2 model readiness")
-@router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="v2 model readiness (a version)",
-            openapi_extra=_VERSION_PARAMETER)
-async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
-    _check_model(request)
-    await health.check_ready(pool_of(request))
-    return {"name": MODEL_NAME, "ready": True}
-
-
-@router.post("/v2/models/{model_name}/infer", response_class=Response,
-             summary="v2 inference: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]")
-@router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_class=Response,
-             summary="v2 inference (a version)", openapi_extra=_VERSION_PARAMETER)
-async def infer(request: Request, model_name: str) -> Response:
-    started = getattr(request.state, "started", time.perf_counter())
-    _check_model(request)
-    pool, settings, metrics = pool_of(request), settings_of(request), metrics_of(request)
-    timeout_s = request_timeout(request)
-    coding = request.headers.get("content-encoding", "identity").strip().lower()
-    if coding != "identity":
-        raise MalformedRequest(f"Content-Encoding {coding!r} is not supported; send the body uncompressed",
-                               field="Content-Encoding")
-    header_length = request.headers.get(HEADER_LENGTH)
-    # tritonclient sends no Content-Type; the binary tensor data is read in place 16-byte aligned (no copy)
-    body = await read_body(request, settings.max_body_bytes, media_types=None, lead=_binary_lead(header_length))
-    metrics.bytes_in.inc(len(body))
-    decode = partial(decode_infer_request, body, header_length,
-                     max_elements=settings.max_elements, default_order=settings.order)
-    decoded = await run_in_threadpool(decode) if len(body) > INLINE_DECODE_BYTES else decode()
-    if decoded.timeout_s is not None:
-        timeout_s = min(timeout_s, decoded.timeout_s)
-    grad_x, timings = await v1.compute(decoded.call, pool, metrics, timeout_s, request)
-    encode = partial(encode_infer_response, grad_x, decoded, _reply_parameters(pool, decoded.call, timings))
-    response = await run_in_threadpool(encode) if grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
-    metrics.bytes_out.inc(len(response.body))
-    metrics.succeeded(request.scope["route"].path, started)
-    return response
-
-
-def _reply_parameters(pool: StreamPool, call: MoeInitRoutingV2GradCall, timings: Timings) -> dict[str, Any]:
-    parameters: dict[str, Any] = {"backend": pool.backend.name, "order": call.order,
-                                  "queue_ms": timings.queue_s * 1e3, "compute_ms": timings.compute_s * 1e3}
-    if pool.backend.device is not None:
-        parameters["device"] = pool.backend.device
-    return parameters
-
-
-@router.api_route("/v2/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
-async def not_found(request: Request, path: str) -> Response:
-    raise NotFound(f"no v2 route {request.method} /v2/{path}")

@@ -1,0 +1,180 @@
+"""Protocol v2's routes: the Open Inference Protocol (KServe v2, Triton's HTTP/REST API) for one model.
+
+Routes (docs/protocol.md, "Protocol v2")::
+
+    GET  /v2                                            server metadata
+    GET  /v2/health/live, /v2/health/ready              liveness, readiness
+    GET  /v2/models/{name}[/versions/{version}]         model metadata
+    GET  /v2/models/{name}[/versions/{version}]/ready   model readiness
+    POST /v2/models/{name}[/versions/{version}]/infer   inference: JSON, or JSON + binary tensor data
+
+Each is decode (api/v2/codec.py) -> dataplane -> encode. Errors are ``{"error": "..."}`` as the
+protocol has them: the one renderer (api/errors.py) answers every path under ``/v2`` so.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from moegrad import MalformedRequest, __version__
+from moegrad_service.api.errors import NotFound
+from moegrad_service.api.inputs import (
+    INLINE_DECODE_BYTES,
+    dataplane_of,
+    disconnected,
+    metrics_of,
+    read_body,
+    request_timeout,
+    settings_of,
+)
+from moegrad_service.api.routing import EndpointRoute
+from moegrad_service.api.v2.codec import (
+    BINARY_ONLY,
+    GRAD_DATATYPES,
+    HEADER_LENGTH,
+    INLINE_ENCODE_ELEMENTS,
+    MODEL_NAME,
+    MODEL_VERSION,
+    OUTPUT,
+    binary_lead,
+    decode_infer_request,
+    encode_infer_response,
+)
+from moegrad_service.dataplane import GradOutcome
+
+__all__ = ["INFER_PATHS", "router", "routes"]
+
+router = APIRouter()
+
+#: The versioned routes read model_version from the path (one handler serves both forms); declared for OpenAPI.
+_VERSION_PARAMETER = {"name": "model_version", "in": "path", "required": True,
+                      "schema": {"type": "string", "enum": [MODEL_VERSION]}}
+_MODEL_PARAMETER = {"name": "model_name", "in": "path", "required": True, "schema": {"type": "string"}}
+INFER_PATHS = ("/v2/models/{model_name}/infer", "/v2/models/{model_name}/versions/{model_version}/infer")
+
+
+def _check_model(request: Request) -> None:
+    name = request.path_params["model_name"]
+    if name != MODEL_NAME:
+        raise NotFound(f"unknown model {name!r}; this server serves {MODEL_NAME!r}")
+    version = request.path_params.get("model_version", MODEL_VERSION)
+    if version != MODEL_VERSION:
+        raise NotFound(f"unknown version {version!r} of model {MODEL_NAME!r}; the versions are [{MODEL_VERSION!r}]")
+
+
+@router.get("/v2", summary="v2 server metadata")
+async def server_metadata() -> dict[str, Any]:
+    return {"name": "moegrad", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/v2/health/live", summary="v2 liveness (never touches the device)")
+async def server_live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@router.get("/v2/health/ready", summary="v2 readiness: the backend is healthy and the pool admits calls")
+async def server_ready(request: Request) -> dict[str, bool]:
+    await dataplane_of(request).check_ready()
+    return {"ready": True}
+
+
+@router.get("/v2/models/{model_name}", summary="v2 model metadata")
+@router.get("/v2/models/{model_name}/versions/{model_version}", summary="v2 model metadata (a version)",
+            openapi_extra={"parameters": [_VERSION_PARAMETER]})
+async def model_metadata(request: Request, model_name: str) -> dict[str, Any]:
+    _check_model(request)
+    dataplane = dataplane_of(request)
+    parameters = {
+        "operator": "aclnnMoeInitRoutingV2Grad",
+        "backend": dataplane.backend_name,
+        "grad_expanded_x_datatypes": ",".join(GRAD_DATATYPES),
+        "grad_expanded_x_shape_drop_pad": "[-1,-1,-1] ([E, C, H]) when drop_pad_mode=1",
+        "grad_x_datatype": "the datatype of grad_expanded_x",
+        "binary_only_datatypes": ",".join(sorted(BINARY_ONLY)),
+        "request_parameters": "top_k (int, required), drop_pad_mode (int, default 0), active_num (int, default 0), "
+                              "order (ascend910b|sequential), allow_duplicate_indices (bool, default false)",
+        "default_order": dataplane.default_order,
+    }
+    if dataplane.device is not None:
+        parameters["device"] = dataplane.device
+    return {
+        "name": MODEL_NAME,
+        "versions": [MODEL_VERSION],
+        "platform": f"moegrad_{dataplane.backend_name}",
+        "inputs": [
+            {"name": "grad_expanded_x", "datatype": "FP32", "shape": [-1, -1]},
+            {"name": "expanded_row_idx", "datatype": "INT32", "shape": [-1]},
+        ],
+        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, -1]}],
+        "parameters": parameters,
+    }
+
+
+@router.get("/v2/models/{model_name}/ready", summary="v2 model readiness")
+@router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="v2 model readiness (a version)",
+            openapi_extra={"parameters": [_VERSION_PARAMETER]})
+async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
+    _check_model(request)
+    await dataplane_of(request).check_ready()
+    return {"name": MODEL_NAME, "ready": True}
+
+
+async def infer(request: Request) -> Response:
+    started = request.scope.get("state", {}).get("started", time.perf_counter())
+    _check_model(request)
+    dataplane, settings, metrics = dataplane_of(request), settings_of(request), metrics_of(request)
+    timeout_s = request_timeout(request)
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding != "identity":
+        raise MalformedRequest(f"Content-Encoding {coding!r} is not supported; send the body uncompressed",
+                               field="Content-Encoding")
+    header_length = request.headers.get(HEADER_LENGTH)
+    # tritonclient sends no Content-Type; the binary tensor data is read in place 16-byte aligned (no copy)
+    body = await read_body(request, settings.max_body_bytes, media_types=None, lead=binary_lead(header_length))
+    metrics.bytes_in.inc(len(body))
+    decode = partial(decode_infer_request, body, header_length,
+                     max_elements=settings.max_elements, default_order=dataplane.default_order)
+    decoded = await run_in_threadpool(decode) if len(body) > INLINE_DECODE_BYTES else decode()
+    if decoded.timeout_s is not None:
+        timeout_s = min(timeout_s, decoded.timeout_s)
+    outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request))
+    encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
+    response = await run_in_threadpool(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
+    metrics.bytes_out.inc(len(response.body))
+    metrics.succeeded(request.scope["route"].path, started)
+    return response
+
+
+def _reply_parameters(outcome: GradOutcome) -> dict[str, Any]:
+    parameters: dict[str, Any] = {"backend": outcome.backend, "order": outcome.order,
+                                  "queue_ms": outcome.timings.queue_s * 1e3,
+                                  "compute_ms": outcome.timings.compute_s * 1e3}
+    if outcome.device is not None:
+        parameters["device"] = outcome.device
+    return parameters
+
+
+def _infer_operation(path: str) -> dict[str, Any]:
+    versioned = "{model_version}" in path
+    return {
+        "summary": "v2 inference (a version)" if versioned else
+                   "v2 inference: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]",
+        "parameters": [_MODEL_PARAMETER, *([_VERSION_PARAMETER] if versioned else [])],
+        "description": "The body is the inference request: JSON, or JSON followed by binary tensor data whose "
+                       f"JSON part's length is in {HEADER_LENGTH} (docs/protocol.md, Protocol v2).",
+        "responses": {"200": {"description": "the inference response",
+                              "content": {"application/json": {}, "application/octet-stream": {}}}},
+    }
+
+
+routes = [EndpointRoute(path, infer, operation=_infer_operation(path)) for path in INFER_PATHS]
+
+
+@router.api_route("/v2/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+async def not_found(request: Request, path: str) -> Response:
+    raise NotFound(f"no v2 route {request.method} /v2/{path}")

@@ -1,0 +1,250 @@
+"""The dataplane: what every protocol shares, with no HTTP in it.
+
+The protocol endpoints (``api/``: v1 msgpack, compare, v2 HTTP) decode a request into a validated
+call, hand it to the :class:`DataPlane`, and encode what it answers. The dataplane runs the call
+through the :class:`~moegrad_service.engine.StreamPool`, answers empty calls without the device,
+computes the compare report, reports health and metadata, and observes the engine's metrics. It
+speaks :mod:`moegrad`'s arrays, calls and domain errors only, so a new protocol is a new decoder
+and encoder around the same methods::
+
+    api/v1.py ─┐                         ┌─> StreamPool ─> Backend (reference | ascend)
+    api/compare.py ─┼─> DataPlane (this) ─┤
+    api/v2 ───┘                         └─> moegrad.compare (float64 golden, standards)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from moegrad import (
+    ComparisonReport,
+    DeviceBusy,
+    DeviceFault,
+    MoegradError,
+    MoeInitRoutingV2GradCall,
+    __version__,
+    check_compare_arguments,
+    compare,
+    moe_init_routing_v2_grad_golden,
+)
+from moegrad_service.engine import StreamPool, Timings
+from moegrad_service.metrics import Metrics
+from moegrad_service.settings import Settings
+
+__all__ = ["ClientDisconnected", "Comparison", "CompareOutcome", "DataPlane", "GradOutcome"]
+
+T = TypeVar("T")
+#: Longest a readiness check waits for the backend's health check, in seconds.
+HEALTH_CHECK_TIMEOUT_S = 5.0
+
+
+class ClientDisconnected(MoegradError):
+    """The caller went away before its answer was ready (logged as 499; nobody reads the answer)."""
+
+
+@dataclass(frozen=True)
+class GradOutcome:
+    """One call's answer.
+
+    Attributes:
+        grad_x: [N, H], the dtype of the call's grad_expanded_x, C-contiguous, owned by the caller.
+        timings: seconds queued and computing (zero for an empty call, which never reaches a worker).
+        backend: the backend's name (``"reference"`` or ``"ascend"``).
+        order: the accumulation order the result follows.
+        device: the device that computed it (``"Ascend910B3 #0"``), or None for the CPU emulation.
+    """
+
+    grad_x: np.ndarray
+    timings: Timings
+    backend: str
+    order: str
+    device: str | None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A validated compare request: a call, a candidate grad_x and the options.
+
+    Attributes:
+        call: the validated call.
+        candidate: [N, H], the call's dtype or float32 (checked by :func:`moegrad.check_compare_arguments`).
+        standards: the standards to judge, or None for the default set.
+        return_grad_x: also answer the device's grad_x.
+    """
+
+    call: MoeInitRoutingV2GradCall
+    candidate: np.ndarray
+    standards: tuple[str, ...] | None
+    return_grad_x: bool
+
+    @classmethod
+    def checked(cls, call: MoeInitRoutingV2GradCall, candidate: np.ndarray | None,
+                standards: Sequence[str] | None, return_grad_x: bool) -> Comparison:
+        """A comparison whose candidate and standards are checked before anything runs.
+
+        Raises:
+            InvalidArgument: the candidate is missing (161001) or has the wrong dtype or shape, or a
+                standard is unknown (161002).
+        """
+        names = check_compare_arguments(call, candidate, standards)
+        assert candidate is not None  # check_compare_arguments refuses a missing one
+        return cls(call, candidate, None if standards is None else tuple(names), return_grad_x)
+
+
+@dataclass(frozen=True)
+class CompareOutcome:
+    """A compare request's answer: the device's result and the report, with the seconds each step took."""
+
+    grad: GradOutcome
+    report: ComparisonReport
+    golden_s: float
+    compare_s: float
+
+
+class DataPlane:
+    """Runs validated calls for every protocol endpoint.
+
+    Args:
+        settings: the service's configuration (limits, default order).
+        pool: the stream pool over the opened backend.
+        metrics: the app's metrics; queue and compute durations are observed here.
+    """
+
+    def __init__(self, settings: Settings, pool: StreamPool, metrics: Metrics) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.metrics = metrics
+
+    @property
+    def backend_name(self) -> str:
+        return self.pool.backend.name
+
+    @property
+    def device(self) -> str | None:
+        return self.pool.backend.device
+
+    @property
+    def default_order(self) -> str:
+        """The order of calls that name none."""
+        return self.settings.order
+
+    # --- calls ---------------------------------------------------------------------------------
+
+    async def infer(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float,
+                    disconnected: Callable[[], Awaitable[object]] | None = None) -> GradOutcome:
+        """grad_x for a validated call: an empty one (N = 0 or H = 0) is answered at once, the rest
+        run on the pool.
+
+        Args:
+            call: the validated call.
+            timeout_s: seconds from now until the call's deadline.
+            disconnected: a coroutine function that returns once the caller has gone (an HTTP
+                disconnect); a call still queued then is dropped unrun and a running one's result
+                discarded.
+
+        Raises:
+            DeviceBusy: (503) the queue is full or the service is not ready.
+            DeadlineExceeded: (504) the deadline passed.
+            InvalidArgument: the device's phase one rejected the call (its aclnn code).
+            DeviceFault: the device failed.
+            ClientDisconnected: ``disconnected`` returned first.
+        """
+        if call.num_tokens == 0 or call.hidden_size == 0:  # the documentation allows empty tensors
+            grad_x = np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype)
+            return self._outcome(call, grad_x, Timings(0.0, 0.0))
+        run = self.pool.run(call, timeout_s=timeout_s)
+        grad_x, timings = await (run if disconnected is None else _unless(disconnected, run))
+        self.metrics.queue_duration.observe(timings.queue_s)
+        self.metrics.compute_duration.observe(timings.compute_s)
+        return self._outcome(call, grad_x, timings)
+
+    def _outcome(self, call: MoeInitRoutingV2GradCall, grad_x: np.ndarray, timings: Timings) -> GradOutcome:
+        return GradOutcome(grad_x, timings, self.backend_name, call.order, self.device)
+
+    async def compare(self, comparison: Comparison, *, timeout_s: float,
+                      disconnected: Callable[[], Awaitable[object]] | None = None) -> CompareOutcome:
+        """Run the call, then judge the candidate against its result and the float64 golden (on a
+        worker thread: CPU work in float64).
+
+        Raises:
+            The errors of :meth:`infer`.
+        """
+        grad = await self.infer(comparison.call, timeout_s=timeout_s, disconnected=disconnected)
+        report, golden_s, compare_s = await asyncio.to_thread(_judge, comparison, grad.grad_x)
+        return CompareOutcome(grad, report, golden_s, compare_s)
+
+    # --- health and metadata ---------------------------------------------------------------------
+
+    async def check_ready(self) -> None:
+        """Return when the pool admits calls and the backend's health check passes.
+
+        Raises:
+            DeviceBusy: (503) not admitting, the check failed, or it took over HEALTH_CHECK_TIMEOUT_S.
+        """
+        pool = self.pool
+        if not pool.ready:
+            raise DeviceBusy("the service is starting or shutting down", retry_after_s=pool.retry_after_s)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(pool.backend.check_health), HEALTH_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise DeviceBusy(f"the backend's health check took over {HEALTH_CHECK_TIMEOUT_S} s",
+                             retry_after_s=pool.retry_after_s) from None
+        except DeviceFault as exc:
+            raise DeviceBusy(f"the backend is unhealthy: {exc}", retry_after_s=pool.retry_after_s) from None
+
+    def info(self) -> dict[str, Any]:
+        """Version, backend, device, default order and limits (sizes in bytes, times in seconds)."""
+        settings = self.settings
+        return {
+            "version": __version__,
+            "backend": self.backend_name,
+            "device": self.device,
+            "order": self.default_order,
+            "streams": settings.streams,
+            "max_queue": settings.max_queue,
+            "max_body_bytes": settings.max_body_bytes,
+            "max_elements": settings.max_elements,
+            "request_timeout_s": settings.request_timeout_s,
+        }
+
+
+def _judge(comparison: Comparison, device_result: np.ndarray) -> tuple[ComparisonReport, float, float]:
+    """The golden and the report, with the seconds each took."""
+    started = time.perf_counter()
+    golden = moe_init_routing_v2_grad_golden(comparison.call)
+    golden_done = time.perf_counter()
+    report = compare(comparison.call, comparison.candidate, device_result=device_result, golden=golden,
+                     standards=comparison.standards)
+    return report, golden_done - started, time.perf_counter() - golden_done
+
+
+async def _unless(gone: Callable[[], Awaitable[object]], work: Awaitable[T]) -> T:
+    """Await ``work`` unless ``gone()`` returns first; then cancel it and raise ClientDisconnected.
+
+    One watcher task per call, which cancels this task when ``gone()`` returns; ``work`` is awaited
+    in place (a task of its own plus asyncio.wait cost more server CPU per small call than the
+    call's compute).
+    """
+    current = asyncio.current_task()
+    assert current is not None
+    watcher = asyncio.get_running_loop().create_task(_cancel_after(gone, current))
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not (watcher.done() and not watcher.cancelled() and watcher.exception() is None):
+            raise  # cancelled for another reason (e.g. shutdown)
+        current.uncancel()
+        raise ClientDisconnected("the client disconnected before its result was ready") from None
+    finally:
+        watcher.cancel()
+
+
+async def _cancel_after(gone: Callable[[], Awaitable[object]], task: asyncio.Task) -> None:
+    await gone()
+    task.cancel()
