@@ -185,3 +185,18 @@ def test_probes_stay_open_under_a_root_path(tokens_file):
         assert_unauthorized(client.post("/api/v1/moe_init_routing_v2_grad", content=pack(example_document()),
                                         headers={"content-type": "application/msgpack"}))
         assert client.get("/api/v1/info", headers=bearer("env-token")).status_code == 200
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/no/such/route"),                         # an unknown path: 404 once admitted
+    ("GET", "/v1/moe_init_routing_v2_grad"),           # a wrong method: 405 once admitted
+    ("GET", "/health/live/"),                          # a trailing slash: a redirect once admitted
+    ("DELETE", "/v2/models/moe_init_routing_v2_grad"),
+])
+def test_a_request_without_a_token_learns_nothing_about_the_routes(guarded, method, path):
+    """The token is checked before routing: what a path would answer once admitted stays unknown."""
+    response = guarded.request(method, path, follow_redirects=False)
+    assert_unauthorized(response)
+    assert "location" not in response.headers and "allow" not in response.headers
+    assert guarded.request(method, path, headers=bearer("env-token"), follow_redirects=False).status_code in (
+        307, 404, 405)
