@@ -23,6 +23,9 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="interface to bind (0.0.0.0 in a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535, description="TCP port of protocol v2 over gRPC (on host, with the same tokens and TLS); "
+                                          "unset: no gRPC; 0: a free port")
     backend: Literal["auto", "reference", "ascend"] = Field(
         "auto", description="auto: ascend when CANN and a device are present, else reference (the NumPy emulation)")
     device_id: int = Field(0, ge=0, description="the NPU to use, an index among ASCEND_RT_VISIBLE_DEVICES")

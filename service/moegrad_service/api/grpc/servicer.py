@@ -1,0 +1,182 @@
+"""Protocol v2 over gRPC, the servicer: ``inference.GRPCInferenceService`` on the shared dataplane.
+
+Each RPC is decode (api/grpc/codec.py) -> dataplane -> encode, like the HTTP routes. An error is a
+gRPC status: its code from the one error table (api/errors.py, the ``grpc_code`` column), its
+details the same message the HTTP answer carries (for an operator constraint: the field, the rule
+and the aclnn code), and the HTTP answer's shared headers as trailing metadata (``retry-after`` on
+UNAVAILABLE, ``www-authenticate`` on UNAUTHENTICATED). Readiness RPCs answer ``ready: false``
+rather than an error, as Triton does. The RPCs of the service definition that moegrad does not
+serve (streaming, loading and unloading models, shared memory, trace and log settings) answer
+UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from starlette.concurrency import run_in_threadpool
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from moegrad import DeadlineExceeded, DeviceBusy, MoegradError
+from moegrad_service.api.errors import NotFound, answer_for, message_of, shared_headers
+from moegrad_service.api.inputs import INLINE_DECODE_BYTES
+from moegrad_service.api.v2.codec import INLINE_ENCODE_ELEMENTS
+from moegrad_service.api.v2.model import (
+    check_model,
+    model_config,
+    model_metadata,
+    model_statistics,
+    repository_index,
+    server_metadata,
+)
+from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response, raw_bytes
+from moegrad_service.dataplane import DataPlane
+from moegrad_service.metrics import Metrics
+
+__all__ = ["SERVICE", "InferenceServicer", "grpc_status"]
+
+log = logging.getLogger("moegrad_service.api")
+#: The full name of the service (the prefix of every method path).
+SERVICE = "inference.GRPCInferenceService"
+_SERVED = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+           "ModelConfig", "ModelStatistics", "RepositoryIndex")
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status code (from :data:`moegrad_service.api.errors.ERRORS`), details and trailing
+    metadata that answer ``exc`` on gRPC."""
+    answer = answer_for(exc)
+    trailers = tuple((key.lower(), value) for key, value in shared_headers(exc).items())
+    return grpc.StatusCode[answer.grpc_code], message_of(exc), trailers
+
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext, float], Awaitable[Any]]
+
+
+def _rpc(method: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    """An RPC whose errors become gRPC statuses, counted in the failure metric under its method path."""
+    endpoint = f"/{SERVICE}/{method.__name__}"
+
+    @functools.wraps(method)
+    async def handler(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        try:
+            return await method(self, request, context, started)
+        except Exception as exc:  # every error, expected or not, is answered with a status
+            code, details, trailers = grpc_status(exc)
+            answer = answer_for(exc)
+            if not isinstance(exc, MoegradError):
+                log.error("%s: unexpected error", endpoint, exc_info=exc)
+            elif answer.status >= 500 and not isinstance(exc, (DeviceBusy, DeadlineExceeded)):
+                log.error("%s failed: %s: %s", endpoint, type(exc).__name__, details)
+            self.metrics.failure.labels(endpoint=endpoint, reason=answer.reason).inc()
+            context.set_trailing_metadata(trailers)
+            await context.abort(code, details)
+
+    return handler
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The Open Inference Protocol's gRPC service for the one model, on ``dataplane``.
+
+    Args:
+        dataplane: the dataplane every protocol shares.
+        metrics: the app's metrics (successes, failures and bytes, labelled with the method path).
+    """
+
+    def __init__(self, dataplane: DataPlane, metrics: Metrics) -> None:
+        self.dataplane = dataplane
+        self.metrics = metrics
+
+    async def _ready(self) -> bool:
+        try:
+            await self.dataplane.check_ready()
+        except DeviceBusy:
+            return False
+        return True
+
+    @_rpc
+    async def ServerLive(self, request, context, started) -> service_pb2.ServerLiveResponse:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    @_rpc
+    async def ServerReady(self, request, context, started) -> service_pb2.ServerReadyResponse:
+        return service_pb2.ServerReadyResponse(ready=await self._ready())
+
+    @_rpc
+    async def ModelReady(self, request, context, started) -> service_pb2.ModelReadyResponse:
+        try:
+            check_model(request.name, request.version)
+        except NotFound:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=await self._ready())
+
+    @_rpc
+    async def ServerMetadata(self, request, context, started) -> service_pb2.ServerMetadataResponse:
+        return json_format.ParseDict(server_metadata(binary_tensor_data=False), service_pb2.ServerMetadataResponse())
+
+    @_rpc
+    async def ModelMetadata(self, request, context, started) -> service_pb2.ModelMetadataResponse:
+        check_model(request.name, request.version)
+        document = model_metadata(self.dataplane)
+        del document["parameters"]  # the message has no such field: ModelConfig carries them
+        return json_format.ParseDict(document, service_pb2.ModelMetadataResponse())
+
+    @_rpc
+    async def ModelConfig(self, request, context, started) -> service_pb2.ModelConfigResponse:
+        check_model(request.name, request.version)
+        config = json_format.ParseDict(model_config(self.dataplane), model_config_pb2.ModelConfig())
+        return service_pb2.ModelConfigResponse(config=config)
+
+    @_rpc
+    async def ModelStatistics(self, request, context, started) -> service_pb2.ModelStatisticsResponse:
+        if request.name:  # "": every model
+            check_model(request.name, request.version)
+        return json_format.ParseDict(model_statistics(self.dataplane), service_pb2.ModelStatisticsResponse())
+
+    @_rpc
+    async def RepositoryIndex(self, request, context, started) -> service_pb2.RepositoryIndexResponse:
+        return json_format.ParseDict({"models": repository_index(request.ready)}, service_pb2.RepositoryIndexResponse())
+
+    @_rpc
+    async def ModelInfer(self, request, context, started) -> service_pb2.ModelInferResponse:
+        check_model(request.model_name, request.model_version)
+        dataplane, settings = self.dataplane, self.dataplane.settings
+        timeout_s = settings.request_timeout_s
+        remaining = context.time_remaining()  # the client's deadline, if it set one
+        if remaining is not None:
+            timeout_s = min(timeout_s, max(remaining, 0.0))
+        decode = functools.partial(decode_infer_request, request, max_elements=settings.max_elements,
+                                   default_order=dataplane.default_order)
+        decoded = await run_in_threadpool(decode) if raw_bytes(request) > INLINE_DECODE_BYTES else decode()
+        if decoded.timeout_s is not None:
+            timeout_s = min(timeout_s, decoded.timeout_s)
+        # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).
+        outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, received_s=started)
+        if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS:
+            response = await run_in_threadpool(encode_infer_response, outcome, decoded.id)
+        else:
+            response = encode_infer_response(outcome, decoded.id)
+        self.metrics.bytes_in.inc(request.ByteSize())
+        self.metrics.bytes_out.inc(response.ByteSize())
+        self.metrics.succeeded(f"/{SERVICE}/ModelInfer", started)
+        return response
+
+
+def _unimplemented(name: str) -> Callable[..., Awaitable[None]]:
+    async def refuse(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"moegrad does not serve {SERVICE}/{name}")
+
+    refuse.__name__ = name
+    return refuse
+
+
+for _method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+    if _method.name not in _SERVED:
+        setattr(InferenceServicer, _method.name, _unimplemented(_method.name))
