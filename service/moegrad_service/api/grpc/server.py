@@ -18,11 +18,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from tritonclient.grpc import service_pb2_grpc
 
 from moegrad import DeviceBusy, Unauthorized
 from moegrad_service.api.auth import Authenticator
-from moegrad_service.api.grpc.servicer import SERVICE, InferenceServicer, grpc_status
+from moegrad_service.api.grpc.servicer import SERVICE, InferenceServicer, grpc_status, method_handlers
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -121,7 +120,7 @@ class GrpcServer:
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
                      ("grpc.so_reuseport", 0)],  # a port in use is an error, not a second listener
         )
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane, metrics), server)
+        server.add_generic_rpc_handlers((method_handlers(InferenceServicer(dataplane, metrics)),))
         health_servicer = _ReadinessHealth(dataplane)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = _address(settings.host, settings.grpc_port)

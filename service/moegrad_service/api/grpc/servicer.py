@@ -20,10 +20,11 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from starlette.concurrency import run_in_threadpool
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2
 
-from moegrad import DeadlineExceeded, DeviceBusy, MoegradError
+from moegrad import DeadlineExceeded, DeviceBusy, MalformedRequest, MoegradError
 from moegrad_service.api.errors import NotFound, answer_for, message_of, shared_headers
 from moegrad_service.api.inputs import INLINE_DECODE_BYTES
 from moegrad_service.api.v2.codec import INLINE_ENCODE_ELEMENTS
@@ -39,11 +40,12 @@ from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_re
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 
-__all__ = ["SERVICE", "InferenceServicer", "grpc_status"]
+__all__ = ["SERVICE", "InferenceServicer", "grpc_status", "method_handlers"]
 
 log = logging.getLogger("moegrad_service.api")
 #: The full name of the service (the prefix of every method path).
 SERVICE = "inference.GRPCInferenceService"
+_DESCRIPTOR = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 _SERVED = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
            "ModelConfig", "ModelStatistics", "RepositoryIndex")
 
@@ -59,14 +61,22 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext, float], Awaitable[Any]]
 
 
-def _rpc(method: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """An RPC whose errors become gRPC statuses, counted in the failure metric under its method path."""
+def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    """An RPC that parses its request message itself (so that bytes that are not one are
+    INVALID_ARGUMENT, not the INTERNAL a failed deserializer gets from grpc), whose errors become
+    gRPC statuses, counted in the failure metric under its method path."""
     endpoint = f"/{SERVICE}/{method.__name__}"
+    request_type = getattr(service_pb2, _DESCRIPTOR.methods_by_name[method.__name__].input_type.name)
 
     @functools.wraps(method)
-    async def handler(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def handler(self: InferenceServicer, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
+            try:
+                request = request_type.FromString(raw)
+            except DecodeError as exc:
+                raise MalformedRequest(f"the request is not a valid {request_type.DESCRIPTOR.full_name} message "
+                                       f"({exc})") from None
             return await method(self, request, context, started)
         except Exception as exc:  # every error, expected or not, is answered with a status
             code, details, trailers = grpc_status(exc)
@@ -82,7 +92,7 @@ def _rpc(method: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
     return handler
 
 
-class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer:
     """The Open Inference Protocol's gRPC service for the one model, on ``dataplane``.
 
     Args:
@@ -170,13 +180,22 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 
 def _unimplemented(name: str) -> Callable[..., Awaitable[None]]:
-    async def refuse(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"moegrad does not serve {SERVICE}/{name}")
 
-    refuse.__name__ = name
     return refuse
 
 
-for _method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
-    if _method.name not in _SERVED:
-        setattr(InferenceServicer, _method.name, _unimplemented(_method.name))
+def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """Every method of the service definition, bound to ``servicer``: requests reach it as bytes
+    (each RPC parses its own), replies are serialized as the definition's response messages."""
+    handlers = {}
+    for method in _DESCRIPTOR.methods:
+        serialize = getattr(service_pb2, method.output_type.name).SerializeToString
+        if method.name not in _SERVED:
+            make = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
+            handlers[method.name] = make(_unimplemented(method.name), response_serializer=serialize)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(getattr(servicer, method.name),
+                                                                        response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
