@@ -31,7 +31,7 @@ def routed_call(seed: int, mode: str = "dropless", dtype=np.float32, *, tokens: 
                 hidden: int = 16) -> dict:
     """Keyword arguments of a valid call (tests/routing.py: a real forward routing) in ``mode``."""
     rng = np.random.default_rng(seed)
-    r = routing.route(rng, tokens=tokens, top_k=top_k, experts=5, mode=mode)
+    r = routing.route(rng, tokens=tokens, top_k=top_k, experts=max(5, top_k + 2), mode=mode)
     grad = rng.standard_normal(r.grad_shape(hidden), dtype=np.float32).astype(dtype)
     return {"grad_expanded_x": grad, **r.kwargs()}
 
