@@ -65,3 +65,9 @@ class Settings(BaseSettings):
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile must be set together")
         return self
+
+    @model_validator(mode="after")
+    def _check_grpc_port(self) -> Settings:
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(f"grpc_port and port must differ (both are {self.port})")
+        return self

@@ -134,6 +134,37 @@ def test_documentation_example_bits(client):
     assert len(response.raw_output_contents) == 1 and len(response.raw_output_contents[0]) == 16
 
 
+def test_calls_are_counted_in_the_metrics_under_the_method(service, client):
+    http, _ = service
+    infer(client, doc_call())
+    with pytest.raises(InferenceServerException):
+        infer(client, {**doc_call(), "top_k": 3})
+    text = http.get("/metrics").text
+    endpoint = f'endpoint="/{SERVICE}/ModelInfer"'
+    assert f"moegrad_inference_request_success_total{{{endpoint}}} 1.0" in text
+    assert f'moegrad_inference_request_failure_total{{{endpoint},reason="invalid_argument"}} 1.0' in text
+    received = float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("moegrad_inference_request_bytes_total ")))
+    assert 48 < received < 400  # the successful call's message: its 48 tensor bytes and a header
+
+
+def test_grpc_port_settings():
+    with pytest.raises(ValueError, match="grpc_port and port must differ"):
+        Settings(port=8001, grpc_port=8001)
+    assert Settings().grpc_port is None  # off unless set
+
+
+def test_a_grpc_port_in_use_fails_startup():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        app = create_app(Settings(backend="reference", warm_up=False, grpc_port=taken.getsockname()[1]))
+        with pytest.raises(RuntimeError), TestClient(app):
+            pass
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_and_dtype_is_bit_exact(client, mode, dtype):

@@ -27,7 +27,7 @@ from moegrad import MAX_RANK, MalformedRequest, MoeInitRoutingV2GradCall, Payloa
 from moegrad_service.api.v2.codec import ATTRIBUTES, CONTROLS, DATATYPES, INPUTS, MODEL_NAME, MODEL_VERSION, OUTPUT
 from moegrad_service.dataplane import GradOutcome
 
-__all__ = ["InferRequest", "decode_infer_request", "encode_infer_response", "raw_bytes"]
+__all__ = ["InferRequest", "decode_infer_request", "encode_infer_response"]
 
 #: Each datatype's typed-contents field of ``InferTensorContents`` (FP16 and BF16 have none).
 _CONTENTS_FIELDS: Mapping[str, str] = {
@@ -56,11 +56,6 @@ class InferRequest:
     call: MoeInitRoutingV2GradCall
     id: str
     timeout_s: float | None
-
-
-def raw_bytes(request: service_pb2.ModelInferRequest) -> int:
-    """The request's raw tensor bytes (what decides whether it is decoded on a worker thread)."""
-    return sum(map(len, request.raw_input_contents))
 
 
 def _parameter(value: service_pb2.InferParameter, where: str) -> Any:
@@ -119,7 +114,7 @@ def _raw(tensor: service_pb2.ModelInferRequest.InferInputTensor, datatype: str, 
 
 
 def _decode_inputs(request: service_pb2.ModelInferRequest, max_elements: int) -> dict[str, np.ndarray]:
-    raw = request.raw_input_contents
+    raw = list(request.raw_input_contents)  # each read of a bytes field copies it: read each once
     if raw and len(raw) != len(request.inputs):
         raise MalformedRequest(f"raw_input_contents has {len(raw)} entries but there are {len(request.inputs)} "
                                f"inputs; give one per input, in the order of inputs, or none",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,7 +37,7 @@ from moegrad_service.api.v2.model import (
     repository_index,
     server_metadata,
 )
-from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response, raw_bytes
+from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 
@@ -61,23 +62,40 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext, float], Awaitable[Any]]
 
 
-def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """An RPC that parses its request message itself (so that bytes that are not one are
-    INVALID_ARGUMENT, not the INTERNAL a failed deserializer gets from grpc), whose errors become
-    gRPC statuses, counted in the failure metric under its method path."""
+def _parse(request_type: type, raw: bytes) -> Any:
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        raise MalformedRequest(f"the request is not a valid {request_type.DESCRIPTOR.full_name} message "
+                               f"({exc})") from None
+
+
+def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    """An RPC that parses its request and serializes its reply itself: bytes that are not the
+    request message are INVALID_ARGUMENT (not the INTERNAL a failed deserializer gets from grpc), and
+    a large message is parsed and serialized on a worker thread, not on the event loop. Its errors
+    become gRPC statuses, counted in the failure metric under its method path."""
     endpoint = f"/{SERVICE}/{method.__name__}"
     request_type = getattr(service_pb2, _DESCRIPTOR.methods_by_name[method.__name__].input_type.name)
 
     @functools.wraps(method)
-    async def handler(self: InferenceServicer, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    async def handler(self: InferenceServicer, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         started = time.perf_counter()
         try:
-            try:
-                request = request_type.FromString(raw)
-            except DecodeError as exc:
-                raise MalformedRequest(f"the request is not a valid {request_type.DESCRIPTOR.full_name} message "
-                                       f"({exc})") from None
-            return await method(self, request, context, started)
+            if len(raw) > INLINE_DECODE_BYTES:
+                request = await run_in_threadpool(_parse, request_type, raw)
+            else:
+                request = _parse(request_type, raw)
+            reply = await method(self, request, context, started)
+            if len(raw) > INLINE_DECODE_BYTES or method.__name__ == "ModelInfer" and _large(reply):
+                data = await run_in_threadpool(reply.SerializeToString)
+            else:
+                data = reply.SerializeToString()
+            if method.__name__ == "ModelInfer":
+                self.metrics.bytes_in.inc(len(raw))
+                self.metrics.bytes_out.inc(len(data))
+                self.metrics.succeeded(endpoint, started)
+            return data
         except Exception as exc:  # every error, expected or not, is answered with a status
             code, details, trailers = grpc_status(exc)
             answer = answer_for(exc)
@@ -90,6 +108,18 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
             await context.abort(code, details)
 
     return handler
+
+
+def _large(reply: service_pb2.ModelInferResponse) -> bool:
+    """Whether the reply's outputs are larger than INLINE_ENCODE_ELEMENTS (from their shapes: reading a
+    bytes field of a parsed message copies it)."""
+    return sum(math.prod(output.shape) for output in reply.outputs) > INLINE_ENCODE_ELEMENTS
+
+
+def _declared_bytes(request: service_pb2.ModelInferRequest) -> int:
+    """The inputs' bytes as their shapes declare them, at 4 bytes an element (a cheap upper guess for
+    where to decode; the decoder checks the real sizes)."""
+    return sum(4 * math.prod(tensor.shape) for tensor in request.inputs)
 
 
 class InferenceServicer:
@@ -164,7 +194,7 @@ class InferenceServicer:
             timeout_s = min(timeout_s, max(remaining, 0.0))
         decode = functools.partial(decode_infer_request, request, max_elements=settings.max_elements,
                                    default_order=dataplane.default_order)
-        decoded = await run_in_threadpool(decode) if raw_bytes(request) > INLINE_DECODE_BYTES else decode()
+        decoded = await run_in_threadpool(decode) if _declared_bytes(request) > INLINE_DECODE_BYTES else decode()
         if decoded.timeout_s is not None:
             timeout_s = min(timeout_s, decoded.timeout_s)
         # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).
@@ -173,9 +203,6 @@ class InferenceServicer:
             response = await run_in_threadpool(encode_infer_response, outcome, decoded.id)
         else:
             response = encode_infer_response(outcome, decoded.id)
-        self.metrics.bytes_in.inc(request.ByteSize())
-        self.metrics.bytes_out.inc(response.ByteSize())
-        self.metrics.succeeded(f"/{SERVICE}/ModelInfer", started)
         return response
 
 
@@ -187,15 +214,14 @@ def _unimplemented(name: str) -> Callable[..., Awaitable[None]]:
 
 
 def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
-    """Every method of the service definition, bound to ``servicer``: requests reach it as bytes
-    (each RPC parses its own), replies are serialized as the definition's response messages."""
+    """Every method of the service definition, bound to ``servicer``: requests reach it as bytes and
+    replies leave it as bytes (each RPC parses and serializes its own messages)."""
     handlers = {}
     for method in _DESCRIPTOR.methods:
-        serialize = getattr(service_pb2, method.output_type.name).SerializeToString
-        if method.name not in _SERVED:
-            make = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
-            handlers[method.name] = make(_unimplemented(method.name), response_serializer=serialize)
+        if method.name in _SERVED:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(getattr(servicer, method.name))
+        elif method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(_unimplemented(method.name))
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(getattr(servicer, method.name),
-                                                                        response_serializer=serialize)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_unimplemented(method.name))
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
