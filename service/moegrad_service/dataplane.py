@@ -37,7 +37,7 @@ from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
-__all__ = ["ClientDisconnected", "Comparison", "CompareOutcome", "DataPlane", "Duration", "GradOutcome",
+__all__ = ["ClientDisconnected", "CompareOutcome", "Comparison", "DataPlane", "Duration", "GradOutcome",
            "InferenceStatistics"]
 
 T = TypeVar("T")

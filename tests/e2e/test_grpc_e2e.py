@@ -30,8 +30,20 @@ import tritonclient.grpc.aio as triton_aio
 import tritonclient.http as triton_http
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpckit import DOC_BITS, DTYPES, INVALID, MODEL, MODES, attributes, doc_call, expected, inputs, \
-    parameters_of, routed_call, same_bits
+from grpckit import (
+    DOC_BITS,
+    DTYPES,
+    INVALID,
+    MODEL,
+    MODES,
+    attributes,
+    doc_call,
+    expected,
+    inputs,
+    parameters_of,
+    routed_call,
+    same_bits,
+)
 from tritonclient.utils import InferenceServerException
 
 LAUNCHER = Path(__file__).with_name("slow_server.py")

@@ -16,6 +16,8 @@ Every hypothesis run is derandomized (a fixed seed) and uses no example database
 
 from __future__ import annotations
 
+import math
+
 import grpc
 import numpy as np
 import pytest
@@ -39,8 +41,8 @@ MAX_ELEMENTS = 1 << 20
 MAX_BODY_BYTES = 1 << 22
 DATATYPES = ["FP16", "BF16", "FP32", "FP64", "INT32", "INT64", "INT8", "UINT8", "BOOL", "BYTES", "", "fp32"]
 ITEMSIZE = {"FP16": 2, "BF16": 2, "FP32": 4, "FP64": 8, "INT32": 4, "INT64": 8, "INT8": 1, "UINT8": 1, "BOOL": 1}
-FUZZ = dict(deadline=None, derandomize=True, database=None, print_blob=False,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+FUZZ = {"deadline": None, "derandomize": True, "database": None, "print_blob": False,
+        "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,7 @@ def infer_requests(draw) -> service_pb2.ModelInferRequest:
             elif which == "fp64":
                 tensor.contents.fp64_contents.extend(values)
             elif which == "bool":
-                tensor.contents.bool_contents.extend([v > 0 for v in values if v == v])
+                tensor.contents.bool_contents.extend([v > 0 for v in values if not math.isnan(v)])
             else:
                 ints = draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=12))
                 getattr(tensor.contents, f"{which}_contents").extend([abs(i) for i in ints] if which == "uint" else ints)
