@@ -102,6 +102,7 @@ class GrpcServer:
         self._server = server
         self._health = health_servicer
         self._loop = asyncio.get_running_loop()
+        self._draining: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
         self.port = port
 
     @classmethod
@@ -142,7 +143,11 @@ class GrpcServer:
     def drain(self) -> None:
         """Turn every health status NOT_SERVING (callable from a signal handler); new calls are
         refused by the dataplane (UNAVAILABLE) while admitted ones finish."""
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._health.enter_graceful_shutdown()))
+        def start_draining() -> None:
+            if self._draining is None:
+                self._draining = self._loop.create_task(self._health.enter_graceful_shutdown())
+
+        self._loop.call_soon_threadsafe(start_draining)
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new RPCs and let those in flight finish within ``grace_s`` seconds, then close."""
