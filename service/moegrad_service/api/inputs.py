@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from moegrad import MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief, decode_body
+from moegrad import REQUEST_LIMITS, MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief, decode_body
 from moegrad_service.api.errors import UnsupportedMediaType
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
@@ -118,8 +118,8 @@ async def read_document(request: Request) -> dict[str, Any]:
     body = await read_body(request, settings_of(request).max_body_bytes)
     metrics_of(request).bytes_in.inc(len(body))
     if len(body) > INLINE_DECODE_BYTES:
-        return await run_in_threadpool(decode_body, body)
-    return decode_body(body)
+        return await run_in_threadpool(decode_body, body, REQUEST_LIMITS)
+    return decode_body(body, REQUEST_LIMITS)
 
 
 async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
