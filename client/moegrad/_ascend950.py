@@ -130,7 +130,7 @@ def ascend950_tiling(dtype: object, num_tokens: int, top_k: int, hidden_size: in
         ValueError: an unknown dtype, or a size below 1.
         TypeError: a size that is not an integer.
     """
-    name = dtype if isinstance(dtype, str) else dtype_name(np.dtype(dtype))
+    name = dtype if isinstance(dtype, str) else dtype_name(np.dtype(dtype)) or str(np.dtype(dtype))
     if name not in _ITEM_BYTES:
         raise ValueError(f"dtype={name!r} is not one of {', '.join(_ITEM_BYTES)}")
     sizes = [_positive(field, value) for field, value in (
