@@ -39,7 +39,7 @@ class Settings(BaseSettings):
         "ascend910b", description="accumulation order of calls that name none: ascend910b (Atlas A2/A3), ascend950 "
                                   "(Ascend 950PR/950DT; ascend950@2025-12 an earlier kernel revision) or sequential")
     ascend950_ub_size_bytes: int = Field(
-        UB_SIZE_BYTES, ge=1024, description="unified-buffer size in bytes the reference backend's ascend950 orders "
+        UB_SIZE_BYTES, ge=32, description="unified-buffer size in bytes the reference backend's ascend950 orders "
                                             "tile for (Ascend 950PR/950DT: 253952); it decides the order of adds")
     ascend950_vector_core_count: int = Field(
         VECTOR_CORE_COUNT, ge=1, description="vector (AIV) core count the reference backend's ascend950 orders "

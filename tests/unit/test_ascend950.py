@@ -290,6 +290,20 @@ def test_each_template_matches_slow_loop(mode, shape):
     assert_bitwise_equal(out, slow950(grad, idx, top_k, drop_pad_mode, active_num, chunk=chunk))
 
 
+@pytest.mark.parametrize(("ub", "chunk"), [(576, 8), (448, 6), (1024, 1)])
+def test_only_a_chunk_that_is_not_a_multiple_of_four_changes_the_bits(ub, chunk):
+    # fp32 H = 8 (K = 17) and H = 72 for the chunk of 1: see HAND_TILINGS
+    hidden = 72 if chunk == 1 else 8
+    rng = np.random.default_rng(chunk)
+    grad = rng.standard_normal((64 * 17, hidden)).astype(np.float32)
+    idx = rng.permutation(64 * 17).astype(np.int32)
+    out = moe_init_routing_v2_grad(grad, idx, 17, order="ascend950", ub_size_bytes=ub)
+    assert ascend950_tiling(F32, 64, 17, hidden, ub_size_bytes=ub).k_chunk == chunk
+    one_pass = slow950(grad, idx, 17)
+    assert_bitwise_equal(out, slow950(grad, idx, 17, chunk=chunk))
+    assert (bits(out) == bits(one_pass)).all() == (chunk % 4 == 0)
+
+
 def test_the_core_count_changes_the_bits():
     # fp32 K = 64, H = 4096, N = 1: SplitH ((4096 // 512) // 4 = 2 > N) with 64 cores: one pass;
     # with 1 core Regbase: (253952 - 8 * 4096) // (8 * 4096) = 6, chunks of 6
