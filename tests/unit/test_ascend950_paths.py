@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from moegrad import _fast, _reference, moe_init_routing_v2_grad
-from test_ascend950 import REVISIONS, expected_chunk, slow950
+from test_ascend950 import BF16, REVISIONS, expected_chunk, slow950
 from test_reference import F32, GRAD_DTYPES, KS, MODES, assert_bitwise_equal, random_call, wide_values
+from test_reference_paths import without_numba  # noqa: F401  (a fixture)
 
 pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
 
@@ -122,3 +123,18 @@ def test_strided_and_byte_swapped_inputs_fall_back_to_numpy(compiled_calls, monk
 def test_warm_up_compiles_the_950_kernel_too():
     assert _fast.warm_up()
     assert len(_fast_jit.run_rows_950.signatures) >= 3
+
+
+def test_without_numba_auto_uses_numpy(without_numba):  # noqa: F811
+    rng = np.random.default_rng(12)
+    grad, idx, drop_pad_mode, active_num = random_call(rng, "drop_pad", 17, BF16, tokens=5, hidden=33)
+    assert not _fast.available()
+    out = moe_init_routing_v2_grad(grad, idx, 17, drop_pad_mode, active_num, order="ascend950", ub_size_bytes=600)
+    assert_bitwise_equal(out, slow950(grad, idx, 17, drop_pad_mode, active_num,
+                                      chunk=expected_chunk(BF16, 17, 33, 600)))
+
+
+def test_without_numba_forcing_it_is_an_error(without_numba, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(_reference, "_KERNEL", "numba")
+    with pytest.raises(RuntimeError, match="moegrad\\[fast\\]"):
+        moe_init_routing_v2_grad(np.ones((4, 3), np.float32), np.arange(4, dtype=np.int32), 2, order="ascend950")
