@@ -322,8 +322,8 @@ def moe_init_routing_v2_grad(
         drop_pad_mode: 0 dropless/active, 1 drop/pad.
         active_num: A; 0 dropless, > 0 active.
         order: ``"ascend910b"`` (Atlas A2/A3 kernel, bit-exact), ``"ascend950"`` (Ascend
-            950PR/950DT kernel, newest public revision, bit-exact), ``"ascend950@2025-12"`` (its
-            earlier revision) or ``"sequential"`` (Huawei's golden); docs/semantics.md section 3.
+            950PR/950DT kernel, the bits of its newest public source), ``"ascend950@2025-12"`` (an
+            earlier revision) or ``"sequential"`` (Huawei's golden); docs/semantics.md sections 3, 7.
         allow_duplicate_indices: accept repeated indices (the documentation forbids them).
         ub_size_bytes: the 950 platform's unified-buffer size in bytes (default 253952, Ascend
             950PR/950DT); only the 950 orders read it, since it decides the tiling and so the order.
