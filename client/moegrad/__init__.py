@@ -28,6 +28,7 @@ from moegrad._accuracy import (
     skipped_rows,
     summand_magnitude,
 )
+from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
 from moegrad._client import AsyncClient, Client, CompareResult, GradResult
 from moegrad._errors import (
     AclnnStatus,
@@ -75,6 +76,7 @@ __all__ = [
     "STANDARDS",
     "THRESHOLDS",
     "AclnnStatus",
+    "Ascend950Tiling",
     "AsyncClient",
     "Client",
     "CompareResult",
@@ -101,6 +103,7 @@ __all__ = [
     "ZeroRowCheck",
     "__version__",
     "accumulation_schedule",
+    "ascend950_tiling",
     "bin_count",
     "brief",
     "check_compare_arguments",

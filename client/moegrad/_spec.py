@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
@@ -28,9 +28,10 @@ from moegrad._wire import brief, decode_tensor, dtype_name, encode_tensor
 
 __all__ = ["ORDERS", "GRAD_DTYPES", "MoeInitRoutingV2GradCall", "Order"]
 
-Order = Literal["ascend910b", "sequential"]
-#: Accumulation orders by name: the Atlas A2/A3 device order, and Huawei's sequential test golden.
-ORDERS: tuple[str, ...] = ("ascend910b", "sequential")
+Order = Literal["ascend910b", "ascend950", "ascend950@2025-12", "sequential"]
+#: Accumulation orders by name (docs/semantics.md section 3): the Atlas A2/A3 device, the Ascend 950
+#: device (newest kernel revision; ``@2025-12`` an earlier one), and Huawei's sequential test golden.
+ORDERS: tuple[str, ...] = get_args(Order)
 #: The dtypes gradExpandedX (and so gradX) may have (documentation, "Data Type").
 GRAD_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
@@ -59,7 +60,9 @@ class MoeInitRoutingV2GradCall(BaseModel):
         top_k: K > 0; ``len(expanded_row_idx)`` must be a multiple of it.
         drop_pad_mode: 0 dropless/active, 1 drop/pad.
         active_num: 0 dropless, A > 0 active (ignored when drop_pad_mode is 1).
-        order: accumulation order, ``"ascend910b"`` (the device) or ``"sequential"`` (Huawei's golden).
+        order: accumulation order, one of :data:`ORDERS`: ``"ascend910b"`` (Atlas A2/A3),
+            ``"ascend950"`` (Ascend 950PR/950DT; ``"ascend950@2025-12"`` an earlier kernel revision)
+            or ``"sequential"`` (Huawei's golden).
         allow_duplicate_indices: accept repeated non-negative indices, which the documentation forbids.
 
     Construct with ``MoeInitRoutingV2GradCall(...)`` or :meth:`from_wire`; both raise

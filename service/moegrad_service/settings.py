@@ -13,6 +13,9 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad._spec import Order
+
 __all__ = ["Settings"]
 
 
@@ -32,8 +35,15 @@ class Settings(BaseSettings):
     max_elements: int = Field(1 << 31, ge=1, description="largest element count of one tensor")
     request_timeout_s: float = Field(
         60.0, gt=0, description="longest a call may wait and run, in seconds; X-Request-Timeout may only shorten it")
-    order: Literal["ascend910b", "sequential"] = Field(
-        "ascend910b", description="accumulation order of calls that name none")
+    order: Order = Field(
+        "ascend910b", description="accumulation order of calls that name none: ascend910b (Atlas A2/A3), ascend950 "
+                                  "(Ascend 950PR/950DT; ascend950@2025-12 an earlier kernel revision) or sequential")
+    ascend950_ub_size_bytes: int = Field(
+        UB_SIZE_BYTES, ge=32, description="unified-buffer size in bytes the reference backend's ascend950 orders "
+                                            "tile for (Ascend 950PR/950DT: 253952); it decides the order of adds")
+    ascend950_vector_core_count: int = Field(
+        VECTOR_CORE_COUNT, ge=1, description="vector (AIV) core count the reference backend's ascend950 orders "
+                                             "tile for (Ascend 950PR/950DT: 64); it decides the order of adds")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After that a 503 advertises, in seconds")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for admitted calls, in seconds")
     auth_tokens: Annotated[list[SecretStr], NoDecode] = Field(

@@ -92,7 +92,7 @@ def test_order_default_comes_from_settings(serve):
          161002, "expanded_row_idx"),
         ({"expanded_row_idx": {"dtype": "int32", "shape": [4], "data": np.array([2, 0, 2, 3], np.int32).tobytes()}},
          161002, "expanded_row_idx"),
-        ({"order": "ascend950"}, 161002, "order"),
+        ({"order": "ascend960"}, 161002, "order"),
     ],
 )
 def test_constraint_violations_are_422_with_aclnn_code(client, overrides, status, field):
