@@ -83,7 +83,7 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         app = create_app(settings, backend=backend)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # an unreadable or empty token file
         print(f"moegrad-service: {exc}", file=sys.stderr)
         return 2
 
@@ -107,6 +107,8 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         ssl_certfile=str(settings.tls_certfile) if settings.tls_certfile else None,
         ssl_keyfile=str(settings.tls_keyfile) if settings.tls_keyfile else None,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
+        timeout_keep_alive=settings.idle_timeout_s,
+        limit_concurrency=settings.max_connections,
         log_config=None,
     )
     server = DrainingServer(config)

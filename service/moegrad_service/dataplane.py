@@ -15,6 +15,7 @@ and encoder around the same methods::
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from moegrad import (
     DeviceBusy,
     DeviceFault,
     MoegradError,
+    PayloadTooLarge,
     MoeInitRoutingV2GradCall,
     __version__,
     check_compare_arguments,
@@ -37,7 +39,7 @@ from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
-__all__ = ["ClientDisconnected", "Comparison", "CompareOutcome", "DataPlane", "GradOutcome"]
+__all__ = ["ClientDisconnected", "Comparison", "CompareOutcome", "DataPlane", "GradOutcome", "MemoryBudget"]
 
 T = TypeVar("T")
 #: Longest a readiness check waits for the backend's health check, in seconds.
@@ -46,6 +48,49 @@ HEALTH_CHECK_TIMEOUT_S = 5.0
 
 class ClientDisconnected(MoegradError):
     """The caller went away before its answer was ready (logged as 499; nobody reads the answer)."""
+
+
+class MemoryBudget:
+    """The request bytes that admitted requests may hold at once, in bytes.
+
+    A request reserves its body's bytes before they are read (Content-Length) or as they arrive
+    (chunked), and gives them back once its answer is sent. Thread-safe.
+
+    Args:
+        limit_bytes: the budget.
+        retry_after_s: the retry hint of the DeviceBusy a refusal raises.
+    """
+
+    def __init__(self, limit_bytes: int, *, retry_after_s: float = 1.0) -> None:
+        self.limit_bytes = limit_bytes
+        self.retry_after_s = retry_after_s
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def reserve(self, nbytes: int) -> None:
+        """Take ``nbytes`` from the budget.
+
+        Raises:
+            PayloadTooLarge: (413) ``nbytes`` is more than the whole budget: it can never fit.
+            DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
+        """
+        if nbytes > self.limit_bytes:
+            raise PayloadTooLarge(f"the request needs {nbytes} bytes, over the service's whole in-flight budget of "
+                                  f"{self.limit_bytes} bytes (max_inflight_bytes); send smaller calls")
+        with self._lock:
+            if self._held + nbytes > self.limit_bytes:
+                raise DeviceBusy(f"the service holds {self._held} of its {self.limit_bytes} in-flight bytes; "
+                                 f"retry later", retry_after_s=self.retry_after_s)
+            self._held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` taken by :meth:`reserve`."""
+        with self._lock:
+            self._held -= nbytes
 
 
 @dataclass(frozen=True)
@@ -120,6 +165,19 @@ class DataPlane:
         self.settings = settings
         self.pool = pool
         self.metrics = metrics
+        self.budget = MemoryBudget(settings.max_inflight_bytes, retry_after_s=settings.retry_after_s)
+
+    def admit(self) -> None:
+        """Refuse a call now, before its body is read, when the pool could not take it anyway.
+
+        Raises:
+            DeviceBusy: (503 + Retry-After) not admitting (starting, draining) or the queue is full.
+        """
+        pool = self.pool
+        if not pool.ready:
+            raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=pool.retry_after_s)
+        if pool.queue_depth >= pool.max_queue:
+            raise DeviceBusy(f"the queue is full ({pool.max_queue} calls waiting)", retry_after_s=pool.retry_after_s)
 
     @property
     def backend_name(self) -> str:

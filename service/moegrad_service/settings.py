@@ -7,6 +7,7 @@ startup, not at the first request. Each field's description (below) is also its 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -33,6 +34,17 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=1, description="calls waiting for a worker beyond which new calls get 503")
     max_body_bytes: int = Field(2 << 30, ge=1024, description="largest request body in bytes, checked before it is read")
     max_elements: int = Field(1 << 31, ge=1, description="largest element count of one tensor")
+    max_inflight_bytes: int = Field(
+        default_factory=lambda: memory_limit_bytes() // 4, ge=1024,
+        description="request body bytes that admitted requests may hold at once (being read, queued, running "
+                    "or answered); a body that does not fit now is answered 503 + Retry-After before it is read "
+                    "(default: a quarter of the memory limit, the cgroup's or the machine's)")
+    idle_timeout_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open, "
+                                                        "in seconds")
+    max_connections: int = Field(1000, ge=1, description="connections and requests served at once; beyond it new "
+                                                         "requests are answered 503 (uvicorn's limit_concurrency)")
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="longest a request body may take to arrive, in seconds; then 408")
     request_timeout_s: float = Field(
         60.0, gt=0, description="longest a call may wait and run, in seconds; X-Request-Timeout may only shorten it")
     order: Order = Field(
@@ -64,7 +76,11 @@ class Settings(BaseSettings):
     @classmethod
     def _split_tokens(cls, value: object) -> object:
         if isinstance(value, str):
-            return [token.strip() for token in value.split(",") if token.strip()]
+            tokens = [token.strip() for token in value.split(",") if token.strip()]
+            if value.strip() and not tokens:  # e.g. "," : configured, yet no token -> fail closed
+                raise ValueError("auth_tokens is set but holds no token; give at least one, or unset it "
+                                 "to run without authentication")
+            return tokens
         return value
 
     @model_validator(mode="after")
@@ -72,3 +88,14 @@ class Settings(BaseSettings):
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile must be set together")
         return self
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: the cgroup v2 limit (a container's) when one is set, else
+    the machine's physical memory (``os.sysconf``), in bytes."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return physical
+    return min(physical, int(text)) if text.isdigit() else physical

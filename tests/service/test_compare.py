@@ -220,7 +220,7 @@ def _rejections():
         ("constraint", {"candidate": tensor(good), "top_k": 5}, 422, 561002, "expanded_row_idx"),
         ("broken candidate map", {"candidate": {"dtype": "float16", "shape": [1, 2], "data": bytes(3)}}, 400, None, "candidate"),
         ("float64 candidate", {"candidate": {"dtype": "float64", "shape": list(good.shape),
-                                             "data": good.astype(np.float64).tobytes()}}, 400, None, "candidate"),
+                                             "data": good.astype(np.float64).tobytes()}}, 422, 161002, "candidate"),
         ("standards not a list", {"candidate": tensor(good), "standards": "bitwise"}, 400, None, "standards"),
         ("standards not names", {"candidate": tensor(good), "standards": [1]}, 400, None, "standards"),
         ("return_grad_x not a bool", {"candidate": tensor(good), "return_grad_x": 1}, 400, None, "return_grad_x"),

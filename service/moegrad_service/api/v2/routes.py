@@ -21,10 +21,9 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from moegrad import MalformedRequest, __version__
+from moegrad import ORDERS, MalformedRequest, __version__
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.inputs import (
-    INLINE_DECODE_BYTES,
     dataplane_of,
     disconnected,
     metrics_of,
@@ -50,6 +49,9 @@ from moegrad_service.dataplane import GradOutcome
 __all__ = ["INFER_PATHS", "router", "routes"]
 
 router = APIRouter()
+#: v2 bodies larger than this are decoded on a worker thread: JSON costs far more per byte than
+#: binary tensor data, so the event loop keeps only small requests.
+INLINE_JSON_BYTES = 64 << 10
 
 #: The versioned routes read model_version from the path (one handler serves both forms); declared for OpenAPI.
 _VERSION_PARAMETER = {"name": "model_version", "in": "path", "required": True,
@@ -97,7 +99,7 @@ async def model_metadata(request: Request, model_name: str) -> dict[str, Any]:
         "grad_x_datatype": "the datatype of grad_expanded_x",
         "binary_only_datatypes": ",".join(sorted(BINARY_ONLY)),
         "request_parameters": "top_k (int, required), drop_pad_mode (int, default 0), active_num (int, default 0), "
-                              "order (ascend910b|sequential), allow_duplicate_indices (bool, default false)",
+                              f"order ({'|'.join(ORDERS)}), allow_duplicate_indices (bool, default false)",
         "default_order": dataplane.default_order,
     }
     if dataplane.device is not None:
@@ -139,7 +141,7 @@ async def infer(request: Request) -> Response:
     metrics.bytes_in.inc(len(body))
     decode = partial(decode_infer_request, body, header_length,
                      max_elements=settings.max_elements, default_order=dataplane.default_order)
-    decoded = await run_in_threadpool(decode) if len(body) > INLINE_DECODE_BYTES else decode()
+    decoded = await run_in_threadpool(decode) if len(body) > INLINE_JSON_BYTES else decode()
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
     outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request))
