@@ -32,7 +32,7 @@ from deploy._dockerfile import (
     replay,
     substitute,
 )
-from deploy._kustomize import render
+from deploy._manifests import kustomize
 from deploy._routes import serves_get
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +161,7 @@ def test_runs_as_the_non_root_user_the_manifests_expect(dockerfile):
     assert user == [f"{args['APP_UID']}:{args['APP_GID']}"]
     assert int(args["APP_UID"]) != 0 and int(args["APP_GID"]) != 0
     for overlay in ("cpu", "npu"):
-        (deployment,) = [r for r in render(REPO / "deploy" / "k8s" / "overlays" / overlay) if r["kind"] == "Deployment"]
+        (deployment,) = [r for r in kustomize(REPO / "deploy" / "k8s" / "overlays" / overlay) if r["kind"] == "Deployment"]
         pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
         assert (pod_security["runAsUser"], pod_security["runAsGroup"]) == (int(args["APP_UID"]), int(args["APP_GID"]))
 
