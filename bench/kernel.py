@@ -281,7 +281,7 @@ def peak_extra(name: str, kernel: str) -> dict:
 
 def _machine() -> str:
     try:
-        from bench.run import machine
+        from bench._results import machine
         line = machine()
     except ImportError:
         import platform
@@ -418,7 +418,7 @@ def main(quick: bool = True, *, write: bool = True, workloads: tuple[str, ...] =
     body = render(results, memory, quick, time.monotonic() - started, machine_before, load_after, probes)
     print(body, flush=True)
     if write:
-        from bench.run import write_section
+        from bench._results import write_section
 
         write_section("kernel", body)
     return body
@@ -442,7 +442,7 @@ def _cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bench.run import stop_on_sigterm
+    from bench._procs import stop_on_sigterm
 
     stop_on_sigterm()
     sys.exit(_cli())
