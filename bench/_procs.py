@@ -58,10 +58,11 @@ def free_port(host: str = LOOPBACK) -> int:
         return sock.getsockname()[1]
 
 
-def log_tail(path: Path, lines: int = 40) -> str:
-    """The last ``lines`` lines of a log file, or ``(no log)``."""
+def log_tail(path: Path, lines: int | None = 40) -> str:
+    """The last ``lines`` lines of a log file (None: all of it), or ``(no log)``."""
     with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace")
+        return text if lines is None else "\n".join(text.splitlines()[-lines:])
     return "(no log)"
 
 
@@ -101,9 +102,9 @@ class ServerProcess:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
 
-    def log(self) -> str:
-        """The tail of the server's log."""
-        return log_tail(self.log_path)
+    def log(self, lines: int | None = 40) -> str:
+        """The last ``lines`` lines of the server's log (None: all of it)."""
+        return log_tail(self.log_path, lines)
 
     def start(self) -> ServerProcess:
         """Start the process and wait until it is ready.
