@@ -1,16 +1,16 @@
-"""Service benchmarks (issue 7, targets 2 and 3): moegrad on loopback, its floors, a PyTriton peer, memory.
+"""Service benchmarks: moegrad on loopback, its floors, a PyTriton peer, memory.
 
 Everything runs on this machine, on 127.0.0.1 only, with bounded loops; every server this module
 starts is stopped in a ``finally``. Two sections of bench/RESULTS.md come from here:
 
-- ``service`` (target 2): S1 sequential latency with the sync :class:`moegrad.Client` against its
+- ``service``: S1 sequential latency with the sync :class:`moegrad.Client` against its
   floors (the same bytes POSTed by bare httpx and by a plain socket; ``GET /health/live`` with the
   same client); S1 throughput with 16 concurrent requests from a separate load process (moegrad's
   clients, tritonclient, and a plain-socket load that measures the server's capacity); S2 end to end against the in-process time of the same
   call's encode + validate + compute + decode, and against raw TCP loopback moving the same bytes;
   the PyTriton peer (the naive NumPy function under PyTriton 0.7, bench/pytriton_peer/) against
   moegrad's v2 endpoint, both driven by tritonclient[http] on the same payloads.
-- ``memory`` (target 3): the server's peak RSS growth over one S2 call (VmHWM after resetting it
+- ``memory``: the server's peak RSS growth over one S2 call (VmHWM after resetting it
   through /proc/<pid>/clear_refs), and its RSS while serving S2 again and again.
 
 The workloads: S1 is the documentation's example (grad [[.1,.1],[.3,.3],[.2,.2],[.4,.4]] float32,
@@ -107,7 +107,7 @@ class Payload:
 
 
 def s1() -> Payload:
-    """The documentation's example; its result per DESIGN.md section 7 (float32: 0.3, 0.70000005)."""
+    """The documentation's example; its result per docs/operator.md (float32: 0.3, 0.70000005)."""
     grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
     idx = np.array([2, 0, 1, 3], dtype=np.int32)
     expected = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32)
@@ -836,7 +836,7 @@ def _peer(mode: Mode, budget_s: float | None) -> tuple[Any | None, str]:
 
 def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | None = None,
          budget_s: float | None = None) -> dict[str, str]:
-    """Measure targets 2 and 3; return (and with ``write``, store) the ``service`` and ``memory`` sections.
+    """Measure the service and the memory sections; return (and with ``write``, store) the ``service`` and ``memory`` sections.
 
     ``budget_s``: seconds left of quick mode's 5-minute budget (bench.run passes it); None in full
     mode. It only decides whether a missing PyTriton venv may be built in this run.
@@ -974,7 +974,7 @@ def _service_section(r: dict, mode: Mode, machine_line: str, command: str, small
     have_peer = "PyTriton" in peer_s2
 
     lines = [
-        "## Service on loopback (issue 7, target 2)",
+        "## Service on loopback",
         "",
         f"Command: {command}; {mode.name} mode. Machine: {machine_line}.",
         "",
@@ -1135,7 +1135,7 @@ def _memory_section(r: dict, mode: Mode, machine_line: str, command: str, large:
     payload_mib = large.request_bytes / MIB
     reply_mib = large.reply_bytes / MIB
     lines = [
-        "## Server memory (issue 7, target 3; and target 2's copies of the S2 payload)",
+        "## Server memory (and the copies of the S2 payload)",
         "",
         f"Command: {command}; {mode.name} mode. Machine: {machine_line}.",
         "",

@@ -1,4 +1,4 @@
-"""Soak (issue 8): 16 concurrent clients against one moegrad server on loopback, for a fixed time.
+"""Soak: 16 concurrent clients against one moegrad server on loopback, for a fixed time.
 
 Usage::
 
@@ -255,7 +255,7 @@ class SoakReport:
         calls = ", ".join(f"{kind} {outcome}: {count}" for (kind, outcome), count in sorted(kinds.items()))
         verdict = "**pass**" if not self.failures else f"**FAIL** ({len(self.failures)}: {'; '.join(self.failures[:3])})"
         return "\n".join([
-            "## Soak (issue 8)",
+            "## Soak",
             "",
             f"Command: `{command}`. Machine: {machine}.",
             "",

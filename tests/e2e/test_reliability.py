@@ -5,7 +5,7 @@ tests/e2e/slow_server.py, which runs ``moegrad_service.__main__.serve`` (the sam
 drain and exit code as ``moegrad-service serve``) with a reference backend whose fault hook can
 slow calls down, hold them at a gate, log them, raise or hang. Every loop is bounded by a deadline.
 
-What is proved (issue 8):
+What is proved:
 
 - SIGTERM with 8 calls admitted (2 running, held at a gate, 6 queued; once the gate opens each takes
   0.3 s): all 8 are answered, bit for bit right; a call sent after the drain began is refused (503 or the connection
