@@ -115,7 +115,7 @@ def test_huaweis_sequential_golden_fails_bitwise_and_passes_the_tolerances_in_fl
     device = moegrad.moe_init_routing_v2_grad(call)
     sequential = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
     differing = int(np.count_nonzero(sequential.view(np.uint32) != device.view(np.uint32)))
-    assert differing > 0  # DESIGN.md section 3: the orders differ bitwise once K >= 3
+    assert differing > 0  # docs/semantics.md section 3: the orders differ bitwise once K >= 3
     report = reply(post(client, document(call, sequential)))["report"]
     assert statuses(report) == {**dict.fromkeys(TOLERANCE, "pass"), "bitwise": "fail"}
     assert report["verdict"] == "fail"

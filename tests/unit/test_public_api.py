@@ -1,6 +1,6 @@
 """The public surface of ``moegrad``: a deliberate, sorted, complete ``__all__``; a light import.
 
-DESIGN.md section 2: ``moegrad`` never imports ``moegrad_service`` (nor the service's web stack), so
+The layering rule: ``moegrad`` never imports ``moegrad_service`` (nor the service's web stack), so
 a host that only installs the client never loads FastAPI or Starlette.
 """
 

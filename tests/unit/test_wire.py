@@ -1,4 +1,4 @@
-"""The tensor codec and the body decoder (DESIGN.md section 5).
+"""The tensor codec and the body decoder (docs/protocol.md, "Tensors").
 
 A tensor is ``{"dtype": name, "shape": [ints], "data": bin}`` with little-endian, C-order data.
 Expected bytes below are written from IEEE 754 / two's complement, not produced by moegrad.

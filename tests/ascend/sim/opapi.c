@@ -3,7 +3,7 @@
  * older single-library layout): aclnnMoeInitRoutingV2GradGetWorkspaceSize and
  * aclnnMoeInitRoutingV2Grad with the prototypes of aclnnop/aclnn_moe_init_routing_v2_grad.h.
  *
- * Phase one applies the operator's documented host checks in the order of DESIGN.md section 4
+ * Phase one applies the operator's documented host checks (docs/operator.md, "Return codes")
  * (161001 null, 161002 dtype, 561002 attributes / ranks / sizes / divisibility) and makes a
  * single-use executor. Unlike a real device it also reads expandedRowIdx and rejects an index
  * outside the mode's range with 161002: a real kernel would read outside gradExpandedX instead.
@@ -11,7 +11,7 @@
  * simply read twice (moegrad's Python validation rejects them unless allow_duplicate_indices).
  *
  * Phase two queues the kernel on the stream. The kernel is the Atlas A2/A3 arithmetic of
- * DESIGN.md section 3: rows widened exactly to float, float adds in the bin order, one
+ * docs/semantics.md section 3: rows widened exactly to float, float adds in the bin order, one
  * round-half-to-even conversion to the output dtype.
  */
 #define _GNU_SOURCE
@@ -247,7 +247,7 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     if (o->dims[0] != slots / topK)
         return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out dim 0 is %lld, expected %lld", (long long)o->dims[0],
                       slots / (long long)topK);
-    if (slots == 0 || hidden == 0) /* as the 8.x tiling does (DESIGN.md section 3, empty tensors) */
+    if (slots == 0 || hidden == 0) /* as the 8.x tiling does (docs/semantics.md section 5) */
         return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "empty tensors are not supported (N*K=%lld, H=%lld)", slots,
                       hidden);
     for (int i = 0; i < 3; i++)
