@@ -65,7 +65,7 @@ def test_import_loads_nothing_and_the_single_library_layout_works(sim_homes, tmp
         worker.close()
         backend.close()
         print(json.dumps(out))
-    """, MOEGRAD_SIM_FAULTS="launch@2")
+    """, MOEGRAD_SIM_FAULTS="launch@2", ASCEND_OPP_PATH=str(sim_homes["single"] / "opp"))
     assert result["after_import"] == [] and result["after_failed_load"] == []
     assert result["available_empty"] is False
     assert "libascendcl.so" in result["missing"] and "set_env.sh" in result["missing"]

@@ -132,7 +132,10 @@ def ascend_server(sim_home, tmp_path):
     """A ``moegrad-service`` process with backend=ascend over the simulator; faults armed by environment."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEGRAD_", "ASCEND_"))}
-    env.update(MOEGRAD_ASCEND_HOME_PATH=str(sim_home), MOEGRAD_STREAMS="2", MOEGRAD_SIM_FAULTS="tiling@1,launch@2")
+    # Phase one #1 is the backend's startup check (the documentation's example), so the first
+    # client call is phase one #2.
+    env.update(MOEGRAD_ASCEND_HOME_PATH=str(sim_home), ASCEND_OPP_PATH=str(sim_home / "opp"), MOEGRAD_STREAMS="2",
+               MOEGRAD_SIM_FAULTS="tiling@2,launch@2")
     log = open(tmp_path / "server.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "moegrad_service", "serve", "--host", "127.0.0.1", "--port",
                                 str(port), "--backend", "ascend", "--log-level", "warning"],
@@ -158,7 +161,7 @@ def test_real_client_against_a_real_server(ascend_server):
     with moegrad.Client(ascend_server, retries=0) as client:
         assert client.info()["backend"] == "ascend"
         doc = make_call("dropless", "float32", 2)
-        with pytest.raises(moegrad.InvalidArgument) as rejected:  # phase one #1: MOEGRAD_SIM_FAULTS tiling@1
+        with pytest.raises(moegrad.InvalidArgument) as rejected:  # phase one #2: MOEGRAD_SIM_FAULTS tiling@2
             client.run(doc)
         assert rejected.value.aclnn_status == 561002 and "injected tiling failure" in str(rejected.value)
         client.run(doc)                                             # launch #1

@@ -10,6 +10,13 @@
  * Duplicated indices are accepted, as on the device: the kernel is a gather, a repeated row is
  * simply read twice (moegrad's Python validation rejects them unless allow_duplicate_indices).
  *
+ * Installation faults answer as opbase's do: phase one fails with 561107 when ASCEND_OPP_PATH is
+ * unset (opbase reads it to find the kernels) and with 561003 for an injected "kernel" fault (no
+ * kernel binary). The workspace is the fixed 16 MiB the operator's tiling reserves. An empty output
+ * (N = 0 or H = 0) is refused with 561002, as the 8.x tiling's positive-dimension checks do; with
+ * MOEGRAD_SIM_EMPTY=accept phase one instead answers success with no workspace, and phase two
+ * launches nothing (the behaviour reported for the newer entry point, not read in its source).
+ *
  * Phase two queues the kernel on the stream. The kernel is the Atlas A2/A3 arithmetic of
  * DESIGN.md section 3: rows widened exactly to float, float adds in the bin order, one
  * round-half-to-even conversion to the output dtype.
@@ -247,9 +254,21 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     if (o->dims[0] != slots / topK)
         return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out dim 0 is %lld, expected %lld", (long long)o->dims[0],
                       slots / (long long)topK);
-    if (slots == 0 || hidden == 0) /* as the 8.x tiling does (DESIGN.md section 3, empty tensors) */
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "empty tensors are not supported (N*K=%lld, H=%lld)", slots,
-                      hidden);
+    const char *opp = getenv("ASCEND_OPP_PATH");
+    if (!opp || !*opp) /* opbase finds the kernels through it */
+        return reject(SIM_ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND, "the environment variable ASCEND_OPP_PATH is not set");
+    if (slots == 0 || hidden == 0) {
+        const char *empty = getenv("MOEGRAD_SIM_EMPTY");
+        if (!empty || strcmp(empty, "accept") != 0) /* the 8.x tiling checks every dimension is positive */
+            return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "empty tensors are not supported (N*K=%lld, H=%lld)",
+                          slots, hidden);
+        SimExecutor *e = moegradSimExecutorCreate();
+        if (!e) return reject(SIM_ACLNN_ERR_INNER_NULLPTR, "out of host memory for the executor");
+        e->empty = 1;
+        *workspaceSize = 0;
+        *executor = e;
+        return SIM_ACLNN_SUCCESS;
+    }
     for (int i = 0; i < 3; i++)
         if (storage_bytes(handles[i]) == 0)
             return reject(SIM_ACLNN_ERR_PARAM_INVALID, "%s: the view does not fit its storage", names[i]);
@@ -267,6 +286,10 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     int64_t serial = 0;
     if (moegradSimFaultFires(SIM_FAULT_TILING, NULL, &serial))
         return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "injected tiling failure (phase one #%lld)", (long long)serial);
+    if (moegradSimFaultFires(SIM_FAULT_KERNEL, NULL, &serial))
+        return reject(SIM_ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
+                      "injected missing kernel: no binary of MoeInitRoutingV2Grad for this SoC under ASCEND_OPP_PATH "
+                      "(phase one #%lld)", (long long)serial);
     SimExecutor *e = moegradSimExecutorCreate();
     if (!e) return reject(SIM_ACLNN_ERR_INNER_NULLPTR, "out of host memory for the executor");
     e->grad = *g;
@@ -276,7 +299,7 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     e->top_k = topK;
     e->drop_pad_mode = dropPadMode;
     e->active_num = activeNum;
-    e->workspace_size = 16384 + 64 * (uint64_t)(slots / topK); /* system workspace + per-token tiling */
+    e->workspace_size = 16u << 20; /* the tiling's fixed reservation: 16 MiB */
     *workspaceSize = e->workspace_size;
     *executor = e;
     return SIM_ACLNN_SUCCESS;
@@ -296,6 +319,10 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspace
         return SIM_ACLNN_ERR_PARAM_INVALID;
     }
     SimExecutor *e = executor; /* ours now: freed here on failure, by the runtime after the kernel otherwise */
+    if (e->empty) { /* nothing to compute: no kernel is launched */
+        free(e);
+        return SIM_ACLNN_SUCCESS;
+    }
     int32_t rc = moegradSimCheckContext(NAME2);
     if (rc != SIM_ACLNN_SUCCESS) {
         free(e);

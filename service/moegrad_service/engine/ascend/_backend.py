@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import logging
 import operator
+import os
 import threading
 import time
 from pathlib import Path
@@ -18,17 +19,18 @@ from moegrad import (
     DeadlineExceeded,
     DeviceFault,
     InvalidArgument,
+    MoegradError,
     MoeInitRoutingV2GradCall,
     dtype_name,
 )
 from moegrad_service.engine.ascend._abi import (
     ACL_DATA_TYPES,
     ACL_ERROR_RT_STREAM_SYNC_TIMEOUT,
-    ACL_FORMAT_ND,
     ACL_HBM_MEM,
     ACL_MEM_MALLOC_HUGE_FIRST,
     ACL_MEMCPY_DEVICE_TO_HOST,
     ACL_MEMCPY_HOST_TO_DEVICE,
+    SET_ENV_HINT,
     CannUnavailable,
     code_name,
     load,
@@ -42,6 +44,42 @@ log = logging.getLogger("moegrad_service.engine.ascend")
 A2_A3_SOC_PREFIXES = ("Ascend910B", "Ascend910_93")
 #: Retired (timed-out, maybe still running) streams a worker tolerates before it refuses new calls.
 MAX_RETIRED_STREAMS = 4
+
+#: Phase-one codes that answer the call's input: the documented checks (161001 null tensor, 161002
+#: dtype, 561002 attributes and shapes). moegrad validates inputs before phase one, so any other
+#: code is the installation's or the runtime's: a DeviceFault (HTTP 500), never a 422.
+CALLER_STATUSES = frozenset({AclnnStatus.ACLNN_ERR_PARAM_NULLPTR, AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+                             AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR})
+#: What a phase-one code other than :data:`CALLER_STATUSES` most likely means, and what to do.
+PHASE_ONE_HINTS = {
+    361001: "a runtime call inside the operator failed; check the device with npu-smi and the plog",
+    561003: "no kernel binary of the operator for this SoC was found: install the operator package "
+            "(ops-transformer) built for this CANN and SoC, and check ASCEND_OPP_PATH",
+    561103: "an internal null pointer; on the 2026 entry point this code also answers shape and attribute "
+            "errors (561002 on CANN 8.x), which moegrad's own validation answers before the device",
+    561107: "ASCEND_OPP_PATH is not set in this process: source CANN's set_env.sh before starting the service",
+    561108: "the operator's kernel description (JSON) under ASCEND_OPP_PATH could not be loaded",
+    561112: "the operator's binary kernel package was not found under ASCEND_OPP_PATH: install it",
+}
+
+#: The documentation's example, run through phase one at startup: grad_expanded_x [4, 2] float32,
+#: expanded_row_idx [2, 0, 1, 3], top_k 2, dropless; grad_x [2, 2].
+_PROBE_GRAD = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
+_PROBE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
+
+
+def phase_one_error(status: int, message: str | None, device: str) -> MoegradError:
+    """The error a nonzero status of aclnnMoeInitRoutingV2GradGetWorkspaceSize stands for.
+
+    Returns:
+        InvalidArgument for the documented input checks (161001, 161002, 561002); DeviceFault with
+        the library's message and a hint for every other code (an installation or runtime fault).
+    """
+    text = f"aclnnMoeInitRoutingV2GradGetWorkspaceSize: {code_name(status)}" + (f": {message}" if message else "")
+    if status in CALLER_STATUSES:
+        return InvalidArgument(f"the NPU rejected the call ({text})", aclnn_status=status, field=None)
+    hint = PHASE_ONE_HINTS.get(status, "the operator failed for a reason that is not the call's input")
+    return DeviceFault(f"phase one failed on {device} ({text}); {hint}", aclnn_status=status, device_message=message)
 
 
 class AscendBackend:
@@ -72,6 +110,7 @@ class AscendBackend:
         self.cache_bytes_per_stream = cache_bytes_per_stream
         self.drain_timeout_s = drain_timeout_s
         self._api = load(ascend_home_path)
+        _check_opp_path(ascend_home_path)
         self._device = Device(self._api, self.device_id)
         self._lock = threading.Lock()
         self._workers: set[_AscendWorker] = set()
@@ -89,10 +128,11 @@ class AscendBackend:
                                       "mounts and ASCEND_RT_VISIBLE_DEVICES.")
             self._device.ensure()
             soc = self._api.soc_name()
+            self.soc_name = soc
+            self.device = f"{soc} #{self.device_id}" if soc else f"ascend device {self.device_id}"
+            self._device.description = self.device
+            self._probe()
             undo.pop_all()
-        self.soc_name = soc
-        self.device = f"{soc} #{self.device_id}" if soc else f"ascend device {self.device_id}"
-        self._device.description = self.device
         self.order = "ascend910b" if soc and soc.startswith(A2_A3_SOC_PREFIXES) else None
         if self.order is None:
             log.warning("%s is not an Atlas A2/A3 SoC: its results follow its own order of adds, which moegrad's "
@@ -100,6 +140,38 @@ class AscendBackend:
 
     def __repr__(self) -> str:
         return f"AscendBackend(device={self.device!r}, closed={self._closed})"
+
+    def _probe(self) -> None:
+        """Phase one of the documentation's example, so a host that cannot run the operator never starts.
+
+        Raises:
+            CannUnavailable: phase one fails (a missing kernel package, ASCEND_OPP_PATH, ...).
+        """
+        device = self._device
+        with contextlib.ExitStack() as cleanup:
+            pointers = []
+            for array in (_PROBE_GRAD, _PROBE_IDX, np.empty((2, 2), np.float32)):
+                pointer = device.malloc(aligned(array.nbytes))
+                cleanup.callback(device.free, pointer)
+                pointers.append(pointer)
+            for array, pointer in zip((_PROBE_GRAD, _PROBE_IDX), pointers, strict=False):
+                device.check("aclrtMemcpy (host to device)", self._api.aclrtMemcpy(
+                    pointer, aligned(array.nbytes), array.ctypes.data, array.nbytes, ACL_MEMCPY_HOST_TO_DEVICE))
+            tensors = []
+            for shape, acl_type, pointer in (((4, 2), ACL_DATA_TYPES["float32"], pointers[0]),
+                                             ((4,), ACL_DATA_TYPES["int32"], pointers[1]),
+                                             ((2, 2), ACL_DATA_TYPES["float32"], pointers[2])):
+                tensors.append(device.create_tensor(shape, acl_type, pointer))
+                cleanup.callback(device.destroy_tensor, tensors[-1])
+            workspace_size, executor = ctypes.c_uint64(0), ctypes.c_void_p()
+            status = self._api.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
+                tensors[0], tensors[1], 2, 0, 0, tensors[2], ctypes.byref(workspace_size), ctypes.byref(executor))
+            if status:
+                error = phase_one_error(status, self._api.recent_error(), self.device)
+                raise CannUnavailable(f"{self.device} cannot run aclnnMoeInitRoutingV2Grad: the documentation's "
+                                      f"example fails at startup: {error}. {SET_ENV_HINT}",
+                                      aclnn_status=status, device_message=getattr(error, "device_message", None))
+            device.discard_executor(executor.value)
 
     # --- the protocol ------------------------------------------------------------------------------
 
@@ -125,27 +197,33 @@ class AscendBackend:
             raise DeviceFault(f"{self.device} reports no HBM")
 
     def close(self) -> None:
-        """Synchronise, free the caches, destroy the streams, reset the device, finalise (in that order).
+        """Synchronise, free the caches, destroy the streams, reset the device, release ACL (in that order).
 
-        Workers still open are shut down from this thread. Never raises; failures are logged.
+        Workers still open are shut down from this thread. Bounded: every wait shares one budget of
+        ``drain_timeout_s``; a stream whose kernel is still running after it is destroyed with
+        ``aclrtDestroyStreamForce`` (no wait), and the memory that kernel used is left to
+        ``aclrtResetDevice``. Never raises; failures are logged.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             workers = list(self._workers)
+        deadline = time.monotonic() + self.drain_timeout_s
         try:
             self._device.ensure()
         except DeviceFault:
             log.exception("closing %s: cannot set the device on this thread", self.device)
         for worker in workers:
-            worker._shutdown()
+            worker._shutdown(deadline)
         for retired in self._take_abandoned():
-            if self._device.wait_idle(retired.stream, self.drain_timeout_s):
+            if self._device.wait_idle(retired.stream, left(deadline)):
                 self._device.release_retired(retired)
-            else:
-                log.error("closing %s: a timed-out kernel is still running; its stream and %d buffers are left to "
-                          "aclrtResetDevice", self.device, len(retired.pointers))
+                continue
+            forced = self._device.force_destroy_stream(retired.stream)
+            log.error("closing %s: a kernel that missed its deadline is still running; its stream was %s and its "
+                      "%d buffers are left to aclrtResetDevice", self.device,
+                      "destroyed by force" if forced else "left too", len(retired.pointers))
         self._device.reset_all()
         acl_release(self._api)
 
@@ -159,6 +237,23 @@ class AscendBackend:
         with self._lock:
             abandoned, self._abandoned = self._abandoned, []
         return abandoned
+
+
+def _check_opp_path(ascend_home_path: str | Path | None) -> None:
+    """ASCEND_OPP_PATH must name a directory: opbase finds the operator's kernels through it.
+
+    Raises:
+        CannUnavailable: it is unset, empty or not a directory.
+    """
+    opp = os.environ.get("ASCEND_OPP_PATH", "")
+    if opp and Path(opp).is_dir():
+        return
+    guess = None if ascend_home_path is None else Path(ascend_home_path) / "opp"
+    suggestion = f" (for this install: export ASCEND_OPP_PATH={guess})" if guess is not None and guess.is_dir() else ""
+    problem = "is not set" if not opp else f"={opp} is not a directory"
+    raise CannUnavailable(f"ASCEND_OPP_PATH {problem}: CANN's operator library finds the kernels of "
+                          f"aclnnMoeInitRoutingV2Grad through it, so every call would fail (561107){suggestion}. "
+                          f"{SET_ENV_HINT}")
 
 
 def _attribute(call: MoeInitRoutingV2GradCall, name: str) -> int:
@@ -252,12 +347,9 @@ class _AscendWorker:
                 handles[0], handles[1], top_k, drop_pad_mode, active_num, out,
                 ctypes.byref(workspace_size), ctypes.byref(executor))
             if status:
-                message = self._api.recent_error()
-                raise InvalidArgument(
-                    f"the NPU rejected the call (aclnnMoeInitRoutingV2GradGetWorkspaceSize: {code_name(status)})"
-                    + (f": {message}" if message else ""), aclnn_status=status, field=None)
+                raise phase_one_error(status, self._api.recent_error(), backend.device)
             with contextlib.ExitStack() as unlaunched:  # an executor that never runs is destroyed
-                unlaunched.callback(self._discard_executor, executor.value)
+                unlaunched.callback(device.discard_executor, executor.value)
                 workspace = self._ensure_workspace(workspace_size.value)
                 unlaunched.pop_all()
             status = self._api.aclnnMoeInitRoutingV2Grad(workspace, workspace_size.value, executor, self._stream)
@@ -274,7 +366,10 @@ class _AscendWorker:
                                        "the stream was replaced" + (f" ({message})" if message else ""))
             if status:
                 fault = device.fault("aclrtSynchronizeStreamWithTimeout", status)
-                self._replace_stream()  # the kernel ended in error: start the next call on a fresh stream
+                if device.is_idle(self._stream):  # the kernel ended in error: next call on a fresh stream
+                    self._replace_stream()
+                else:  # not known to be idle: nothing it may use is freed
+                    self._retire(lease)
                 raise fault
             if result.nbytes:
                 device.check("aclrtMemcpy (device to host)", self._api.aclrtMemcpy(
@@ -296,16 +391,20 @@ class _AscendWorker:
 
     # --- internals -----------------------------------------------------------------------------------
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, deadline: float | None = None) -> None:
         """Release the worker's device resources from the calling thread (which has the device set).
 
-        From another thread (the backend closing a worker nobody closed), a call still running gets
-        ``drain_timeout_s`` to finish; after that its resources are left to ``aclrtResetDevice``.
+        Waits until ``deadline`` (``time.monotonic()``; None: ``drain_timeout_s`` from now). From another
+        thread (the backend closing a worker nobody closed), a call still running gets that long to
+        finish; after that its resources are left to ``aclrtResetDevice``. Streams still busy at the
+        deadline are handed to the backend, which destroys them by force.
         """
         if self._closed:
             return
         backend = self._backend
-        if not self._busy.acquire(timeout=backend.drain_timeout_s):
+        if deadline is None:
+            deadline = time.monotonic() + backend.drain_timeout_s
+        if not self._busy.acquire(timeout=left(deadline)):
             self._closed = True
             with backend._lock:
                 backend._workers.discard(self)
@@ -313,21 +412,21 @@ class _AscendWorker:
                       self.index)
             return
         try:
-            self._release_all()
+            self._release_all(deadline)
         finally:
             self._busy.release()
 
-    def _release_all(self) -> None:
+    def _release_all(self, deadline: float) -> None:
         self._closed = True
         backend, device = self._backend, self._device
         with backend._lock:
             backend._workers.discard(self)
         leftover = []
-        if self._stream is not None and not device.wait_idle(self._stream, backend.drain_timeout_s):
+        if self._stream is not None and not device.wait_idle(self._stream, left(deadline)):
             leftover.append(Retired(self._stream, self._cache.drain() + self._take_workspace()))
             self._stream = None
         for retired in self._retired:
-            if device.wait_idle(retired.stream, backend.drain_timeout_s):
+            if device.wait_idle(retired.stream, left(deadline)):
                 device.release_retired(retired)
             else:
                 leftover.append(retired)
@@ -354,7 +453,7 @@ class _AscendWorker:
         status = self._api.aclrtMalloc(ctypes.byref(pointer), size, ACL_MEM_MALLOC_HUGE_FIRST)
         if status and len(self._cache):
             first = device.fault("aclrtMalloc", status)
-            for cached in self._cache.drain():
+            for cached in self._cache.drain():  # idle: their kernels have finished
                 device.free(cached)
             status = self._api.aclrtMalloc(ctypes.byref(pointer), size, ACL_MEM_MALLOC_HUGE_FIRST)
             if status:
@@ -380,22 +479,10 @@ class _AscendWorker:
 
     def _tensor(self, shape: tuple[int, ...], acl_type: int, pointer: int | None,
                 cleanup: contextlib.ExitStack) -> int:
-        """aclCreateTensor (ND, contiguous strides in elements, offset 0); destroyed when ``cleanup`` unwinds."""
-        rank = len(shape)
-        dims = (ctypes.c_int64 * rank)(*shape)
-        strides = (ctypes.c_int64 * rank)(*(int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(rank)))
-        tensor = self._api.aclCreateTensor(dims, rank, acl_type, strides, 0, ACL_FORMAT_ND, dims, rank, pointer)
-        if not tensor:
-            message = self._api.recent_error()
-            raise DeviceFault(f"aclCreateTensor returned NULL for shape {list(shape)}" + (f": {message}" if message else ""),
-                              device_message=message)
-        cleanup.callback(self._destroy_tensor, tensor)
+        """aclCreateTensor (ND, contiguous); destroyed when ``cleanup`` unwinds."""
+        tensor = self._device.create_tensor(shape, acl_type, pointer)
+        cleanup.callback(self._device.destroy_tensor, tensor)
         return tensor
-
-    def _destroy_tensor(self, tensor: int) -> None:
-        status = self._api.aclDestroyTensor(tensor)
-        if status:
-            log.error("aclDestroyTensor failed with %s: %s", code_name(status), self._api.recent_error())
 
     def _ensure_workspace(self, size: int) -> int | None:
         if size == 0:
@@ -411,17 +498,6 @@ class _AscendWorker:
     def _take_workspace(self) -> list[int]:
         workspace, self._workspace = self._workspace, None
         return [] if workspace is None else [workspace[1]]
-
-    def _discard_executor(self, executor: int | None) -> None:
-        """An executor phase one made but that will never run (its workspace could not be had)."""
-        if not executor:
-            return
-        if self._api.aclDestroyAclOpExecutor is None:
-            log.warning("this CANN has no aclDestroyAclOpExecutor: an executor that never ran is leaked (host memory)")
-            return
-        status = self._api.aclDestroyAclOpExecutor(executor)
-        if status:
-            log.error("aclDestroyAclOpExecutor failed with %s: %s", code_name(status), self._api.recent_error())
 
     def _settle(self, deadline: float | None, lease: Lease) -> None:
         """After a failed launch: wait for whatever it queued; retire the stream if it does not finish in time."""
@@ -448,10 +524,10 @@ class _AscendWorker:
             log.exception("worker %d: no replacement stream; the next call tries again", self.index)
 
     def _poll_retired(self) -> None:
-        """Release every retired stream whose kernel has finished by now (a zero-timeout sync)."""
+        """Release every retired stream the runtime reports idle by now (``aclrtStreamQuery``, no wait)."""
         still = []
         for retired in self._retired:
-            if self._device.wait_idle(retired.stream, 0):
+            if self._device.is_idle(retired.stream):
                 self._device.release_retired(retired)
             else:
                 still.append(retired)
