@@ -88,6 +88,29 @@ def test_phase_one_rejection_is_a_422_with_the_device_code(sim, sim_home):
         assert post(client, example_document()).status_code == 200
 
 
+def test_an_installation_fault_in_phase_one_is_a_500_never_a_422(sim, sim_home):
+    before = sim.counts()
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=1) as client:
+        sim.inject("kernel")  # no kernel binary (561003): the host's fault, not the call's
+        failed = post(client, example_document())
+        assert failed.status_code == 500, failed.text
+        problem = failed.json()
+        assert problem["aclnn_status"] == 561003 and "install the operator package" in problem["detail"]
+        assert "injected missing kernel" in problem["device_message"]
+        assert post(client, example_document()).status_code == 200
+    assert_nothing_left(sim, before)
+
+
+def test_a_host_without_ascend_opp_path_is_never_ready(sim, sim_home, monkeypatch):
+    monkeypatch.delenv("ASCEND_OPP_PATH")
+    before = sim.counts()
+    app = create_app(Settings(backend="ascend", ascend_home_path=sim_home))
+    with pytest.raises(moegrad.DeviceFault, match="ASCEND_OPP_PATH is not set"):
+        with TestClient(app):
+            pass
+    assert_nothing_left(sim, before)
+
+
 def test_hung_kernel_is_a_504_and_the_pool_keeps_its_capacity(sim, sim_home):
     before = sim.counts()
     with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as client:
