@@ -50,7 +50,7 @@ def delta(before: dict[str, int], after: dict[str, int], *names: str) -> dict[st
 def test_documentation_example_bits(backend):
     worker = backend.open_worker(0)
     grad_x = worker.run(doc_call(), timeout_s=None)
-    # DESIGN.md section 7: [[0.3, 0.3], [0.7, 0.7]], float32 0.3 and 0.70000005.
+    # The operator documentation's example: [[0.3, 0.3], [0.7, 0.7]], float32 0.3 and 0.70000005.
     want = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32)
     assert (grad_x.view(np.uint32) == want.view(np.uint32)).all()
     worker.close()
@@ -94,7 +94,7 @@ def test_nan_and_bfloat16_ties(backend):
 
 def test_negative_zero_rows_and_fully_skipped_rows(backend):
     worker = backend.open_worker(0)
-    # Dropless, all -0.0: the S1 assignment keeps -0.0 (DESIGN.md section 3).
+    # Dropless, all -0.0: the S1 assignment keeps -0.0 (docs/semantics.md, section 4).
     minus = np.full((4, 3), -0.0, dtype=np.float32)
     got = worker.run(MoeInitRoutingV2GradCall(grad_expanded_x=minus, expanded_row_idx=np.arange(4, dtype=np.int32),
                                               top_k=2), timeout_s=None)
@@ -199,7 +199,7 @@ def test_a_device_that_is_not_visible_is_a_clear_startup_error(sim, sim_home):
 
 
 @pytest.mark.parametrize(("fields", "status"), [
-    # DESIGN.md section 4 / the documentation's phase-one table:
+    # The operator documentation's phase-one return codes:
     ({"expanded_row_idx": np.array([2, 0, 1, 4], np.int32)}, 161002),   # index outside [0, N*K)
     ({"expanded_row_idx": None}, 161001),                                # a null tensor
     ({"top_k": 3}, 561002),                                              # N*K not divisible by K
@@ -240,7 +240,7 @@ def test_a_dtype_without_an_acl_type_is_refused_before_the_device(backend, sim):
 
 
 def test_empty_calls_are_rejected_by_the_device_tiling(backend):
-    # The service answers empty calls itself (DESIGN.md section 3); the device's tiling refuses them.
+    # The service answers empty calls itself (docs/semantics.md, section 5); the device's tiling refuses them.
     worker = backend.open_worker(0)
     call = MoeInitRoutingV2GradCall(grad_expanded_x=np.zeros((4, 0), np.float32), expanded_row_idx=DOC_IDX, top_k=2)
     with pytest.raises(InvalidArgument) as caught:

@@ -3,7 +3,7 @@
  * older single-library layout): aclnnMoeInitRoutingV2GradGetWorkspaceSize and
  * aclnnMoeInitRoutingV2Grad with the prototypes of aclnnop/aclnn_moe_init_routing_v2_grad.h.
  *
- * Phase one applies the operator's documented host checks in the order of DESIGN.md section 4
+ * Phase one applies the operator's documented host checks in this order
  * (161001 null, 161002 dtype, 561002 attributes / ranks / sizes / divisibility) and makes a
  * single-use executor. Unlike a real device it also reads expandedRowIdx and rejects an index
  * outside the mode's range with 161002: a real kernel would read outside gradExpandedX instead.
@@ -18,7 +18,7 @@
  * launches nothing (the behaviour reported for the newer entry point, not read in its source).
  *
  * Phase two queues the kernel on the stream. The kernel is the Atlas A2/A3 arithmetic of
- * DESIGN.md section 3: rows widened exactly to float, float adds in the bin order, one
+ * docs/semantics.md section 3: rows widened exactly to float, float adds in the bin order, one
  * round-half-to-even conversion to the output dtype.
  */
 #define _GNU_SOURCE

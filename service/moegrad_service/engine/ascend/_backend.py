@@ -98,7 +98,9 @@ class AscendBackend:
         order: ``"ascend910b"`` on Atlas A2/A3; None on another SoC (its own order, not emulated).
 
     Raises:
-        CannUnavailable: the libraries, a symbol or the device cannot be found (a startup error).
+        CannUnavailable: the libraries, a symbol or the device cannot be found, ``ASCEND_OPP_PATH`` is
+            not a directory, or phase one of the documentation's example fails (its aclnn code
+            attached: 561003, 561107, ...). A startup error.
         DeviceFault: ``aclInit`` or ``aclrtSetDevice`` failed (the runtime's message attached).
     """
 
@@ -295,10 +297,12 @@ class _AscendWorker:
         contiguous host buffers when needed. ``call.order`` must be ``"ascend910b"`` (the device's).
 
         Raises:
-            InvalidArgument: phase one rejected the call (its aclnn code: 161001, 161002, 561002),
-                or ``call.order`` is not the order this device computes in.
+            InvalidArgument: phase one rejected the call's input (161001 null tensor, 161002 dtype,
+                561002 attribute or shape), or ``call.order`` is not the order this device computes in.
             DeadlineExceeded: ``timeout_s`` passed before the kernel finished (the stream is replaced).
-            DeviceFault: the runtime failed (``aclGetRecentErrMsg``'s text attached).
+            DeviceFault: phase one failed with any other code (an installation fault: 561003 no
+                kernel, 561107 no ASCEND_OPP_PATH, ...), or the runtime failed (``aclGetRecentErrMsg``'s
+                text attached).
         """
         with self._busy:
             return self._run(call, timeout_s)
