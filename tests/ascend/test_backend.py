@@ -516,6 +516,21 @@ def test_a_hung_kernel_past_its_deadline_frees_nothing_it_uses_until_it_ends(bac
         "violations": 0, "blocked": 0, "forced": 0, "context_errors": 0}
 
 
+def test_a_sub_millisecond_budget_waits_1_ms_and_is_never_a_refused_sync(backend, sim):
+    # 0.5 ms left when the sync is made. The runtime accepts -1 or a timeout > 0 ms only: a
+    # conversion that truncated 0.5 ms to a 0 ms wait would be refused (107000) and the call would
+    # fail as a DeviceFault (500) although its kernel had finished; a hung kernel would be a 500
+    # instead of a 504.
+    worker = backend.open_worker(0)
+    got = worker.run(doc_call(), timeout_s=0.0005)
+    assert (got.view(np.uint32) == np.array([[0.3, 0.3], [0.70000005, 0.70000005]], np.float32).view(np.uint32)).all()
+    sim.inject("hang", 1, -1)
+    with pytest.raises(DeadlineExceeded):  # a 504, not a DeviceFault
+        worker.run(doc_call(), timeout_s=0.0005)
+    sim.release_hung()
+    worker.close()
+
+
 @pytest.mark.parametrize(("fault", "status", "hint"), [
     ("kernel", 561003, "install the operator package"),
 ])
