@@ -19,7 +19,11 @@
  *
  * Phase two queues the kernel on the stream. The kernel is the Atlas A2/A3 arithmetic of
  * docs/semantics.md section 3: rows widened exactly to float, float adds in the bin order, one
- * round-half-to-even conversion to the output dtype.
+ * round-half-to-even conversion to the output dtype. When the runtime reports an Ascend950* SoC
+ * (aclrtGetSocName; MOEGRAD_SIM_SOC_NAME chooses it), the kernel adds in the 950 order instead, as
+ * it stands when the whole K fits in one chunk: a float accumulator from +0.0, groups of four rows
+ * added as s += ((x0 + x1) + (x2 + x3)), the leftover rows as s += x, an invalid slot's row taken
+ * as +0.0 (never -0.0) and added in its place, one rounding to the output dtype.
  */
 #define _GNU_SOURCE
 #include <stdarg.h>
@@ -28,6 +32,9 @@
 #include <string.h>
 
 #include "sim.h"
+
+/* libascendcl.so (acl/acl_base.h): the SoC the process runs on. */
+const char *aclrtGetSocName(void);
 
 #define NAME1 "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
 #define NAME2 "aclnnMoeInitRoutingV2Grad"
@@ -134,8 +141,43 @@ static int64_t bins_for(int64_t k) {
     return (int64_t)1 << (log2k >= 1 ? log2k - 1 : 0);
 }
 
+/* The Ascend 950 order with K in one chunk (see the file comment). */
+static void kernel_950(const SimExecutor *e) {
+    const SimTensor *g = &e->grad, *ix = &e->idx, *o = &e->out;
+    int64_t k = e->top_k, n = o->dims[0], h_size = o->dims[1];
+    int mode = (int)e->drop_pad_mode;
+    int64_t active = e->active_num, capacity = mode == 1 ? g->dims[1] : 1;
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t h = 0; h < h_size; h++) {
+            float s = 0.0f, x[4];
+            int64_t t = 0;
+            while (t < k) {
+                int64_t take = k - t >= 4 ? 4 : 1;
+                for (int64_t j = 0; j < take; j++) {
+                    int32_t row = index_at(ix, i * k + t + j);
+                    int invalid = mode == 1 ? row < 0 : (active > 0 && row >= active);
+                    x[j] = 0.0f; /* an invalid slot is a +0.0 row */
+                    if (!invalid) {
+                        int64_t at = mode == 1 ? g->offset + (row / capacity) * g->strides[0] +
+                                                     (row % capacity) * g->strides[1] + h * g->strides[2]
+                                               : g->offset + row * g->strides[0] + h * g->strides[1];
+                        x[j] = load(g, at);
+                    }
+                }
+                s += take == 4 ? (x[0] + x[1]) + (x[2] + x[3]) : x[0];
+                t += take;
+            }
+            store(o, o->offset + i * o->strides[0] + h * o->strides[1], s);
+        }
+    }
+}
+
 static void kernel(void *ctx) {
     const SimExecutor *e = ctx;
+    if (e->order_950) {
+        kernel_950(e);
+        return;
+    }
     const SimTensor *g = &e->grad, *ix = &e->idx, *o = &e->out;
     int64_t k = e->top_k, n = o->dims[0], h_size = o->dims[1], bins = bins_for(k);
     int mode = (int)e->drop_pad_mode;
@@ -299,6 +341,8 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     e->top_k = topK;
     e->drop_pad_mode = dropPadMode;
     e->active_num = activeNum;
+    const char *soc = aclrtGetSocName();
+    e->order_950 = soc != NULL && strncmp(soc, "Ascend950", 9) == 0;
     e->workspace_size = 16u << 20; /* the tiling's fixed reservation: 16 MiB */
     *workspaceSize = e->workspace_size;
     *executor = e;

@@ -43,6 +43,6 @@ from __future__ import annotations
 
 from moegrad import DeviceFault  # noqa: F401 - the base of CannUnavailable, reachable from here as before
 from moegrad_service.engine.ascend._abi import ACL_DATA_TYPES, CannUnavailable, ascend_available
-from moegrad_service.engine.ascend._backend import AscendBackend
+from moegrad_service.engine.ascend._backend import SOC_ORDERS, AscendBackend, order_of_soc
 
-__all__ = ["ACL_DATA_TYPES", "AscendBackend", "CannUnavailable", "ascend_available"]
+__all__ = ["ACL_DATA_TYPES", "SOC_ORDERS", "AscendBackend", "CannUnavailable", "ascend_available", "order_of_soc"]

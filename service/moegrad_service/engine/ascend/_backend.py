@@ -40,8 +40,23 @@ from moegrad_service.engine.ascend._device import Device, acl_acquire, acl_relea
 
 log = logging.getLogger("moegrad_service.engine.ascend")
 
-#: The order of adds on the SoCs whose kernel moegrad emulates (the A2/A3 kernel).
-A2_A3_SOC_PREFIXES = ("Ascend910B", "Ascend910_93")
+#: SoC name (``aclrtGetSocName``) prefix -> the accumulation order that SoC's kernel computes:
+#: Atlas A2 (Ascend910B*) and A3 (Ascend910_93*) run the A2/A3 kernel, Ascend 950PR/950DT the arch35
+#: one (docs/semantics.md, sections 3 and 7). The one table of its kind; an SoC not in it has no order.
+SOC_ORDERS: tuple[tuple[str, str], ...] = (
+    ("Ascend910B", "ascend910b"),
+    ("Ascend910_93", "ascend910b"),
+    ("Ascend950", "ascend950"),
+)
+#: The orders a device computes; the others ("sequential") are CPU goldens.
+DEVICE_ORDERS = frozenset(order for _, order in SOC_ORDERS)
+
+
+def order_of_soc(soc_name: str | None) -> str | None:
+    """The accumulation order the SoC named ``soc_name`` computes, or None for an SoC not in :data:`SOC_ORDERS`."""
+    if not soc_name:
+        return None
+    return next((order for prefix, order in SOC_ORDERS if soc_name.startswith(prefix)), None)
 #: Retired (timed-out, maybe still running) streams a worker tolerates before it refuses new calls.
 MAX_RETIRED_STREAMS = 4
 
@@ -94,8 +109,10 @@ class AscendBackend:
 
     Attributes:
         name: ``"ascend"``.
-        device: ``"<SoC name> #<device_id>"`` (``aclrtGetSocName``), else ``"ascend device <id>"``.
-        order: ``"ascend910b"`` on Atlas A2/A3; None on another SoC (its own order, not emulated).
+        soc_name: what ``aclrtGetSocName`` reports (``"Ascend910B3"``), or None when it reports nothing.
+        device: ``"<SoC name> #<device_id>"`` (``"Ascend910B3 #0"``), else ``"ascend device <id>"``.
+        order: the accumulation order this chip computes (:data:`SOC_ORDERS`): ``"ascend910b"`` on
+            Atlas A2/A3, ``"ascend950"`` on Ascend 950PR/950DT, None for an SoC not in the table.
 
     Raises:
         CannUnavailable: the libraries, a symbol or the device cannot be found, ``ASCEND_OPP_PATH`` is
@@ -135,10 +152,10 @@ class AscendBackend:
             self._device.description = self.device
             self._probe()
             undo.pop_all()
-        self.order = "ascend910b" if soc and soc.startswith(A2_A3_SOC_PREFIXES) else None
+        self.order = order_of_soc(soc)
         if self.order is None:
-            log.warning("%s is not an Atlas A2/A3 SoC: its results follow its own order of adds, which moegrad's "
-                        "reference does not emulate", self.device)
+            log.warning("%s is not an SoC whose order of adds moegrad knows (%s): its results are served with the "
+                        "order unknown", self.device, ", ".join(prefix + "*" for prefix, _ in SOC_ORDERS))
 
     def __repr__(self) -> str:
         return f"AscendBackend(device={self.device!r}, closed={self._closed})"
@@ -294,7 +311,10 @@ class _AscendWorker:
         """grad_x of ``call`` computed on the NPU; see :meth:`BackendWorker.run`.
 
         The call's arrays may be non-contiguous, read-only or big-endian: they are copied to
-        contiguous host buffers when needed. ``call.order`` must be ``"ascend910b"`` (the device's).
+        contiguous host buffers when needed. The result is in the chip's own order
+        (:attr:`AscendBackend.order`), whatever ``call.order`` names among the device orders; whether
+        a call naming another chip's order is served is the caller's policy. ``call.order`` must
+        not be a CPU golden (``"sequential"``).
 
         Raises:
             InvalidArgument: phase one rejected the call's input (161001 null tensor, 161002 dtype,
@@ -314,10 +334,11 @@ class _AscendWorker:
             raise DeviceFault("the ascend backend is closed")
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the deadline passed before the call reached the NPU")
-        if call.order != "ascend910b":  # the only order a device computes in; "sequential" is a CPU golden
+        if call.order not in DEVICE_ORDERS:  # "sequential" is a CPU golden no device computes
             raise InvalidArgument(f"order={call.order!r}: {backend.device} computes in the device's own order "
-                                  "('ascend910b' on Atlas A2/A3); the 'sequential' golden is only served by the "
-                                  "reference backend", aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+                                  f"({backend.order or 'unknown for this SoC'}); the {call.order!r} golden is only "
+                                  "served by the reference backend",
+                                  aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
         top_k, drop_pad_mode, active_num = (_attribute(call, n) for n in ("top_k", "drop_pad_mode", "active_num"))
         grad = idx = None
         grad_type = idx_type = 0
