@@ -90,7 +90,8 @@ def sim_homes() -> dict[str, Path]:
         base = {"lib64/libascendcl.so": "runtime.c", "lib64/libnnopbase.so": "nnopbase.c"}
         for layout, libraries in LAYOUTS.items():
             _build(compiler, staging / layout, {**base, **libraries})
-        (staging / "vendors" / "opp" / "vendors" / "config.ini").write_text("load_priority=aaa_other,newer_transformer\n")
+        config = staging / "vendors" / "opp" / "vendors" / "config.ini"
+        config.write_text("load_priority=aaa_other,newer_transformer\n")
         try:
             staging.rename(root)  # atomic: a concurrent session either sees all of it or builds its own
         except OSError:

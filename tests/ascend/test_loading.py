@@ -153,9 +153,9 @@ def test_each_layout_loads_exactly_one_operator_library(sim_homes, layout):
         import moegrad_service.engine.ascend as ascend
         from moegrad import MoeInitRoutingV2GradCall
         backend = ascend.AscendBackend(ascend_home_path={str(home)!r})
+        names = ("libopapi.so", "libopapi_transformer.so", "libcust_opapi.so")
         with open("/proc/self/maps") as maps:
-            mapped = sorted({{line.split()[-1] for line in maps
-                              if line.rstrip().endswith(("libopapi.so", "libopapi_transformer.so", "libcust_opapi.so"))}})
+            mapped = sorted({{line.split()[-1] for line in maps if line.rstrip().endswith(names)}})
         worker = backend.open_worker(0)
         call = MoeInitRoutingV2GradCall(grad_expanded_x=np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]],
                                         np.float32), expanded_row_idx=np.array([2, 0, 1, 3], np.int32), top_k=2)

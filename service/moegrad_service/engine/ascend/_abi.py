@@ -220,8 +220,9 @@ class Cann:
                 function = library[symbol]
             except AttributeError:
                 if required:
-                    raise CannUnavailable(f"{symbol} is not exported by {path}: this CANN is incomplete or too old "
-                                          f"for aclnnMoeInitRoutingV2Grad (CANN 8.0 or later). {SET_ENV_HINT}") from None
+                    raise CannUnavailable(f"{symbol} is not exported by {path}: this CANN is incomplete or too "
+                                          f"old for aclnnMoeInitRoutingV2Grad (CANN 8.0 or later). {SET_ENV_HINT}"
+                                          ) from None
                 function = None
             else:
                 function.restype = restype

@@ -242,8 +242,8 @@ class Device:
         tensor = self.api.aclCreateTensor(dims, rank, acl_type, strides, 0, ACL_FORMAT_ND, dims, rank, pointer)
         if not tensor:
             message = self.api.recent_error()
-            raise DeviceFault(f"aclCreateTensor returned NULL for shape {list(shape)}" + (f": {message}" if message else ""),
-                              device_message=message)
+            text = f"aclCreateTensor returned NULL for shape {list(shape)}"
+            raise DeviceFault(f"{text}: {message}" if message else text, device_message=message)
         return tensor
 
     def destroy_tensor(self, tensor: int) -> None:
