@@ -25,8 +25,10 @@ import numpy as np
 
 from moegrad import (
     ComparisonReport,
+    AclnnStatus,
     DeviceBusy,
     DeviceFault,
+    InvalidArgument,
     MoegradError,
     PayloadTooLarge,
     MoeInitRoutingV2GradCall,
@@ -101,7 +103,8 @@ class GradOutcome:
         grad_x: [N, H], the dtype of the call's grad_expanded_x, C-contiguous, owned by the caller.
         timings: seconds queued and computing (zero for an empty call, which never reaches a worker).
         backend: the backend's name (``"reference"`` or ``"ascend"``).
-        order: the accumulation order the result follows.
+        order: the accumulation order the result follows (``"unknown"`` from a chip whose order
+            moegrad does not know).
         device: the device that computed it (``"Ascend910B3 #0"``), or None for the CPU emulation.
     """
 
@@ -188,9 +191,52 @@ class DataPlane:
         return self.pool.backend.device
 
     @property
+    def emulation(self) -> bool:
+        """True when the backend emulates (the reference backend computes whichever order a call names)."""
+        return self.backend_name == "reference"
+
+    @property
+    def device_order(self) -> str | None:
+        """The order the device's chip computes (from its SoC name), or None: the emulation, or a
+        chip whose order moegrad does not know."""
+        return None if self.emulation else getattr(self.pool.backend, "order", None)
+
+    @property
     def default_order(self) -> str:
-        """The order of calls that name none."""
-        return self.settings.order
+        """The order of calls that name none: the chip's own on a device that reports a known SoC,
+        else ``settings.order``."""
+        return self.device_order or self.settings.order
+
+    def check_order(self, named: object) -> None:
+        """Refuse, before anything runs, a call that names an order its device does not compute.
+
+        Args:
+            named: the order the request names, or None when it names none.
+
+        Raises:
+            InvalidArgument: (161002, field ``order``) on a device, an order other than its chip's
+                (an Atlas A2/A3 computes ``ascend910b``, an Ascend 950 ``ascend950``), or any order
+                on a chip whose order is unknown; the emulation (reference backend) takes every order.
+        """
+        if named is None or self.emulation:
+            return
+        device = self.device or self.backend_name
+        if self.device_order is None:
+            raise InvalidArgument(
+                f"order={named!r}: {device} is an SoC whose order of adds moegrad does not know; leave order "
+                "unnamed (the reply then says order 'unknown'), or call a server with backend=reference for an "
+                "emulated order", aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+        if named != self.device_order:
+            raise InvalidArgument(
+                f"order={named!r}: {device} computes {self.device_order!r}; leave order unnamed or name "
+                f"{self.device_order!r}, or call a server with backend=reference for the {named!r} emulation",
+                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+
+    @property
+    def answer_order(self) -> str | None:
+        """The order a device's results follow (``"unknown"`` on an unknown chip); None on the
+        emulation, whose results follow each call's order."""
+        return None if self.emulation else (self.device_order or "unknown")
 
     # --- calls ---------------------------------------------------------------------------------
 
@@ -223,7 +269,7 @@ class DataPlane:
         return self._outcome(call, grad_x, timings)
 
     def _outcome(self, call: MoeInitRoutingV2GradCall, grad_x: np.ndarray, timings: Timings) -> GradOutcome:
-        return GradOutcome(grad_x, timings, self.backend_name, call.order, self.device)
+        return GradOutcome(grad_x, timings, self.backend_name, self.answer_order or call.order, self.device)
 
     async def compare(self, comparison: Comparison, *, timeout_s: float,
                       disconnected: Callable[[], Awaitable[object]] | None = None) -> CompareOutcome:
@@ -264,6 +310,7 @@ class DataPlane:
             "backend": self.backend_name,
             "device": self.device,
             "order": self.default_order,
+            "device_order": self.answer_order,
             "streams": settings.streams,
             "max_queue": settings.max_queue,
             "max_body_bytes": settings.max_body_bytes,

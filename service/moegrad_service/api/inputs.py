@@ -193,7 +193,9 @@ async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
     """The v1 body as a call validated with the app's limits and default order (InvalidArgument,
     422, names the field and the aclnn code); large tensors are validated on a worker thread."""
     document = await read_document(request)
-    max_elements, default_order = settings_of(request).max_elements, dataplane_of(request).default_order
+    dataplane = dataplane_of(request)
+    dataplane.check_order(document.get("order"))
+    max_elements, default_order = settings_of(request).max_elements, dataplane.default_order
 
     def build() -> MoeInitRoutingV2GradCall:
         return MoeInitRoutingV2GradCall.from_wire(document, max_elements=max_elements, default_order=default_order)

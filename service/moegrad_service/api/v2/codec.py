@@ -97,12 +97,14 @@ class InferRequest:
         id: the request's ``id``, echoed in the reply, or None.
         binary_output: send grad_x as binary tensor data (else as a JSON list).
         timeout_s: the ``timeout`` parameter in seconds, or None when not given.
+        named_order: the ``order`` parameter as given, or None when the request names none.
     """
 
     call: MoeInitRoutingV2GradCall
     id: str | None
     binary_output: bool
     timeout_s: float | None
+    named_order: str | None = None
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -350,7 +352,8 @@ def decode_infer_request(body: bytearray | memoryview, header_length: str | None
             raise MalformedRequest(f"parameters.timeout={micros!r} must be a positive number of microseconds",
                                    field="timeout")
         timeout_s = min(micros, 2**53) / 1e6  # the server caps it at request_timeout_s anyway
-    return InferRequest(call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s)
+    return InferRequest(call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s,
+                        named_order=parameters.get("order"))
 
 
 # --- encoding ---------------------------------------------------------------------------------

@@ -142,6 +142,7 @@ async def infer(request: Request) -> Response:
     decode = partial(decode_infer_request, body, header_length,
                      max_elements=settings.max_elements, default_order=dataplane.default_order)
     decoded = await run_in_threadpool(decode) if len(body) > INLINE_JSON_BYTES else decode()
+    dataplane.check_order(decoded.named_order)
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
     outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request))
