@@ -254,8 +254,8 @@ def _routing_op(x: torch.Tensor, expert_idx: torch.Tensor, active_num: int = 0, 
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     result = _routing_numpy(to_numpy(x), to_numpy(expert_idx), active_num, expert_capacity, expert_num, drop_pad_mode,
                             expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag)
-    empty = torch.empty(0, dtype=torch.int32, device=x.device)
-    return tuple(empty if value is None else to_torch(value, x) for value in result)  # type: ignore[return-value]
+    return tuple(torch.empty(0, dtype=torch.int32, device=x.device) if value is None else to_torch(value, x)
+                 for value in result)  # type: ignore[return-value]
 
 
 @_routing_op.register_fake
