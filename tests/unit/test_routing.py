@@ -178,6 +178,14 @@ def test_layouts_convert_and_are_told_apart():
         invert_expanded_row_idx(np.array([0, -1, 2], np.int32))
 
 
+def test_the_worked_example_in_drop_pad_mode():
+    # docs/semantics.md: E = 3, C = 1: each expert keeps its first slot (1, 2, 0 by expert), the rest drop.
+    expert_idx = np.array([[2, 0], [1, 0], [2, 1]], np.int32)
+    routed = moe_init_routing_v2(np.zeros((3, 1), np.float32), expert_idx, expert_capacity=1, expert_num=3,
+                                 drop_pad_mode=1)
+    assert routed.expanded_row_idx.tolist() == [2, 0, 1, -1, -1, -1]
+
+
 def test_the_other_layout_gives_another_gradient():
     # Passing row -> slot where slot -> row is expected is accepted (both are permutations) but wrong.
     expert_idx = np.array([[2, 0], [1, 0], [2, 1]], np.int32)
