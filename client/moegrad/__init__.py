@@ -5,6 +5,8 @@
 - :class:`Client` / :class:`AsyncClient` call a moegrad service (the NPU, or its bit-exact emulation);
 - :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order;
 - :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does.
+- :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
+  ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
   against the device and a float64 golden (docs/accuracy.md).
 """
@@ -50,6 +52,12 @@ from moegrad._reference import (
     moe_init_routing_v2_grad_golden,
     warm_up,
 )
+from moegrad._routing import (
+    MoeInitRoutingV2Result,
+    expanded_row_idx_layout,
+    invert_expanded_row_idx,
+    moe_init_routing_v2,
+)
 from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import (
@@ -92,6 +100,7 @@ __all__ = [
     "MalformedRequest",
     "Metrics",
     "MoeInitRoutingV2GradCall",
+    "MoeInitRoutingV2Result",
     "MoegradError",
     "PayloadTooLarge",
     "ServiceError",
@@ -115,7 +124,10 @@ __all__ = [
     "encode_body",
     "encode_body_view",
     "encode_tensor",
+    "expanded_row_idx_layout",
+    "invert_expanded_row_idx",
     "metrics",
+    "moe_init_routing_v2",
     "moe_init_routing_v2_grad",
     "moe_init_routing_v2_grad_golden",
     "skipped_rows",

@@ -43,6 +43,10 @@ _TENSORS = ("grad_expanded_x", "expanded_row_idx")
 _ATTRIBUTES = ("top_k", "drop_pad_mode", "active_num")
 _WIRE_FIELDS = frozenset(_TENSORS + _ATTRIBUTES + ("order", "allow_duplicate_indices"))
 _INDEX_CHUNK = 1 << 20  # index elements per scatter in the uniqueness check
+_CAST_HINTS = {  # what to do about a dtype the operator does not take
+    "grad_expanded_x": "cast it first, e.g. grad_expanded_x.astype(numpy.float32) (a torch tensor: .float())",
+    "expanded_row_idx": "cast it first, e.g. expanded_row_idx.astype(numpy.int32) (a torch tensor: .int())",
+}
 
 
 def _fail(status: AclnnStatus, field: str, message: str) -> InvalidArgument:
@@ -108,9 +112,12 @@ class MoeInitRoutingV2GradCall(BaseModel):
         for field, allowed in (("grad_expanded_x", GRAD_DTYPES), ("expanded_row_idx", ("int32",))):
             value = getattr(self, field)
             if not isinstance(value, np.ndarray):
-                raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}")
+                hint = ("; moegrad.Client and moegrad.torch take tensors, or pass tensor.numpy()"
+                        if type(value).__module__.startswith("torch") else "")
+                raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}{hint}")
             if dtype_name(value.dtype) not in allowed:
-                raise _fail(_INVALID, field, f"{field}.dtype={value.dtype} is not one of {', '.join(allowed)}")
+                raise _fail(_INVALID, field, f"{field}.dtype={value.dtype} is not one of {', '.join(allowed)}; "
+                                             f"{_CAST_HINTS[field]}")
             arrays.append(value)
         return arrays[0], arrays[1]
 
@@ -143,7 +150,13 @@ class MoeInitRoutingV2GradCall(BaseModel):
         want = 3 if mode == 1 else 2
         if grad.ndim != want:
             layout = "[E, C, H] in drop/pad mode" if mode == 1 else "[rows, H] when drop_pad_mode=0"
-            raise _fail(_TILING, "grad_expanded_x", f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}")
+            hint = ""
+            if mode == 0 and grad.ndim == 3:
+                hint = "; a 3-D [E, C, H] grad is the drop/pad layout: pass drop_pad_mode=1"
+            elif mode == 1 and grad.ndim == 2:
+                hint = "; a 2-D grad is the dropless/active layout: pass drop_pad_mode=0"
+            raise _fail(_TILING, "grad_expanded_x",
+                        f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}{hint}")
         if idx.ndim != 1:
             raise _fail(_TILING, "expanded_row_idx", f"expanded_row_idx has rank {idx.ndim} (shape {list(idx.shape)}); it must be 1-D [N*K]")
         if mode == 0 and active == 0 and grad.shape[0] != idx.shape[0]:
