@@ -29,7 +29,7 @@ import numpy as np
 
 from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad._spec import GRAD_DTYPES
-from moegrad._wire import _brief, dtype_name
+from moegrad._wire import brief, dtype_name
 
 __all__ = ["MoeInitRoutingV2Result", "expanded_row_idx_layout", "invert_expanded_row_idx", "moe_init_routing_v2"]
 
@@ -68,7 +68,7 @@ def _integer(field: str, raw: Any) -> int:
             raise TypeError
         return operator.index(raw)
     except TypeError:
-        raise _fail(_TILING, field, f"{field}={_brief(raw)} must be an integer") from None
+        raise _fail(_TILING, field, f"{field}={brief(raw)} must be an integer") from None
 
 
 def moe_init_routing_v2(
@@ -124,7 +124,7 @@ def moe_init_routing_v2(
     count_flag = _integer("expert_tokens_count_or_cumsum_flag", expert_tokens_count_or_cumsum_flag)
     if not isinstance(expert_tokens_before_capacity_flag, (bool, np.bool_)):
         raise _fail(_TILING, "expert_tokens_before_capacity_flag",
-                    f"expert_tokens_before_capacity_flag={_brief(expert_tokens_before_capacity_flag)} must be a bool")
+                    f"expert_tokens_before_capacity_flag={brief(expert_tokens_before_capacity_flag)} must be a bool")
     for field, value in (("active_num", active), ("expert_capacity", capacity), ("expert_num", experts)):
         if value < 0:
             raise _fail(_TILING, field, f"{field}={value} must be >= 0")
