@@ -1,1 +1,1 @@
-"""moegrad benchmarks (issue 7): `python -m bench.run [--quick|--full]` writes bench/RESULTS.md."""
+"""moegrad benchmarks: `python -m bench.run [--quick|--full]` writes bench/RESULTS.md."""

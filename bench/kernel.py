@@ -1,8 +1,8 @@
-"""Issue 7, target 1: the reference kernel against the machine's copy bandwidth and the naive NumPy sum.
+"""The reference kernel against the machine's copy bandwidth and the naive NumPy sum.
 
 Run: ``python -m bench.kernel [--quick|--full]`` (``make bench`` calls :func:`main` with quick=True).
 
-For each workload W1-W4 (issue 7) it builds the inputs from a forward routing, then repeats, in
+For each workload W1-W4 (:data:`WORKLOADS`) it builds the inputs from a forward routing, then repeats, in
 turns so that every method sees the same machine load:
 
 - ``copyto``: ``numpy.copyto`` of a 512 MiB float64 buffer; bandwidth counts read + write (1 GiB);
@@ -45,7 +45,7 @@ _F32 = np.dtype(np.float32)
 
 @dataclass(frozen=True)
 class Workload:
-    """One of issue 7's workloads. ``capacity`` > 0: drop/pad; ``active_num`` > 0: active mode."""
+    """One benchmark workload. ``capacity`` > 0: drop/pad; ``active_num`` > 0: active mode."""
 
     name: str
     tokens: int
@@ -281,7 +281,7 @@ def peak_extra(name: str, kernel: str) -> dict:
 
 def _machine() -> str:
     try:
-        from bench.run import machine
+        from bench._results import machine
         line = machine()
     except ImportError:
         import platform
@@ -304,7 +304,7 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
            machine_before: str, load_after: str, probes: list[dict | None]) -> str:
     mib = 2**20
     lines = [
-        "## Reference kernel (issue 7, target 1)",
+        "## Reference kernel",
         "",
         f"Command: `python -m bench.kernel {'--quick' if quick else '--full'}` (also run by `make bench` "
         f"through `python -m bench.run`); {elapsed_s:.0f} s. Machine: {machine_before}; load average after: {load_after}.",
@@ -359,7 +359,7 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
         if min(p["cores"] for p in measured) < 1.5:
             lines += ["", "The compute probe did not get both cores in this run (other work was running). While the "
                       "kernel's two lanes share about one core, it reads memory at about one core's read-stream "
-                      "rate (measured 10-12 GB/s single-threaded on W1/W2, the same as the probe), which is below "
+                      "rate (see the notes at the end of this file), which is below "
                       "half of what `copyto` counts, since copyto's writes count too: a bandwidth ratio under 0.5 "
                       "in such a run measures the machine's share more than the kernel."]
     lines += [
@@ -385,9 +385,8 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
         "Threads: the compiled kernel releases the GIL; one lane per thread of the reference module's shared "
         "pool (`MOEGRAD_REFERENCE_THREADS`, default the usable CPUs, at most 8) takes spans of about 4 MiB of "
         "input until none is left. A service running two streams queues both calls' lanes on the same threads, "
-        "so it never runs more compute threads than the pool has. numba's prange measured the same as the lanes "
-        "here (within 3% on W1-W3) but starts a team of threads per calling thread (two streams: twice the "
-        "cores), and its default threading layer aborts on concurrent launches.",
+        "so it never runs more compute threads than the pool has (why not numba's prange: the notes at the "
+        "end of this file).",
     ]
     return "\n".join(lines)
 
@@ -418,7 +417,7 @@ def main(quick: bool = True, *, write: bool = True, workloads: tuple[str, ...] =
     body = render(results, memory, quick, time.monotonic() - started, machine_before, load_after, probes)
     print(body, flush=True)
     if write:
-        from bench.run import write_section
+        from bench._results import write_section
 
         write_section("kernel", body)
     return body
@@ -442,7 +441,7 @@ def _cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bench.run import stop_on_sigterm
+    from bench._procs import stop_on_sigterm
 
     stop_on_sigterm()
     sys.exit(_cli())

@@ -1,115 +1,34 @@
-"""``python -m bench.run [--quick|--full]`` (``make bench``): every benchmark of issue 7, one run.
+"""``python -m bench.run [--quick|--full]`` (``make bench``): every benchmark, one run.
 
 Sections, in this order (each one is skipped with a note when its module is not there):
 
-1. kernel  -- ``bench.kernel.main(quick=...)`` (target 1; it writes its own section);
-2. service -- :mod:`bench.service` (targets 2 and 3: the service on loopback, the PyTriton peer,
-   memory); this module writes its ``service`` and ``memory`` sections;
+1. kernel  -- ``bench.kernel.main(quick=...)`` (the kernels against NumPy; it writes its own section);
+2. service -- :mod:`bench.service` (the service on loopback, the PyTriton peer, memory); this
+   module writes its ``service`` and ``memory`` sections;
 3. soak    -- ``bench.soak.main(duration_s=...)``: 60 s in full mode, shortened in quick mode.
 
 Quick mode (the default) is sized to finish in under 5 minutes on the 2-core machine, the kernel
 section included, as long as the PyTriton peer's venv exists (bench/_out/pytriton-venv, built once;
 quick mode allows the build only a short time and otherwise skips the peer with a note). Results go
-to bench/RESULTS.md; only the sections between this run's markers are replaced.
-
-This module also holds what the sections share: :func:`machine` (the machine description every
-table carries) and :func:`write_section` (replace one marked section of RESULTS.md).
+to bench/RESULTS.md (through :mod:`bench._results`); only the sections between this run's markers
+are replaced.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
-import os
-import platform
-import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 
-__all__ = ["QUICK_BUDGET_S", "RESULTS_PATH", "machine", "main", "write_section"]
+from bench._procs import stop_on_sigterm
+from bench._results import HEADER, QUICK_BUDGET_S, RESULTS_PATH, machine, write_section
 
-RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-#: Quick mode's promise: the whole run (kernel section and PyTriton peer included) ends within this.
-QUICK_BUDGET_S = 300.0
+__all__ = ["main"]
+
 SOAK_FULL_S = 60.0
 SOAK_QUICK_S = 10.0
-
-_HEADER = """# moegrad benchmark results
-
-Written by `make bench` (`python -m bench.run`; quick mode unless `BENCH_ARGS=--full`). Each section
-is replaced by the run that measures it and names the machine it ran on; issue 7 defines the
-workloads (W1-W4, S1, S2) and the targets. Numbers from a shared or noisy machine are only
-comparable as ratios measured side by side in one run.
-
-Machine when this file was created: {machine}
-"""
-
-
-def machine() -> str:
-    """One line: CPU model, cores, memory, NumPy and its BLAS threads, Python, kernel, date, load."""
-    import numpy as np
-
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        model = platform.processor() or model
-    cores = os.cpu_count() or 0
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-    memory = ""
-    try:
-        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal:"))
-        memory = f", {kib / 2**20:.0f} GiB RAM"
-    except (OSError, StopIteration, ValueError):
-        pass
-    load = ", load average %.1f/%.1f/%.1f" % os.getloadavg() if hasattr(os, "getloadavg") else ""
-    return (f"{model}, {cores} cores ({usable} usable){memory}; NumPy {np.__version__}, {_blas_threads()}; "
-            f"Python {platform.python_version()}; Linux {platform.release()}; "
-            f"{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}{load}")
-
-
-def _blas_threads() -> str:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        name = "unknown BLAS"
-        try:
-            import numpy as np
-
-            config = np.show_config(mode="dicts")
-            name = config["Build Dependencies"]["blas"]["name"]
-        except Exception:  # noqa: BLE001 - only a description
-            pass
-        return f"BLAS {name}, threads unknown (threadpoolctl not installed)"
-    pools = [f"{p.get('internal_api', '?')} {p.get('num_threads', '?')} threads" for p in threadpool_info()]
-    return "BLAS " + (", ".join(pools) if pools else "not loaded")
-
-
-def write_section(name: str, body: str, path: Path = RESULTS_PATH) -> None:
-    """Replace the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` with ``body``.
-
-    The file is created with a header and the machine description when missing; a section whose
-    markers are not there yet is appended. Other sections are left byte for byte as they were.
-    """
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    block = f"{begin}\n{body.strip()}\n{end}"
-    text = path.read_text() if path.exists() else _HEADER.format(machine=machine())
-    start = text.find(begin)
-    stop = text.find(end, start + len(begin)) if start >= 0 else -1
-    if start >= 0 and stop >= 0:
-        text = text[:start] + block + text[stop + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 def _optional(module: str):
@@ -138,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     print(f"bench.run: {'quick' if quick else 'full'} mode; machine: {machine()}", flush=True)
     if not RESULTS_PATH.exists():
-        RESULTS_PATH.write_text(_HEADER.format(machine=machine()))
+        RESULTS_PATH.write_text(HEADER.format(machine=machine()))
 
     def section(name: str, run) -> None:
         if name in args.skip:
@@ -197,12 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     if quick and total_s > QUICK_BUDGET_S:
         print(f"bench.run: quick mode took {total_s:.0f} s, over its {QUICK_BUDGET_S:.0f} s budget", flush=True)
     return 1 if failed else 0
-
-
-def stop_on_sigterm() -> None:
-    """Let SIGTERM (``timeout``, a CI runner) unwind the bench like Ctrl-C does, so the ``finally``
-    blocks stop every server and load process it started instead of leaving them running."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 if __name__ == "__main__":

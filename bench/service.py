@@ -1,16 +1,16 @@
-"""Service benchmarks (issue 7, targets 2 and 3): moegrad on loopback, its floors, a PyTriton peer, memory.
+"""Service benchmarks: moegrad on loopback, its floors, a PyTriton peer, memory.
 
 Everything runs on this machine, on 127.0.0.1 only, with bounded loops; every server this module
 starts is stopped in a ``finally``. Two sections of bench/RESULTS.md come from here:
 
-- ``service`` (target 2): S1 sequential latency with the sync :class:`moegrad.Client` against its
+- ``service``: S1 sequential latency with the sync :class:`moegrad.Client` against its
   floors (the same bytes POSTed by bare httpx and by a plain socket; ``GET /health/live`` with the
   same client); S1 throughput with 16 concurrent requests from a separate load process (moegrad's
   clients, tritonclient, and a plain-socket load that measures the server's capacity); S2 end to end against the in-process time of the same
   call's encode + validate + compute + decode, and against raw TCP loopback moving the same bytes;
   the PyTriton peer (the naive NumPy function under PyTriton 0.7, bench/pytriton_peer/) against
   moegrad's v2 endpoint, both driven by tritonclient[http] on the same payloads.
-- ``memory`` (target 3): the server's peak RSS growth over one S2 call (VmHWM after resetting it
+- ``memory``: the server's peak RSS growth over one S2 call (VmHWM after resetting it
   through /proc/<pid>/clear_refs), and its RSS while serving S2 again and again.
 
 The workloads: S1 is the documentation's example (grad [[.1,.1],[.3,.3],[.2,.2],[.4,.4]] float32,
@@ -36,7 +36,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -49,6 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench import _procs
+from bench._procs import REFERENCE_FLAGS, ServerProcess, free_port, log_tail, stop_on_sigterm
+from bench._results import QUICK_BUDGET_S, machine, write_section
 
 __all__ = ["FULL", "QUICK", "Mode", "Payload", "main", "s1", "s2"]
 
@@ -104,7 +107,7 @@ class Payload:
 
 
 def s1() -> Payload:
-    """The documentation's example; its result per DESIGN.md section 7 (float32: 0.3, 0.70000005)."""
+    """The documentation's example; its result per docs/operator.md (float32: 0.3, 0.70000005)."""
     grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
     idx = np.array([2, 0, 1, 3], dtype=np.int32)
     expected = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32)
@@ -124,12 +127,6 @@ PAYLOADS: dict[str, Callable[[], Payload]] = {"s1": s1, "s2": s2}
 
 
 # --- processes --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -174,109 +171,31 @@ def reset_peak_rss(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
-class ServerProcess:
-    """A server subprocess in its own process group, ready when ``ready_path`` answers 200.
-
-    Used as a context manager: ``__exit__`` always stops it (SIGTERM, then SIGKILL to its own
-    process group after ``stop_within_s``).
-    """
-
-    def __init__(self, name: str, argv: list[str], *, url: str, ready_path: str, env: dict[str, str],
-                 ready_within_s: float, stop_within_s: float = 30.0) -> None:
-        self.name, self.argv, self.url, self.ready_path, self.env = name, argv, url, ready_path, env
-        self.ready_within_s, self.stop_within_s = ready_within_s, stop_within_s
-        self.log_path = OUT_DIR / "logs" / f"{name}-{url.rsplit(':', 1)[1]}.log"
-        self.process: subprocess.Popen | None = None
-        self.startup_s = math.nan
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def __enter__(self) -> ServerProcess:
-        import httpx
-
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=self.env, cwd=ROOT, start_new_session=True)
-        try:
-            deadline = started + self.ready_within_s
-            with httpx.Client(timeout=2.0) as http:
-                while time.monotonic() < deadline:
-                    if self.process.poll() is not None:
-                        raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log "
-                                           f"{self.log_path}:\n{_tail(self.log_path)}")
-                    with contextlib.suppress(httpx.HTTPError):
-                        if http.get(self.url + self.ready_path).status_code == 200:
-                            self.startup_s = time.monotonic() - started
-                            return self
-                    time.sleep(0.2)
-            raise RuntimeError(f"{self.name} was not ready within {self.ready_within_s:.0f} s; log "
-                               f"{self.log_path}:\n{_tail(self.log_path)}")
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(self.stop_within_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
-        # Anything the server started and left behind in its own group (PyTriton's tritonserver).
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
-            for _ in range(50):  # up to 5 s for the group to empty
-                time.sleep(0.1)
-                try:
-                    os.killpg(process.pid, 0)
-                except ProcessLookupError:
-                    return
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return "(no log)"
-
-
 def moegrad_server(*, streams: int = 2, pythonpath: str | None = None) -> ServerProcess:
-    port = free_port()
-    argv = [sys.executable, "-m", "moegrad_service", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--backend", "reference", "--streams", str(streams), "--log-level", "warning"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGRAD_")}
+    """A moegrad server (reference backend, ``streams`` streams) on a free loopback port, ready.
+
+    ``pythonpath``: run it from another source tree (its client/ and service/ first on PYTHONPATH).
+    """
+    env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([f"{pythonpath}/client", f"{pythonpath}/service"])
-    return ServerProcess("moegrad", argv, url=f"http://127.0.0.1:{port}", ready_path="/health/ready", env=env,
-                         ready_within_s=60.0)
+    return _procs.moegrad_server(OUT_DIR / "logs", flags=(*REFERENCE_FLAGS, "--streams", str(streams)), env=env,
+                                 cwd=ROOT)
 
 
 def moegrad_command(streams: int = 2) -> str:
-    return (f"python -m moegrad_service serve --host 127.0.0.1 --port PORT --backend reference "
-            f"--streams {streams} --log-level warning")
+    return " ".join(["python -m moegrad_service serve --host 127.0.0.1 --port PORT", *REFERENCE_FLAGS,
+                     "--streams", str(streams)])
 
 
 def pytriton_server(venv: Any) -> ServerProcess:
+    """The PyTriton peer on a free loopback port, ready."""
     port = free_port()
     argv = [str(venv.python), str(ROOT / "bench" / "pytriton_peer" / "server.py"), "--port", str(port),
             "--workspace", str(OUT_DIR / f"pytriton-workspace-{port}")]
-    return ServerProcess("pytriton", argv, url=f"http://127.0.0.1:{port}", ready_path=f"/v2/models/{MODEL}/ready",
-                         env=venv.env(), ready_within_s=240.0)
+    return ServerProcess(argv, url=f"http://127.0.0.1:{port}", log_path=OUT_DIR / "logs" / f"pytriton-{port}.log",
+                         ready_path=f"/v2/models/{MODEL}/ready", env=venv.env(), cwd=ROOT, ready_within_s=240.0,
+                         name="pytriton").start()
 
 
 # --- statistics -------------------------------------------------------------------------------
@@ -567,7 +486,7 @@ class LoadProcess:
         if not line:
             self.process.wait(30)
             raise RuntimeError(f"the load process for {self.kind} at {self.url} exited ({self.process.returncode}):\n"
-                               f"{_tail(self.log_path)}")
+                               f"{log_tail(self.log_path)}")
         return json.loads(line)
 
     def wait_ready(self) -> None:
@@ -917,13 +836,11 @@ def _peer(mode: Mode, budget_s: float | None) -> tuple[Any | None, str]:
 
 def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | None = None,
          budget_s: float | None = None) -> dict[str, str]:
-    """Measure targets 2 and 3; return (and with ``write``, store) the ``service`` and ``memory`` sections.
+    """Measure the service and the memory sections; return (and with ``write``, store) the ``service`` and ``memory`` sections.
 
     ``budget_s``: seconds left of quick mode's 5-minute budget (bench.run passes it); None in full
     mode. It only decides whether a missing PyTriton venv may be built in this run.
     """
-    from bench.run import machine
-
     global _STARTED
     _STARTED = time.monotonic()
     mode = QUICK if quick else FULL
@@ -933,8 +850,6 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
     small, large = s1(), s2()
     results: dict[str, Any] = {}
     if quick and budget_s is None:
-        from bench.run import QUICK_BUDGET_S
-
         budget_s = QUICK_BUDGET_S  # run alone: the whole budget is this module's
     peer_venv, peer_note = _peer(mode, budget_s if quick else None)
     log(f"PyTriton peer: {peer_note}")
@@ -1021,8 +936,6 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
         "memory": _memory_section(results, mode, machine_line, command, large),
     }
     if write:
-        from bench.run import write_section
-
         for name, body in sections.items():
             write_section(name, body)
     return sections
@@ -1061,7 +974,7 @@ def _service_section(r: dict, mode: Mode, machine_line: str, command: str, small
     have_peer = "PyTriton" in peer_s2
 
     lines = [
-        "## Service on loopback (issue 7, target 2)",
+        "## Service on loopback",
         "",
         f"Command: {command}; {mode.name} mode. Machine: {machine_line}.",
         "",
@@ -1222,7 +1135,7 @@ def _memory_section(r: dict, mode: Mode, machine_line: str, command: str, large:
     payload_mib = large.request_bytes / MIB
     reply_mib = large.reply_bytes / MIB
     lines = [
-        "## Server memory (issue 7, target 3; and target 2's copies of the S2 payload)",
+        "## Server memory (and the copies of the S2 payload)",
         "",
         f"Command: {command}; {mode.name} mode. Machine: {machine_line}.",
         "",
@@ -1314,7 +1227,5 @@ def _cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bench.run import stop_on_sigterm
-
     stop_on_sigterm()
     sys.exit(_cli())

@@ -1,4 +1,4 @@
-"""Soak (issue 8): 16 concurrent clients against one moegrad server on loopback, for a fixed time.
+"""Soak: 16 concurrent clients against one moegrad server on loopback, for a fixed time.
 
 Usage::
 
@@ -39,11 +39,7 @@ import argparse
 import collections
 import json
 import math
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -56,6 +52,8 @@ import ml_dtypes
 import numpy as np
 
 import moegrad
+from bench._procs import REFERENCE_FLAGS, moegrad_server, stop_on_sigterm
+from bench._results import machine, write_section
 
 __all__ = ["SoakReport", "Workload", "main", "rss_bytes", "run_soak"]
 
@@ -66,7 +64,9 @@ DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.f
 ORDERS = (None, "ascend910b", "sequential")  # None: the server's default (ascend910b unless configured)
 #: Statuses a soak answer may have (docs/protocol.md): results, the two client mistakes, a full queue.
 ALLOWED_STATUSES = frozenset({200, 400, 422, 503})
-SERVER_FLAGS = ("--backend", "reference", "--streams", "2", "--max-queue", "8", "--log-level", "warning")
+SERVER_FLAGS = (*REFERENCE_FLAGS, "--streams", "2", "--max-queue", "8")
+#: How long the server may take to drain and exit after SIGTERM, in seconds.
+STOP_WITHIN_S = 60.0
 
 
 def rss_bytes(pid: int) -> int:
@@ -255,7 +255,7 @@ class SoakReport:
         calls = ", ".join(f"{kind} {outcome}: {count}" for (kind, outcome), count in sorted(kinds.items()))
         verdict = "**pass**" if not self.failures else f"**FAIL** ({len(self.failures)}: {'; '.join(self.failures[:3])})"
         return "\n".join([
-            "## Soak (issue 8)",
+            "## Soak",
             "",
             f"Command: `{command}`. Machine: {machine}.",
             "",
@@ -378,59 +378,6 @@ def run_soak(url: str, workload: Workload, *, duration_s: float, clients: int = 
     return report
 
 
-# --- the server -----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """``python -m moegrad_service serve`` on a free loopback port, for the soak."""
-
-    def __init__(self, flags: tuple[str, ...] = SERVER_FLAGS, log_path: Path | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "moegrad_service", "serve", "--host", "127.0.0.1", "--port",
-                        str(self.port), *flags]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGRAD_")}
-        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + 60.0
-        with httpx.Client(timeout=2.0) as http:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the server exited with {self.process.returncode} before it was ready")
-                try:
-                    if http.get(self.url + "/health/ready").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("the server was not ready within 60 s")
-                time.sleep(0.1)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM, then wait; the exit code (a kill after ``timeout_s`` gives the signal's negative)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
-        return self.process.returncode
-
-
 def main(argv: list[str] | None = None, *, duration_s: float | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
@@ -442,12 +389,10 @@ def main(argv: list[str] | None = None, *, duration_s: float | None = None) -> i
     args = parser.parse_args([] if argv is None and duration_s is not None else argv)
     if duration_s is not None:
         args.duration = duration_s
-    from bench.run import machine, write_section
-
     print(f"bench.soak: preparing the workload ({args.big_calls} big calls of {args.big_mib:.0f} MiB)", flush=True)
     workload = Workload.build(big_calls=args.big_calls, big_mib=args.big_mib)
-    server = None if args.url else ServerProcess(log_path=ROOT / "bench" / "_out" / "soak-server.log"
-                                                 if (ROOT / "bench" / "_out").is_dir() else None)
+    server = None if args.url else moegrad_server(ROOT / "bench" / "_out" / "logs", flags=SERVER_FLAGS,
+                                                  stop_within_s=STOP_WITHIN_S, name="soak-server")
     url = args.url or server.url
     machine_line = machine()
     print(f"bench.soak: {args.clients} clients for {args.duration:.0f} s against {url}", flush=True)
@@ -473,7 +418,5 @@ def main(argv: list[str] | None = None, *, duration_s: float | None = None) -> i
 
 
 if __name__ == "__main__":
-    from bench.run import stop_on_sigterm
-
     stop_on_sigterm()
     sys.exit(main())

@@ -90,7 +90,7 @@ INVALID = [
     ("slots not a multiple of top_k", _with(top_k=3), 561002, "expanded_row_idx"),
     ("index out of range", _index([2, 0, 1, 4]), 161002, "expanded_row_idx"),
     ("repeated index", _index([2, 0, 2, 3]), 161002, "expanded_row_idx"),
-    ("unknown order", _with(order="ascend950"), 161002, "order"),
+    ("unknown order", _with(order="ascend960"), 161002, "order"),
 ]
 
 

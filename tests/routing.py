@@ -3,7 +3,7 @@
 The forward routing takes each token's K expert choices ``expert_ids`` [N, K], sorts the N*K slots
 by expert id with a *stable* sort (so slots of one expert stay in token order), and records for slot
 ``i*K + t`` where it landed: ``expanded_row_idx[i*K + t]`` is that slot's row in the expanded,
-expert-sorted tensor. The backward reads gradExpandedX at those rows (DESIGN.md section 3).
+expert-sorted tensor. The backward reads gradExpandedX at those rows (docs/operator.md).
 
 - dropless (drop_pad_mode=0, active_num=0): the row is the slot's position p in the sorted order;
   expanded_row_idx is a permutation of [0, N*K) and gradExpandedX is [N*K, H].

@@ -5,6 +5,8 @@
 - :class:`Client` / :class:`AsyncClient` call a moegrad service (the NPU, or its bit-exact emulation);
 - :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order;
 - :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does.
+- :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
+  ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
   against the device and a float64 golden (docs/accuracy.md).
 """
@@ -28,6 +30,7 @@ from moegrad._accuracy import (
     skipped_rows,
     summand_magnitude,
 )
+from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
 from moegrad._client import AsyncClient, Client, CompareResult, GradResult
 from moegrad._errors import (
     AclnnStatus,
@@ -49,11 +52,19 @@ from moegrad._reference import (
     moe_init_routing_v2_grad_golden,
     warm_up,
 )
+from moegrad._routing import (
+    MoeInitRoutingV2Result,
+    expanded_row_idx_layout,
+    invert_expanded_row_idx,
+    moe_init_routing_v2,
+)
 from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import (
     DTYPES,
     MAX_RANK,
+    REQUEST_LIMITS,
+    StructureLimits,
     brief,
     decode_body,
     decode_tensor,
@@ -69,9 +80,11 @@ __all__ = [
     "GRAD_DTYPES",
     "MAX_RANK",
     "ORDERS",
+    "REQUEST_LIMITS",
     "STANDARDS",
     "THRESHOLDS",
     "AclnnStatus",
+    "Ascend950Tiling",
     "AsyncClient",
     "Client",
     "CompareResult",
@@ -87,16 +100,19 @@ __all__ = [
     "MalformedRequest",
     "Metrics",
     "MoeInitRoutingV2GradCall",
+    "MoeInitRoutingV2Result",
     "MoegradError",
     "PayloadTooLarge",
     "ServiceError",
     "StandardVerdict",
+    "StructureLimits",
     "TransportError",
     "Unauthorized",
     "WorstElement",
     "ZeroRowCheck",
     "__version__",
     "accumulation_schedule",
+    "ascend950_tiling",
     "bin_count",
     "brief",
     "check_compare_arguments",
@@ -108,7 +124,10 @@ __all__ = [
     "encode_body",
     "encode_body_view",
     "encode_tensor",
+    "expanded_row_idx_layout",
+    "invert_expanded_row_idx",
     "metrics",
+    "moe_init_routing_v2",
     "moe_init_routing_v2_grad",
     "moe_init_routing_v2_grad_golden",
     "skipped_rows",

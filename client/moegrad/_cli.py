@@ -153,7 +153,8 @@ def _add_call_arguments(parser: argparse.ArgumentParser, *, order_default: str, 
     group.add_argument("--active-num", type=int, default=0, metavar="A",
                        help="A, rows of grad_expanded_x in active mode; 0 dropless (default: %(default)s)")
     group.add_argument("--order", choices=ORDERS, default=None,
-                       help=f"accumulation order: ascend910b (the Atlas A2/A3 device) or sequential "
+                       help=f"accumulation order: ascend910b (the Atlas A2/A3 device), ascend950 (the Ascend "
+                            f"950PR/950DT device; ascend950@2025-12 an earlier kernel revision) or sequential "
                             f"(Huawei's golden) (default: {order_default})")
     group.add_argument("--allow-duplicate-indices", action="store_true",
                        help="accept repeated indices, which the documentation forbids")

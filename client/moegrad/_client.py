@@ -69,6 +69,7 @@ from moegrad._errors import (
     Unauthorized,
 )
 from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad._tensors import to_numpy, to_torch
 from moegrad._version import __version__
 from moegrad._wire import decode_body, decode_tensor, dtype_name, encode_body_view, encode_tensor
 
@@ -90,6 +91,8 @@ _DEFAULT_RETRY_AFTER_S = 1.0
 # Connection failures after which the request cannot have been processed, or the computation is
 # simply repeated (a call is a pure function of its body, so repeating it is safe).
 _RETRYABLE_NETWORK = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+_CONNECT_HINT = ("; is a moegrad server running there? Start one (`moegrad-service serve`, or `make serve` in a "
+                 "checkout), or point the client at the right one (base_url; the CLI's --url or MOEGRAD_URL)")
 
 
 class _UseClientDefault:
@@ -296,6 +299,12 @@ def _error_from_response(response: httpx.Response) -> MoegradError:
         snippet = _text_snippet(response)
         if snippet:
             message += f": {snippet}"
+    if status == 404:  # name the URL actually requested: a wrong base_url shows in it
+        request = response.request
+        if str(request.url) not in message:
+            message += f" ({request.method} {request.url})"
+        if "/v1/v1/" in request.url.path:
+            message += "; base_url must be the service's root (e.g. http://127.0.0.1:8000), without the /v1"
     factory = _STATUS_ERRORS.get(status)
     if factory is None:
         return ServiceError(message, status_code=status, problem=problem)
@@ -559,7 +568,8 @@ class _ClientCore:
         if deadline_passed or (isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)):
             return DeadlineExceeded(f"no reply from {request.url} within {timeout_s} s ({what})"), False
         if isinstance(exc, httpx.TransportError):
-            return TransportError(f"cannot reach {request.url}: {what}"), isinstance(exc, _RETRYABLE_NETWORK)
+            hint = _CONNECT_HINT if isinstance(exc, httpx.ConnectError) else ""
+            return TransportError(f"cannot reach {request.url}: {what}{hint}"), isinstance(exc, _RETRYABLE_NETWORK)
         return ServiceError(f"{request.method} {request.url} failed: {what}"), False
 
     @staticmethod
@@ -753,8 +763,9 @@ class Client(_ClientBase):
 
         Args:
             grad_expanded_x: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); float16,
-                bfloat16 (``ml_dtypes.bfloat16``) or float32; any strides and byte order.
-            expanded_row_idx: [N*K] int32 (-1 marks a dropped slot in drop/pad mode).
+                bfloat16 (``ml_dtypes.bfloat16``) or float32; any strides and byte order. A
+                ``torch.Tensor`` on any device is accepted too (copied to host memory unless on the CPU).
+            expanded_row_idx: [N*K] int32 (-1 marks a dropped slot in drop/pad mode); an array or a tensor.
             top_k: K > 0.
             drop_pad_mode: 0 dropless/active, 1 drop/pad.
             active_num: A; 0 dropless, > 0 active (ignored in drop/pad mode).
@@ -764,7 +775,8 @@ class Client(_ClientBase):
             timeout_s: this call's deadline in seconds (None: none); not passed: the client's.
 
         Returns:
-            grad_x, [N, H], the dtype of grad_expanded_x, a writable array owned by the caller.
+            grad_x, [N, H], the dtype of grad_expanded_x, a writable array owned by the caller; a
+            ``torch.Tensor`` on grad_expanded_x's device when grad_expanded_x is one.
 
         Raises:
             InvalidArgument: a documented constraint is broken (161001 / 161002 / 561002), locally
@@ -772,9 +784,9 @@ class Client(_ClientBase):
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
             DeviceFault, ServiceError, TransportError: see the module docstring.
         """
-        call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
-                                    order, allow_duplicate_indices)
-        return self.run(call, timeout_s=timeout_s).grad_x
+        call = self._core.grad_call(to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), top_k, drop_pad_mode,
+                                    active_num, order, allow_duplicate_indices)
+        return to_torch(self.run(call, timeout_s=timeout_s).grad_x, grad_expanded_x)
 
     def run(
         self,
@@ -918,9 +930,9 @@ class AsyncClient(_ClientBase):
         timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
     ) -> np.ndarray:
         """As :meth:`Client.moe_init_routing_v2_grad`, awaited."""
-        call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
-                                    order, allow_duplicate_indices)
-        return (await self.run(call, timeout_s=timeout_s)).grad_x
+        call = self._core.grad_call(to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), top_k, drop_pad_mode,
+                                    active_num, order, allow_duplicate_indices)
+        return to_torch((await self.run(call, timeout_s=timeout_s)).grad_x, grad_expanded_x)
 
     async def run(
         self,

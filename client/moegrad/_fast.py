@@ -39,10 +39,11 @@ from types import ModuleType
 import ml_dtypes
 import numpy as np
 
-__all__ = ["accumulate", "available", "warm_up"]
+__all__ = ["accumulate", "accumulate_950", "available", "warm_up"]
 
 _CHUNK_INPUT_BYTES = 4 << 20  # gathered input per chunk: enough to hide the call, small enough to balance
 _BIN_BYTES = 128 << 10  # float32 bins of one tile: they stay in the core's L2
+_TILE_950 = 4096  # elements of H per pass of the 950 loop: its one float32 accumulator row stays in L1
 _BIT_VIEWS = {  # the dtype the kernel sees: it names the format too (see _fast_jit)
     np.dtype(np.float32): np.dtype(np.float32),
     np.dtype(np.float16): np.dtype(np.int16),
@@ -86,6 +87,8 @@ def warm_up() -> bool:
         chains, group = _plan((("set", 0, 0), ("add", 0, 1)))
         jit.run_rows(_read_only(rows), _aux(view, 1), _read_only(np.arange(2, dtype=np.int32)), 2, chains, group, 1,
                      np.empty((1, 1), dtype=view), 0, 1)
+        jit.run_rows_950(_read_only(rows), _aux(view, 1), _read_only(np.arange(2, dtype=np.int32)), 2, 2, True, 1,
+                         np.empty((1, 1), dtype=view), 0, 1)
     return True
 
 
@@ -186,6 +189,48 @@ def accumulate(rows: np.ndarray, index: np.ndarray, top_k: int, schedule: Sequen
     def lane(_first: int, _last: int) -> None:  # one per thread: take spans until none is left
         while (number := next(taken)) < len(spans):
             jit.run_rows(rows_bits, aux, flat_index, top_k, chains, group, tile, out_bits, *spans[number])
+
+    map_chunks(lane, max(1, min(lanes, len(spans))), 1)
+    return True
+
+
+def accumulate_950(rows: np.ndarray, index: np.ndarray, top_k: int, k_chunk: int, grouped: bool, out: np.ndarray,
+                   map_chunks: Callable[[Callable[[int, int], None], int, int], None], lanes: int) -> bool:
+    """grad_x into ``out`` in the Ascend 950 order; False (``out`` untouched) when it cannot take the call.
+
+    Same bits as the NumPy path running :func:`moegrad._ascend950.ascend950_schedule` (one float32
+    accumulator from +0.0; groups of four restarting every ``k_chunk`` slots, or a plain chain when
+    ``grouped`` is False; a skipped slot adds +0.0; one rounding at the end).
+
+    Args:
+        rows: [R, H] grad_expanded_x (drop/pad: [E*C, H]); float32, float16 or bfloat16.
+        index: [N*K] int32 expanded_row_idx; a slot outside [0, R) is skipped.
+        top_k: K.
+        k_chunk: the slots per pass, 1 <= k_chunk <= K.
+        grouped: groups of four (the newest revision) or a plain chain (the 2025-12 revision).
+        out: [N, H] C-contiguous, the dtype of ``rows``; N >= 1, H >= 1.
+        map_chunks: runs ``fn(start, stop)`` over row chunks (the reference module's thread pool).
+        lanes: how many of the pool's threads this call may use.
+    """
+    view = _BIT_VIEWS.get(rows.dtype)
+    if view is None or out.dtype != rows.dtype or not rows.flags.c_contiguous or not out.flags.c_contiguous:
+        return False
+    jit = _load_jit()
+    if jit is None:
+        return False
+    tokens, hidden = out.shape
+    tile = min(hidden, _TILE_950)
+    zero = _aux(view, hidden)[:1]  # row 0 of the aux rows: all +0.0
+    rows_bits = _read_only(rows.view(view))
+    out_bits = out.view(view)
+    flat_index = _read_only(np.ascontiguousarray(index.reshape(-1), dtype=np.int32))
+    chunk = max(1, _CHUNK_INPUT_BYTES // max(1, top_k * hidden * rows.itemsize))
+    spans = [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
+    taken = itertools.count()
+
+    def lane(_first: int, _last: int) -> None:
+        while (number := next(taken)) < len(spans):
+            jit.run_rows_950(rows_bits, zero, flat_index, top_k, k_chunk, grouped, tile, out_bits, *spans[number])
 
     map_chunks(lane, max(1, min(lanes, len(spans))), 1)
     return True

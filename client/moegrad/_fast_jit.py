@@ -22,7 +22,9 @@ Numerics (DESIGN.md section 3), and how this code keeps them exact:
 - The conversions are written as 32-bit LLVM IR (numba would type the same Python integer code as
   64-bit, which halves the vector width); the loops around them are plain numba.
 - The schedule (``accumulation_schedule``) is data: per-bin chains of slots (see ``run_rows`` and
-  ``moegrad._fast._plan``), so both orders run through the same compiled code.
+  ``moegrad._fast._plan``), so both A2/A3-shaped orders run through the same compiled code. The
+  Ascend 950 order (one accumulator, groups of four restarting every chunk of slots) has its own
+  loop, ``run_rows_950``, with the same conversions.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "narrow_f16_portable", "run_rows", "widen_bf16", "widen_f16",
-           "widen_f16_portable"]
+__all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "narrow_f16_portable", "run_rows", "run_rows_950", "widen_bf16",
+           "widen_f16", "widen_f16_portable"]
 
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
@@ -449,3 +451,77 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
                     _add_bin(results[j - stride, :width], results[j, :width])
                 stride *= 2
             _store(results[0, :width], out[i, h0:h1])
+
+
+# The Ascend 950 order (moegrad._ascend950): one float32 accumulator per element from +0.0; groups of
+# four slots added as ((a + b) + (c + d)), leftovers one by one; a skipped slot reads the +0.0 row.
+
+@njit
+def _slot(rows, zero, index, position, h0, h1):
+    """The slice [h0, h1) of the row slot ``position`` reads; a skipped slot reads the +0.0 row."""
+    r = index[position]
+    if 0 <= r < rows.shape[0]:
+        return rows[r, h0:h1]
+    return zero[0, h0:h1]
+
+
+@njit
+def _add_group(total, a, b, c, d):
+    for h in range(total.shape[0]):
+        total[h] = total[h] + ((_widen(a[h]) + _widen(b[h])) + (_widen(c[h]) + _widen(d[h])))
+
+
+@njit
+def _add_chain(total, a, b, c, d):
+    for h in range(total.shape[0]):
+        total[h] = (((total[h] + _widen(a[h])) + _widen(b[h])) + _widen(c[h])) + _widen(d[h])
+
+
+@njit
+def _add_one(total, a):
+    for h in range(total.shape[0]):
+        total[h] = total[h] + _widen(a[h])
+
+
+@_compiled
+def run_rows_950(rows, zero, index, top_k, k_chunk, grouped, tile, out, start, stop):
+    """grad_x rows [start, stop) in the Ascend 950 order into ``out`` (same bit type as ``rows``).
+
+    Args:
+        rows: [R, H] C-contiguous float32 / int16 (float16 bits) / uint16 (bfloat16 bits).
+        zero: [1, H] the same type, all +0.0: what a skipped slot (index outside [0, R)) adds.
+        index: [N*K] int32.
+        top_k: K.
+        k_chunk: slots per pass; the groups of four restart at each pass (1 <= k_chunk <= K).
+        grouped: True for groups of four, False for a plain chain (the 2025-12 revision).
+        tile: elements of H per pass.
+        out: [N, H] C-contiguous, the type of ``rows``.
+        start, stop: the rows of ``out`` to compute.
+    """
+    hidden = rows.shape[1]
+    work = np.empty(tile, dtype=np.float32)
+    for i in range(start, stop):
+        base = i * top_k
+        for h0 in range(0, hidden, tile):
+            h1 = min(hidden, h0 + tile)
+            total = work[:h1 - h0]
+            total[:] = 0.0
+            first = 0
+            while first < top_k:
+                last = min(first + k_chunk, top_k)
+                t = first
+                while t + 4 <= last:
+                    a = _slot(rows, zero, index, base + t, h0, h1)
+                    b = _slot(rows, zero, index, base + t + 1, h0, h1)
+                    c = _slot(rows, zero, index, base + t + 2, h0, h1)
+                    d = _slot(rows, zero, index, base + t + 3, h0, h1)
+                    if grouped:
+                        _add_group(total, a, b, c, d)
+                    else:
+                        _add_chain(total, a, b, c, d)
+                    t += 4
+                while t < last:
+                    _add_one(total, _slot(rows, zero, index, base + t, h0, h1))
+                    t += 1
+                first = last
+            _store(total, out[i, h0:h1])

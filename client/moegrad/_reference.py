@@ -12,6 +12,11 @@ S2 ``bin[(t/2) % B] += v[t]`` for even t >= 2B, increasing;
 S3 ``bin[((t-1)/2) % B] += v[t]`` for odd t, increasing (a skipped slot in S2/S3 adds nothing);
 S4 a pairwise tree ``bin[j-s] += bin[j]`` for s = 1, 2, 4, ... < B and j = s, 3s, 5s, ... < B.
 ``order="sequential"`` is Huawei's public test golden: float32 from +0.0, t = 0..K-1.
+``order="ascend950"`` reproduces the Ascend 950PR/950DT kernel (:mod:`moegrad._ascend950`): one
+float32 accumulator from +0.0, groups of four slots added as ``s += ((v0 + v1) + (v2 + v3))``,
+leftovers one by one, the groups restarting at each chunk of slots the tiling picks (which depends
+on N, K, H, the dtype, the UB size and the vector core count); a skipped slot adds +0.0.
+``"ascend950@2025-12"`` is that kernel's earlier revision, a plain chain.
 
 Nothing materialises an [N, K, H] intermediate: rows are processed in chunks whose float32 bins fit
 in a few MiB, the chunks spread over the machine's cores (NumPy releases the GIL while it copies
@@ -33,7 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from moegrad import _fast
-from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad._ascend950 import (ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule,
+                                ascend950_tiling)
+from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
 
 __all__ = [
     "accumulation_schedule",
@@ -55,24 +62,57 @@ def bin_count(top_k: int) -> int:
     return 2 ** max(top_k.bit_length() - 2, 0)
 
 
-@functools.lru_cache(maxsize=512)
-def accumulation_schedule(top_k: int, order: str = "ascend910b") -> tuple[tuple[str, int, int], ...]:
+def accumulation_schedule(
+    top_k: int,
+    order: str = "ascend910b",
+    *,
+    dtype: object = None,
+    num_tokens: int | None = None,
+    hidden_size: int | None = None,
+    ub_size_bytes: int = UB_SIZE_BYTES,
+    vector_core_count: int = VECTOR_CORE_COUNT,
+) -> tuple[tuple[str, int, int], ...]:
     """The adds of one output row, in the order the kernel performs them.
 
+    Args:
+        top_k: K >= 1.
+        order: one of :data:`~moegrad.ORDERS`.
+        dtype, num_tokens, hidden_size: grad_expanded_x's dtype, N and H; required for the
+            Ascend 950 orders, whose tiling (and so whose order) depends on them; ignored otherwise.
+        ub_size_bytes, vector_core_count: the 950 platform's UB size in bytes and vector core
+            count (defaults: Ascend 950PR/950DT, docs/semantics.md section 7.4).
+
     Returns:
-        A tuple of steps ``(op, dst, src)``: ``("set", b, t)`` bin b = slot t (+0.0 when skipped),
-        ``("add", b, t)`` bin b += slot t (nothing when skipped), ``("merge", b, c)`` bin b += bin c.
-        The row's result is bin 0. ``order`` is ``"ascend910b"`` or ``"sequential"``.
+        A tuple of steps ``(op, dst, src)``: ``("zero", b, 0)`` bin b = +0.0, ``("set", b, t)`` bin
+        b = slot t (+0.0 when skipped), ``("add", b, t)`` bin b += slot t (nothing when skipped),
+        ``("merge", b, c)`` bin b += bin c. The row's result is bin 0.
 
     Raises:
-        ValueError: an unknown order or ``top_k < 1``.
+        ValueError: an unknown order, ``top_k < 1``, or a 950 order without dtype, num_tokens
+            and hidden_size.
     """
+    if order in ASCEND950_ORDERS:
+        missing = [name for name, value in (("dtype", dtype), ("num_tokens", num_tokens), ("hidden_size", hidden_size))
+                   if value is None]
+        if missing:
+            raise ValueError(f"order={order!r} needs {', '.join(missing)}: the 950's tiling, and so its order, "
+                             "depends on the dtype, N and H")
+        if top_k < 1:
+            raise ValueError(f"top_k={top_k} must be >= 1")
+        tiling = ascend950_tiling(dtype, num_tokens, top_k, hidden_size, ub_size_bytes=ub_size_bytes,
+                                  vector_core_count=vector_core_count)
+        return ascend950_schedule(top_k, tiling.k_chunk, ASCEND950_ORDERS[order])
+    return _a2_schedule(top_k, order)
+
+
+@functools.lru_cache(maxsize=512)
+def _a2_schedule(top_k: int, order: str) -> tuple[tuple[str, int, int], ...]:
     if top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1")
     if order == "sequential":
         return (("zero", 0, 0),) + tuple(("add", 0, t) for t in range(top_k))
     if order != "ascend910b":
-        raise ValueError(f"order={order!r} is not one of 'ascend910b', 'sequential'")
+        raise ValueError(f"order={order!r} is not one of {', '.join(map(repr, ORDERS))}")
     bins = bin_count(top_k)
     steps = [("set", b, 2 * b) for b in range(bins)]
     steps += [("add", (t // 2) % bins, t) for t in range(2 * bins, top_k, 2)]
@@ -140,7 +180,9 @@ def _prepare(call: MoeInitRoutingV2GradCall) -> tuple[np.ndarray, np.ndarray, Ca
 
 
 def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: Sequence[tuple[str, int, int]],
-                out: np.ndarray, compensated: bool = False, kernel: str | None = None) -> np.ndarray:
+                out: np.ndarray, compensated: bool = False, kernel: str | None = None,
+                chunking: tuple[int, bool] | None = None) -> np.ndarray:
+    """grad_x into ``out`` by ``schedule``; ``chunking`` = (k_chunk, grouped) marks a 950 schedule."""
     tokens, hidden = out.shape
     if tokens == 0 or hidden == 0:  # before _prepare: reshape(-1, 0) cannot infer the row count
         return out
@@ -153,9 +195,14 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
         raise ValueError(f"kernel={kernel!r} is not one of 'auto', 'numba', 'numpy'")
     if kernel == "numba" and not _fast.available():
         raise RuntimeError("kernel='numba' needs numba: pip install 'moegrad[fast]'")
-    if kernel != "numpy" and not compensated and acc_dtype == _F32 and _fast.accumulate(
-            rows, call.expanded_row_idx, call.top_k, schedule, out, _map_chunks, _workers()):
-        return out  # same bits as below; strided or byte-swapped inputs fall through to NumPy
+    if kernel != "numpy" and not compensated and acc_dtype == _F32:
+        if chunking is not None:
+            taken = _fast.accumulate_950(rows, call.expanded_row_idx, call.top_k, *chunking, out, _map_chunks,
+                                         _workers())
+        else:
+            taken = _fast.accumulate(rows, call.expanded_row_idx, call.top_k, schedule, out, _map_chunks, _workers())
+        if taken:
+            return out  # same bits as below; strided or byte-swapped inputs fall through to NumPy
     nbins = 1 + max(step[1] for step in schedule)
     chunk = max(1, _CHUNK_BYTES // (nbins * hidden * acc_dtype.itemsize))
     widen = rows.dtype != acc_dtype
@@ -261,6 +308,8 @@ def moe_init_routing_v2_grad(
     *,
     order: str = "ascend910b",
     allow_duplicate_indices: bool = False,
+    ub_size_bytes: int = UB_SIZE_BYTES,
+    vector_core_count: int = VECTOR_CORE_COUNT,
 ) -> np.ndarray:
     """gradX of aclnnMoeInitRoutingV2Grad, computed on the CPU in the order the device uses.
 
@@ -272,8 +321,13 @@ def moe_init_routing_v2_grad(
         top_k: K > 0.
         drop_pad_mode: 0 dropless/active, 1 drop/pad.
         active_num: A; 0 dropless, > 0 active.
-        order: ``"ascend910b"`` (Atlas A2/A3 kernel, bit-exact) or ``"sequential"`` (Huawei's golden).
+        order: ``"ascend910b"`` (Atlas A2/A3 kernel, bit-exact), ``"ascend950"`` (Ascend
+            950PR/950DT kernel, the bits of its newest public source), ``"ascend950@2025-12"`` (an
+            earlier revision) or ``"sequential"`` (Huawei's golden); docs/semantics.md sections 3, 7.
         allow_duplicate_indices: accept repeated indices (the documentation forbids them).
+        ub_size_bytes: the 950 platform's unified-buffer size in bytes (default 253952, Ascend
+            950PR/950DT); only the 950 orders read it, since it decides the tiling and so the order.
+        vector_core_count: the 950 platform's vector (AIV) core count (default 64); as above.
 
     Returns:
         grad_x, [N, H] C-contiguous, the dtype of grad_expanded_x. A row whose slots are all skipped
@@ -282,10 +336,18 @@ def moe_init_routing_v2_grad(
     Raises:
         InvalidArgument: the call breaks a documented constraint (aclnn 161001 / 161002 / 561002;
             see :class:`MoeInitRoutingV2GradCall`).
+        ValueError / TypeError: ``ub_size_bytes`` or ``vector_core_count`` is not a positive integer.
     """
     call = _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
     out = np.empty((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype.newbyteorder("="))
-    return _accumulate(call, _F32, accumulation_schedule(call.top_k, call.order), out)
+    if call.order not in ASCEND950_ORDERS:
+        return _accumulate(call, _F32, accumulation_schedule(call.top_k, call.order), out)
+    # checked even when the result is empty, so a bad setting never passes unnoticed
+    tiling = ascend950_tiling(call.dtype_name, max(call.num_tokens, 1), call.top_k, max(call.hidden_size, 1),
+                              ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count)
+    grouped = ASCEND950_ORDERS[call.order]
+    return _accumulate(call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk, grouped), out,
+                       chunking=(tiling.k_chunk, grouped))
 
 
 def moe_init_routing_v2_grad_golden(

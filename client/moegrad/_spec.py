@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
@@ -28,9 +28,10 @@ from moegrad._wire import brief, decode_tensor, dtype_name, encode_tensor
 
 __all__ = ["ORDERS", "GRAD_DTYPES", "MoeInitRoutingV2GradCall", "Order"]
 
-Order = Literal["ascend910b", "sequential"]
-#: Accumulation orders by name: the Atlas A2/A3 device order, and Huawei's sequential test golden.
-ORDERS: tuple[str, ...] = ("ascend910b", "sequential")
+Order = Literal["ascend910b", "ascend950", "ascend950@2025-12", "sequential"]
+#: Accumulation orders by name (docs/semantics.md section 3): the Atlas A2/A3 device, the Ascend 950
+#: device (newest kernel revision; ``@2025-12`` an earlier one), and Huawei's sequential test golden.
+ORDERS: tuple[str, ...] = get_args(Order)
 #: The dtypes gradExpandedX (and so gradX) may have (documentation, "Data Type").
 GRAD_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
@@ -42,6 +43,10 @@ _TENSORS = ("grad_expanded_x", "expanded_row_idx")
 _ATTRIBUTES = ("top_k", "drop_pad_mode", "active_num")
 _WIRE_FIELDS = frozenset(_TENSORS + _ATTRIBUTES + ("order", "allow_duplicate_indices"))
 _INDEX_CHUNK = 1 << 20  # index elements per scatter in the uniqueness check
+_CAST_HINTS = {  # what to do about a dtype the operator does not take
+    "grad_expanded_x": "cast it first, e.g. grad_expanded_x.astype(numpy.float32) (a torch tensor: .float())",
+    "expanded_row_idx": "cast it first, e.g. expanded_row_idx.astype(numpy.int32) (a torch tensor: .int())",
+}
 
 
 def _fail(status: AclnnStatus, field: str, message: str) -> InvalidArgument:
@@ -59,7 +64,9 @@ class MoeInitRoutingV2GradCall(BaseModel):
         top_k: K > 0; ``len(expanded_row_idx)`` must be a multiple of it.
         drop_pad_mode: 0 dropless/active, 1 drop/pad.
         active_num: 0 dropless, A > 0 active (ignored when drop_pad_mode is 1).
-        order: accumulation order, ``"ascend910b"`` (the device) or ``"sequential"`` (Huawei's golden).
+        order: accumulation order, one of :data:`ORDERS`: ``"ascend910b"`` (Atlas A2/A3),
+            ``"ascend950"`` (Ascend 950PR/950DT; ``"ascend950@2025-12"`` an earlier kernel revision)
+            or ``"sequential"`` (Huawei's golden).
         allow_duplicate_indices: accept repeated non-negative indices, which the documentation forbids.
 
     Construct with ``MoeInitRoutingV2GradCall(...)`` or :meth:`from_wire`; both raise
@@ -105,9 +112,12 @@ class MoeInitRoutingV2GradCall(BaseModel):
         for field, allowed in (("grad_expanded_x", GRAD_DTYPES), ("expanded_row_idx", ("int32",))):
             value = getattr(self, field)
             if not isinstance(value, np.ndarray):
-                raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}")
+                hint = ("; moegrad.Client and moegrad.torch take tensors, or pass tensor.numpy()"
+                        if type(value).__module__.startswith("torch") else "")
+                raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}{hint}")
             if dtype_name(value.dtype) not in allowed:
-                raise _fail(_INVALID, field, f"{field}.dtype={value.dtype} is not one of {', '.join(allowed)}")
+                raise _fail(_INVALID, field, f"{field}.dtype={value.dtype} is not one of {', '.join(allowed)}; "
+                                             f"{_CAST_HINTS[field]}")
             arrays.append(value)
         return arrays[0], arrays[1]
 
@@ -140,7 +150,13 @@ class MoeInitRoutingV2GradCall(BaseModel):
         want = 3 if mode == 1 else 2
         if grad.ndim != want:
             layout = "[E, C, H] in drop/pad mode" if mode == 1 else "[rows, H] when drop_pad_mode=0"
-            raise _fail(_TILING, "grad_expanded_x", f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}")
+            hint = ""
+            if mode == 0 and grad.ndim == 3:
+                hint = "; a 3-D [E, C, H] grad is the drop/pad layout: pass drop_pad_mode=1"
+            elif mode == 1 and grad.ndim == 2:
+                hint = "; a 2-D grad is the dropless/active layout: pass drop_pad_mode=0"
+            raise _fail(_TILING, "grad_expanded_x",
+                        f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}{hint}")
         if idx.ndim != 1:
             raise _fail(_TILING, "expanded_row_idx", f"expanded_row_idx has rank {idx.ndim} (shape {list(idx.shape)}); it must be 1-D [N*K]")
         if mode == 0 and active == 0 and grad.shape[0] != idx.shape[0]:

@@ -10,17 +10,20 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
 import msgpack
 import numpy as np
 
-from moegrad._errors import MalformedRequest, PayloadTooLarge
+from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest, PayloadTooLarge
 
 __all__ = [
     "DTYPES",
     "MAX_RANK",
+    "REQUEST_LIMITS",
+    "StructureLimits",
     "brief",
     "decode_body",
     "decode_tensor",
@@ -39,12 +42,40 @@ DTYPES: Mapping[str, np.dtype] = {
 }
 _NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+#: Dtype names that exist (NumPy's, and the Open Inference Protocol's lower-cased) but that the
+#: operator does not take: such a tensor is the operator's 161002, not a malformed body.
+_UNSUPPORTED_DTYPES = frozenset({"float64", "int64", "int16", "int8", "uint8", "uint16", "uint32", "uint64",
+                                 "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"})
 #: The highest rank a wire tensor may have (the operator takes ranks 1 to 3).
 MAX_RANK = 8
 #: The deepest container nesting a body may have (a request is 3 deep: map, tensor map, shape list).
 #: msgpack's own stack stops at 1024; this keeps every value far from Python's recursion limit too,
 #: which ``repr`` of a ~1000-deep list in an error message would otherwise hit (a 500, not a 400).
 MAX_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class StructureLimits:
+    """Bounds on a msgpack document's structure that hold whatever its size, so that decoding costs
+    at most the body plus a small constant (a 1-byte empty map would otherwise become a 64-byte
+    Python dict: a body of them decodes to ~100x its size).
+
+    Attributes:
+        max_containers: maps and arrays in the whole document, counted while it is parsed.
+        max_map_len: pairs in one map.
+        max_array_len: items in one array.
+        max_str_len: bytes in one string (keys, dtype and order names).
+    """
+
+    max_containers: int
+    max_map_len: int
+    max_array_len: int
+    max_str_len: int
+
+
+#: A request of one call: the body map (16 keys at most, compare's included), three tensor maps and
+#: their shapes (rank <= MAX_RANK), a list of standard names; with room to name what is wrong.
+REQUEST_LIMITS = StructureLimits(max_containers=32, max_map_len=32, max_array_len=64, max_str_len=1024)
 
 
 def dtype_name(dtype: np.dtype | type) -> str | None:
@@ -112,6 +143,10 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
         raise MalformedRequest(f"{field} must have exactly the keys dtype, shape, data (missing {missing}, unknown {extra})", field=field)
     name, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(name, str) or name not in DTYPES:
+        if isinstance(name, str) and name in _UNSUPPORTED_DTYPES:  # a real dtype the operator does not take
+            raise InvalidArgument(f"{field}.dtype={name} is not supported; the wire dtypes are {sorted(DTYPES)}: "
+                                  f"cast the array (e.g. .astype(numpy.float32) or .astype(numpy.int32))",
+                                  aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field=field)
         raise MalformedRequest(f"{field}.dtype={brief(name)} is not one of {sorted(DTYPES)}", field=field)
     if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedRequest(f"{field}.shape={brief(shape)} must be a list of at most {MAX_RANK} non-negative integers", field=field)
@@ -153,17 +188,37 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise MalformedRequest(f"msgpack ext type {code} is not allowed")
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+def decode_body(body: bytes | bytearray | memoryview, limits: StructureLimits | None = None) -> dict[str, Any]:
     """Unpack a msgpack body into a map with string keys.
 
-    Every container and string limit is sized to the body itself (never msgpack's 100 MiB default),
-    ext types (timestamps included) are rejected, and nothing is executed.
+    Args:
+        body: the msgpack bytes.
+        limits: bounds on the document's structure (a server passes :data:`REQUEST_LIMITS`); None
+            sizes every container and string limit to the body itself (never msgpack's 100 MiB
+            default), for documents from a trusted peer (a client reading its server's reply).
+
+    Ext types (timestamps included) are rejected, and nothing is executed.
 
     Raises:
-        MalformedRequest: not valid msgpack, trailing bytes, an ext type, nesting too deep, or a
-            top-level value that is not a map with string keys.
+        MalformedRequest: not valid msgpack, trailing bytes, an ext type, nesting too deep, a
+            structure over ``limits``, or a top-level value that is not a map with string keys.
     """
     size = len(body)
+    bounds = {"max_str_len": size, "max_array_len": size, "max_map_len": size // 2}
+    hooks: dict[str, Any] = {}
+    if limits is not None:
+        bounds = {"max_str_len": min(size, limits.max_str_len), "max_array_len": min(size, limits.max_array_len),
+                  "max_map_len": min(size // 2, limits.max_map_len)}
+        seen = [0]
+
+        def count(container: Any) -> Any:  # called as each map or array is completed
+            seen[0] += 1
+            if seen[0] > limits.max_containers:
+                raise MalformedRequest(f"body has more than {limits.max_containers} maps and arrays; a request "
+                                       "holds a handful (docs/protocol.md)")
+            return container
+
+        hooks = {"object_hook": count, "list_hook": count}
     try:
         document = msgpack.unpackb(
             body,
@@ -171,11 +226,10 @@ def decode_body(body: bytes) -> dict[str, Any]:
             use_list=True,
             strict_map_key=True,
             max_bin_len=size,
-            max_str_len=size,
-            max_array_len=size,
-            max_map_len=size // 2,
             max_ext_len=0,
             ext_hook=_reject_ext,
+            **bounds,
+            **hooks,
         )
     except MalformedRequest:
         raise

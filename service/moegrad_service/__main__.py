@@ -8,8 +8,10 @@ serves protocol v2 over gRPC, on the same workers, draining with HTTP on SIGTERM
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import signal
+import socket
 import sys
 import threading
 import typing
@@ -18,12 +20,49 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from moegrad import __version__
-from moegrad_service.settings import Settings
+
+try:
+    from moegrad_service.settings import Settings
+except ImportError:  # a client-only install (no service extra): main() says what to install
+    Settings = None  # type: ignore[assignment,misc]
 
 if typing.TYPE_CHECKING:
     from moegrad_service.engine import Backend
 
 __all__ = ["main"]
+
+#: What serving imports beyond the client's packages: the ``service`` extra of pyproject.toml.
+_SERVICE_MODULES = ("fastapi", "uvicorn", "pydantic_settings", "prometheus_client")
+_INSTALL_HINT = "pip install 'moegrad[service]'"
+
+
+def _missing_service_modules() -> list[str]:
+    missing = []
+    for module in _SERVICE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    return missing
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on, or None; checked before the backend warms up (which takes seconds)."""
+    if port == 0:  # an ephemeral port is always free
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"cannot listen on {host}:{port}: the host does not resolve ({exc.strerror}); check --host / MOEGRAD_HOST"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return (f"cannot listen on {host}:{port}: {exc.strerror or exc}; is another server running there? "
+                    "Stop it, or choose another port with --port / MOEGRAD_PORT")
+    return None
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``moegrad-service`` command; 2 for bad settings or a missing service extra."""
+    missing = _missing_service_modules() if Settings is not None else ["pydantic_settings"]
+    if missing:
+        print(f"moegrad-service: the service is not installed here (missing {', '.join(missing)}); "
+              f"install it with: {_INSTALL_HINT}", file=sys.stderr)
+        return 2
     args = vars(build_parser().parse_args(argv))
     args.pop("command")
     try:
@@ -72,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(settings: Settings, *, backend: Backend | None = None) -> int:
     """Run uvicorn with one worker until SIGINT/SIGTERM; 0 on a clean stop, 1 if the server never
-    started (when the app's own startup fails, e.g. no device, uvicorn exits with status 3 itself).
+    started (the port is taken, checked before anything warms up; when the app's own startup fails,
+    e.g. no device, uvicorn exits with status 3 itself).
 
     ``backend`` serves instead of the one ``settings.backend`` names (tests pass a slowed or faulty
     one; see :func:`moegrad_service.app.create_app`).
@@ -82,9 +128,13 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
     from moegrad_service.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    problem = _port_problem(settings.host, settings.port)
+    if problem is not None:
+        print(f"moegrad-service: {problem}", file=sys.stderr)
+        return 1
     try:
         app = create_app(settings, backend=backend)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # an unreadable or empty token file
         print(f"moegrad-service: {exc}", file=sys.stderr)
         return 2
 
@@ -108,6 +158,8 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         ssl_certfile=str(settings.tls_certfile) if settings.tls_certfile else None,
         ssl_keyfile=str(settings.tls_keyfile) if settings.tls_keyfile else None,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
+        timeout_keep_alive=settings.idle_timeout_s,
+        limit_concurrency=settings.max_connections,
         log_config=None,
     )
     server = DrainingServer(config)

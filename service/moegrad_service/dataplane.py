@@ -15,6 +15,7 @@ and encoder around the same methods::
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,9 +25,12 @@ import numpy as np
 
 from moegrad import (
     ComparisonReport,
+    AclnnStatus,
     DeviceBusy,
     DeviceFault,
+    InvalidArgument,
     MoegradError,
+    PayloadTooLarge,
     MoeInitRoutingV2GradCall,
     __version__,
     check_compare_arguments,
@@ -38,7 +42,7 @@ from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
 __all__ = ["ClientDisconnected", "CompareOutcome", "Comparison", "DataPlane", "Duration", "GradOutcome",
-           "InferenceStatistics"]
+           "InferenceStatistics", "MemoryBudget"]
 
 T = TypeVar("T")
 #: Longest a readiness check waits for the backend's health check, in seconds.
@@ -49,6 +53,49 @@ class ClientDisconnected(MoegradError):
     """The caller went away before its answer was ready (logged as 499; nobody reads the answer)."""
 
 
+class MemoryBudget:
+    """The request bytes that admitted requests may hold at once, in bytes.
+
+    A request reserves its body's bytes before they are read (Content-Length) or as they arrive
+    (chunked), and gives them back once its answer is sent. Thread-safe.
+
+    Args:
+        limit_bytes: the budget.
+        retry_after_s: the retry hint of the DeviceBusy a refusal raises.
+    """
+
+    def __init__(self, limit_bytes: int, *, retry_after_s: float = 1.0) -> None:
+        self.limit_bytes = limit_bytes
+        self.retry_after_s = retry_after_s
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def reserve(self, nbytes: int) -> None:
+        """Take ``nbytes`` from the budget.
+
+        Raises:
+            PayloadTooLarge: (413) ``nbytes`` is more than the whole budget: it can never fit.
+            DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
+        """
+        if nbytes > self.limit_bytes:
+            raise PayloadTooLarge(f"the request needs {nbytes} bytes, over the service's whole in-flight budget of "
+                                  f"{self.limit_bytes} bytes (max_inflight_bytes); send smaller calls")
+        with self._lock:
+            if self._held + nbytes > self.limit_bytes:
+                raise DeviceBusy(f"the service holds {self._held} of its {self.limit_bytes} in-flight bytes; "
+                                 f"retry later", retry_after_s=self.retry_after_s)
+            self._held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` taken by :meth:`reserve`."""
+        with self._lock:
+            self._held -= nbytes
+
+
 @dataclass(frozen=True)
 class GradOutcome:
     """One call's answer.
@@ -57,7 +104,8 @@ class GradOutcome:
         grad_x: [N, H], the dtype of the call's grad_expanded_x, C-contiguous, owned by the caller.
         timings: seconds queued and computing (zero for an empty call, which never reaches a worker).
         backend: the backend's name (``"reference"`` or ``"ascend"``).
-        order: the accumulation order the result follows.
+        order: the accumulation order the result follows (``"unknown"`` from a chip whose order
+            moegrad does not know).
         device: the device that computed it (``"Ascend910B3 #0"``), or None for the CPU emulation.
     """
 
@@ -167,6 +215,19 @@ class DataPlane:
         self.pool = pool
         self.metrics = metrics
         self.statistics = InferenceStatistics()
+        self.budget = MemoryBudget(settings.max_inflight_bytes, retry_after_s=settings.retry_after_s)
+
+    def admit(self) -> None:
+        """Refuse a call now, before its body is read, when the pool could not take it anyway.
+
+        Raises:
+            DeviceBusy: (503 + Retry-After) not admitting (starting, draining) or the queue is full.
+        """
+        pool = self.pool
+        if not pool.ready:
+            raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=pool.retry_after_s)
+        if pool.queue_depth >= pool.max_queue:
+            raise DeviceBusy(f"the queue is full ({pool.max_queue} calls waiting)", retry_after_s=pool.retry_after_s)
 
     @property
     def backend_name(self) -> str:
@@ -177,9 +238,52 @@ class DataPlane:
         return self.pool.backend.device
 
     @property
+    def emulation(self) -> bool:
+        """True when the backend emulates (the reference backend computes whichever order a call names)."""
+        return self.backend_name == "reference"
+
+    @property
+    def device_order(self) -> str | None:
+        """The order the device's chip computes (from its SoC name), or None: the emulation, or a
+        chip whose order moegrad does not know."""
+        return None if self.emulation else getattr(self.pool.backend, "order", None)
+
+    @property
     def default_order(self) -> str:
-        """The order of calls that name none."""
-        return self.settings.order
+        """The order of calls that name none: the chip's own on a device that reports a known SoC,
+        else ``settings.order``."""
+        return self.device_order or self.settings.order
+
+    def check_order(self, named: object) -> None:
+        """Refuse, before anything runs, a call that names an order its device does not compute.
+
+        Args:
+            named: the order the request names, or None when it names none.
+
+        Raises:
+            InvalidArgument: (161002, field ``order``) on a device, an order other than its chip's
+                (an Atlas A2/A3 computes ``ascend910b``, an Ascend 950 ``ascend950``), or any order
+                on a chip whose order is unknown; the emulation (reference backend) takes every order.
+        """
+        if named is None or self.emulation:
+            return
+        device = self.device or self.backend_name
+        if self.device_order is None:
+            raise InvalidArgument(
+                f"order={named!r}: {device} is an SoC whose order of adds moegrad does not know; leave order "
+                "unnamed (the reply then says order 'unknown'), or call a server with backend=reference for an "
+                "emulated order", aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+        if named != self.device_order:
+            raise InvalidArgument(
+                f"order={named!r}: {device} computes {self.device_order!r}; leave order unnamed or name "
+                f"{self.device_order!r}, or call a server with backend=reference for the {named!r} emulation",
+                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+
+    @property
+    def answer_order(self) -> str | None:
+        """The order a device's results follow (``"unknown"`` on an unknown chip); None on the
+        emulation, whose results follow each call's order."""
+        return None if self.emulation else (self.device_order or "unknown")
 
     # --- calls ---------------------------------------------------------------------------------
 
@@ -236,7 +340,7 @@ class DataPlane:
         stats.last_inference_ms = time.time_ns() // 1_000_000
 
     def _outcome(self, call: MoeInitRoutingV2GradCall, grad_x: np.ndarray, timings: Timings) -> GradOutcome:
-        return GradOutcome(grad_x, timings, self.backend_name, call.order, self.device)
+        return GradOutcome(grad_x, timings, self.backend_name, self.answer_order or call.order, self.device)
 
     async def compare(self, comparison: Comparison, *, timeout_s: float,
                       disconnected: Callable[[], Awaitable[object]] | None = None) -> CompareOutcome:
@@ -277,6 +381,7 @@ class DataPlane:
             "backend": self.backend_name,
             "device": self.device,
             "order": self.default_order,
+            "device_order": self.answer_order,
             "streams": settings.streams,
             "max_queue": settings.max_queue,
             "max_body_bytes": settings.max_body_bytes,

@@ -7,11 +7,15 @@ startup, not at the first request. Each field's description (below) is also its 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad._spec import Order
 
 __all__ = ["Settings"]
 
@@ -33,10 +37,28 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=1, description="calls waiting for a worker beyond which new calls get 503")
     max_body_bytes: int = Field(2 << 30, ge=1024, description="largest request body in bytes, checked before it is read")
     max_elements: int = Field(1 << 31, ge=1, description="largest element count of one tensor")
+    max_inflight_bytes: int = Field(
+        default_factory=lambda: memory_limit_bytes() // 4, ge=1024,
+        description="request body bytes that admitted requests may hold at once (being read, queued, running "
+                    "or answered); a body that does not fit now is answered 503 + Retry-After before it is read "
+                    "(default: a quarter of the memory limit, the cgroup's or the machine's)")
+    idle_timeout_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open, "
+                                                        "in seconds")
+    max_connections: int = Field(1000, ge=1, description="connections and requests served at once; beyond it new "
+                                                         "requests are answered 503 (uvicorn's limit_concurrency)")
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="longest a request body may take to arrive, in seconds; then 408")
     request_timeout_s: float = Field(
         60.0, gt=0, description="longest a call may wait and run, in seconds; X-Request-Timeout may only shorten it")
-    order: Literal["ascend910b", "sequential"] = Field(
-        "ascend910b", description="accumulation order of calls that name none")
+    order: Order = Field(
+        "ascend910b", description="accumulation order of calls that name none: ascend910b (Atlas A2/A3), ascend950 "
+                                  "(Ascend 950PR/950DT; ascend950@2025-12 an earlier kernel revision) or sequential")
+    ascend950_ub_size_bytes: int = Field(
+        UB_SIZE_BYTES, ge=32, description="unified-buffer size in bytes the reference backend's ascend950 orders "
+                                            "tile for (Ascend 950PR/950DT: 253952); it decides the order of adds")
+    ascend950_vector_core_count: int = Field(
+        VECTOR_CORE_COUNT, ge=1, description="vector (AIV) core count the reference backend's ascend950 orders "
+                                             "tile for (Ascend 950PR/950DT: 64); it decides the order of adds")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After that a 503 advertises, in seconds")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for admitted calls, in seconds")
     auth_tokens: Annotated[list[SecretStr], NoDecode] = Field(
@@ -57,7 +79,11 @@ class Settings(BaseSettings):
     @classmethod
     def _split_tokens(cls, value: object) -> object:
         if isinstance(value, str):
-            return [token.strip() for token in value.split(",") if token.strip()]
+            tokens = [token.strip() for token in value.split(",") if token.strip()]
+            if value.strip() and not tokens:  # e.g. "," : configured, yet no token -> fail closed
+                raise ValueError("auth_tokens is set but holds no token; give at least one, or unset it "
+                                 "to run without authentication")
+            return tokens
         return value
 
     @model_validator(mode="after")
@@ -71,3 +97,14 @@ class Settings(BaseSettings):
         if self.grpc_port and self.grpc_port == self.port:
             raise ValueError(f"grpc_port and port must differ (both are {self.port})")
         return self
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: the cgroup v2 limit (a container's) when one is set, else
+    the machine's physical memory (``os.sysconf``), in bytes."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return physical
+    return min(physical, int(text)) if text.isdigit() else physical

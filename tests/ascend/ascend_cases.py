@@ -1,4 +1,4 @@
-"""Calls for the ascend tests: every mode, dtype and K of DESIGN.md section 7, and a bitwise comparison.
+"""Calls for the ascend tests: every mode, dtype and K that the reference tests cover, and a bitwise comparison.
 
 The expected values always come from :func:`moegrad.moe_init_routing_v2_grad` (NumPy, independent of
 the simulator's C code) or from numbers worked out by hand in the test itself.

@@ -1,12 +1,20 @@
 """The CANN simulator the ascend tests run against, built from tests/ascend/sim with the system C compiler.
 
-Two CANN-like install trees are built under tests/ascend/_build/<source hash>/ (gitignored):
+CANN-like install trees are built under tests/ascend/_build/<source hash>/ (gitignored), each with
+``lib64/`` (libascendcl.so and libnnopbase.so, plus the operator libraries below) and ``opp/`` (its
+ASCEND_OPP_PATH):
 
-- ``split/lib64``: libascendcl.so, libnnopbase.so, libopapi.so *without* the operator, and
-  libopapi_transformer.so with it (the CANN 8.3+ layout). The tests of this process use it.
-- ``single/lib64``: libascendcl.so, libnnopbase.so and libopapi.so *with* the operator (older
-  CANN). A library loaded into a process stays there, so tests of this layout run in a subprocess.
+- ``split``: libopapi.so *without* the operator and libopapi_transformer.so with it. The tests of
+  this process use it (ASCEND_OPP_PATH is set to its ``opp/`` for the session).
+- ``single``: libopapi.so *with* the operator (CANN before 8.3).
+- ``both``: libopapi.so and libopapi_transformer.so both with the operator (CANN 8.3 to 8.5).
+- ``transformer``: libopapi_transformer.so only (no aggregate libopapi.so).
+- ``vendors``: libopapi.so with the operator, and custom packages under ``opp/vendors``: one without
+  the operator (``aaa_other``, first in config.ini's load_priority) and one with it
+  (``newer_transformer``), as users install newer ops-transformer builds.
 
+A library loaded into a process stays there, so tests of the other layouts run in subprocesses.
+Every library has a soname, so one loaded from a custom package finds the runtime already loaded.
 Without a C compiler every test here is skipped, with that reason.
 """
 
@@ -28,7 +36,17 @@ CFLAGS = ["-std=gnu11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-
 #: moegradSimCounts' output, in order (tests/ascend/sim/sim.h, SIM_COUNT_*).
 COUNT_NAMES = ("allocations", "allocated_bytes", "tensors", "executors", "streams", "pending", "device_refs",
                "initialized", "violations", "reclaimed", "mallocs", "launches", "syncs", "context_errors",
-               "streams_created", "phase_one")
+               "streams_created", "phase_one", "queries", "forced", "blocked", "acl_refs")
+#: The layouts and their operator libraries: file (relative to the home) -> simulator source.
+LAYOUTS = {
+    "split": {"lib64/libopapi.so": "opapi_stub.c", "lib64/libopapi_transformer.so": "opapi.c"},
+    "single": {"lib64/libopapi.so": "opapi.c"},
+    "both": {"lib64/libopapi.so": "opapi.c", "lib64/libopapi_transformer.so": "opapi.c"},
+    "transformer": {"lib64/libopapi_transformer.so": "opapi.c"},
+    "vendors": {"lib64/libopapi.so": "opapi.c",
+                "opp/vendors/aaa_other/op_api/lib/libcust_opapi.so": "opapi_stub.c",
+                "opp/vendors/newer_transformer/op_api/lib/libcust_opapi.so": "opapi.c"},
+}
 
 
 def _compiler() -> str | None:
@@ -38,20 +56,27 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(compiler: str, lib64: Path, libraries: dict[str, str]) -> None:
-    lib64.mkdir(parents=True, exist_ok=True)
-    link = ["-L", str(lib64), "-Wl,-rpath,$ORIGIN"]
-    for library, source in libraries.items():
-        needs = {"libascendcl.so": [], "libnnopbase.so": ["-lascendcl"]}.get(library, ["-lnnopbase", "-lascendcl"])
-        command = [compiler, *CFLAGS, "-o", str(lib64 / library), str(SIM_SOURCES / source), *link, *needs]
+def _build(compiler: str, home: Path, libraries: dict[str, str]) -> None:
+    """Build ``libraries`` (file relative to ``home`` -> source) in order; the runtime ones come first."""
+    lib64 = home / "lib64"
+    for relative, source in libraries.items():
+        target = home / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        link = ["-L", str(lib64), "-Wl,-rpath,$ORIGIN", f"-Wl,-soname,{target.name}"]
+        needs = {"libascendcl.so": [], "libnnopbase.so": ["-lascendcl"]}.get(target.name, ["-lnnopbase", "-lascendcl"])
+        command = [compiler, *CFLAGS, "-o", str(target), str(SIM_SOURCES / source), *link, *needs]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"building the CANN simulator failed:\n{' '.join(command)}\n{done.stderr}")
+    (home / "opp").mkdir(exist_ok=True)
 
 
 @pytest.fixture(scope="session")
 def sim_homes() -> dict[str, Path]:
-    """{"split": home, "single": home}: ASCEND_HOME_PATH-like trees of the simulator."""
+    """{layout: home} for every layout of :data:`LAYOUTS`: ASCEND_HOME_PATH-like trees of the simulator.
+
+    Sets ASCEND_OPP_PATH to the split layout's ``opp/`` for the session (as set_env.sh would).
+    """
     compiler = _compiler()
     if compiler is None:
         pytest.skip("no C compiler (cc, gcc or clang) on PATH: the CANN simulator cannot be built")
@@ -62,10 +87,11 @@ def sim_homes() -> dict[str, Path]:
     if not root.exists():
         staging = BUILD_ROOT / f"staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        base = {"libascendcl.so": "runtime.c", "libnnopbase.so": "nnopbase.c"}
-        _build(compiler, staging / "split" / "lib64",
-               {**base, "libopapi.so": "opapi_stub.c", "libopapi_transformer.so": "opapi.c"})
-        _build(compiler, staging / "single" / "lib64", {**base, "libopapi.so": "opapi.c"})
+        base = {"lib64/libascendcl.so": "runtime.c", "lib64/libnnopbase.so": "nnopbase.c"}
+        for layout, libraries in LAYOUTS.items():
+            _build(compiler, staging / layout, {**base, **libraries})
+        config = staging / "vendors" / "opp" / "vendors" / "config.ini"
+        config.write_text("load_priority=aaa_other,newer_transformer\n")
         try:
             staging.rename(root)  # atomic: a concurrent session either sees all of it or builds its own
         except OSError:
@@ -73,7 +99,9 @@ def sim_homes() -> dict[str, Path]:
         for stale in BUILD_ROOT.iterdir():  # builds of older sources
             if stale != root and not stale.name.startswith("staging-"):
                 shutil.rmtree(stale, ignore_errors=True)
-    return {"split": root / "split", "single": root / "single"}
+    homes = {layout: root / layout for layout in LAYOUTS}
+    os.environ["ASCEND_OPP_PATH"] = str(homes["split"] / "opp")
+    return homes
 
 
 @pytest.fixture(scope="session")

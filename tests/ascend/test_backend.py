@@ -50,7 +50,7 @@ def delta(before: dict[str, int], after: dict[str, int], *names: str) -> dict[st
 def test_documentation_example_bits(backend):
     worker = backend.open_worker(0)
     grad_x = worker.run(doc_call(), timeout_s=None)
-    # DESIGN.md section 7: [[0.3, 0.3], [0.7, 0.7]], float32 0.3 and 0.70000005.
+    # docs/operator.md, the documentation's example: [[0.3, 0.3], [0.7, 0.7]], float32 0.3 and 0.70000005.
     want = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32)
     assert (grad_x.view(np.uint32) == want.view(np.uint32)).all()
     worker.close()
@@ -94,7 +94,7 @@ def test_nan_and_bfloat16_ties(backend):
 
 def test_negative_zero_rows_and_fully_skipped_rows(backend):
     worker = backend.open_worker(0)
-    # Dropless, all -0.0: the S1 assignment keeps -0.0 (DESIGN.md section 3).
+    # Dropless, all -0.0: the S1 assignment keeps -0.0 (docs/semantics.md section 4).
     minus = np.full((4, 3), -0.0, dtype=np.float32)
     got = worker.run(MoeInitRoutingV2GradCall(grad_expanded_x=minus, expanded_row_idx=np.arange(4, dtype=np.int32),
                                               top_k=2), timeout_s=None)
@@ -199,7 +199,7 @@ def test_a_device_that_is_not_visible_is_a_clear_startup_error(sim, sim_home):
 
 
 @pytest.mark.parametrize(("fields", "status"), [
-    # DESIGN.md section 4 / the documentation's phase-one table:
+    # docs/operator.md's return codes / docs/semantics.md section 8:
     ({"expanded_row_idx": np.array([2, 0, 1, 4], np.int32)}, 161002),   # index outside [0, N*K)
     ({"expanded_row_idx": None}, 161001),                                # a null tensor
     ({"top_k": 3}, 561002),                                              # N*K not divisible by K
@@ -240,7 +240,7 @@ def test_a_dtype_without_an_acl_type_is_refused_before_the_device(backend, sim):
 
 
 def test_empty_calls_are_rejected_by_the_device_tiling(backend):
-    # The service answers empty calls itself (DESIGN.md section 3); the device's tiling refuses them.
+    # The service answers empty calls itself (docs/semantics.md section 5); the device's tiling refuses them.
     worker = backend.open_worker(0)
     call = MoeInitRoutingV2GradCall(grad_expanded_x=np.zeros((4, 0), np.float32), expanded_row_idx=DOC_IDX, top_k=2)
     with pytest.raises(InvalidArgument) as caught:
@@ -377,8 +377,10 @@ def test_a_kernel_still_hung_at_close_is_left_to_the_device_reset(sim, sim_home)
     worker.close()
     backend.close()  # the retired stream never finishes: nothing it uses is freed by us
     after = sim.counts()
-    # aclrtResetDevice releases the hung kernel, its stream and its four buffers.
-    assert after["reclaimed"] - before["reclaimed"] == 1 + 1 + BUFFERS_PER_CALL
+    # Its stream is destroyed by force (aclrtDestroyStreamForce does not wait; aclrtDestroyStream and
+    # aclrtResetDevice would block on the hung kernel), and aclrtResetDevice releases its four buffers.
+    assert delta(before, after, "forced", "reclaimed", "blocked") == {
+        "forced": 1, "reclaimed": BUFFERS_PER_CALL, "blocked": 0}
     assert after["violations"] == before["violations"]
     assert after["allocations"] == after["streams"] == after["pending"] == after["initialized"] == 0
 
@@ -481,3 +483,120 @@ def test_the_simulator_catches_a_thread_that_never_set_the_device(backend, sim):
     assert "no current context" in outcome["message"]
     assert sim.counts()["context_errors"] == before + 2
     assert sim.has_context()  # this thread made the backend, so it did set the device
+
+
+# --- what CANN's public runtime and operator sources call for --------------------------------------
+
+
+def test_a_hung_kernel_past_its_deadline_frees_nothing_it_uses_until_it_ends(backend, sim):
+    worker = backend.open_worker(0)
+    worker.run(doc_call(), timeout_s=None)
+    start = sim.counts()
+    sim.inject("hang", 1, -1)
+    with pytest.raises(DeadlineExceeded, match="stream was replaced"):
+        worker.run(doc_call(), timeout_s=0.05)
+    hung = sim.counts()
+    assert hung["pending"] == 1 and hung["streams"] == 2  # retired, still running, beside its replacement
+    # The worker serves on the replacement stream; every call first polls the retired one (a query,
+    # never a 0 ms sync), which stays busy, so none of the four buffers the kernel uses is freed.
+    for _ in range(3):
+        call = make_call("dropless", "float16", 5)
+        assert_bitwise(worker.run(call, timeout_s=5.0), moegrad.moe_init_routing_v2_grad(call))
+    busy = sim.counts()
+    assert busy["queries"] - hung["queries"] >= 3 and busy["pending"] == 1
+    assert busy["allocations"] >= BUFFERS_PER_CALL * 2  # the hung call's four, and the cached ones
+    assert sim.release_hung() == 1
+    worker.run(doc_call(), timeout_s=None)  # the poll now sees it idle: its stream and buffers are released
+    done = sim.counts()
+    assert done["pending"] == 0 and done["streams"] == 1
+    worker.close()
+    end = sim.counts()
+    assert end["allocations"] == end["tensors"] == end["executors"] == end["streams"] == 0
+    assert delta(start, end, "violations", "blocked", "forced", "context_errors") == {
+        "violations": 0, "blocked": 0, "forced": 0, "context_errors": 0}
+
+
+def test_a_sub_millisecond_budget_waits_1_ms_and_is_never_a_refused_sync(backend, sim):
+    # 0.5 ms left when the sync is made. The runtime accepts -1 or a timeout > 0 ms only: a
+    # conversion that truncated 0.5 ms to a 0 ms wait would be refused (107000) and the call would
+    # fail as a DeviceFault (500) although its kernel had finished; a hung kernel would be a 500
+    # instead of a 504.
+    worker = backend.open_worker(0)
+    got = worker.run(doc_call(), timeout_s=0.0005)
+    assert (got.view(np.uint32) == np.array([[0.3, 0.3], [0.70000005, 0.70000005]], np.float32).view(np.uint32)).all()
+    sim.inject("hang", 1, -1)
+    with pytest.raises(DeadlineExceeded):  # a 504, not a DeviceFault
+        worker.run(doc_call(), timeout_s=0.0005)
+    sim.release_hung()
+    worker.close()
+
+
+@pytest.mark.parametrize(("fault", "status", "hint"), [
+    ("kernel", 561003, "install the operator package"),
+])
+def test_an_installation_fault_in_phase_one_is_a_device_fault(backend, sim, fault, status, hint):
+    worker = backend.open_worker(0)
+    sim.inject(fault)
+    with pytest.raises(DeviceFault) as caught:
+        worker.run(doc_call(), timeout_s=None)
+    assert not isinstance(caught.value, InvalidArgument)
+    assert caught.value.aclnn_status == status and hint in caught.value.message
+    assert "[moegrad-sim]" in caught.value.device_message
+    assert sim.counts()["tensors"] == sim.counts()["executors"] == 0
+    assert worker.run(doc_call(), timeout_s=None).shape == (2, 2)
+    worker.close()
+
+
+def test_phase_one_without_ascend_opp_path_is_a_device_fault(backend, sim, monkeypatch):
+    worker = backend.open_worker(0)
+    monkeypatch.delenv("ASCEND_OPP_PATH")  # opbase finds the kernels through it
+    with pytest.raises(DeviceFault) as caught:
+        worker.run(doc_call(), timeout_s=None)
+    assert caught.value.aclnn_status == 561107 and "set_env.sh" in caught.value.message
+    worker.close()
+
+
+def test_startup_needs_ascend_opp_path(sim, sim_home, monkeypatch):
+    monkeypatch.delenv("ASCEND_OPP_PATH")
+    with pytest.raises(CannUnavailable, match=r"ASCEND_OPP_PATH is not set.*export ASCEND_OPP_PATH=.*set_env\.sh"):
+        AscendBackend(ascend_home_path=sim_home)
+    monkeypatch.setenv("ASCEND_OPP_PATH", str(sim_home / "no-such-dir"))
+    with pytest.raises(CannUnavailable, match="is not a directory"):
+        AscendBackend(ascend_home_path=sim_home)
+    counts = sim.counts()
+    assert counts["initialized"] == counts["device_refs"] == 0
+
+
+def test_startup_runs_phase_one_of_the_documentation_example(sim, sim_home):
+    before = sim.counts()
+    backend = AscendBackend(ascend_home_path=sim_home)
+    after = sim.counts()
+    assert after["phase_one"] - before["phase_one"] == 1 and after["launches"] == before["launches"]
+    assert after["tensors"] == after["executors"] == after["allocations"] == 0  # nothing kept
+    backend.close()
+    sim.inject("kernel")  # a host whose kernel package is missing never starts
+    with pytest.raises(CannUnavailable, match=r"561003.*cannot run|cannot run.*561003"):
+        AscendBackend(ascend_home_path=sim_home)
+    end = sim.counts()
+    assert end["allocations"] == end["tensors"] == end["executors"] == end["device_refs"] == end["initialized"] == 0
+    assert end["violations"] == before["violations"]
+
+
+def test_the_workspace_is_the_16_mib_the_tiling_reserves(backend, sim):
+    worker = backend.open_worker(0)
+    worker.run(doc_call(), timeout_s=None)
+    # Three 32-byte-aligned buffers of 32, 16 and 16 bytes, and the workspace.
+    assert sim.counts()["allocated_bytes"] == 32 + 32 + 32 + (16 << 20)
+    worker.close()
+
+
+def test_an_operator_that_accepts_an_empty_output_launches_nothing(backend, sim, monkeypatch):
+    monkeypatch.setenv("MOEGRAD_SIM_EMPTY", "accept")
+    worker = backend.open_worker(0)
+    before = sim.counts()
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=np.zeros((4, 0), np.float32), expanded_row_idx=DOC_IDX, top_k=2)
+    got = worker.run(call, timeout_s=None)
+    assert got.shape == (2, 0) and got.dtype == np.float32
+    after = sim.counts()
+    assert after["launches"] == before["launches"] and after["executors"] == after["tensors"] == 0
+    worker.close()

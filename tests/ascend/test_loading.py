@@ -65,7 +65,7 @@ def test_import_loads_nothing_and_the_single_library_layout_works(sim_homes, tmp
         worker.close()
         backend.close()
         print(json.dumps(out))
-    """, MOEGRAD_SIM_FAULTS="launch@2")
+    """, MOEGRAD_SIM_FAULTS="launch@2", ASCEND_OPP_PATH=str(sim_homes["single"] / "opp"))
     assert result["after_import"] == [] and result["after_failed_load"] == []
     assert result["available_empty"] is False
     assert "libascendcl.so" in result["missing"] and "set_env.sh" in result["missing"]
@@ -108,11 +108,11 @@ def test_ascend_available_needs_a_device(sim, sim_home, monkeypatch):
     assert ascend_available(sim_home) is False
 
 
-def test_another_soc_is_described_but_not_claimed_as_the_emulated_order(sim, sim_home, monkeypatch):
-    monkeypatch.setenv("MOEGRAD_SIM_SOC_NAME", "Ascend950PR")
+def test_an_unknown_soc_is_described_but_no_order_is_claimed(sim, sim_home, monkeypatch):
+    monkeypatch.setenv("MOEGRAD_SIM_SOC_NAME", "Ascend310P3")
     backend = AscendBackend(ascend_home_path=sim_home)
     try:
-        assert backend.device == "Ascend950PR #0" and backend.order is None
+        assert backend.device == "Ascend310P3 #0" and backend.order is None
     finally:
         backend.close()
 
@@ -132,3 +132,58 @@ def test_open_backend_names_ascend_and_auto(sim, sim_home, tmp_path):
         open_backend(Settings(backend="ascend", ascend_home_path=sim_home, device_id=5))
     counts = sim.counts()
     assert counts["initialized"] == counts["device_refs"] == counts["allocations"] == 0
+
+
+#: Where each layout's operator must come from (conftest.LAYOUTS): custom packages first, then the
+#: per-repository libopapi_transformer.so, then the aggregate libopapi.so.
+OPERATOR_FROM = {
+    "split": "lib64/libopapi_transformer.so",
+    "single": "lib64/libopapi.so",
+    "both": "lib64/libopapi_transformer.so",
+    "transformer": "lib64/libopapi_transformer.so",
+    "vendors": "opp/vendors/newer_transformer/op_api/lib/libcust_opapi.so",
+}
+
+
+@pytest.mark.parametrize("layout", sorted(OPERATOR_FROM))
+def test_each_layout_loads_exactly_one_operator_library(sim_homes, layout):
+    home = sim_homes[layout]
+    result = run_python(f"""
+        import ctypes, json, numpy as np
+        import moegrad_service.engine.ascend as ascend
+        from moegrad import MoeInitRoutingV2GradCall
+        backend = ascend.AscendBackend(ascend_home_path={str(home)!r})
+        names = ("libopapi.so", "libopapi_transformer.so", "libcust_opapi.so")
+        with open("/proc/self/maps") as maps:
+            mapped = sorted({{line.split()[-1] for line in maps if line.rstrip().endswith(names)}})
+        worker = backend.open_worker(0)
+        call = MoeInitRoutingV2GradCall(grad_expanded_x=np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]],
+                                        np.float32), expanded_row_idx=np.array([2, 0, 1, 3], np.int32), top_k=2)
+        bits = worker.run(call, timeout_s=None).view(np.uint32).tolist()
+        worker.close()
+        backend.close()
+        print(json.dumps({{"mapped": mapped, "op_from": backend._api.where["aclnnMoeInitRoutingV2Grad"],
+                          "global": hasattr(ctypes.CDLL(None), "aclnnMoeInitRoutingV2Grad"), "bits": bits}}))
+    """, ASCEND_OPP_PATH=str(home / "opp"))
+    expected = str(home / OPERATOR_FROM[layout])
+    assert result["op_from"] == expected
+    assert result["mapped"] == [expected]       # one operator library in the process, never two
+    assert result["global"] is False            # loaded RTLD_LOCAL: its symbols do not leak into the process
+    bits_03, bits_07 = 1050253722, 1060320052   # float32 0.3 and 0.70000005
+    assert result["bits"] == [[bits_03, bits_03], [bits_07, bits_07]]
+
+
+def test_the_search_order_of_operator_libraries(sim_homes, tmp_path):
+    from moegrad_service.engine.ascend._abi import operator_candidates
+
+    home = sim_homes["vendors"]
+    custom = tmp_path / "custom"
+    (custom / "op_api" / "lib").mkdir(parents=True)
+    (custom / "op_api" / "lib" / "libcust_opapi.so").touch()
+    got = operator_candidates(home, {"ASCEND_OPP_PATH": str(home / "opp"), "ASCEND_CUSTOM_OPP_PATH": str(custom)})
+    vendors = home / "opp" / "vendors"
+    assert got == [str(custom / "op_api" / "lib" / "libcust_opapi.so"),
+                   str(vendors / "aaa_other" / "op_api" / "lib" / "libcust_opapi.so"),
+                   str(vendors / "newer_transformer" / "op_api" / "lib" / "libcust_opapi.so"),
+                   "libopapi_transformer.so",
+                   str(home / "lib64" / "libopapi.so"), "libopapi.so"]

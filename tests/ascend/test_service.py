@@ -88,6 +88,29 @@ def test_phase_one_rejection_is_a_422_with_the_device_code(sim, sim_home):
         assert post(client, example_document()).status_code == 200
 
 
+def test_an_installation_fault_in_phase_one_is_a_500_never_a_422(sim, sim_home):
+    before = sim.counts()
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=1) as client:
+        sim.inject("kernel")  # no kernel binary (561003): the host's fault, not the call's
+        failed = post(client, example_document())
+        assert failed.status_code == 500, failed.text
+        problem = failed.json()
+        assert problem["aclnn_status"] == 561003 and "install the operator package" in problem["detail"]
+        assert "injected missing kernel" in problem["device_message"]
+        assert post(client, example_document()).status_code == 200
+    assert_nothing_left(sim, before)
+
+
+def test_a_host_without_ascend_opp_path_is_never_ready(sim, sim_home, monkeypatch):
+    monkeypatch.delenv("ASCEND_OPP_PATH")
+    before = sim.counts()
+    app = create_app(Settings(backend="ascend", ascend_home_path=sim_home))
+    with pytest.raises(moegrad.DeviceFault, match="ASCEND_OPP_PATH is not set"):
+        with TestClient(app):
+            pass
+    assert_nothing_left(sim, before)
+
+
 def test_hung_kernel_is_a_504_and_the_pool_keeps_its_capacity(sim, sim_home):
     before = sim.counts()
     with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as client:
@@ -132,7 +155,10 @@ def ascend_server(sim_home, tmp_path):
     """A ``moegrad-service`` process with backend=ascend over the simulator; faults armed by environment."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEGRAD_", "ASCEND_"))}
-    env.update(MOEGRAD_ASCEND_HOME_PATH=str(sim_home), MOEGRAD_STREAMS="2", MOEGRAD_SIM_FAULTS="tiling@1,launch@2")
+    # Phase one #1 is the backend's startup check (the documentation's example), so the first
+    # client call is phase one #2.
+    env.update(MOEGRAD_ASCEND_HOME_PATH=str(sim_home), ASCEND_OPP_PATH=str(sim_home / "opp"), MOEGRAD_STREAMS="2",
+               MOEGRAD_SIM_FAULTS="tiling@2,launch@2")
     log = open(tmp_path / "server.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "moegrad_service", "serve", "--host", "127.0.0.1", "--port",
                                 str(port), "--backend", "ascend", "--log-level", "warning"],
@@ -158,7 +184,7 @@ def test_real_client_against_a_real_server(ascend_server):
     with moegrad.Client(ascend_server, retries=0) as client:
         assert client.info()["backend"] == "ascend"
         doc = make_call("dropless", "float32", 2)
-        with pytest.raises(moegrad.InvalidArgument) as rejected:  # phase one #1: MOEGRAD_SIM_FAULTS tiling@1
+        with pytest.raises(moegrad.InvalidArgument) as rejected:  # phase one #2: MOEGRAD_SIM_FAULTS tiling@2
             client.run(doc)
         assert rejected.value.aclnn_status == 561002 and "injected tiling failure" in str(rejected.value)
         client.run(doc)                                             # launch #1

@@ -12,11 +12,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 import tomllib
 import urllib.error
 import urllib.request
@@ -24,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from bench._procs import ServerProcess, free_port
 from deploy._dockerfile import (
     SandboxEscape,
     UnsupportedInstruction,
@@ -32,7 +31,7 @@ from deploy._dockerfile import (
     replay,
     substitute,
 )
-from deploy._kustomize import render
+from deploy._manifests import kustomize
 from deploy._routes import serves_get
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +160,7 @@ def test_runs_as_the_non_root_user_the_manifests_expect(dockerfile):
     assert user == [f"{args['APP_UID']}:{args['APP_GID']}"]
     assert int(args["APP_UID"]) != 0 and int(args["APP_GID"]) != 0
     for overlay in ("cpu", "npu"):
-        (deployment,) = [r for r in render(REPO / "deploy" / "k8s" / "overlays" / overlay) if r["kind"] == "Deployment"]
+        (deployment,) = [r for r in kustomize(REPO / "deploy" / "k8s" / "overlays" / overlay) if r["kind"] == "Deployment"]
         pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
         assert (pod_security["runAsUser"], pod_security["runAsGroup"]) == (int(args["APP_UID"]), int(args["APP_GID"]))
 
@@ -302,12 +301,6 @@ def test_entrypoint_runs_any_other_command(tmp_path):
 
 # ---- the build, replayed -----------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -367,27 +360,16 @@ def test_image_build_installs_and_serves(tmp_path, dockerfile):
     healthcheck = shutil.which(image.healthcheck.exec_form[0], path=image.env["PATH"])
     assert entrypoint and Path(entrypoint).is_relative_to(app_root)
     assert healthcheck and Path(healthcheck).is_relative_to(app_root)
-    port = _free_port()
+    port = free_port()
     env = {**image.env, "MOEGRAD_HOST": "127.0.0.1", "MOEGRAD_PORT": str(port), "MOEGRAD_BACKEND": "reference"}
     if any(Path(script).exists() for script in CANN_SCRIPTS):
         env["CANN_SET_ENV_SCRIPTS"] = str(tmp_path / "absent.sh")  # this machine has CANN: keep it out
     log_path = tmp_path / "service.log"
     url = f"http://127.0.0.1:{port}"
-    with log_path.open("wb") as log:
-        service = subprocess.Popen([entrypoint, *image.cmd.exec_form], cwd=image.workdir, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    service = ServerProcess([entrypoint, *image.cmd.exec_form], url=url, log_path=log_path, env=env,
+                            cwd=image.workdir, ready_within_s=150, stop_within_s=90, name="the image's service")
     try:
-        deadline = time.monotonic() + 150
-        status = None
-        while time.monotonic() < deadline and service.poll() is None:
-            try:
-                status, _ = _get(url + "/health/ready")
-            except OSError:
-                status = None
-            if status == 200:
-                break
-            time.sleep(0.2)
-        assert status == 200, f"not ready (exit {service.poll()}):\n{log_path.read_text()}"
+        service.start()  # ready: /health/ready answered 200
 
         assert _get(url + "/health/live") == (200, b'{"status":"live"}')
         status, body = _get(url + "/v1/info")
@@ -397,8 +379,7 @@ def test_image_build_installs_and_serves(tmp_path, dockerfile):
                                  text=True, timeout=60)
         assert example.returncode == 0, example.stdout + example.stderr
 
-        service.send_signal(signal.SIGTERM)
-        code = service.wait(timeout=90)
+        code = service.stop()  # SIGTERM, then up to 90 s for the graceful shutdown
         # The contract is exit 0 after a graceful shutdown. uvicorn re-raises a SIGTERM it caught once
         # it has shut down, so the process may end by that signal instead; the app's shutdown log line
         # shows the graceful path ran either way.
@@ -406,6 +387,4 @@ def test_image_build_installs_and_serves(tmp_path, dockerfile):
         assert "moegrad stopped" in log_path.read_text()
         assert subprocess.run([healthcheck], env=env, capture_output=True, timeout=30).returncode == 1
     finally:
-        if service.poll() is None:
-            service.kill()
-            service.wait(timeout=30)
+        service.stop()

@@ -1,7 +1,7 @@
-"""The Kubernetes manifests (deploy/k8s): rendered like kustomize, schema-valid, and consistent with the app.
+"""The Kubernetes manifests (deploy/k8s): rendered by kustomize, schema-valid, and consistent with the app.
 
 Each variant (the base and the cpu / npu overlays) is rendered to plain resources by
-tests/deploy/_kustomize.py, validated against the Kubernetes OpenAPI schemas that the
+``kubectl kustomize`` (the tests skip where kubectl is not installed), validated against the Kubernetes OpenAPI schemas that the
 ``kubernetes-validate`` wheel ships (strict: unknown fields are errors; no network), and checked
 against the facts it must agree with: the routes ``create_app`` really serves, the service's
 ``Settings``, the image (its port and user), one NPU and one worker per pod, and a termination grace
@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 from functools import cache
 from pathlib import Path, PurePosixPath
 
 import pytest
-import yaml
 
-from deploy._kustomize import UnsupportedFeature, render, resource_id, strategic_merge
+from deploy._manifests import kustomize
 from deploy._routes import serves_get
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +34,7 @@ BODIES_PER_RUNNING_CALL = 3
 
 @cache
 def rendered(variant: str) -> tuple[dict, ...]:
-    return tuple(render(VARIANTS[variant]))
+    return tuple(kustomize(VARIANTS[variant]))
 
 
 def one(variant: str, kind: str) -> dict:
@@ -65,117 +62,6 @@ def quantity(value: str | int) -> float:
     scale = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
              "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
     return number * scale[suffix]
-
-
-# ---- the renderer --------------------------------------------------------------------------------
-
-def _write(directory: Path, files: dict[str, object]) -> Path:
-    for name, content in files.items():
-        path = directory / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content if isinstance(content, str) else yaml.safe_dump_all(content, sort_keys=False))
-    return directory
-
-
-DEPLOYMENT = {
-    "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "app"},
-    "spec": {"selector": {"matchLabels": {"app": "x"}}, "template": {
-        "metadata": {"labels": {"app": "x"}},
-        "spec": {
-            "tolerations": [{"key": "a", "operator": "Exists"}],
-            "containers": [
-                {"name": "main", "image": "registry:5000/team/app:1.0",
-                 "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}],
-                 "volumeMounts": [{"name": "v", "mountPath": "/v"}],
-                 "args": ["--one"], "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}},
-                {"name": "side", "image": "other:2"},
-            ],
-            "volumes": [{"name": "v", "emptyDir": {}}],
-        }}},
-}
-PATCH = {
-    "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "app"},
-    "spec": {"template": {"spec": {
-        "tolerations": [{"key": "b", "operator": "Exists"}],
-        "containers": [{"name": "main",
-                        "env": [{"name": "B", "value": "two"}, {"name": "C", "value": "3"}],
-                        "volumeMounts": [{"name": "w", "mountPath": "/w"}],
-                        "args": ["--two"], "resources": {"limits": {"memory": None, "example.com/dev": 1}}}],
-        "volumes": [{"name": "w", "emptyDir": {}}],
-    }}},
-}
-
-
-@pytest.fixture()
-def fixture_overlay(tmp_path):
-    _write(tmp_path / "base", {
-        "kustomization.yaml": "resources:\n  - deployment.yaml\n  - configmap.yaml\n",
-        "deployment.yaml": [DEPLOYMENT],
-        "configmap.yaml": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
-                            "data": {"KEEP": "1", "CHANGE": "old", "DROP": "x"}}],
-    })
-    return _write(tmp_path / "overlay", {
-        "kustomization.yaml": ("resources:\n  - ../base\npatches:\n  - path: patch.yaml\n"
-                               "images:\n  - name: registry:5000/team/app\n    newTag: \"2.0\"\n"
-                               "  - name: other\n    newName: mirror/other\n"),
-        "patch.yaml": [PATCH, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
-                               "data": {"CHANGE": "new", "DROP": None, "ADD": "y"}}],
-    })
-
-
-def test_renderer_merges_lists_by_key_replaces_other_lists_and_retags(fixture_overlay):
-    deployment, configmap = render(fixture_overlay)
-    spec = deployment["spec"]["template"]["spec"]
-    main, side = spec["containers"]
-    # Patch items first (merged into their namesakes), then the untouched originals: kustomize's order.
-    assert main["env"] == [{"name": "B", "value": "two"}, {"name": "C", "value": "3"}, {"name": "A", "value": "1"}]
-    assert [m["mountPath"] for m in main["volumeMounts"]] == ["/w", "/v"]
-    assert [v["name"] for v in spec["volumes"]] == ["w", "v"]
-    assert [c["name"] for c in spec["containers"]] == ["main", "side"]
-    assert main["args"] == ["--two"] and spec["tolerations"] == [{"key": "b", "operator": "Exists"}]
-    assert main["resources"]["limits"] == {"cpu": "1", "example.com/dev": 1}
-    assert main["image"] == "registry:5000/team/app:2.0" and side["image"] == "mirror/other:2"
-    assert configmap["data"] == {"KEEP": "1", "CHANGE": "new", "ADD": "y"}
-
-
-def test_strategic_merge_leaves_its_inputs_alone():
-    merged = strategic_merge(DEPLOYMENT, PATCH)
-    assert merged is not DEPLOYMENT
-    assert DEPLOYMENT["spec"]["template"]["spec"]["containers"][0]["args"] == ["--one"]
-
-
-@pytest.mark.parametrize(("files", "error"), [
-    ({"kustomization.yaml": "resources: [d.yaml]\nnamePrefix: x-\n", "d.yaml": [DEPLOYMENT]}, UnsupportedFeature),
-    ({"kustomization.yaml": "resources: [d.yaml, d.yaml]\n", "d.yaml": [DEPLOYMENT]}, ValueError),
-    ({"kustomization.yaml": "resources: [d.yaml]\npatches:\n  - path: p.yaml\n", "d.yaml": [DEPLOYMENT],
-      "p.yaml": [{**PATCH, "metadata": {"name": "nothing"}}]}, ValueError),
-    ({"kustomization.yaml": "resources: [d.yaml]\npatches:\n  - path: p.yaml\n    target: {kind: Deployment}\n",
-      "d.yaml": [DEPLOYMENT], "p.yaml": [PATCH]}, UnsupportedFeature),
-    ({"kustomization.yaml": "resources: [d.yaml]\npatches:\n  - path: p.yaml\n", "d.yaml": [DEPLOYMENT],
-      "p.yaml": [{**PATCH, "spec": {"template": {"spec": {"$patch": "replace"}}}}]}, UnsupportedFeature),
-    ({"kustomization.yaml": "resources: [missing.yaml]\n"}, FileNotFoundError),
-])
-def test_renderer_refuses_what_it_does_not_implement(tmp_path, files, error):
-    with pytest.raises(error):
-        render(_write(tmp_path, files))
-
-
-def _kubectl_kustomize(directory: Path) -> dict:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: the renderer is compared with `kubectl kustomize` where it is")
-    result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return {resource_id(r): r for r in yaml.safe_load_all(result.stdout) if r}
-
-
-def test_renderer_agrees_with_kubectl_kustomize_on_its_own_fixture(fixture_overlay):
-    assert {resource_id(r): r for r in render(fixture_overlay)} == _kubectl_kustomize(fixture_overlay)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_renderer_agrees_with_kubectl_kustomize_on_the_manifests(variant):
-    assert {resource_id(r): r for r in rendered(variant)} == _kubectl_kustomize(VARIANTS[variant])
 
 
 # ---- schema --------------------------------------------------------------------------------------

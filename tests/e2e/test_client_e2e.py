@@ -2,7 +2,7 @@
 
 Expected values: the operator documentation's example (float32 bits of 0.3 and 0.70000005), the
 in-process reference ``moegrad.moe_init_routing_v2_grad`` for random calls (bitwise), and the
-documentation's "Return Value" table (DESIGN.md section 4) for every validation rule's code and field.
+documentation's return codes (docs/operator.md; docs/semantics.md section 8) for every validation rule's code and field.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ tests/e2e/slow_server.py, which runs ``moegrad_service.__main__.serve`` (the sam
 drain and exit code as ``moegrad-service serve``) with a reference backend whose fault hook can
 slow calls down, hold them at a gate, log them, raise or hang. Every loop is bounded by a deadline.
 
-What is proved (issue 8):
+What is proved:
 
 - SIGTERM with 8 calls admitted (2 running, held at a gate, 6 queued; once the gate opens each takes
   0.3 s): all 8 are answered, bit for bit right; a call sent after the drain began is refused (503 or the connection
@@ -28,12 +28,8 @@ What is proved (issue 8):
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import socket
-import ssl
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,10 +44,8 @@ import trustme
 
 import moegrad
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # bench/ is a package at the repository root
-    sys.path.insert(0, str(ROOT))
-from bench import soak  # noqa: E402
+from bench import soak
+from bench._procs import REFERENCE_FLAGS, ServerProcess, moegrad_server
 
 LAUNCHER = Path(__file__).with_name("slow_server.py")
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
@@ -69,66 +63,31 @@ def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition") -> N
         time.sleep(0.02)
 
 
-class Server:
-    """One launcher process: ``slow_server.py [hook flags] -- [serve flags]`` on a free loopback port."""
+def metric(server: ServerProcess, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (0 when the series is not there yet)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    prefix = f"{name}{{{want}}} " if labels else f"{name} "
+    for line in httpx.get(server.url + "/metrics", timeout=5.0).text.splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[-1])
+    return 0.0
 
-    def __init__(self, log_dir: Path, hook: list[str], flags: list[str], ca_path: Path | None = None) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"{'https' if ca_path else 'http'}://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGRAD_")}
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, str(LAUNCHER), *hook, "--", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--backend", "reference", "--log-level", "warning", *flags],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        verify = ssl.create_default_context(cafile=str(ca_path)) if ca_path else True
-        end = time.monotonic() + READY_WITHIN_S
-        with httpx.Client(timeout=2.0, verify=verify) as http:
-            while True:
-                assert self.process.poll() is None, f"server exited early:\n{self.log()}"
-                with contextlib.suppress(httpx.HTTPError):
-                    if http.get(self.url + "/health/ready").status_code == 200:
-                        return
-                assert time.monotonic() < end, f"server not ready within {READY_WITHIN_S} s:\n{self.log()}"
-                time.sleep(0.05)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def metric(self, name: str, **labels: str) -> float:
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        prefix = f"{name}{{{want}}} " if labels else f"{name} "
-        for line in httpx.get(self.url + "/metrics", timeout=5.0).text.splitlines():
-            if line.startswith(prefix):
-                return float(line.split()[-1])
-        return 0.0
-
-    def admitted(self) -> float:
-        """Calls queued plus calls running, from the pool's gauges."""
-        return (self.metric("moegrad_inference_pending_request_count")
-                + self.metric("moegrad_inference_exec_count"))
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_WITHIN_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(STOP_WITHIN_S)
-        return self.process.returncode
+def admitted(server: ServerProcess) -> float:
+    """Calls queued plus calls running, from the pool's gauges."""
+    return metric(server, "moegrad_inference_pending_request_count") + metric(server, "moegrad_inference_exec_count")
 
 
 @pytest.fixture
 def launch(tmp_path):
-    """``launch(hook=[...], flags=[...], ca_path=None) -> Server``; every server is stopped at the end."""
-    servers: list[Server] = []
+    """``launch(hook=[...], flags=[...], ca_path=None) -> ServerProcess``: one ``slow_server.py [hook flags]
+    -- [serve flags]`` on a free loopback port, ready; every server is stopped at the end."""
+    servers: list[ServerProcess] = []
 
-    def start(hook: list[str] = (), flags: list[str] = (), ca_path: Path | None = None) -> Server:
-        server = Server(tmp_path, list(hook), list(flags), ca_path)
+    def start(hook: list[str] = (), flags: list[str] = (), ca_path: Path | None = None) -> ServerProcess:
+        server = moegrad_server(tmp_path, command=[sys.executable, str(LAUNCHER), *hook, "--"],
+                                flags=[*REFERENCE_FLAGS, *flags], tls_ca=ca_path, ready_within_s=READY_WITHIN_S,
+                                stop_within_s=STOP_WITHIN_S)
         servers.append(server)
         return server
 
@@ -165,7 +124,7 @@ def wire_body(kwargs: dict) -> bytes:
                          use_bin_type=True)
 
 
-def send_and_hold(server: Server, body: bytes) -> socket.socket:
+def send_and_hold(server: ServerProcess, body: bytes) -> socket.socket:
     """POST a call over a raw socket and return the socket unread (closing it disconnects the client)."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     head = (f"POST {GRAD_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/msgpack\r\n"
@@ -205,7 +164,7 @@ def test_sigterm_answers_all_8_admitted_calls_refuses_new_ones_and_exits_0(launc
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(run, kwargs) for kwargs, _ in calls]
-        wait_until(lambda: server.admitted() == 8, what="8 calls admitted")  # 2 running, 6 queued
+        wait_until(lambda: admitted(server) == 8, what="8 calls admitted")  # 2 running, 6 queued
         server.process.send_signal(signal.SIGTERM)
 
         def draining() -> bool:  # readiness turns 503 at once, or the listener is already closed
@@ -239,27 +198,27 @@ def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_p
         holder = pool.submit(client.moe_init_routing_v2_grad, **holder_kwargs)
         wait_until(lambda: calls_seen(calls_file) == ["H=2"], what="the first call at the gate")
         queued = send_and_hold(server, wire_body(queued_kwargs))
-        wait_until(lambda: server.metric("moegrad_inference_pending_request_count") == 1, what="a queued call")
+        wait_until(lambda: metric(server, "moegrad_inference_pending_request_count") == 1, what="a queued call")
         queued.close()
-        wait_until(lambda: server.metric("moegrad_inference_pending_request_count") == 0, what="the queued call dropped")
+        wait_until(lambda: metric(server, "moegrad_inference_pending_request_count") == 0, what="the queued call dropped")
         gate.touch()
         assert same_bits(holder.result(timeout=30), holder_want)
         assert same_bits(client.moe_init_routing_v2_grad(**after_kwargs), after_want)
     assert calls_seen(calls_file) == ["H=2", "H=3"]  # H=5, the dropped call, never reached the backend
-    assert server.metric("moegrad_inference_request_failure_total", endpoint=GRAD_PATH,
+    assert metric(server, "moegrad_inference_request_failure_total", endpoint=GRAD_PATH,
                          reason="client_disconnected") == 1
 
     # 2. disconnect while the call runs (held at the gate): once it ends, nothing is left behind
     gate.unlink()
     running = send_and_hold(server, wire_body(running_kwargs))
     wait_until(lambda: calls_seen(calls_file)[-1:] == ["H=7"], what="the call running")
-    assert server.metric("moegrad_inference_exec_count") == 1
+    assert metric(server, "moegrad_inference_exec_count") == 1
     running.close()
     gate.touch()
-    wait_until(lambda: server.admitted() == 0, what="the pool idle again")
+    wait_until(lambda: admitted(server) == 0, what="the pool idle again")
     with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
         assert same_bits(client.moe_init_routing_v2_grad(**after_kwargs), after_want)
-    assert server.admitted() == 0
+    assert admitted(server) == 0
     assert calls_seen(calls_file) == ["H=2", "H=3", "H=7", "H=3"]
 
     # 3. disconnect halfway through sending the body: nothing reaches the backend, nothing is an error
@@ -269,13 +228,13 @@ def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_p
                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: len(body) // 2])
     sock.close()
     disconnected = {"endpoint": GRAD_PATH, "reason": "client_disconnected"}
-    wait_until(lambda: server.metric("moegrad_inference_request_failure_total", **disconnected) == 3,
+    wait_until(lambda: metric(server, "moegrad_inference_request_failure_total", **disconnected) == 3,
                what="three disconnects counted")  # queued, running, mid-upload
     with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
         assert same_bits(client.moe_init_routing_v2_grad(**after_kwargs), after_want)
     assert calls_seen(calls_file) == ["H=2", "H=3", "H=7", "H=3", "H=3"]
-    assert server.metric("moegrad_inference_request_failure_total", endpoint=GRAD_PATH, reason="internal") == 0
-    assert "Traceback" not in server.log()
+    assert metric(server, "moegrad_inference_request_failure_total", endpoint=GRAD_PATH, reason="internal") == 0
+    assert "Traceback" not in server.log(lines=None)
 
 
 def test_declared_length_without_the_bytes_pins_no_memory(launch):
@@ -336,7 +295,7 @@ def test_backend_exception_is_500_with_its_text_and_a_hang_is_504_then_capacity_
     with moegrad.Client(server.url, retries=0, timeout_s=10.0) as client:
         for _ in range(3):
             assert same_bits(client.moe_init_routing_v2_grad(**fine), fine_want)
-    assert server.admitted() == 0
+    assert admitted(server) == 0
 
     # X-Request-Timeout may shorten the deadline, never lengthen it past request_timeout_s (30 s here):
     # the backend is handed the seconds left (docs/protocol.md, "The call")

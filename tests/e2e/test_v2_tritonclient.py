@@ -169,7 +169,7 @@ def test_order_parameter_and_large_top_k(triton_client, top_k):
         ({"drop_pad_mode": 2}, "561002", "drop_pad_mode"),
         ({"active_num": -1}, "561002", "active_num"),
         ({"active_num": 7}, "561002", "grad_expanded_x"),  # grad has 18 rows, not 7
-        ({"order": "ascend950"}, "161002", "order"),
+        ({"order": "ascend960"}, "161002", "order"),
     ],
 )
 def test_invalid_attributes_carry_the_aclnn_code(triton_client, change, code, field):

@@ -1,6 +1,6 @@
 """Bearer-token authentication in-process: who may call what, where tokens come from, and how they are compared.
 
-The rules under test are the issue's and docs/protocol.md's: authentication is off by default; with
+The rules under test are docs/protocol.md's and docs/operations.md's: authentication is off by default; with
 tokens configured every route needs ``Authorization: Bearer <token>`` except the liveness and
 readiness probes (v1 and v2) and the OpenAPI document; ``/metrics`` needs one unless
 ``metrics_public`` is set; a failure is 401 with ``WWW-Authenticate: Bearer`` and a problem document.

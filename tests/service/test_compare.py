@@ -115,7 +115,7 @@ def test_huaweis_sequential_golden_fails_bitwise_and_passes_the_tolerances_in_fl
     device = moegrad.moe_init_routing_v2_grad(call)
     sequential = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
     differing = int(np.count_nonzero(sequential.view(np.uint32) != device.view(np.uint32)))
-    assert differing > 0  # DESIGN.md section 3: the orders differ bitwise once K >= 3
+    assert differing > 0  # docs/semantics.md section 3: the orders differ bitwise once K >= 3
     report = reply(post(client, document(call, sequential)))["report"]
     assert statuses(report) == {**dict.fromkeys(TOLERANCE, "pass"), "bitwise": "fail"}
     assert report["verdict"] == "fail"
@@ -220,7 +220,7 @@ def _rejections():
         ("constraint", {"candidate": tensor(good), "top_k": 5}, 422, 561002, "expanded_row_idx"),
         ("broken candidate map", {"candidate": {"dtype": "float16", "shape": [1, 2], "data": bytes(3)}}, 400, None, "candidate"),
         ("float64 candidate", {"candidate": {"dtype": "float64", "shape": list(good.shape),
-                                             "data": good.astype(np.float64).tobytes()}}, 400, None, "candidate"),
+                                             "data": good.astype(np.float64).tobytes()}}, 422, 161002, "candidate"),
         ("standards not a list", {"candidate": tensor(good), "standards": "bitwise"}, 400, None, "standards"),
         ("standards not names", {"candidate": tensor(good), "standards": [1]}, 400, None, "standards"),
         ("return_grad_x not a bool", {"candidate": tensor(good), "return_grad_x": 1}, 400, None, "return_grad_x"),

@@ -1,6 +1,6 @@
 """Fuzzing the v1 decoder and endpoint (hypothesis) and the JSON routes against /openapi.json (schemathesis).
 
-What is proved (issue 8, "What must be shown"):
+What is proved:
 
 - every body a client can send -- random bytes, random msgpack structures, and valid documents with
   one field broken (dtype name, shape/data mismatch, a huge declared shape, odd attributes, deep

@@ -92,7 +92,7 @@ def test_order_default_comes_from_settings(serve):
          161002, "expanded_row_idx"),
         ({"expanded_row_idx": {"dtype": "int32", "shape": [4], "data": np.array([2, 0, 2, 3], np.int32).tobytes()}},
          161002, "expanded_row_idx"),
-        ({"order": "ascend950"}, 161002, "order"),
+        ({"order": "ascend960"}, 161002, "order"),
     ],
 )
 def test_constraint_violations_are_422_with_aclnn_code(client, overrides, status, field):
@@ -123,7 +123,7 @@ def test_duplicates_accepted_when_allowed(client):
         (pack(example_document()) + b"\x00", None),  # trailing bytes
         (msgpack.packb({"top_k": msgpack.ExtType(5, b"x")}), None),
         (pack(example_document(grad_expanded_x={"dtype": "float32", "shape": [4, 2], "data": bytes(31)})), "grad_expanded_x"),
-        (pack(example_document(grad_expanded_x={"dtype": "float64", "shape": [4, 2], "data": bytes(64)})), "grad_expanded_x"),
+        (pack(example_document(grad_expanded_x={"dtype": "float99", "shape": [4, 2], "data": bytes(64)})), "grad_expanded_x"),
         (pack(example_document(expanded_row_idx={"dtype": "int32", "shape": [-4], "data": b""})), "expanded_row_idx"),
         (pack(example_document(extra=1)), "extra"),
     ],
@@ -131,6 +131,17 @@ def test_duplicates_accepted_when_allowed(client):
 def test_malformed_bodies_are_400_and_service_keeps_serving(client, body, field):
     assert problem(post(client, body), 400)["field"] == field
     assert post(client, example_document()).status_code == 200
+
+
+@pytest.mark.parametrize(("field", "tensor"), [
+    ("grad_expanded_x", {"dtype": "float64", "shape": [4, 2], "data": bytes(64)}),
+    ("expanded_row_idx", {"dtype": "int64", "shape": [4], "data": bytes(32)}),
+])
+def test_a_dtype_the_operator_does_not_take_is_161002_as_on_every_path(client, field, tensor):
+    """The documentation's supported dtypes are FLOAT16/BFLOAT16/FLOAT32 and INT32: another real
+    dtype is ACLNN_ERR_PARAM_INVALID (161002), the answer v2 and the client give too."""
+    body = problem(post(client, example_document(**{field: tensor})), 422)
+    assert (body["field"], body["aclnn_status"], body["aclnn_name"]) == (field, 161002, "ACLNN_ERR_PARAM_INVALID")
 
 
 def test_wrong_content_type_is_415(client):
@@ -296,11 +307,17 @@ def test_a_content_length_of_thousands_of_digits_is_refused_not_an_error(declare
 
     from starlette.requests import Request
 
+    from types import SimpleNamespace
+
     import moegrad
     from moegrad_service.api.inputs import read_body
+    from moegrad_service.dataplane import MemoryBudget
+    from moegrad_service.settings import Settings
 
+    admitting = SimpleNamespace(admit=lambda: None, budget=MemoryBudget(1 << 30))  # the app's, less the pool
     scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
-             "headers": [(b"content-type", b"application/msgpack"), (b"content-length", declared.encode())]}
+             "headers": [(b"content-type", b"application/msgpack"), (b"content-length", declared.encode())],
+             "state": {"dataplane": admitting, "settings": Settings(backend="reference")}}
 
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}

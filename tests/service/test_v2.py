@@ -373,7 +373,7 @@ def test_bf16_output_as_json_is_400(client):
         (example(parameters={"top_k": 2, "drop_pad_mode": 1}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "grad_expanded_x"),
         (example(parameters={"top_k": 2.0}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "top_k"),
         (example(parameters={"top_k": 3}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "expanded_row_idx"),
-        (example(parameters={"top_k": 2, "order": "ascend950"}), "ACLNN_ERR_PARAM_INVALID 161002", "order"),
+        (example(parameters={"top_k": 2, "order": "ascend960"}), "ACLNN_ERR_PARAM_INVALID 161002", "order"),
         (example(inputs=example()["inputs"][:1]), "ACLNN_ERR_PARAM_NULLPTR 161001", "expanded_row_idx"),
         (example(inputs=[]), "ACLNN_ERR_PARAM_NULLPTR 161001", "grad_expanded_x"),
         (_with_input(1, data=[2, 0, 1, 4]), "ACLNN_ERR_PARAM_INVALID 161002", "expanded_row_idx"),

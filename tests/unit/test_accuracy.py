@@ -1,7 +1,7 @@
 """moegrad accuracy: metric values by hand, each standard's boundary, and operator-level cases.
 
 Expected numbers come from hand arithmetic on tiny arrays (exact in binary), from the dtype's own
-bit patterns (ULPs), or from the thresholds the issue and docs/accuracy.md give; never from the
+bit patterns (ULPs), or from the thresholds docs/accuracy.md gives; never from the
 module under test.
 """
 

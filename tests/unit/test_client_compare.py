@@ -228,7 +228,7 @@ def test_bfloat16_call_with_a_float32_candidate():
         ({"candidate": EXAMPLE, "standards": ["bitwise", "exact"]}, INVALID, "standards"),
         ({"candidate": EXAMPLE, "standards": []}, INVALID, "standards"),
         ({"candidate": EXAMPLE, "top_k": 3}, TILING, "expanded_row_idx"),
-        ({"candidate": EXAMPLE, "order": "ascend950"}, INVALID, "order"),
+        ({"candidate": EXAMPLE, "order": "ascend960"}, INVALID, "order"),
     ],
 )
 def test_bad_arguments_raise_before_any_io(kwargs, aclnn, field):

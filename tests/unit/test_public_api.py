@@ -1,6 +1,6 @@
 """The public surface of ``moegrad``: a deliberate, sorted, complete ``__all__``; a light import.
 
-DESIGN.md section 2: ``moegrad`` never imports ``moegrad_service`` (nor the service's web stack), so
+The layering rule: ``moegrad`` never imports ``moegrad_service`` (nor the service's web stack), so
 a host that only installs the client never loads FastAPI or Starlette.
 """
 
@@ -50,7 +50,7 @@ def test_the_core_names_are_exported():
         "dtype_name", "encode_body", "encode_tensor", "moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden",
     }
     assert core <= set(moegrad.__all__)
-    assert moegrad.ORDERS == ("ascend910b", "sequential")
+    assert moegrad.ORDERS == ("ascend910b", "ascend950", "ascend950@2025-12", "sequential")
     assert moegrad.GRAD_DTYPES == ("float16", "bfloat16", "float32")
 
 

@@ -1,6 +1,6 @@
-"""moegrad's reference numerics against independent computations (DESIGN.md section 3).
+"""moegrad's reference numerics against independent computations (docs/semantics.md sections 2-5).
 
-The expected values here never come from moegrad: a slow per-row loop written from DESIGN.md
+The expected values here never come from moegrad: a slow per-row loop written from docs/semantics.md
 section 3 (bins, S1-S4, skip rules), a float32 -> float16/bfloat16 rounding written from the
 IEEE 754 definition, math.fsum, an exhaustive enumeration of add-trees, and the numbers of the
 operator documentation's example.
@@ -83,7 +83,7 @@ def floor_log2(k: int) -> int:
 
 
 def device_order_row(values: list[np.ndarray | None], hidden: int) -> np.ndarray:
-    """One row in the A2/A3 kernel's order (DESIGN.md section 3); None is a skipped slot."""
+    """One row in the A2/A3 kernel's order (docs/semantics.md section 3.1); None is a skipped slot."""
     k = len(values)
     nbins = 64 if k >= 128 else 2 ** max(floor_log2(k) - 1, 0)
     zero = np.zeros(hidden, dtype=np.float32)  # +0.0
@@ -112,7 +112,7 @@ def sequential_row(values: list[np.ndarray | None], hidden: int) -> np.ndarray:
 
 
 def slow_grad_x(grad, idx, top_k, drop_pad_mode=0, active_num=0, order="ascend910b") -> np.ndarray:
-    """gradX, one token and one slot at a time, from DESIGN.md section 3."""
+    """gradX, one token and one slot at a time, from docs/semantics.md section 2."""
     hidden = grad.shape[-1]
     flat = grad.reshape(-1, hidden)
     tokens = idx.shape[0] // top_k

@@ -1,7 +1,7 @@
 """Both paths of the reference numerics, the compiled one (numba) and the NumPy one, bit for bit.
 
 Every expected value comes from an independent computation: the slow per-row loop and the IEEE
-rounding of tests/unit/test_reference.py (written from DESIGN.md section 3), NumPy's and ml_dtypes'
+rounding of tests/unit/test_reference.py (written from docs/semantics.md section 3), NumPy's and ml_dtypes'
 own casts for the compiled conversions, and hand-worked roundings.
 
 NaN: results are compared NaN position for NaN position, and bit for bit everywhere else. Which

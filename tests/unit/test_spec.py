@@ -1,6 +1,6 @@
 """MoeInitRoutingV2GradCall: the documented constraints, their aclnn codes, fields and order.
 
-Codes and names are the operator documentation's ("Return Value" table) and DESIGN.md section 4:
+Codes and names are the operator documentation's (docs/operator.md) in docs/semantics.md section 8's order:
 1 missing tensor -> 161001; 2 dtypes -> 161002; 3 attributes, 4 ranks, 5 dim 0, 6 divisibility
 -> 561002; 7 index values and uniqueness -> 161002.
 """

@@ -1,4 +1,4 @@
-"""The tensor codec and the body decoder (DESIGN.md section 5).
+"""The tensor codec and the body decoder (docs/protocol.md, "Tensors").
 
 A tensor is ``{"dtype": name, "shape": [ints], "data": bin}`` with little-endian, C-order data.
 Expected bytes below are written from IEEE 754 / two's complement, not produced by moegrad.
@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from moegrad import (
+    REQUEST_LIMITS,
+    InvalidArgument,
     DTYPES,
     MalformedRequest,
     PayloadTooLarge,
@@ -24,7 +26,7 @@ from moegrad import (
     encode_body,
     encode_tensor,
 )
-from moegrad._wire import encode_body_view
+from moegrad import encode_body_view
 
 WIRE = {
     "float16": (np.dtype("<f2"), np.uint16),
@@ -188,9 +190,19 @@ def test_shape_must_be_a_list(shape):
     malformed(tensor() | {"shape": shape}, "must be a list")
 
 
-@pytest.mark.parametrize("name", ["float64", "bf16", "Float32", "int64", "", 5, None, b"float32"])
+@pytest.mark.parametrize("name", ["bf16", "Float32", "", 5, None, b"float32"])
 def test_unknown_dtype(name):
     malformed(tensor() | {"dtype": name}, "is not one of")
+
+
+@pytest.mark.parametrize("name", ["float64", "int64", "int8", "uint8", "bool"])
+def test_a_real_dtype_the_operator_does_not_take_is_161002(name):
+    """The operator documents FLOAT16/BFLOAT16/FLOAT32 grads and INT32 indices; any other real dtype
+    is its ACLNN_ERR_PARAM_INVALID (161002), as the client and v2 answer, with the cast to make."""
+    with pytest.raises(InvalidArgument) as info:
+        decode_tensor(tensor() | {"dtype": name}, "t")
+    assert info.value.aclnn_status == 161002 and info.value.field == "t"
+    assert ".astype(" in info.value.message
 
 
 @pytest.mark.parametrize("data", ["\0" * 24, [0] * 24, None, 24, bytearray(24), memoryview(bytes(24))])
@@ -328,7 +340,46 @@ def test_a_tiny_body_declaring_a_huge_length_is_rejected_without_allocating(head
 
 
 def test_limits_are_sized_to_the_body():
-    # A 1000-item array is fine in a body that holds it, whatever msgpack's defaults.
+    # Without structure limits (a trusted peer's reply), a 1000-item array is fine in a body that
+    # holds it, whatever msgpack's defaults.
     assert decode_body(msgpack.packb({"a": [0] * 1000}))["a"] == [0] * 1000
     # An array header claiming 16 items with 3 present: refused by the limit (16 > body size 8) or as truncated.
     body_error(bytes.fromhex("81a161dc0010") + b"\x00" * 3, "msgpack")
+
+
+# --------------------------------------------------------------------------------------------------
+# Request bodies: a structure bounded whatever the body holds.
+# --------------------------------------------------------------------------------------------------
+
+def test_a_request_sized_document_passes_the_request_limits():
+    call = {"grad_expanded_x": encode_tensor(np.zeros((4, 2), np.float32)),
+            "expanded_row_idx": encode_tensor(np.arange(4, dtype=np.int32)), "top_k": 2, "drop_pad_mode": 0,
+            "active_num": 0, "order": "ascend910b", "candidate": encode_tensor(np.zeros((2, 2), np.float32)),
+            "standards": ["bitwise", "threshold"], "return_grad_x": True}
+    assert decode_body(encode_body(call), REQUEST_LIMITS)["top_k"] == 2
+
+
+@pytest.mark.parametrize(("what", "document"), [
+    ("many empty maps", {"a": [{}] * 60}),                       # 61 containers, each 1 byte on the wire
+    ("many empty arrays", {"a": [[]] * 60, "b": [[]] * 60}),
+    ("a long array", {"a": [0] * 65}),
+    ("a wide map", {f"k{i}": 0 for i in range(33)}),
+    ("a long string", {"a": "x" * 1025}),
+])
+def test_request_limits_refuse_what_no_request_needs(what, document):
+    with pytest.raises(MalformedRequest) as info:
+        decode_body(msgpack.packb(document), REQUEST_LIMITS)
+    assert "msgpack" in info.value.message or "maps and arrays" in info.value.message
+
+
+def test_a_body_of_empty_maps_costs_about_its_size_to_refuse():
+    """16 MiB of 1-byte empty maps once decoded to ~150x the body; now parsing stops at the limit."""
+    body = b"\x81\xa1a\xdd" + (1 << 24).to_bytes(4, "big") + b"\x80" * (1 << 24)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedRequest):
+            decode_body(body, REQUEST_LIMITS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20

@@ -35,13 +35,17 @@ def load_tokens(settings: Settings) -> list[bytes]:
 
     Raises:
         OSError: ``auth_tokens_file`` is set but cannot be read (a startup error).
+        ValueError: ``auth_tokens_file`` is set but holds no token: authentication was asked for,
+            so the service refuses to start rather than run open (fail closed).
     """
     tokens = [secret.get_secret_value() for secret in settings.auth_tokens]
     if settings.auth_tokens_file is not None:
-        for line in settings.auth_tokens_file.read_text(encoding="utf-8").splitlines():
-            line = line.strip()
-            if line and not line.startswith("#"):
-                tokens.append(line)
+        from_file = [line.strip() for line in settings.auth_tokens_file.read_text(encoding="utf-8").splitlines()
+                     if line.strip() and not line.strip().startswith("#")]
+        if not from_file:
+            raise ValueError(f"auth_tokens_file {settings.auth_tokens_file} holds no token (blank lines and # "
+                             "comments only); add one token per line, or unset it to run without authentication")
+        tokens.extend(from_file)
     return [hashlib.sha256(token.encode()).digest() for token in tokens]
 
 

@@ -63,6 +63,7 @@ async def compare_candidate(request: Request) -> Response:
     document = await read_document(request)
     dataplane, metrics = dataplane_of(request), metrics_of(request)
     timeout_s = request_timeout(request)
+    dataplane.check_order(document.get("order"))
     comparison = await run_in_threadpool(decode_comparison, document, max_elements=settings_of(request).max_elements,
                                          default_order=dataplane.default_order)
     outcome = await dataplane.compare(comparison, timeout_s=timeout_s, disconnected=partial(disconnected, request))

@@ -39,6 +39,7 @@ __all__ = [
     "ERRORS",
     "ErrorAnswer",
     "NotFound",
+    "RequestTimeout",
     "UnsupportedMediaType",
     "answer_for",
     "error_response",
@@ -53,6 +54,10 @@ PROBLEM_JSON = "application/problem+json"
 
 class UnsupportedMediaType(MalformedRequest):
     """The request's Content-Type is not one this endpoint reads."""
+
+
+class RequestTimeout(MalformedRequest):
+    """The request's body did not arrive within ``body_timeout_s``."""
 
 
 class NotFound(MoegradError):
@@ -92,6 +97,7 @@ ERRORS: dict[type[BaseException], ErrorAnswer] = {
     InvalidArgument: ErrorAnswer(422, "Invalid argument", "invalid_argument", 400, "INVALID_ARGUMENT"),
     UnsupportedMediaType: ErrorAnswer(415, "Unsupported media type", "unsupported_media_type", 415,
                                       "INVALID_ARGUMENT"),
+    RequestTimeout: ErrorAnswer(408, "Request timeout", "body_timeout", 408, "DEADLINE_EXCEEDED"),
     PayloadTooLarge: ErrorAnswer(413, "Payload too large", "payload_too_large", 413, "RESOURCE_EXHAUSTED"),
     MalformedRequest: ErrorAnswer(400, "Malformed request", "malformed_request", 400, "INVALID_ARGUMENT"),
     Unauthorized: ErrorAnswer(401, "Unauthorized", "unauthorized", 401, "UNAUTHENTICATED"),

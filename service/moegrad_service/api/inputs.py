@@ -9,14 +9,16 @@ The app's lifespan puts ``settings``, ``dataplane`` and ``metrics`` in every req
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Scope
 
-from moegrad import MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief, decode_body
-from moegrad_service.api.errors import UnsupportedMediaType
+from moegrad import REQUEST_LIMITS, MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief, decode_body
+from moegrad_service.api.errors import RequestTimeout, UnsupportedMediaType
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -27,10 +29,12 @@ __all__ = [
     "byte_count",
     "dataplane_of",
     "disconnected",
+    "drain_unread_body",
     "metrics_of",
     "read_body",
     "read_call",
     "read_document",
+    "release_reserved",
     "request_timeout",
     "settings_of",
 ]
@@ -74,8 +78,14 @@ def metrics_of(request: Request) -> Metrics:
 
 async def read_body(request: Request, limit: int, media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES, *,
                     lead: int = 0) -> bytearray | memoryview:
-    """The request body, refused with 413 before reading when Content-Length is over ``limit`` and
-    as soon as a body without one grows past it; 415 when the media type is not in ``media_types``.
+    """The request body, admitted before it is read.
+
+    Refused before reading: 415 when the media type is not in ``media_types``; 413 when
+    Content-Length is over ``limit``; 503 + Retry-After when the pool could not take the call (not
+    ready, queue full) or the body's bytes do not fit the in-flight budget now
+    (``max_inflight_bytes``). A body without Content-Length is counted against both as it arrives.
+    408 when the body takes longer than ``body_timeout_s`` to arrive. The bytes reserved from the
+    budget are given back by the route once the answer is sent (api/routing.py).
 
     ``lead`` > 0 puts that many zero bytes before the body in its buffer (whose start CPython
     aligns to 16 bytes) and returns a memoryview of the body alone: a caller that knows where
@@ -86,30 +96,87 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
         if media_type not in media_types:
             raise UnsupportedMediaType(
                 f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}")
+    dataplane = dataplane_of(request)
     declared = request.headers.get("content-length")
+    expected = None
     if declared is not None:
         expected = byte_count(declared)
         if expected is None:
             raise MalformedRequest(f"Content-Length {brief(declared)} is not a byte count")
         if expected > limit:
             raise PayloadTooLarge(f"Content-Length {brief(declared)} is over the limit of {limit} bytes")
-        # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
-        # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
-        # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
-        body = bytearray(lead)
-        async for chunk in request.stream():
-            if len(body) - lead + len(chunk) > expected:
-                raise MalformedRequest("the body is longer than its Content-Length")
-            body += chunk
-        if len(body) - lead != expected:
-            raise MalformedRequest(f"the body ended after {len(body) - lead} of {expected} bytes")
-        return memoryview(body)[lead:] if lead else body
+    dataplane.admit()
+    if expected is not None:
+        _reserve(request, dataplane, expected)
+    try:
+        async with asyncio.timeout(settings_of(request).body_timeout_s):
+            return await _receive(request, dataplane, limit, expected, lead)
+    except TimeoutError:
+        raise RequestTimeout(f"the body did not arrive within {settings_of(request).body_timeout_s:g} s "
+                             "(body_timeout_s); send it at once, or in smaller calls") from None
+
+
+async def _receive(request: Request, dataplane: DataPlane, limit: int, expected: int | None,
+                   lead: int) -> bytearray | memoryview:
+    # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
+    # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
+    # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
     body = bytearray(lead)
     async for chunk in request.stream():
+        if expected is not None:
+            if len(body) - lead + len(chunk) > expected:
+                raise MalformedRequest("the body is longer than its Content-Length")
+        else:
+            if len(body) - lead + len(chunk) > limit:
+                raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
+            _reserve(request, dataplane, len(chunk))
         body += chunk
-        if len(body) - lead > limit:
-            raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
+    request.scope["state"]["body_complete"] = True
+    if expected is not None and len(body) - lead != expected:
+        raise MalformedRequest(f"the body ended after {len(body) - lead} of {expected} bytes")
     return memoryview(body)[lead:] if lead else body
+
+
+#: An early answer (413, 415, 503 ...) first reads and discards up to this much of the unread body,
+#: for at most DRAIN_S seconds: a connection closed with the client still sending is reset, and
+#: the reset can destroy the answer before the client reads it.
+DRAIN_BYTES = 64 << 20
+DRAIN_S = 1.0
+
+
+async def drain_unread_body(request: Request) -> None:
+    """Read and discard what is left of the body (bounded by DRAIN_BYTES and DRAIN_S); holds no memory."""
+    state = request.scope.get("state", {})
+    has_body = request.headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in request.headers
+    if state.get("body_complete") or not has_body:
+        return
+    drained = 0
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            while drained < DRAIN_BYTES:
+                message = await request.receive()
+                if message["type"] != "http.request":
+                    return
+                drained += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+    except (TimeoutError, OSError):
+        return
+
+
+def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
+    """Take ``nbytes`` of the in-flight budget for this request (given back by release_reserved)."""
+    dataplane.budget.reserve(nbytes)
+    state = request.scope["state"]
+    state["reserved_bytes"] = state.get("reserved_bytes", 0) + nbytes
+
+
+def release_reserved(scope: Scope) -> None:
+    """Give back what this request reserved of the in-flight budget (once its answer is sent)."""
+    state = scope.get("state", {})
+    reserved = state.pop("reserved_bytes", 0)
+    if reserved:
+        state["dataplane"].budget.release(reserved)
 
 
 async def read_document(request: Request) -> dict[str, Any]:
@@ -118,15 +185,17 @@ async def read_document(request: Request) -> dict[str, Any]:
     body = await read_body(request, settings_of(request).max_body_bytes)
     metrics_of(request).bytes_in.inc(len(body))
     if len(body) > INLINE_DECODE_BYTES:
-        return await run_in_threadpool(decode_body, body)
-    return decode_body(body)
+        return await run_in_threadpool(decode_body, body, REQUEST_LIMITS)
+    return decode_body(body, REQUEST_LIMITS)
 
 
 async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
     """The v1 body as a call validated with the app's limits and default order (InvalidArgument,
     422, names the field and the aclnn code); large tensors are validated on a worker thread."""
     document = await read_document(request)
-    max_elements, default_order = settings_of(request).max_elements, dataplane_of(request).default_order
+    dataplane = dataplane_of(request)
+    dataplane.check_order(document.get("order"))
+    max_elements, default_order = settings_of(request).max_elements, dataplane.default_order
 
     def build() -> MoeInitRoutingV2GradCall:
         return MoeInitRoutingV2GradCall.from_wire(document, max_elements=max_elements, default_order=default_order)

@@ -24,6 +24,7 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from moegrad_service.api.errors import error_response
+from moegrad_service.api.inputs import drain_unread_body, release_reserved
 
 __all__ = ["EndpointRoute", "msgpack_operation", "openapi_with_endpoints"]
 
@@ -40,10 +41,14 @@ class _Endpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         try:
-            response = await self.handler(request)
-        except Exception as exc:  # noqa: BLE001 - every error is answered by the one renderer
-            response = error_response(request, exc)
-        await response(scope, receive, send)
+            try:
+                response = await self.handler(request)
+            except Exception as exc:  # noqa: BLE001 - every error is answered by the one renderer
+                response = error_response(request, exc)
+                await drain_unread_body(request)
+            await response(scope, receive, send)
+        finally:
+            release_reserved(scope)
 
 
 class EndpointRoute(Route):

@@ -22,14 +22,19 @@ def open_backend(settings: Settings) -> Backend:
             names what is missing).
     """
     if settings.backend == "reference":
-        return ReferenceBackend(warm_up=settings.warm_up)
+        return _reference_backend(settings)
     from moegrad_service.engine import ascend  # lazy: loads nothing until a backend is made
 
     if settings.backend == "auto" and not ascend.ascend_available(settings.ascend_home_path):
-        return ReferenceBackend(warm_up=settings.warm_up)
+        return _reference_backend(settings)
     try:
         return ascend.AscendBackend(device_id=settings.device_id, ascend_home_path=settings.ascend_home_path)
     except DeviceFault:
         raise
     except Exception as exc:  # noqa: BLE001 - a startup failure must read as one sentence
         raise DeviceFault(f"the ascend backend could not start: {type(exc).__name__}: {exc}") from exc
+
+
+def _reference_backend(settings: Settings) -> ReferenceBackend:
+    return ReferenceBackend(warm_up=settings.warm_up, ub_size_bytes=settings.ascend950_ub_size_bytes,
+                            vector_core_count=settings.ascend950_vector_core_count)

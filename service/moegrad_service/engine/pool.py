@@ -295,6 +295,9 @@ class StreamPool:
                 else:  # abandoned: a replacement thread already took this slot
                     job.settle(result, error)
                     return
+                # Drop this call before waiting for the next: an idle worker must not keep the last
+                # call's tensors and result alive (they can be GiBs).
+                job = result = error = None
         finally:
             with self._lock:
                 self._threads.discard(me)

@@ -1,4 +1,4 @@
-"""The embedded default backend: the NumPy emulation of the Atlas A2/A3 kernel (``moegrad``'s reference)."""
+"""The embedded default backend: ``moegrad``'s CPU emulation of the device kernels (A2/A3 and Ascend 950)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 
 import moegrad
 from moegrad import MoeInitRoutingV2GradCall, moe_init_routing_v2_grad
+from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 
 __all__ = ["ReferenceBackend"]
 
@@ -22,14 +23,20 @@ class ReferenceBackend:
             pool, and with it readiness, waits for the compilation instead of the first calls.
         fault_hook: called as ``hook(call, timeout_s)`` on the worker thread before each compute;
             tests use it to slow the backend down, raise, or hang (fault injection).
+        ub_size_bytes: the UB size in bytes the ``ascend950`` orders tile for (the 950's tiling,
+            and so its order of adds, depends on it; default Ascend 950PR/950DT's 253952).
+        vector_core_count: the vector core count the ``ascend950`` orders tile for (default 64).
     """
 
     name = "reference"
     device = None
 
-    def __init__(self, *, warm_up: bool = True, fault_hook: FaultHook | None = None) -> None:
+    def __init__(self, *, warm_up: bool = True, fault_hook: FaultHook | None = None,
+                 ub_size_bytes: int = UB_SIZE_BYTES, vector_core_count: int = VECTOR_CORE_COUNT) -> None:
         self.warm_up = warm_up
         self.fault_hook = fault_hook
+        self.ub_size_bytes = ub_size_bytes
+        self.vector_core_count = vector_core_count
 
     def open_worker(self, index: int) -> _ReferenceWorker:
         """A CPU slot; the first one compiles the kernel when ``warm_up`` is set."""
@@ -51,7 +58,8 @@ class _ReferenceWorker:
     def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> np.ndarray:
         if self._backend.fault_hook is not None:
             self._backend.fault_hook(call, timeout_s)
-        return moe_init_routing_v2_grad(call)
+        return moe_init_routing_v2_grad(call, ub_size_bytes=self._backend.ub_size_bytes,
+                                        vector_core_count=self._backend.vector_core_count)
 
     def close(self) -> None:
         pass

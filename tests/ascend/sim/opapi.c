@@ -3,16 +3,27 @@
  * older single-library layout): aclnnMoeInitRoutingV2GradGetWorkspaceSize and
  * aclnnMoeInitRoutingV2Grad with the prototypes of aclnnop/aclnn_moe_init_routing_v2_grad.h.
  *
- * Phase one applies the operator's documented host checks in the order of DESIGN.md section 4
+ * Phase one applies the operator's documented host checks in this order
  * (161001 null, 161002 dtype, 561002 attributes / ranks / sizes / divisibility) and makes a
  * single-use executor. Unlike a real device it also reads expandedRowIdx and rejects an index
  * outside the mode's range with 161002: a real kernel would read outside gradExpandedX instead.
  * Duplicated indices are accepted, as on the device: the kernel is a gather, a repeated row is
  * simply read twice (moegrad's Python validation rejects them unless allow_duplicate_indices).
  *
+ * Installation faults answer as opbase's do: phase one fails with 561107 when ASCEND_OPP_PATH is
+ * unset (opbase reads it to find the kernels) and with 561003 for an injected "kernel" fault (no
+ * kernel binary). The workspace is the fixed 16 MiB the operator's tiling reserves. An empty output
+ * (N = 0 or H = 0) is refused with 561002, as the 8.x tiling's positive-dimension checks do; with
+ * MOEGRAD_SIM_EMPTY=accept phase one instead answers success with no workspace, and phase two
+ * launches nothing (the behaviour reported for the newer entry point, not read in its source).
+ *
  * Phase two queues the kernel on the stream. The kernel is the Atlas A2/A3 arithmetic of
- * DESIGN.md section 3: rows widened exactly to float, float adds in the bin order, one
- * round-half-to-even conversion to the output dtype.
+ * docs/semantics.md section 3: rows widened exactly to float, float adds in the bin order, one
+ * round-half-to-even conversion to the output dtype. When the runtime reports an Ascend950* SoC
+ * (aclrtGetSocName; MOEGRAD_SIM_SOC_NAME chooses it), the kernel adds in the 950 order instead, as
+ * it stands when the whole K fits in one chunk: a float accumulator from +0.0, groups of four rows
+ * added as s += ((x0 + x1) + (x2 + x3)), the leftover rows as s += x, an invalid slot's row taken
+ * as +0.0 (never -0.0) and added in its place, one rounding to the output dtype.
  */
 #define _GNU_SOURCE
 #include <stdarg.h>
@@ -21,6 +32,9 @@
 #include <string.h>
 
 #include "sim.h"
+
+/* libascendcl.so (acl/acl_base.h): the SoC the process runs on. */
+const char *aclrtGetSocName(void);
 
 #define NAME1 "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
 #define NAME2 "aclnnMoeInitRoutingV2Grad"
@@ -127,8 +141,43 @@ static int64_t bins_for(int64_t k) {
     return (int64_t)1 << (log2k >= 1 ? log2k - 1 : 0);
 }
 
+/* The Ascend 950 order with K in one chunk (see the file comment). */
+static void kernel_950(const SimExecutor *e) {
+    const SimTensor *g = &e->grad, *ix = &e->idx, *o = &e->out;
+    int64_t k = e->top_k, n = o->dims[0], h_size = o->dims[1];
+    int mode = (int)e->drop_pad_mode;
+    int64_t active = e->active_num, capacity = mode == 1 ? g->dims[1] : 1;
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t h = 0; h < h_size; h++) {
+            float s = 0.0f, x[4];
+            int64_t t = 0;
+            while (t < k) {
+                int64_t take = k - t >= 4 ? 4 : 1;
+                for (int64_t j = 0; j < take; j++) {
+                    int32_t row = index_at(ix, i * k + t + j);
+                    int invalid = mode == 1 ? row < 0 : (active > 0 && row >= active);
+                    x[j] = 0.0f; /* an invalid slot is a +0.0 row */
+                    if (!invalid) {
+                        int64_t at = mode == 1 ? g->offset + (row / capacity) * g->strides[0] +
+                                                     (row % capacity) * g->strides[1] + h * g->strides[2]
+                                               : g->offset + row * g->strides[0] + h * g->strides[1];
+                        x[j] = load(g, at);
+                    }
+                }
+                s += take == 4 ? (x[0] + x[1]) + (x[2] + x[3]) : x[0];
+                t += take;
+            }
+            store(o, o->offset + i * o->strides[0] + h * o->strides[1], s);
+        }
+    }
+}
+
 static void kernel(void *ctx) {
     const SimExecutor *e = ctx;
+    if (e->order_950) {
+        kernel_950(e);
+        return;
+    }
     const SimTensor *g = &e->grad, *ix = &e->idx, *o = &e->out;
     int64_t k = e->top_k, n = o->dims[0], h_size = o->dims[1], bins = bins_for(k);
     int mode = (int)e->drop_pad_mode;
@@ -247,9 +296,21 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     if (o->dims[0] != slots / topK)
         return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out dim 0 is %lld, expected %lld", (long long)o->dims[0],
                       slots / (long long)topK);
-    if (slots == 0 || hidden == 0) /* as the 8.x tiling does (DESIGN.md section 3, empty tensors) */
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "empty tensors are not supported (N*K=%lld, H=%lld)", slots,
-                      hidden);
+    const char *opp = getenv("ASCEND_OPP_PATH");
+    if (!opp || !*opp) /* opbase finds the kernels through it */
+        return reject(SIM_ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND, "the environment variable ASCEND_OPP_PATH is not set");
+    if (slots == 0 || hidden == 0) {
+        const char *empty = getenv("MOEGRAD_SIM_EMPTY");
+        if (!empty || strcmp(empty, "accept") != 0) /* the 8.x tiling checks every dimension is positive */
+            return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "empty tensors are not supported (N*K=%lld, H=%lld)",
+                          slots, hidden);
+        SimExecutor *e = moegradSimExecutorCreate();
+        if (!e) return reject(SIM_ACLNN_ERR_INNER_NULLPTR, "out of host memory for the executor");
+        e->empty = 1;
+        *workspaceSize = 0;
+        *executor = e;
+        return SIM_ACLNN_SUCCESS;
+    }
     for (int i = 0; i < 3; i++)
         if (storage_bytes(handles[i]) == 0)
             return reject(SIM_ACLNN_ERR_PARAM_INVALID, "%s: the view does not fit its storage", names[i]);
@@ -267,6 +328,10 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     int64_t serial = 0;
     if (moegradSimFaultFires(SIM_FAULT_TILING, NULL, &serial))
         return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "injected tiling failure (phase one #%lld)", (long long)serial);
+    if (moegradSimFaultFires(SIM_FAULT_KERNEL, NULL, &serial))
+        return reject(SIM_ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
+                      "injected missing kernel: no binary of MoeInitRoutingV2Grad for this SoC under ASCEND_OPP_PATH "
+                      "(phase one #%lld)", (long long)serial);
     SimExecutor *e = moegradSimExecutorCreate();
     if (!e) return reject(SIM_ACLNN_ERR_INNER_NULLPTR, "out of host memory for the executor");
     e->grad = *g;
@@ -276,7 +341,9 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     e->top_k = topK;
     e->drop_pad_mode = dropPadMode;
     e->active_num = activeNum;
-    e->workspace_size = 16384 + 64 * (uint64_t)(slots / topK); /* system workspace + per-token tiling */
+    const char *soc = aclrtGetSocName();
+    e->order_950 = soc != NULL && strncmp(soc, "Ascend950", 9) == 0;
+    e->workspace_size = 16u << 20; /* the tiling's fixed reservation: 16 MiB */
     *workspaceSize = e->workspace_size;
     *executor = e;
     return SIM_ACLNN_SUCCESS;
@@ -296,6 +363,10 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2Grad(void *workspace, uint64_t workspace
         return SIM_ACLNN_ERR_PARAM_INVALID;
     }
     SimExecutor *e = executor; /* ours now: freed here on failure, by the runtime after the kernel otherwise */
+    if (e->empty) { /* nothing to compute: no kernel is launched */
+        free(e);
+        return SIM_ACLNN_SUCCESS;
+    }
     int32_t rc = moegradSimCheckContext(NAME2);
     if (rc != SIM_ACLNN_SUCCESS) {
         free(e);

@@ -8,11 +8,20 @@
  *     aclrtSetDevice (or whose device was reset to zero references) fails with 107002;
  *   - aclrtSetDevice / aclrtResetDevice are reference counted; at zero the device releases
  *     whatever the process left on it (counted as "reclaimed", so a test can insist on zero);
- *   - a kernel is asynchronous: one that hangs keeps its memory busy until a stream sync observes
- *     its completion; freeing that memory or destroying that stream first is a violation.
+ *   - a kernel is asynchronous: one that hangs keeps its memory busy until a stream sync or query
+ *     observes its completion. aclrtFree releases memory at once, as CANN's does (it neither
+ *     synchronises nor waits for the kernels using it): freeing busy memory is counted as a
+ *     violation. aclrtDestroyStream and the last aclrtResetDevice wait for the stream's kernels, as
+ *     CANN's do; on a kernel that hangs for good they would block forever, so here the wait is cut
+ *     short after MOEGRAD_SIM_BLOCK_CAP_MS (default 3000) and counted as "blocked" and a violation.
+ *     aclrtDestroyStreamForce does not wait: it discards the stream's kernels unrun;
+ *   - aclrtSynchronizeStreamWithTimeout accepts -1 or a timeout > 0 ms only (0 and < -1: 107000),
+ *     as CANN's runtime checks; aclrtStreamQuery is the poll;
+ *   - aclInit / aclFinalizeReference are reference counted (a repeated aclInit counts and answers
+ *     100002); aclFinalize drops every reference.
  * Faults are injected with moegradSimInjectFault or MOEGRAD_SIM_FAULTS (read by aclInit), e.g.
  * "launch@3,hang@1:250": the 3rd launch from now fails; the next launched kernel hangs 250 ms.
- * Kinds: malloc, memcpy, launch, sync, hang, health (aclrtGetMemInfo), tiling (phase one).
+ * Kinds: malloc, memcpy, launch, sync, hang, health (aclrtGetMemInfo), tiling and kernel (phase one).
  * MOEGRAD_SIM_DEVICE_COUNT (default 1) and MOEGRAD_SIM_SOC_NAME (default Ascend910B3) shape the device.
  */
 #define _GNU_SOURCE
@@ -68,7 +77,8 @@ static __thread int64_t t_sets;
 static __thread char t_error[1024];
 static __thread char t_error_out[1024];
 
-static const char *const FAULT_NAMES[SIM_FAULT__N] = {"malloc", "memcpy", "launch", "sync", "hang", "health", "tiling"};
+static const char *const FAULT_NAMES[SIM_FAULT__N] = {"malloc", "memcpy", "launch", "sync",
+                                                      "hang",   "health", "tiling", "kernel"};
 
 static void init_once(void) {
     pthread_condattr_t attr;
@@ -174,10 +184,17 @@ static Stream *find_stream_locked(const void *handle) {
     return NULL;
 }
 
+/* Run the stream's kernels as they complete, waiting for hung ones until `deadline_ms` (-1: no
+ * limit). DRAIN_IDLE: the stream is empty; DRAIN_TIMEOUT: a kernel still runs; DRAIN_GONE: the stream
+ * was released (a device reset) while waiting. */
+enum { DRAIN_IDLE = 0, DRAIN_TIMEOUT = 1, DRAIN_GONE = 2 };
+static int drain_stream_locked(Stream *s, int64_t deadline_ms);
+static int64_t block_cap_deadline(void);
+
 static void mark_busy_locked(SimJob *job, int delta) {
     for (int i = 0; i < job->nranges; i++) {
         Alloc *a = find_block_locked(job->ranges[i].ptr, job->ranges[i].bytes);
-        if (a) a->busy += delta;
+        if (a && (delta > 0 || a->busy > 0)) a->busy += delta; /* (a freed block may have been reused) */
     }
 }
 
@@ -311,17 +328,21 @@ static void parse_fault_env(void) {
 SIM_EXPORT int32_t aclInit(const char *configPath) {
     (void)configPath;
     lock();
-    if (g_initialized) {
+    if (g_initialized) { /* CANN counts a repeated aclInit too, and answers 100002 */
+        g_counts[SIM_COUNT_ACL_REFS]++;
         unlock();
         moegradSimSetError("EH0002: [moegrad-sim] aclInit: already initialized");
         return SIM_ACL_ERROR_REPEAT_INITIALIZE;
     }
     g_initialized = 1;
     g_counts[SIM_COUNT_INITIALIZED] = 1;
+    g_counts[SIM_COUNT_ACL_REFS] = 1;
     parse_fault_env();
     unlock();
     return SIM_ACL_SUCCESS;
 }
+
+static void finalize_locked(void);
 
 SIM_EXPORT int32_t aclFinalize(void) {
     lock();
@@ -330,6 +351,26 @@ SIM_EXPORT int32_t aclFinalize(void) {
         moegradSimSetError("EH0003: [moegrad-sim] aclFinalize: not initialized");
         return SIM_ACL_ERROR_REPEAT_FINALIZE;
     }
+    finalize_locked(); /* every reference, whoever holds it */
+    unlock();
+    return SIM_ACL_SUCCESS;
+}
+
+SIM_EXPORT int32_t aclFinalizeReference(uint64_t *refCount) {
+    lock();
+    if (g_counts[SIM_COUNT_ACL_REFS] < 1) {
+        if (refCount) *refCount = 0;
+        unlock();
+        moegradSimSetError("EH0003: [moegrad-sim] aclFinalizeReference: not initialized");
+        return SIM_ACL_ERROR_REPEAT_FINALIZE;
+    }
+    if (--g_counts[SIM_COUNT_ACL_REFS] == 0) finalize_locked();
+    if (refCount) *refCount = (uint64_t)g_counts[SIM_COUNT_ACL_REFS];
+    unlock();
+    return SIM_ACL_SUCCESS;
+}
+
+static void finalize_locked(void) {
     for (int d = 0; d < SIM_MAX_DEVICES; d++) {
         if (g_refs[d] > 0) {
             g_refs[d] = 0;
@@ -339,8 +380,7 @@ SIM_EXPORT int32_t aclFinalize(void) {
     g_counts[SIM_COUNT_DEVICE_REFS] = 0;
     g_initialized = 0;
     g_counts[SIM_COUNT_INITIALIZED] = 0;
-    unlock();
-    return SIM_ACL_SUCCESS;
+    g_counts[SIM_COUNT_ACL_REFS] = 0;
 }
 
 SIM_EXPORT const char *aclGetRecentErrMsg(void) {
@@ -413,7 +453,18 @@ SIM_EXPORT int32_t aclrtResetDevice(int32_t deviceId) {
     g_refs[deviceId]--;
     g_counts[SIM_COUNT_DEVICE_REFS]--;
     if (t_device == deviceId && t_generation == g_generation[deviceId] && t_sets > 0) t_sets--;
-    if (g_refs[deviceId] == 0) reclaim_device_locked(deviceId);
+    if (g_refs[deviceId] == 0) {
+        /* The last reset waits for the device's kernels, as CANN's does. */
+        for (Stream *st = g_streams; st; st = st->next) {
+            if (st->device != deviceId) continue;
+            if (drain_stream_locked(st, block_cap_deadline()) != DRAIN_IDLE) {
+                g_counts[SIM_COUNT_BLOCKED]++;
+                g_counts[SIM_COUNT_VIOLATIONS]++;
+                break;
+            }
+        }
+        reclaim_device_locked(deviceId);
+    }
     unlock();
     return SIM_ACL_SUCCESS;
 }
@@ -480,13 +531,8 @@ SIM_EXPORT int32_t aclrtFree(void *devPtr) {
         return SIM_RT_PARAM_INVALID;
     }
     Alloc *a = *ap;
-    if (a->busy) {
+    if (a->busy) /* CANN frees at once and does not wait: a kernel still running now uses freed memory */
         g_counts[SIM_COUNT_VIOLATIONS]++;
-        unlock();
-        moegradSimSetError("EE1008: [moegrad-sim] aclrtFree: %p is still used by %d unfinished kernel(s)", devPtr,
-                           a->busy);
-        return SIM_RT_MEMORY_FREE;
-    }
     *ap = a->next;
     g_counts[SIM_COUNT_ALLOCATIONS]--;
     g_counts[SIM_COUNT_ALLOCATED_BYTES] -= (int64_t)a->size;
@@ -604,6 +650,58 @@ static int stream_for_call_locked(void *stream, const char *api, Stream **out) {
     return SIM_ACL_SUCCESS;
 }
 
+static int drain_stream_locked(Stream *s, int64_t deadline_ms) {
+    while (s->head) {
+        SimJob *job = s->head;
+        if (job->hung) {
+            int64_t now = now_ms();
+            if (job->hang_until_ms >= 0 && now >= job->hang_until_ms) {
+                job->hung = 0;
+                continue;
+            }
+            if (deadline_ms >= 0 && now >= deadline_ms) return DRAIN_TIMEOUT;
+            int64_t wake = job->hang_until_ms;
+            if (deadline_ms >= 0 && (wake < 0 || deadline_ms < wake)) wake = deadline_ms;
+            if (wake < 0) {
+                pthread_cond_wait(&g_cond, &g_lock);
+            } else {
+                struct timespec ts = {.tv_sec = wake / 1000, .tv_nsec = (wake % 1000) * 1000000};
+                pthread_cond_timedwait(&g_cond, &g_lock, &ts);
+            }
+            if (find_stream_locked(s) != s) return DRAIN_GONE;
+            continue;
+        }
+        complete_job_locked(pop_job_locked(s), 1);
+    }
+    return DRAIN_IDLE;
+}
+
+/* Complete whatever has finished by now, without waiting. */
+static void progress_stream_locked(Stream *s) {
+    int64_t now = now_ms();
+    while (s->head) {
+        SimJob *job = s->head;
+        if (job->hung && job->hang_until_ms >= 0 && now >= job->hang_until_ms) job->hung = 0;
+        if (job->hung) return;
+        complete_job_locked(pop_job_locked(s), 1);
+    }
+}
+
+static int64_t block_cap_deadline(void) {
+    const char *env = getenv("MOEGRAD_SIM_BLOCK_CAP_MS");
+    long long cap = env && *env ? atoll(env) : 3000;
+    return now_ms() + (cap < 0 ? 0 : cap);
+}
+
+static void unlink_stream_locked(Stream *s) {
+    Stream **sp = &g_streams;
+    while (*sp != s) sp = &(*sp)->next;
+    *sp = s->next;
+    s->magic = 0;
+    free(s);
+    g_counts[SIM_COUNT_STREAMS]--;
+}
+
 SIM_EXPORT int32_t aclrtDestroyStream(void *stream) {
     lock();
     Stream *s = NULL;
@@ -612,19 +710,62 @@ SIM_EXPORT int32_t aclrtDestroyStream(void *stream) {
         unlock();
         return rc;
     }
-    if (s->head) {
+    /* CANN waits for the stream's tasks before destroying it. */
+    int drained = drain_stream_locked(s, block_cap_deadline());
+    if (drained == DRAIN_GONE) {
+        unlock();
+        moegradSimSetError("EE1016: [moegrad-sim] stream %p was released while being destroyed", stream);
+        return SIM_RT_PARAM_INVALID;
+    }
+    if (drained == DRAIN_TIMEOUT) {
+        g_counts[SIM_COUNT_BLOCKED]++;
         g_counts[SIM_COUNT_VIOLATIONS]++;
         unlock();
-        moegradSimSetError("EE1014: [moegrad-sim] aclrtDestroyStream: stream %p still has unfinished tasks "
-                           "(synchronize it first)", stream);
+        moegradSimSetError("EE1014: [moegrad-sim] aclrtDestroyStream: a kernel on stream %p never finishes; the "
+                           "real runtime would block here forever", stream);
         return SIM_RT_STREAM_NOT_COMPLETE;
     }
-    Stream **sp = &g_streams;
-    while (*sp != s) sp = &(*sp)->next;
-    *sp = s->next;
-    s->magic = 0;
-    free(s);
-    g_counts[SIM_COUNT_STREAMS]--;
+    unlink_stream_locked(s);
+    unlock();
+    return SIM_ACL_SUCCESS;
+}
+
+SIM_EXPORT int32_t aclrtDestroyStreamForce(void *stream) {
+    lock();
+    Stream *s = NULL;
+    int rc = stream_for_call_locked(stream, "aclrtDestroyStreamForce", &s);
+    if (rc != SIM_ACL_SUCCESS) {
+        unlock();
+        return rc;
+    }
+    while (s->head) { /* not waited for: discarded unrun */
+        SimJob *job = pop_job_locked(s);
+        job->release(job->ctx);
+        free(job);
+    }
+    unlink_stream_locked(s);
+    g_counts[SIM_COUNT_FORCED]++;
+    pthread_cond_broadcast(&g_cond);
+    unlock();
+    return SIM_ACL_SUCCESS;
+}
+
+SIM_EXPORT int32_t aclrtStreamQuery(void *stream, int32_t *status) {
+    lock();
+    g_counts[SIM_COUNT_QUERIES]++;
+    Stream *s = NULL;
+    int rc = stream_for_call_locked(stream, "aclrtStreamQuery", &s);
+    if (rc != SIM_ACL_SUCCESS) {
+        unlock();
+        return rc;
+    }
+    if (!status) {
+        unlock();
+        moegradSimSetError("EE1006: [moegrad-sim] aclrtStreamQuery: status is nullptr");
+        return SIM_RT_PARAM_INVALID;
+    }
+    progress_stream_locked(s);
+    *status = s->head ? 1 : 0; /* ACL_STREAM_STATUS_NOT_READY : ACL_STREAM_STATUS_COMPLETE */
     unlock();
     return SIM_ACL_SUCCESS;
 }
@@ -632,6 +773,12 @@ SIM_EXPORT int32_t aclrtDestroyStream(void *stream) {
 SIM_EXPORT int32_t aclrtSynchronizeStreamWithTimeout(void *stream, int32_t timeout) {
     lock();
     g_counts[SIM_COUNT_SYNCS]++;
+    if (timeout == 0 || timeout < -1) { /* CANN's StreamSynchronize check: -1 or > 0 only */
+        unlock();
+        moegradSimSetError("EE1006: [moegrad-sim] aclrtSynchronizeStreamWithTimeout: timeout=%dms is invalid "
+                           "(-1 waits forever, > 0 is a timeout in ms)", (int)timeout);
+        return SIM_RT_PARAM_INVALID;
+    }
     Stream *s = NULL;
     int rc = stream_for_call_locked(stream, "aclrtSynchronizeStreamWithTimeout", &s);
     if (rc != SIM_ACL_SUCCESS) {
@@ -646,39 +793,17 @@ SIM_EXPORT int32_t aclrtSynchronizeStreamWithTimeout(void *stream, int32_t timeo
                            (long long)serial);
         return SIM_RT_AICORE_EXCEPTION;
     }
-    int64_t deadline = timeout < 0 ? -1 : now_ms() + timeout;
-    while (s->head) {
-        SimJob *job = s->head;
-        if (job->hung) {
-            int64_t now = now_ms();
-            if (job->hang_until_ms >= 0 && now >= job->hang_until_ms) {
-                job->hung = 0;
-                continue;
-            }
-            if (deadline >= 0 && now >= deadline) {
-                unlock();
-                moegradSimSetError("EE1015: [moegrad-sim] stream synchronize timeout after %d ms (a kernel is "
-                                   "still running)", timeout);
-                return SIM_RT_STREAM_SYNC_TIMEOUT;
-            }
-            int64_t wake = job->hang_until_ms;
-            if (deadline >= 0 && (wake < 0 || deadline < wake)) wake = deadline;
-            if (wake < 0) {
-                pthread_cond_wait(&g_cond, &g_lock);
-            } else {
-                struct timespec ts = {.tv_sec = wake / 1000, .tv_nsec = (wake % 1000) * 1000000};
-                pthread_cond_timedwait(&g_cond, &g_lock, &ts);
-            }
-            if (find_stream_locked(stream) != s) { /* released by a device reset while waiting */
-                unlock();
-                moegradSimSetError("EE1016: [moegrad-sim] stream %p was released while being synchronized", stream);
-                return SIM_RT_PARAM_INVALID;
-            }
-            continue;
-        }
-        complete_job_locked(pop_job_locked(s), 1);
-    }
+    int drained = drain_stream_locked(s, timeout < 0 ? -1 : now_ms() + timeout);
     unlock();
+    if (drained == DRAIN_TIMEOUT) {
+        moegradSimSetError("EE1015: [moegrad-sim] stream synchronize timeout after %d ms (a kernel is "
+                           "still running)", timeout);
+        return SIM_RT_STREAM_SYNC_TIMEOUT;
+    }
+    if (drained == DRAIN_GONE) {
+        moegradSimSetError("EE1016: [moegrad-sim] stream %p was released while being synchronized", stream);
+        return SIM_RT_PARAM_INVALID;
+    }
     return SIM_ACL_SUCCESS;
 }
 

@@ -48,7 +48,9 @@ enum {
     SIM_ACLNN_ERR_PARAM_INVALID = 161002,
     SIM_ACLNN_ERR_RUNTIME_ERROR = 361001,
     SIM_ACLNN_ERR_INNER_TILING_ERROR = 561002,
+    SIM_ACLNN_ERR_INNER_FIND_KERNEL_ERROR = 561003,
     SIM_ACLNN_ERR_INNER_NULLPTR = 561103,
+    SIM_ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND = 561107,
 };
 
 /* aclDataType values (acl/acl_base.h). */
@@ -72,6 +74,10 @@ enum {
     SIM_COUNT_CONTEXT_ERRORS,     /* calls refused with 107002 (no aclrtSetDevice on the thread) */
     SIM_COUNT_STREAMS_CREATED,    /* aclrtCreateStream calls that succeeded, ever */
     SIM_COUNT_PHASE_ONE,          /* GetWorkspaceSize calls, ever */
+    SIM_COUNT_QUERIES,            /* aclrtStreamQuery calls, ever */
+    SIM_COUNT_FORCED,             /* streams destroyed with aclrtDestroyStreamForce, ever */
+    SIM_COUNT_BLOCKED,            /* calls that would have blocked forever on a hung kernel (cut short) */
+    SIM_COUNT_ACL_REFS,           /* aclInit references (aclFinalizeReference releases one) */
     SIM_COUNT__N
 };
 
@@ -84,6 +90,7 @@ enum {
     SIM_FAULT_HANG,       /* the Nth launched kernel hangs for `arg` ms (-1: until released) */
     SIM_FAULT_HEALTH,     /* the Nth aclrtGetMemInfo fails with 507899 */
     SIM_FAULT_TILING,     /* the Nth phase one that passes every check fails its tiling with 561002 */
+    SIM_FAULT_KERNEL,     /* the Nth phase one that passes every check finds no kernel binary, 561003 */
     SIM_FAULT__N
 };
 
@@ -126,6 +133,8 @@ typedef struct SimExecutor {
     SimTensor grad, idx, out; /* copies, so destroying the tensors after launch is fine */
     int64_t top_k, drop_pad_mode, active_num;
     uint64_t workspace_size;
+    int empty;      /* 1: the output has no elements, phase two launches nothing */
+    int order_950;  /* 1: the SoC is an Ascend 950, the kernel adds in its order */
     struct SimExecutor *next;
 } SimExecutor;
 

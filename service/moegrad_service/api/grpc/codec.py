@@ -51,11 +51,13 @@ class InferRequest:
         call: the validated operator call.
         id: the request's ``id`` (echoed in the reply; "" when not sent).
         timeout_s: the ``timeout`` parameter in seconds, or None when not given.
+        named_order: the ``order`` parameter as given, or None when the request names none.
     """
 
     call: MoeInitRoutingV2GradCall
     id: str
     timeout_s: float | None
+    named_order: object = None
 
 
 def _parameter(value: service_pb2.InferParameter, where: str) -> Any:
@@ -189,7 +191,7 @@ def decode_infer_request(request: service_pb2.ModelInferRequest, *, max_elements
             raise MalformedRequest(f"parameters.timeout={micros!r} must be a positive number of microseconds",
                                    field="timeout")
         timeout_s = min(micros, 2**53) / 1e6  # the server caps it at request_timeout_s anyway
-    return InferRequest(call=call, id=request.id, timeout_s=timeout_s)
+    return InferRequest(call=call, id=request.id, timeout_s=timeout_s, named_order=parameters.get("order"))
 
 
 def encode_infer_response(outcome: GradOutcome, request_id: str) -> service_pb2.ModelInferResponse:

@@ -77,21 +77,27 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
     become gRPC statuses, counted in the failure metric under its method path."""
     endpoint = f"/{SERVICE}/{method.__name__}"
     request_type = getattr(service_pb2, _DESCRIPTOR.methods_by_name[method.__name__].input_type.name)
+    infer = method.__name__ == "ModelInfer"
 
     @functools.wraps(method)
     async def handler(self: InferenceServicer, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         started = time.perf_counter()
+        reserved = 0
         try:
+            if infer:  # admitted as an HTTP body is: the queue and the in-flight byte budget
+                self.dataplane.admit()
+                self.dataplane.budget.reserve(len(raw))
+                reserved = len(raw)
             if len(raw) > INLINE_DECODE_BYTES:
                 request = await run_in_threadpool(_parse, request_type, raw)
             else:
                 request = _parse(request_type, raw)
             reply = await method(self, request, context, started)
-            if len(raw) > INLINE_DECODE_BYTES or method.__name__ == "ModelInfer" and _large(reply):
+            if len(raw) > INLINE_DECODE_BYTES or infer and _large(reply):
                 data = await run_in_threadpool(reply.SerializeToString)
             else:
                 data = reply.SerializeToString()
-            if method.__name__ == "ModelInfer":
+            if infer:
                 self.metrics.bytes_in.inc(len(raw))
                 self.metrics.bytes_out.inc(len(data))
                 self.metrics.succeeded(endpoint, started)
@@ -106,6 +112,9 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
             self.metrics.failure.labels(endpoint=endpoint, reason=answer.reason).inc()
             context.set_trailing_metadata(trailers)
             await context.abort(code, details)
+        finally:
+            if reserved:
+                self.dataplane.budget.release(reserved)
 
     return handler
 
@@ -195,6 +204,7 @@ class InferenceServicer:
         decode = functools.partial(decode_infer_request, request, max_elements=settings.max_elements,
                                    default_order=dataplane.default_order)
         decoded = await run_in_threadpool(decode) if _declared_bytes(request) > INLINE_DECODE_BYTES else decode()
+        dataplane.check_order(decoded.named_order)
         if decoded.timeout_s is not None:
             timeout_s = min(timeout_s, decoded.timeout_s)
         # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).

@@ -97,12 +97,14 @@ class InferRequest:
         id: the request's ``id``, echoed in the reply, or None.
         binary_output: send grad_x as binary tensor data (else as a JSON list).
         timeout_s: the ``timeout`` parameter in seconds, or None when not given.
+        named_order: the ``order`` parameter as given, or None when the request names none.
     """
 
     call: MoeInitRoutingV2GradCall
     id: str | None
     binary_output: bool
     timeout_s: float | None
+    named_order: str | None = None
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -159,21 +161,44 @@ def _finite_number(text: str) -> float:
     return value
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members; a key given twice is refused (JSON leaves its meaning open)."""
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise MalformedRequest(f"a JSON object has the key {brief(key)} twice; give each key once", field=key)
+        document[key] = value
+    return document
+
+
 def _parse_json(text: bytes | bytearray) -> dict[str, Any]:
     try:
-        document = json.loads(text, parse_float=_finite_number)
+        document = json.loads(text, parse_float=_finite_number, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if isinstance(exc, MalformedRequest):
+            raise
         raise MalformedRequest(f"the inference request is not valid JSON ({type(exc).__name__}: {exc})") from None
     return _object(document, "the inference request")
 
 
-def _flatten(data: Any, where: str) -> list[Any]:
-    """A tensor's JSON data, row-major and flat (the protocol allows nested arrays too)."""
+def _flatten(data: Any, where: str, count: int) -> list[Any]:
+    """A tensor's JSON data, row-major and flat (the protocol allows nested arrays too), in one pass
+    over its items; refused as soon as it holds more than ``count`` elements."""
     if not isinstance(data, list):
         raise MalformedRequest(f"{where} must be a JSON array, got {type(data).__name__}", field=where)
-    while list in set(map(type, data)):  # the nested form: one level per pass
-        data = [x for item in data for x in (item if type(item) is list else (item,))]
-    return data
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if type(item) is list:
+                stack.append(iter(item))
+                break
+            flat.append(item)
+            if len(flat) > count:
+                raise MalformedRequest(f"{where} has more than the {count} elements its shape needs", field=where)
+        else:
+            stack.pop()
+    return flat
 
 
 def _from_json(data: Any, name: str, datatype: str, shape: list[int]) -> np.ndarray:
@@ -182,8 +207,8 @@ def _from_json(data: Any, name: str, datatype: str, shape: list[int]) -> np.ndar
     if datatype in BINARY_ONLY:
         raise MalformedRequest(f"{name} is {datatype}, which has no JSON form: send it as binary tensor data "
                                f"(parameters.binary_data_size and {HEADER_LENGTH})", field=name)
-    flat = _flatten(data, where)
     count = math.prod(shape)
+    flat = _flatten(data, where, count)
     if len(flat) != count:
         raise MalformedRequest(f"{where} has {len(flat)} elements but shape {shape} needs {count}", field=name)
     dtype = DATATYPES[datatype]
@@ -327,7 +352,8 @@ def decode_infer_request(body: bytearray | memoryview, header_length: str | None
             raise MalformedRequest(f"parameters.timeout={micros!r} must be a positive number of microseconds",
                                    field="timeout")
         timeout_s = min(micros, 2**53) / 1e6  # the server caps it at request_timeout_s anyway
-    return InferRequest(call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s)
+    return InferRequest(call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s,
+                        named_order=parameters.get("order"))
 
 
 # --- encoding ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moegrad import __version__
+from moegrad import ORDERS, __version__
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.v2.codec import BINARY_ONLY, GRAD_DATATYPES, MODEL_NAME, MODEL_VERSION, OUTPUT
 from moegrad_service.dataplane import DataPlane, Duration
@@ -67,7 +67,7 @@ def _parameters(dataplane: DataPlane) -> dict[str, str]:
         "grad_x_datatype": "the datatype of grad_expanded_x",
         "binary_only_datatypes": ",".join(sorted(BINARY_ONLY)),
         "request_parameters": "top_k (int, required), drop_pad_mode (int, default 0), active_num (int, default 0), "
-                              "order (ascend910b|sequential), allow_duplicate_indices (bool, default false)",
+                              f"order ({'|'.join(ORDERS)}), allow_duplicate_indices (bool, default false)",
         "default_order": dataplane.default_order,
     }
     if dataplane.device is not None:

@@ -28,7 +28,6 @@ from starlette.concurrency import run_in_threadpool
 from moegrad import MalformedRequest
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.inputs import (
-    INLINE_DECODE_BYTES,
     dataplane_of,
     disconnected,
     metrics_of,
@@ -59,6 +58,9 @@ from moegrad_service.dataplane import GradOutcome
 __all__ = ["INFER_PATHS", "router", "routes"]
 
 router = APIRouter()
+#: v2 bodies larger than this are decoded on a worker thread: JSON costs far more per byte than
+#: binary tensor data, so the event loop keeps only small requests.
+INLINE_JSON_BYTES = 64 << 10
 
 #: The versioned routes read model_version from the path (one handler serves both forms); declared for OpenAPI.
 _VERSION_PARAMETER = {"name": "model_version", "in": "path", "required": True,
@@ -170,7 +172,8 @@ async def infer(request: Request) -> Response:
     metrics.bytes_in.inc(len(body))
     decode = partial(decode_infer_request, body, header_length,
                      max_elements=settings.max_elements, default_order=dataplane.default_order)
-    decoded = await run_in_threadpool(decode) if len(body) > INLINE_DECODE_BYTES else decode()
+    decoded = await run_in_threadpool(decode) if len(body) > INLINE_JSON_BYTES else decode()
+    dataplane.check_order(decoded.named_order)
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
     outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request),

@@ -1,0 +1,254 @@
+"""The forward routing, emulated: aclnnMoeInitRoutingV2, whose outputs the backward consumes.
+
+aclnnMoeInitRoutingV2 takes the token features ``x`` [N, H] and each token's K expert choices
+``expert_idx`` [N, K], and lays the N*K (token, expert) slots out expert by expert
+(docs/semantics.md, "Index layouts and the forward routing"; the operator's documentation and
+kernel in hicann/ops-transformer ``moe/moe_init_routing_v2/``):
+
+1. the flat expert ids are sorted with their slot numbers ``s = i*K + t`` as values; slots of one
+   expert keep increasing slot order (the documentation's key-value sort; the kernel sorts the
+   negated ids, cast to float32, with the slot numbers as indices);
+2. ``expanded_row_idx[sorted_row_idx[p]] = p``: for each slot, the row of the expanded tensor it
+   landed on (the layout the backward, aclnnMoeInitRoutingV2Grad, reads);
+3. ``expanded_x[p] = x[sorted_row_idx[p] // K]``;
+4. the per-expert token counts (or their running sum) and, in drop/pad mode, the counts before the
+   capacity cut.
+
+Modes: dropless (drop_pad_mode=0, active_num=0) keeps all N*K rows; active (active_num=A>0) keeps
+the first min(A, N*K) rows of expanded_x while expanded_row_idx still numbers every slot; drop/pad
+(drop_pad_mode=1) gives expert e the rows e*C .. e*C+C-1 of an [E, C, H] expanded_x, in slot order:
+slots past the capacity C are dropped (index -1) and unused rows are zero.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from moegrad._errors import AclnnStatus, InvalidArgument
+from moegrad._spec import GRAD_DTYPES
+from moegrad._wire import brief, dtype_name
+
+__all__ = ["MoeInitRoutingV2Result", "expanded_row_idx_layout", "invert_expanded_row_idx", "moe_init_routing_v2"]
+
+_NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
+_INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
+_TILING = AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR
+_EXACT_KEY = 2**24  # the kernel sorts ids as float32 keys: exact (and so emulated) only below this
+
+
+class MoeInitRoutingV2Result(NamedTuple):
+    """The four outputs of aclnnMoeInitRoutingV2.
+
+    Attributes:
+        expanded_x: [N*K, H] (dropless), [min(A, N*K), H] (active) or [E, C, H] (drop/pad), x's dtype.
+        expanded_row_idx: [N*K] int32; slot ``i*K + t`` -> its row of expanded_x (flat ``e*C + r``
+            in drop/pad mode, -1 for a dropped slot). This is what the backward takes.
+        expert_tokens_count_or_cumsum: [E] int32 in dropless/active mode when
+            ``expert_tokens_count_or_cumsum_flag`` is 1 (running sum) or 2 (counts); else None.
+        expert_tokens_before_capacity: [E] int32 in drop/pad mode when
+            ``expert_tokens_before_capacity_flag`` is set (each expert's count before the cut); else None.
+    """
+
+    expanded_x: np.ndarray
+    expanded_row_idx: np.ndarray
+    expert_tokens_count_or_cumsum: np.ndarray | None
+    expert_tokens_before_capacity: np.ndarray | None
+
+
+def _fail(status: AclnnStatus, field: str, message: str) -> InvalidArgument:
+    return InvalidArgument(message, aclnn_status=status, field=field)
+
+
+def _integer(field: str, raw: Any) -> int:
+    try:
+        if isinstance(raw, (bool, np.bool_)):
+            raise TypeError
+        return operator.index(raw)
+    except TypeError:
+        raise _fail(_TILING, field, f"{field}={brief(raw)} must be an integer") from None
+
+
+def moe_init_routing_v2(
+    x: np.ndarray,
+    expert_idx: np.ndarray,
+    active_num: int = 0,
+    expert_capacity: int = 0,
+    expert_num: int = 0,
+    drop_pad_mode: int = 0,
+    expert_tokens_count_or_cumsum_flag: int = 0,
+    expert_tokens_before_capacity_flag: bool = False,
+) -> MoeInitRoutingV2Result:
+    """The outputs of aclnnMoeInitRoutingV2 (the forward of aclnnMoeInitRoutingV2Grad), on the CPU.
+
+    Args:
+        x: [N, H] token features; float16, bfloat16 (``ml_dtypes.bfloat16``) or float32.
+        expert_idx: [N, K] int32 or int64 expert ids, each >= 0 (and < expert_num in drop/pad mode
+            or when counts are asked for).
+        active_num: dropless/active mode only: 0 keeps every row of expanded_x, A > 0 the first A.
+        expert_capacity: C, rows per expert in drop/pad mode, in (0, N]; ignored otherwise.
+        expert_num: E; > 0 in drop/pad mode and when counts are asked for.
+        drop_pad_mode: 0 dropless/active, 1 drop/pad.
+        expert_tokens_count_or_cumsum_flag: dropless/active mode: 0 none, 1 running sum, 2 counts.
+        expert_tokens_before_capacity_flag: drop/pad mode: return each expert's count before the cut.
+
+    Returns:
+        A :class:`MoeInitRoutingV2Result`; its expanded_row_idx goes to
+        :func:`moegrad.moe_init_routing_v2_grad` as it is, with ``top_k = K``, the same
+        drop_pad_mode and ``active_num = min(A, N*K)`` in active mode.
+
+    Raises:
+        InvalidArgument: a missing tensor (161001); a dtype the operator does not take, a negative id,
+            an id >= expert_num where E bounds them, or an id >= 2**24 (161002); an attribute out of
+            its documented range, x or expert_idx not 2-D, or their first dimensions unequal (561002).
+            Codes follow the forward's documentation ("Return Value"); the id checks are moegrad's
+            (the device does not check the values).
+    """
+    for field, value in (("x", x), ("expert_idx", expert_idx)):
+        if value is None:
+            raise _fail(_NULLPTR, field, f"{field} is missing (a null tensor)")
+        if not isinstance(value, np.ndarray):
+            raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}")
+    if dtype_name(x.dtype) not in GRAD_DTYPES:
+        raise _fail(_INVALID, "x", f"x.dtype={x.dtype} is not one of {', '.join(GRAD_DTYPES)}; "
+                                   "cast it first, e.g. x.astype(numpy.float32)")
+    if expert_idx.dtype.kind != "i" or expert_idx.dtype.itemsize not in (4, 8):
+        raise _fail(_INVALID, "expert_idx", f"expert_idx.dtype={expert_idx.dtype} is not one of int32, int64; "
+                                            "cast it first, e.g. expert_idx.astype(numpy.int32)")
+    active = _integer("active_num", active_num)
+    capacity = _integer("expert_capacity", expert_capacity)
+    experts = _integer("expert_num", expert_num)
+    mode = _integer("drop_pad_mode", drop_pad_mode)
+    count_flag = _integer("expert_tokens_count_or_cumsum_flag", expert_tokens_count_or_cumsum_flag)
+    if not isinstance(expert_tokens_before_capacity_flag, (bool, np.bool_)):
+        raise _fail(_TILING, "expert_tokens_before_capacity_flag",
+                    f"expert_tokens_before_capacity_flag={brief(expert_tokens_before_capacity_flag)} must be a bool")
+    for field, value in (("active_num", active), ("expert_capacity", capacity), ("expert_num", experts)):
+        if value < 0:
+            raise _fail(_TILING, field, f"{field}={value} must be >= 0")
+    if mode not in (0, 1):
+        raise _fail(_TILING, "drop_pad_mode", f"drop_pad_mode={mode} must be 0 (dropless/active) or 1 (drop/pad)")
+    if count_flag not in (0, 1, 2):
+        raise _fail(_TILING, "expert_tokens_count_or_cumsum_flag",
+                    f"expert_tokens_count_or_cumsum_flag={count_flag} must be 0 (none), 1 (cumsum) or 2 (count)")
+    if x.ndim != 2 or expert_idx.ndim != 2:
+        field, array = ("x", x) if x.ndim != 2 else ("expert_idx", expert_idx)
+        raise _fail(_TILING, field, f"{field} has rank {array.ndim} (shape {list(array.shape)}); it must be 2-D")
+    if x.shape[0] != expert_idx.shape[0]:
+        raise _fail(_TILING, "expert_idx", f"expert_idx.shape[0]={expert_idx.shape[0]} must equal "
+                                           f"x.shape[0]={x.shape[0]} (one row of experts per token)")
+    tokens, hidden = x.shape
+    top_k = expert_idx.shape[1]
+    bounded = mode == 1 or count_flag > 0
+    if mode == 1:
+        if experts == 0 or capacity == 0:
+            field = "expert_num" if experts == 0 else "expert_capacity"
+            raise _fail(_TILING, field, f"{field}=0: drop/pad mode needs expert_num > 0 and expert_capacity > 0")
+        if capacity > tokens:
+            raise _fail(_TILING, "expert_capacity",
+                        f"expert_capacity={capacity} must be in (0, N] = (0, {tokens}] in drop/pad mode")
+    elif count_flag > 0 and experts == 0:
+        raise _fail(_TILING, "expert_num", "expert_num=0: expert token counts need expert_num > 0")
+
+    flat = expert_idx.reshape(-1).astype(np.int64)
+    if flat.size:
+        limit = experts if bounded else _EXACT_KEY
+        bad = np.flatnonzero((flat < 0) | (flat >= limit))
+        if bad.size:
+            where = int(bad[0])
+            rule = (f"[0, expert_num) = [0, {experts})" if bounded
+                    else f"[0, 2**24) (the device sorts ids as float32 keys)")
+            raise _fail(_INVALID, "expert_idx",
+                        f"expert_idx.flat[{where}]={int(flat[where])} is outside {rule}")
+    slots = flat.size
+    sorted_row_idx = np.argsort(flat, kind="stable")  # stable: one expert's slots stay in slot order
+    sorted_expert = flat[sorted_row_idx]
+    counts = np.bincount(flat, minlength=experts).astype(np.int32) if bounded else None  # ids < E here
+    expanded_row_idx = np.empty(slots, dtype=np.int32)
+    count_or_cumsum = before_capacity = None
+    if mode == 0:
+        expanded_row_idx[sorted_row_idx] = np.arange(slots, dtype=np.int32)
+        rows = slots if active == 0 else min(active, slots)
+        expanded_x = x[sorted_row_idx[:rows] // top_k]
+        if count_flag:
+            count_or_cumsum = np.cumsum(counts, dtype=np.int32) if count_flag == 1 else counts
+    else:
+        first = np.cumsum(counts, dtype=np.int64) - counts  # each expert's first sorted position
+        rank = np.arange(slots) - first[sorted_expert]  # a slot's rank among its expert's slots
+        kept = rank < capacity
+        row = sorted_expert[kept] * capacity + rank[kept]
+        expanded_row_idx.fill(-1)
+        expanded_row_idx[sorted_row_idx[kept]] = row
+        expanded_x = np.zeros((experts * capacity, hidden), dtype=x.dtype)
+        expanded_x[row] = x[sorted_row_idx[kept] // top_k]
+        expanded_x = expanded_x.reshape(experts, capacity, hidden)
+        if expert_tokens_before_capacity_flag:
+            before_capacity = counts
+    return MoeInitRoutingV2Result(np.ascontiguousarray(expanded_x), expanded_row_idx, count_or_cumsum,
+                                  before_capacity)
+
+
+def invert_expanded_row_idx(expanded_row_idx: np.ndarray) -> np.ndarray:
+    """Convert a dropless/active index between its two layouts (each is the other's inverse).
+
+    Args:
+        expanded_row_idx: [N*K] int32, a permutation of [0, N*K): either slot -> row (what
+            aclnnMoeInitRoutingV2 returns and the backward reads) or row -> slot (the sorted slot
+            numbers, which some routing code returns instead).
+
+    Returns:
+        [N*K] int32, the inverse permutation: ``out[expanded_row_idx[s]] = s``.
+
+    Raises:
+        ValueError: the index is not 1-D or not a permutation of [0, N*K) (a drop/pad index, with
+            its -1 entries, has no row -> slot twin).
+    """
+    index = np.asarray(expanded_row_idx)
+    if index.ndim != 1 or index.dtype.kind not in "iu":
+        raise ValueError(f"expanded_row_idx must be a 1-D integer array, got {index.dtype}{list(index.shape)}")
+    n = index.size
+    if n and (int(index.min()) < 0 or int(index.max()) >= n or np.unique(index).size != n):
+        raise ValueError(f"expanded_row_idx is not a permutation of [0, {n}); only a dropless or active "
+                         "index has two layouts")
+    out = np.empty(n, dtype=np.int32)
+    out[index] = np.arange(n, dtype=np.int32)
+    return out
+
+
+def expanded_row_idx_layout(
+    expanded_row_idx: np.ndarray, expert_idx: np.ndarray,
+) -> Literal["slot_to_row", "row_to_slot", "both"]:
+    """Tell which layout a dropless/active index has, from the expert ids it was routed with.
+
+    In the slot -> row layout (the backward's), slot s = i*K + t lands on a row inside the block of
+    its expert ``expert_idx.flat[s]``, and the rows run through the experts in increasing order. In
+    the row -> slot layout, reading ``expert_idx.flat`` at the index gives non-decreasing expert ids.
+
+    Args:
+        expanded_row_idx: [N*K] int32, a permutation of [0, N*K).
+        expert_idx: [N, K] expert ids the index was routed from.
+
+    Returns:
+        ``"slot_to_row"`` (pass it to the backward as it is), ``"row_to_slot"`` (convert it with
+        :func:`invert_expanded_row_idx` first), or ``"both"`` when the two coincide for these ids
+        (e.g. the slots are already sorted by expert; then either reading is right).
+
+    Raises:
+        ValueError: not a permutation, sizes that differ, or neither layout fits these ids.
+    """
+    index = np.asarray(expanded_row_idx)
+    flat = np.asarray(expert_idx).reshape(-1)
+    if index.shape != flat.shape:
+        raise ValueError(f"expanded_row_idx has {index.size} entries, expert_idx {flat.size}; they must match")
+    inverse = invert_expanded_row_idx(index)
+    slot_to_row = bool(np.all(np.diff(flat[inverse]) >= 0))  # rows in order: sorted expert ids
+    row_to_slot = bool(np.all(np.diff(flat[index]) >= 0))
+    if slot_to_row and row_to_slot:
+        return "both"
+    if slot_to_row:
+        return "slot_to_row"
+    if row_to_slot:
+        return "row_to_slot"
+    raise ValueError("expanded_row_idx sorts these expert ids in neither layout; was it routed from another expert_idx?")
