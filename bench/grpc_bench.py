@@ -8,7 +8,8 @@ payloads: S1 is the documentation's example, S2 is N=1024, K=2, H=4096 float32 d
 and 16 MiB out).
 
 Measured per protocol: S1 sequential latency (p50, p99, mean) and the server's CPU per call (user +
-system of the server process over the block, divided by its calls); S2 sequential latency and the throughput of request + reply bytes at the median. Prints a markdown table.
+system of the server process over the block, divided by its calls); S2 sequential latency and the
+throughput of request + reply bytes at the median. Prints a markdown table.
 
 Usage::
 

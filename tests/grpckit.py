@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
-import routing
 
 import moegrad
+import routing
 
 MODEL = "moe_init_routing_v2_grad"
 MODES = ("dropless", "active", "drop_pad")

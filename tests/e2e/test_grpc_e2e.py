@@ -30,6 +30,8 @@ import tritonclient.grpc.aio as triton_aio
 import tritonclient.http as triton_http
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
 from grpckit import (
     DOC_BITS,
     DTYPES,
@@ -44,7 +46,6 @@ from grpckit import (
     routed_call,
     same_bits,
 )
-from tritonclient.utils import InferenceServerException
 
 LAUNCHER = Path(__file__).with_name("slow_server.py")
 READY_WITHIN_S = 60.0
@@ -202,7 +203,7 @@ def test_config_and_statistics_match_the_calls_over_both_protocols(launch):
             http_inputs = [triton_http.InferInput(name, list(call[name].shape),
                                                   {"float32": "FP32", "int32": "INT32"}[call[name].dtype.name])
                            for name in ("grad_expanded_x", "expanded_row_idx")]
-            for tensor, name in zip(http_inputs, ("grad_expanded_x", "expanded_row_idx")):
+            for tensor, name in zip(http_inputs, ("grad_expanded_x", "expanded_row_idx"), strict=True):
                 tensor.set_data_from_numpy(call[name])
             assert same_bits(http_client.infer(MODEL, http_inputs, parameters=attributes(call)).as_numpy("grad_x"),
                              expected(call))
@@ -284,6 +285,6 @@ def test_sigterm_answers_the_grpc_calls_in_flight_and_exits_0(launch, tmp_path):
             run(calls[0])
         assert raised.value.status() == "StatusCode.UNAVAILABLE"
         gate.touch()  # the 6 admitted calls now run, two at a time, while the server stops
-        for future, call in zip(futures, calls):
+        for future, call in zip(futures, calls, strict=True):
             assert same_bits(future.result(timeout=120), expected(call))
     assert server.process.wait(STOP_WITHIN_S) == 0, server.log()

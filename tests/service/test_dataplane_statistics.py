@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 import pytest
-from dataplane_cases import doc_call, open_dataplane
 
 import moegrad
+from dataplane_cases import doc_call, open_dataplane
 from moegrad_service.engine import ReferenceBackend
 
 

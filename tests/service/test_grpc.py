@@ -21,6 +21,10 @@ import tritonclient.grpc.aio as triton_aio
 import trustme
 from fastapi.testclient import TestClient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+import moegrad
 from grpckit import (
     DOC_BITS,
     DTYPES,
@@ -35,10 +39,6 @@ from grpckit import (
     routed_call,
     same_bits,
 )
-from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import InferenceServerException
-
-import moegrad
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
 
@@ -268,7 +268,8 @@ def test_malformed_requests_are_invalid_argument(service, edit, words):
         request.parameters["top_k"].int64_param = 2
         request.inputs.add(name="grad_expanded_x", datatype="FP32", shape=[4, 2])
         request.inputs.add(name="expanded_row_idx", datatype="INT32", shape=[4])
-        request.raw_input_contents.extend([np.zeros((4, 2), np.float32).tobytes(), np.arange(4, dtype=np.int32).tobytes()])
+        request.raw_input_contents.extend([np.zeros((4, 2), np.float32).tobytes(),
+                                           np.arange(4, dtype=np.int32).tobytes()])
         edit(request)
         with pytest.raises(grpc.RpcError) as raised:
             stub.ModelInfer(request, timeout=30)
@@ -381,7 +382,8 @@ def test_statistics_count_the_calls_made_over_both_protocols(service, client):
     for call in good:  # 3 gRPC successes
         assert same_bits(infer(client, call).as_numpy("grad_x"), expected(call))
     document = {"parameters": {"top_k": 2}, "inputs": [
-        {"name": "grad_expanded_x", "shape": [4, 2], "datatype": "FP32", "data": [0.1, 0.1, 0.3, 0.3, 0.2, 0.2, 0.4, 0.4]},
+        {"name": "grad_expanded_x", "shape": [4, 2], "datatype": "FP32",
+         "data": [0.1, 0.1, 0.3, 0.3, 0.2, 0.2, 0.4, 0.4]},
         {"name": "expanded_row_idx", "shape": [4], "datatype": "INT32", "data": [2, 0, 1, 3]}]}
     for _ in range(2):  # 2 HTTP successes
         assert http.post(f"/v2/models/{MODEL}/infer", json=document).status_code == 200

@@ -22,11 +22,11 @@ import grpc
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from grpckit import DOC_BITS, DOC_GRAD, DOC_IDX, MODEL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
+from grpckit import DOC_BITS, DOC_GRAD, DOC_IDX, MODEL
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
 
@@ -118,7 +118,8 @@ def infer_requests(draw) -> service_pb2.ModelInferRequest:
         count = int(np.prod(shape, dtype=object)) if shape else 1
         if raw_contents:
             honest = ITEMSIZE.get(datatype, 4) * count if 0 <= count <= 4096 else 0
-            size = draw(st.one_of(st.just(honest), st.integers(0, 64), st.just(max(honest - 1, 0)), st.just(honest + 2)))
+            size = draw(st.one_of(st.just(honest), st.integers(0, 64), st.just(max(honest - 1, 0)),
+                                  st.just(honest + 2)))
             if draw(st.integers(0, 9)) > 0:  # sometimes raw contents for some inputs only
                 request.raw_input_contents.append(draw(st.binary(min_size=size, max_size=size)))
         else:
@@ -132,7 +133,8 @@ def infer_requests(draw) -> service_pb2.ModelInferRequest:
                 tensor.contents.bool_contents.extend([v > 0 for v in values if not math.isnan(v)])
             else:
                 ints = draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=12))
-                getattr(tensor.contents, f"{which}_contents").extend([abs(i) for i in ints] if which == "uint" else ints)
+                values_of = [abs(i) for i in ints] if which == "uint" else ints
+                getattr(tensor.contents, f"{which}_contents").extend(values_of)
     if draw(st.booleans()):
         request.outputs.add(name=draw(st.sampled_from(["grad_x", "grad_x", "y"])))
     return request
@@ -172,7 +174,8 @@ def test_contents_that_disagree_with_the_shape(channel, lie):
     else:
         request.raw_input_contents.extend(raw)
     with pytest.raises(grpc.RpcError) as raised:
-        rpc = channel.unary_unary(f"/{SERVICE}/ModelInfer", request_serializer=service_pb2.ModelInferRequest.SerializeToString)
+        rpc = channel.unary_unary(f"/{SERVICE}/ModelInfer",
+                                  request_serializer=service_pb2.ModelInferRequest.SerializeToString)
         rpc(request, timeout=30)
     want = {"short": (grpc.StatusCode.INVALID_ARGUMENT, "raw_input_contents[0] has 31 bytes"),
             "long": (grpc.StatusCode.INVALID_ARGUMENT, "raw_input_contents[1] has 17 bytes"),

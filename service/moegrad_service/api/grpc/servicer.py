@@ -27,6 +27,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from moegrad import DeadlineExceeded, DeviceBusy, MalformedRequest, MoegradError
 from moegrad_service.api.errors import NotFound, answer_for, message_of, shared_headers
+from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response
 from moegrad_service.api.inputs import INLINE_DECODE_BYTES
 from moegrad_service.api.v2.codec import INLINE_ENCODE_ELEMENTS
 from moegrad_service.api.v2.model import (
@@ -37,7 +38,6 @@ from moegrad_service.api.v2.model import (
     repository_index,
     server_metadata,
 )
-from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 
@@ -62,7 +62,7 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext, float], Awaitable[Any]]
 
 
-def _parse(request_type: type, raw: bytes) -> Any:
+def _parse(request_type: Any, raw: bytes) -> Any:
     try:
         return request_type.FromString(raw)
     except DecodeError as exc:
@@ -76,7 +76,7 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
     a large message is parsed and serialized on a worker thread, not on the event loop. Its errors
     become gRPC statuses, counted in the failure metric under its method path."""
     endpoint = f"/{SERVICE}/{method.__name__}"
-    request_type = getattr(service_pb2, _DESCRIPTOR.methods_by_name[method.__name__].input_type.name)
+    request_type: Any = getattr(service_pb2, _DESCRIPTOR.methods_by_name[method.__name__].input_type.name)
     infer = method.__name__ == "ModelInfer"
 
     @functools.wraps(method)
@@ -93,7 +93,7 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
             else:
                 request = _parse(request_type, raw)
             reply = await method(self, request, context, started)
-            if len(raw) > INLINE_DECODE_BYTES or infer and _large(reply):
+            if len(raw) > INLINE_DECODE_BYTES or (infer and _large(reply)):
                 data = await run_in_threadpool(reply.SerializeToString)
             else:
                 data = reply.SerializeToString()
@@ -112,6 +112,7 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
             self.metrics.failure.labels(endpoint=endpoint, reason=answer.reason).inc()
             context.set_trailing_metadata(trailers)
             await context.abort(code, details)
+            raise AssertionError("context.abort raises") from None
         finally:
             if reserved:
                 self.dataplane.budget.release(reserved)

@@ -122,7 +122,7 @@ async def get_model_statistics(request: Request, model_name: str) -> dict[str, A
 async def get_repository_index(request: Request) -> list[dict[str, str]]:
     body = await read_body(request, 1 << 16, media_types=None)
     ready = False
-    if body.strip():
+    if bytes(body).strip():
         document = parse_repository_request(bytes(body))
         ready = document.get("ready", False)
     return repository_index(ready)
