@@ -300,6 +300,21 @@ def test_limits_are_resource_exhausted(grpc_service):
         assert same_bits(infer(client, fits).as_numpy("grad_x"), expected(fits))
 
 
+def test_rpcs_beyond_max_connections_are_resource_exhausted(grpc_service, gated_backend, gate):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with grpc_service(backend=gated_backend, streams=1, max_connections=1) as (_, target), \
+            triton.InferenceServerClient(target) as client, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(infer, client, doc_call())
+        assert gate.started.acquire(timeout=30)  # one RPC in flight, held at the gate
+        with pytest.raises(InferenceServerException) as raised:
+            client.is_server_live()
+        assert raised.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        gate.release.set()
+        assert running.result(timeout=30).as_numpy("grad_x").view(np.uint32).tolist() == DOC_BITS
+        assert client.is_server_live()
+
+
 def test_full_queue_is_unavailable_with_retry_after(grpc_service, gated_backend, gate):
     from concurrent.futures import ThreadPoolExecutor
 

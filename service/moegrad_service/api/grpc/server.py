@@ -4,7 +4,8 @@
 standard health service ``grpc.health.v1.Health`` (grpcio-health-checking), with the HTTP side's
 settings: the same bearer tokens (metadata ``authorization: Bearer <token>``, one interceptor before
 every RPC, checked by the same :class:`~moegrad_service.api.auth.Authenticator`), the same TLS
-certificate and key, and ``max_body_bytes`` as the largest message it receives. The app's lifespan
+certificate and key, ``max_body_bytes`` as the largest message it receives and ``max_connections``
+as the most RPCs it serves at once. The app's lifespan
 starts it after the pool and stops it before the pool closes; :meth:`GrpcServer.drain` (on SIGTERM,
 with the HTTP side) turns the health service NOT_SERVING while admitted calls finish.
 """
@@ -118,6 +119,7 @@ class GrpcServer:
         limit = min(settings.max_body_bytes, GRPC_MAX_MESSAGE_BYTES)
         server = grpc.aio.server(
             interceptors=[_TokenInterceptor(authenticator)] if authenticator.enabled else [],
+            maximum_concurrent_rpcs=settings.max_connections,  # beyond it: RESOURCE_EXHAUSTED at once
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
                      ("grpc.so_reuseport", 0)],  # a port in use is an error, not a second listener
         )
