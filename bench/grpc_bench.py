@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.service import MIB, MODEL, Payload, ServerProcess, cpu_s, descendants, free_port, percentile, s1, s2
+from bench._procs import REFERENCE_FLAGS, ServerProcess, free_port, moegrad_server, stop_on_sigterm
+from bench.service import MIB, MODEL, OUT_DIR, Payload, cpu_s, descendants, percentile, s1, s2
 
 __all__ = ["main"]
 
@@ -36,12 +37,10 @@ BLOCK = 50
 
 
 def server() -> tuple[ServerProcess, int]:
-    port, grpc_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "moegrad_service", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--grpc-port", str(grpc_port), "--backend", "reference", "--streams", "2", "--log-level", "warning"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGRAD_")}
-    return ServerProcess("moegrad-grpc", argv, url=f"http://127.0.0.1:{port}", ready_path="/health/ready", env=env,
-                         ready_within_s=90.0), grpc_port
+    """A started moegrad server (reference backend, 2 streams) with gRPC on, and its gRPC port."""
+    grpc_port = free_port()
+    flags = [*REFERENCE_FLAGS, "--streams", "2", "--grpc-port", str(grpc_port)]
+    return moegrad_server(OUT_DIR / "logs", flags=flags, ready_within_s=90.0, name="moegrad-grpc"), grpc_port
 
 
 def callers(http_target: str, grpc_target: str) -> dict[str, tuple[Callable[[Payload], np.ndarray], Any]]:
@@ -118,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s1-calls", type=int, default=600, help="S1 calls per protocol (default 600)")
     parser.add_argument("--s2-calls", type=int, default=5, help="S2 calls per protocol (default 5)")
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     s1_payload, s2_payload = s1(), s2()
     process, grpc_port = server()
     with process:

@@ -10,15 +10,11 @@ computed in the test process; refusals carry the aclnn code the operator documen
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import socket
-import ssl
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -29,6 +25,7 @@ import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 import tritonclient.http as triton_http
 import trustme
+from bench._procs import REFERENCE_FLAGS, ServerProcess, free_port, moegrad_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -52,12 +49,6 @@ READY_WITHIN_S = 60.0
 STOP_WITHIN_S = 90.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition") -> None:
     end = time.monotonic() + timeout_s
     while not predicate():
@@ -66,33 +57,16 @@ def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition") -> N
         time.sleep(0.02)
 
 
+@dataclass
 class Server:
-    """``slow_server.py [hook flags] -- [serve flags] --grpc-port P`` on free loopback ports, ready on both."""
+    """A started server (bench/_procs.py's launcher) and the ``host:port`` of its gRPC side."""
 
-    def __init__(self, log_dir: Path, hook: list[str], flags: list[str], ca_path: Path | None = None) -> None:
-        self.port, self.grpc_port = _free_port(), _free_port()
-        self.url = f"{'https' if ca_path else 'http'}://127.0.0.1:{self.port}"
-        self.target = f"127.0.0.1:{self.grpc_port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGRAD_")}
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, str(LAUNCHER), *hook, "--", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--grpc-port", str(self.grpc_port), "--backend", "reference", "--log-level", "warning", *flags],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        verify = ssl.create_default_context(cafile=str(ca_path)) if ca_path else True
-        end = time.monotonic() + READY_WITHIN_S
-        with httpx.Client(timeout=2.0, verify=verify) as http:
-            while True:
-                assert self.process.poll() is None, f"server exited early:\n{self.log()}"
-                with contextlib.suppress(httpx.HTTPError):
-                    if http.get(self.url + "/health/ready").status_code == 200:
-                        return  # the lifespan starts gRPC before it reports ready
-                assert time.monotonic() < end, f"server not ready within {READY_WITHIN_S} s:\n{self.log()}"
-                time.sleep(0.05)
+    process: ServerProcess
+    target: str
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+    @property
+    def url(self) -> str:
+        return self.process.url
 
     def metric(self, name: str) -> float:
         for line in httpx.get(self.url + "/metrics", timeout=5.0).text.splitlines():
@@ -100,35 +74,36 @@ class Server:
                 return float(line.split()[-1])
         return 0.0
 
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_WITHIN_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(STOP_WITHIN_S)
-        return self.process.returncode
+
+def start_server(log_dir: Path, hook=(), flags=(), ca_path: Path | None = None) -> Server:
+    """``slow_server.py [hook flags] -- [serve flags] --grpc-port P`` on free loopback ports, ready
+    (the lifespan starts gRPC before the HTTP side reports ready)."""
+    grpc_port = free_port()
+    process = moegrad_server(log_dir, command=[sys.executable, str(LAUNCHER), *hook, "--"],
+                             flags=[*REFERENCE_FLAGS, "--grpc-port", str(grpc_port), *flags], tls_ca=ca_path,
+                             ready_within_s=READY_WITHIN_S, stop_within_s=STOP_WITHIN_S)
+    return Server(process, f"127.0.0.1:{grpc_port}")
 
 
 @pytest.fixture
 def launch(tmp_path):
+    """``launch(hook=[...], flags=[...], ca_path=None) -> Server``; every server is stopped at the end."""
     servers: list[Server] = []
 
     def start(hook=(), flags=(), ca_path=None) -> Server:
-        servers.append(Server(tmp_path, list(hook), list(flags), ca_path))
+        servers.append(start_server(tmp_path, hook, flags, ca_path))
         return servers[-1]
 
     yield start
     for server in servers:
-        server.stop()
+        server.process.stop()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    started = Server(tmp_path_factory.mktemp("grpc-e2e"), [], [])
+    started = start_server(tmp_path_factory.mktemp("grpc-e2e"))
     yield started
-    assert started.stop() == 0, started.log()
+    assert started.process.stop() == 0, started.process.log()
 
 
 # --- every mode and dtype, sync and aio -------------------------------------------------------------
@@ -271,7 +246,7 @@ def test_sigterm_answers_the_grpc_calls_in_flight_and_exits_0(launch, tmp_path):
         futures = [pool.submit(run, call) for call in calls]
         wait_until(lambda: server.metric("moegrad_inference_pending_request_count")
                    + server.metric("moegrad_inference_exec_count") == 6, what="6 calls admitted")
-        server.process.send_signal(signal.SIGTERM)
+        server.process.process.send_signal(signal.SIGTERM)
 
         def health() -> int | None:
             with grpc.insecure_channel(server.target) as channel:
@@ -287,4 +262,4 @@ def test_sigterm_answers_the_grpc_calls_in_flight_and_exits_0(launch, tmp_path):
         gate.touch()  # the 6 admitted calls now run, two at a time, while the server stops
         for future, call in zip(futures, calls, strict=True):
             assert same_bits(future.result(timeout=120), expected(call))
-    assert server.process.wait(STOP_WITHIN_S) == 0, server.log()
+    assert server.process.process.wait(STOP_WITHIN_S) == 0, server.process.log()
