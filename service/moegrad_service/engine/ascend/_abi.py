@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from moegrad import AclnnStatus, DeviceFault
 
@@ -203,6 +204,10 @@ class Cann:
         operator_library: the one operator library in use (a path, or a name found on the loader path).
     """
 
+    if TYPE_CHECKING:
+        def __getattr__(self, symbol: str) -> Any:  # the prototyped functions, set per PROTOTYPES
+            ...
+
     def __init__(self, home: Path | None) -> None:
         runtime, runtime_path = _open_library(RUNTIME_LIBRARIES, home)
         nnopbase, nnopbase_path = _open_library(("libnnopbase.so",), home)
@@ -216,6 +221,7 @@ class Cann:
         self.where: dict[str, str] = {}
         for symbol, place, restype, argtypes, required in PROTOTYPES:
             library, path = places[place]
+            function: Any
             try:
                 function = library[symbol]
             except AttributeError:
