@@ -72,7 +72,7 @@ class InvalidArgument(MoegradError):
 
     Attributes:
         aclnn_status: the aclnn status code the operator's phase one returns for this input
-            (161001 null tensor, 161002 dtype/value, 561002 attribute/shape; DESIGN.md section 4).
+            (161001 null tensor, 161002 dtype/value, 561002 attribute/shape; docs/operator.md).
         aclnn_name: the symbolic name of ``aclnn_status``.
         field: the request field at fault (``"expanded_row_idx"``, ``"top_k"``, ...), or None.
         message: a sentence a user understands, naming the value and the rule.
