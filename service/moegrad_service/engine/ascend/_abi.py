@@ -47,10 +47,7 @@ _ACL_ERROR_NAMES = {
     207002: "ACL_ERROR_RT_MEMORY_FREE", 507000: "ACL_ERROR_RT_INTERNAL_ERROR",
     507015: "ACL_ERROR_RT_AICORE_EXCEPTION", 507035: "ACL_ERROR_RT_VECTOR_CORE_EXCEPTION",
     507046: "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT", 507899: "ACL_ERROR_RT_DRV_INTERNAL_ERROR",
-    # aclnn codes the client's table does not name (opbase include/nnopbase/opdev/op_errno.h)
-    561107: "ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND", 561108: "ACLNN_ERR_INNER_LOAD_JSON_FAILED",
-    561112: "ACLNN_ERR_INNER_OPP_KERNEL_PKG_NOT_FOUND",
-}
+}  # aclnn codes are named by the client's one table, moegrad.AclnnStatus
 
 SET_ENV_HINT = (
     "Source CANN's environment first (`source /usr/local/Ascend/cann/set_env.sh` from CANN 8.5, "
