@@ -42,8 +42,8 @@ class Settings(BaseSettings):
         description="request body bytes that admitted requests may hold at once (being read, queued, running "
                     "or answered); a body that does not fit now is answered 503 + Retry-After before it is read "
                     "(default: a quarter of the memory limit, the cgroup's or the machine's)")
-    idle_timeout_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open, "
-                                                        "in seconds")
+    idle_timeout_s: int = Field(5, ge=1, description="how long an idle keep-alive connection stays open, "
+                                                    "in whole seconds")
     max_connections: int = Field(1000, ge=1, description="connections and requests served at once; beyond it new "
                                                          "requests are answered 503 (uvicorn's limit_concurrency)")
     body_timeout_s: float = Field(
