@@ -13,7 +13,7 @@ throughput of request + reply bytes at the median. Prints a markdown table.
 
 Usage::
 
-    .venv/bin/python -m bench.grpc_bench [--s1-calls 600] [--s2-calls 5]
+    .venv/bin/python -m bench.grpc_bench [--quick] [--s1-calls 600] [--s2-calls 5]
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from bench.service import MIB, MODEL, OUT_DIR, Payload, cpu_s, descendants, perc
 __all__ = ["main"]
 
 BLOCK = 50
+#: (S1, S2) calls per protocol: the default run and ``--quick`` (under 30 s on the 2-core machine).
+FULL_CALLS = (600, 5)
+QUICK_CALLS = (200, 3)
 
 
 def server() -> tuple[ServerProcess, int]:
@@ -114,9 +117,14 @@ def table(s1_seen: dict, s2_seen: dict, s1_payload: Payload, s2_payload: Payload
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.grpc_bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--s1-calls", type=int, default=600, help="S1 calls per protocol (default 600)")
-    parser.add_argument("--s2-calls", type=int, default=5, help="S2 calls per protocol (default 5)")
+    parser.add_argument("--quick", action="store_true", help=f"fewer calls: S1 {QUICK_CALLS[0]} and S2 "
+                        f"{QUICK_CALLS[1]} per protocol (bench.run's quick mode)")
+    parser.add_argument("--s1-calls", type=int, help=f"S1 calls per protocol (default {FULL_CALLS[0]})")
+    parser.add_argument("--s2-calls", type=int, help=f"S2 calls per protocol (default {FULL_CALLS[1]})")
     args = parser.parse_args(argv)
+    default_s1, default_s2 = QUICK_CALLS if args.quick else FULL_CALLS
+    args.s1_calls = default_s1 if args.s1_calls is None else args.s1_calls
+    args.s2_calls = default_s2 if args.s2_calls is None else args.s2_calls
     stop_on_sigterm()
     s1_payload, s2_payload = s1(), s2()
     process, grpc_port = server()
