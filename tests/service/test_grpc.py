@@ -315,6 +315,23 @@ def test_rpcs_beyond_max_connections_are_resource_exhausted(grpc_service, gated_
         assert client.is_server_live()
 
 
+def test_a_call_whose_client_gives_up_while_queued_never_runs(grpc_service, gated_backend, gate):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with grpc_service(backend=gated_backend, streams=1) as (http, target), \
+            triton.InferenceServerClient(target) as client, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(infer, client, doc_call())
+        assert gate.started.acquire(timeout=30)  # the worker is held; the next call queues
+        with pytest.raises(InferenceServerException) as raised:
+            infer(client, routed_call(1), client_timeout=0.5)  # the client's gRPC deadline
+        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        gate.release.set()
+        assert running.result(timeout=30).as_numpy("grad_x").view(np.uint32).tolist() == DOC_BITS
+        assert same_bits(infer(client, routed_call(2)).as_numpy("grad_x"), expected(routed_call(2)))
+        assert gate.calls == 2  # the held call and the last one: the abandoned call reached no worker
+        assert _stats(http.get(f"/v2/models/{MODEL}/stats").json())["fail"][0] == 1
+
+
 def test_full_queue_is_unavailable_with_retry_after(grpc_service, gated_backend, gate):
     from concurrent.futures import ThreadPoolExecutor
 
