@@ -93,13 +93,14 @@ def _typed(tensor: service_pb2.ModelInferRequest.InferInputTensor, datatype: str
     values = getattr(tensor.contents, field)
     if len(values) != count:
         raise MalformedRequest(f"{name}.contents.{field} has {len(values)} elements but shape "
-                               f"{list(tensor.shape)} needs {count}", field=name)
+                               f"{list(tensor.shape)} needs {count}; send one value per element", field=name)
     dtype = DATATYPES[datatype]
     if dtype.kind in "iu":
         wide = np.array(values, dtype=np.int64 if dtype.kind == "i" else np.uint64)
         info = np.iinfo(dtype)
         if wide.size and (wide.min() < info.min or wide.max() > info.max):
-            raise MalformedRequest(f"{name}.contents.{field} holds a value out of {datatype} range", field=name)
+            raise MalformedRequest(f"{name}.contents.{field} holds a value out of {datatype} range; send values "
+                                   f"that fit {datatype}", field=name)
         return wide.astype(dtype)
     return np.array(values, dtype=dtype)
 
@@ -111,7 +112,8 @@ def _raw(tensor: service_pb2.ModelInferRequest.InferInputTensor, datatype: str, 
         raise MalformedRequest(f"{name} has both contents and raw_input_contents[{position}]; send one", field=name)
     if len(raw) != count * dtype.itemsize:
         raise MalformedRequest(f"raw_input_contents[{position}] has {len(raw)} bytes but {name}'s shape "
-                               f"{list(tensor.shape)} of {datatype} needs {count * dtype.itemsize}", field=name)
+                               f"{list(tensor.shape)} of {datatype} needs {count * dtype.itemsize}; send prod(shape) "
+                               f"elements, little-endian, row-major", field=name)
     return np.require(np.frombuffer(raw, dtype=dtype), requirements="A")  # copied only when misaligned
 
 

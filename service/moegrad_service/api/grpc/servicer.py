@@ -66,8 +66,8 @@ def _parse(request_type: Any, raw: bytes) -> Any:
     try:
         return request_type.FromString(raw)
     except DecodeError as exc:
-        raise MalformedRequest(f"the request is not a valid {request_type.DESCRIPTOR.full_name} message "
-                               f"({exc})") from None
+        raise MalformedRequest(f"the request is not a valid {request_type.DESCRIPTOR.full_name} message ({exc}); "
+                               f"send one serialized from the protocol's service definition") from None
 
 
 def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
