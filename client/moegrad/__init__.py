@@ -6,29 +6,11 @@
 - :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order;
 - :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does.
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
-  against the device and a float64 golden (docs/accuracy.md).
+  against the device and a float64 golden; :mod:`moegrad.accuracy` holds the standards and the
+  report writers (docs/accuracy.md).
 """
 
-from moegrad._accuracy import (
-    DTYPE_LIMITS,
-    STANDARDS,
-    THRESHOLDS,
-    ComparisonReport,
-    Criterion,
-    CriterionResult,
-    DtypeLimits,
-    Metrics,
-    StandardVerdict,
-    WorstElement,
-    ZeroRowCheck,
-    check_compare_arguments,
-    compare,
-    compare_arrays,
-    metrics,
-    skipped_rows,
-    summand_magnitude,
-)
-from moegrad._client import AsyncClient, Client, CompareResult, GradResult
+from moegrad._client import AsyncClient, Client
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -49,9 +31,29 @@ from moegrad._reference import (
     moe_init_routing_v2_grad_golden,
     warm_up,
 )
+from moegrad._results import CompareResult, GradResult
 from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import DTYPES, decode_body, decode_tensor, dtype_name, encode_body, encode_tensor
+from moegrad.accuracy import (
+    DTYPE_LIMITS,
+    STANDARDS,
+    THRESHOLDS,
+    ComparisonReport,
+    Criterion,
+    CriterionResult,
+    DtypeLimits,
+    Metrics,
+    StandardVerdict,
+    WorstElement,
+    ZeroRowCheck,
+    check_compare_arguments,
+    compare,
+    compare_arrays,
+    metrics,
+    skipped_rows,
+    summand_magnitude,
+)
 
 __all__ = [
     "DTYPES",

@@ -2,7 +2,7 @@
 
 Every remote command goes through :class:`moegrad.Client`; ``local`` calls
 :func:`moegrad.moe_init_routing_v2_grad` and ``compare --local`` calls :func:`moegrad.compare`.
-There is no third code path; reports are rendered by ``moegrad._report`` in both modes.
+There is no third code path; reports are rendered by :mod:`moegrad.accuracy` in both modes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from moegrad._accuracy import STANDARDS, ComparisonReport, compare
-from moegrad._client import Client, GradResult
+from moegrad.accuracy import STANDARDS, ComparisonReport, compare, format_report, write_markdown_report
+from moegrad._client import Client
+from moegrad._results import GradResult
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
 from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._report import format_report, write_markdown_report
 from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 

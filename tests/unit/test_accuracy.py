@@ -30,7 +30,7 @@ from moegrad import (
     moe_init_routing_v2_grad,
     skipped_rows,
 )
-from moegrad import _accuracy
+from moegrad import accuracy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -646,4 +646,7 @@ def test_from_dict_rejects_missing_and_mistyped_fields_and_ignores_new_ones():
 
 
 def test_public_names_are_exported():
-    assert set(_accuracy.__all__) <= set(moegrad.__all__)
+    assert accuracy.__all__ == sorted(accuracy.__all__, key=lambda name: (not name.isupper(), not name[0].isupper(), name))
+    for name in set(accuracy.__all__) & set(moegrad.__all__):  # the top level re-exports the same objects
+        assert getattr(moegrad, name) is getattr(accuracy, name), name
+    assert {"compare", "ComparisonReport", "STANDARDS"} <= set(moegrad.__all__)

@@ -1,4 +1,4 @@
-"""A :class:`~moegrad.ComparisonReport` for people: a terminal table, a markdown report, a histogram.
+"""A :class:`~moegrad.accuracy.ComparisonReport` for people: a terminal table, a markdown report, a histogram.
 
 The one place a report is rendered; ``moegrad compare`` uses it for a service's report and for an
 in-process one alike. Both renderings are built from the same sections (:func:`_sections`):
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moegrad._accuracy import DTYPE_LIMITS, THRESHOLDS, ComparisonReport, CriterionResult, Metrics, summand_magnitude
+from moegrad.accuracy._compare import summand_magnitude
+from moegrad.accuracy._results import ComparisonReport, CriterionResult, Metrics
+from moegrad.accuracy._standards import DTYPE_LIMITS, THRESHOLDS
 from moegrad._reference import moe_init_routing_v2_grad_golden
 from moegrad._spec import MoeInitRoutingV2GradCall
 
