@@ -1,10 +1,14 @@
 """``POST /v1/moe_init_routing_v2_grad/compare`` in-process: verdicts, validation before the backend, grad_x.
 
 Requests are packed here by hand (msgpack and raw little-endian bytes, as docs/protocol.md
-describes). Expected values come from in-process computations that do not go through the service:
-the device result is :func:`moegrad.moe_init_routing_v2_grad` (bit-exact emulation, tested against
-a slow loop in tests/unit), Huawei's golden is the same with ``order="sequential"``, bit mismatches
-are counted with NumPy, and codes, fields and statuses are the ones docs/protocol.md lists.
+describes). Oracles: ``test_metrics_and_verdicts_match_an_independent_float64_computation`` takes
+every expected figure and each standard's status from tests/oracle.py (float64 arithmetic and the
+thresholds docs/accuracy.md lists), and bit mismatches are counted with NumPy here. The device
+result is :func:`moegrad.moe_init_routing_v2_grad` (bit-exact emulation, tested against a slow loop
+in tests/unit), Huawei's golden the same with ``order="sequential"``. Transport only:
+``test_the_reply_carries_the_in_process_report_unchanged`` compares the reply with
+:func:`moegrad.compare` of the same inputs (the function the server runs), so it proves the
+serialisation, not the numbers. Codes, fields and statuses are the ones docs/protocol.md lists.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import routing
 from servicekit import MSGPACK_HEADERS, pack
 
 import moegrad
+from oracle import ALL_STANDARDS, ORACLE_CASES, device_k2, figures, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 PATH = "/v1/moe_init_routing_v2_grad/compare"
 MODES = ("dropless", "active", "drop_pad")
@@ -93,6 +98,7 @@ def metric(client, name: str, **labels) -> float:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_the_reference_result_passes_every_standard(client, mode, dtype):
+    """The thresholds leave room for the device's own rounding (the candidate is the server's own result)."""
     call = make_call(mode, dtype)
     device = moegrad.moe_init_routing_v2_grad(call)
     answer = reply(post(client, document(call, device)))
@@ -151,7 +157,37 @@ def test_the_call_order_picks_the_device_result(client):
     assert statuses(answer["report"]) == {"bitwise": "pass"}
 
 
-def test_the_report_is_the_in_process_comparison(client):
+@pytest.mark.parametrize("case", ORACLE_CASES)
+def test_metrics_and_verdicts_match_an_independent_float64_computation(client, case):
+    call = oracle_call()
+    device = device_k2(call)
+    candidate = oracle_candidate(case, device)
+    golden, scale = golden_and_scale(call)
+    report = reply(post(client, document(call, candidate, standards=ALL_STANDARDS)))["report"]
+    assert statuses(report) == float32_statuses(candidate, device, golden, scale)
+    for comparison, actual in (("candidate_vs_golden", candidate), ("device_vs_golden", device)):
+        for name, value in figures(actual, golden, scale).items():
+            assert report[comparison][name] == pytest.approx(value, rel=1e-9, abs=1e-300, nan_ok=True), (comparison, name)
+    mismatches = int(np.count_nonzero(candidate.view(np.uint32) != device.view(np.uint32)))
+    assert criterion(report, "bitwise", "bitwise_mismatches")["value"] == mismatches
+
+
+def test_the_oracle_cases_cover_every_status_of_every_standard():
+    # The cases above are worth as much as the spread of outcomes they force.
+    call = oracle_call()
+    device = device_k2(call)
+    golden, scale = golden_and_scale(call)
+    seen = {case: float32_statuses(oracle_candidate(case, device), device, golden, scale) for case in ORACLE_CASES}
+    assert seen["device"] == dict.fromkeys(ALL_STANDARDS, "pass")
+    assert seen["scaled_up"] == {"bitwise": "fail", "dual_thousandth": "warning", "threshold": "fail",
+                                 "benchmark": "fail", "accumulative": "pass"}
+    assert seen["one_gross_element"] == {"bitwise": "fail", "dual_thousandth": "fail", "threshold": "fail",
+                                         "benchmark": "fail", "accumulative": "fail"}
+    assert seen["one_ulp_noise"] == {**dict.fromkeys(ALL_STANDARDS, "pass"), "bitwise": "fail"}  # a correct port
+
+
+def test_the_reply_carries_the_in_process_report_unchanged(client):
+    """Transport only: the server runs moegrad.compare, so this proves the serialisation, not the numbers."""
     call = make_call("drop_pad", ml_dtypes.bfloat16, seed=3)
     candidate = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
     answer = reply(post(client, document(call, candidate)))
