@@ -36,6 +36,7 @@ from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import DTYPES, decode_body, decode_tensor, dtype_name, encode_body, encode_tensor
 from moegrad.accuracy import (
+    DEFAULT_STANDARDS,
     DTYPE_LIMITS,
     STANDARDS,
     THRESHOLDS,
@@ -43,6 +44,7 @@ from moegrad.accuracy import (
     Criterion,
     CriterionResult,
     DtypeLimits,
+    ExactMatch,
     Metrics,
     StandardVerdict,
     WorstElement,
@@ -56,6 +58,7 @@ from moegrad.accuracy import (
 )
 
 __all__ = [
+    "DEFAULT_STANDARDS",
     "DTYPES",
     "DTYPE_LIMITS",
     "GRAD_DTYPES",
@@ -73,6 +76,7 @@ __all__ = [
     "DeviceBusy",
     "DeviceFault",
     "DtypeLimits",
+    "ExactMatch",
     "GradResult",
     "InvalidArgument",
     "MalformedRequest",

@@ -16,6 +16,16 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+from oracle import (
+    ALL_STANDARDS,
+    ORACLE_CASES,
+    device_k2,
+    figures,
+    float32_statuses,
+    golden_and_scale,
+    oracle_call,
+    oracle_candidate,
+)
 
 import moegrad
 from moegrad import (
@@ -33,7 +43,6 @@ from moegrad import (
     skipped_rows,
 )
 from moegrad import accuracy
-from oracle import ALL_STANDARDS, ORACLE_CASES, device_k2, figures, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -508,13 +517,39 @@ def test_skipped_rows_at_the_active_num_boundary():
     assert report.verdict == "fail"
 
 
+def test_the_default_standards_are_the_tolerance_standards():
+    # docs/accuracy.md, "Verdict policy": bitwise decides only when named or when exactness is required.
+    assert moegrad.DEFAULT_STANDARDS == TOLERANCE_STANDARDS
+    call = oracle_call()
+    report = compare(call, device_k2(call))
+    assert [v.standard for v in report.verdicts] == list(TOLERANCE_STANDARDS)
+
+
+def test_every_criterion_shows_the_devices_own_figure():
+    call = oracle_call(seed=5)
+    device = device_k2(call)
+    candidate = oracle_candidate("scaled_up", device)
+    golden, scale = golden_and_scale(call)
+    report = compare(call, candidate)
+    device_figures = figures(device, golden, scale)
+    threshold = report.verdict_of("threshold")
+    for c in threshold.criteria:
+        if c.measure in device_figures:
+            assert c.device_value == pytest.approx(device_figures[c.measure], rel=1e-9), c.measure
+    assert threshold.status == "fail" and threshold.device_status == "pass"
+    rmse = criterion(report.verdict_of("benchmark"), "rmse_ratio")
+    assert rmse.device_value == 1.0  # the device against itself
+    assert "device" in rmse.describe()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_the_device_result_in_bfloat16_warns_only_on_dual_thousandth(mode):
     # bfloat16 keeps 8 significant bits: rounding alone is off by up to 2^-8 = 3.9e-3 of the value,
     # so at K=4 far fewer than 99.9% of elements are within 1e-3 (docs/accuracy.md).
     call = make_call(mode, "bfloat16")
     report = compare(call, moe_init_routing_v2_grad(call))
-    assert statuses(report) == {**dict.fromkeys(STANDARDS, "pass"), "dual_thousandth": "warning"}
+    assert statuses(report) == {**dict.fromkeys(TOLERANCE_STANDARDS, "pass"), "dual_thousandth": "warning"}
+    assert report.exact.bit_exact
     (warned,) = report.verdict_of("dual_thousandth").failures
     assert warned.measure == "thousandth_share"
     assert (report.verdict, report.passed) == ("warning", True)
@@ -525,9 +560,17 @@ def test_the_device_result_in_bfloat16_warns_only_on_dual_thousandth(mode):
 def test_the_sequential_golden_passes_tolerances_but_not_bitwise_in_float32(mode, top_k):
     call = make_call(mode, "float32", top_k=top_k, seed=top_k)
     sequential = moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
+    differing = int(np.count_nonzero(sequential.view(np.uint32) != moe_init_routing_v2_grad(call).view(np.uint32)))
     report = compare(call, sequential)
-    assert statuses(report) == {**dict.fromkeys(TOLERANCE_STANDARDS, "pass"), "bitwise": "fail"}
-    assert criterion(report.verdict_of("bitwise"), "bitwise_mismatches").value > 0
+    # The verdict policy: a correct port passes by default; exactness is stated apart ...
+    assert statuses(report) == dict.fromkeys(TOLERANCE_STANDARDS, "pass") and report.verdict == "pass"
+    assert not report.exact.bit_exact and report.exact.mismatched == differing > 0
+    assert report.exact.share == differing / sequential.size
+    # ... and decides only when required.
+    required = compare(call, sequential, require_exact=True)
+    assert (required.verdict, required.exact.required) == ("fail", True)
+    assert statuses(required) == statuses(report)
+    assert criterion(compare(call, sequential, standards=STANDARDS).verdict_of("bitwise"), "bitwise_mismatches").value == differing
 
 
 def test_the_sequential_golden_is_measurably_worse_at_large_k():
@@ -548,8 +591,8 @@ def test_a_corrupted_row_fails_and_is_the_worst(mode, name):
     candidate = device.copy()
     candidate[7] = (candidate[7].astype(np.float32) + 1.0).astype(candidate.dtype)
     report = compare(call, candidate)
-    assert report.verdict == "fail"
-    for standard in ("bitwise", "threshold", "benchmark", "accumulative"):
+    assert report.verdict == "fail" and not report.exact.bit_exact
+    for standard in ("threshold", "benchmark", "accumulative"):
         assert report.verdict_of(standard).status == "fail", standard
     assert report.candidate_vs_golden.worst.row == 7
     assert report.candidate_vs_device.worst.row == 7
@@ -594,7 +637,7 @@ def test_skipped_rows_follow_the_mode(mode):
     candidate[0, 5] = -0.0
     report = compare(call, candidate)
     assert (report.zero_rows.mismatched_rows, report.zero_rows.first_mismatched_row) == (1, 0)
-    assert statuses(report) == dict.fromkeys(STANDARDS, "fail")
+    assert statuses(compare(call, candidate, standards=STANDARDS)) == dict.fromkeys(STANDARDS, "fail")
 
 
 def test_dropless_has_no_zero_rows():
@@ -614,7 +657,7 @@ def test_a_float32_candidate_for_a_bfloat16_call():
     wide = call.model_copy(update={"grad_expanded_x": call.grad_expanded_x.astype(np.float32)})
     report = compare(call, moe_init_routing_v2_grad(wide))
     assert (report.dtype, report.candidate_dtype) == ("bfloat16", "float32")
-    assert report.verdict_of("bitwise").status == "fail"  # unrounded float32 is not the device's bfloat16
+    assert not report.exact.bit_exact  # unrounded float32 is not the device's bfloat16
     assert report.verdict_of("threshold").status == "pass"
 
 

@@ -15,9 +15,17 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from oracle import (
+    ALL_STANDARDS,
+    ORACLE_CASES,
+    device_k2,
+    float32_statuses,
+    golden_and_scale,
+    oracle_call,
+    oracle_candidate,
+)
 
 from moegrad._cli import load_npy, main, save_npy
-from oracle import ALL_STANDARDS, ORACLE_CASES, device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
 EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)

@@ -15,6 +15,9 @@ NumPy only; no device, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import hashlib
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping
@@ -25,12 +28,24 @@ import numpy as np
 from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
 from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
+from moegrad._version import __version__
 from moegrad._wire import dtype_name
 from moegrad.accuracy._metrics import FLOAT_INPUTS, float_array, metrics
-from moegrad.accuracy._results import ComparisonReport, CriterionResult, Metrics, StandardVerdict, ZeroRowCheck
-from moegrad.accuracy._standards import SEVERITY, STANDARDS, THRESHOLDS, Status
+from moegrad.accuracy._results import (
+    ComparisonReport,
+    CriterionResult,
+    ExactMatch,
+    Metrics,
+    ReportContext,
+    StandardVerdict,
+    ZeroRowCheck,
+)
+from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY, STANDARDS, THRESHOLDS, Criterion, Status
 
-__all__ = ["check_compare_arguments", "compare", "compare_arrays", "skipped_rows", "summand_magnitude"]
+__all__ = [
+    "check_compare_arguments", "compare", "compare_arrays", "rejudge", "report_context", "skipped_rows",
+    "summand_magnitude", "with_context",
+]
 
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
 _NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
@@ -85,20 +100,29 @@ _MEASURES: Mapping[str, _Measure] = {
 _OPS: Mapping[str, Callable[[float, float], bool]] = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 
 
-def _judge(standard: str, dtype: str, cg: Metrics, dg: Metrics, cd: Metrics, zr: ZeroRowCheck) -> StandardVerdict:
-    results = []
+def _status(criterion: Criterion, value: float, samples: int) -> tuple[Status, bool]:
+    assessed = not math.isnan(value) and samples >= criterion.min_samples
+    if not assessed or _OPS[criterion.op](value, criterion.limit):
+        return "pass", assessed
+    return criterion.on_miss, assessed
+
+
+def _judge(standard: str, dtype: str, cg: Metrics, dg: Metrics, cd: Metrics, zr: ZeroRowCheck,
+           dd: Metrics, dzr: ZeroRowCheck) -> StandardVerdict:
+    """One standard's verdict of the candidate; each criterion also judged with the device in its place
+    (``dd``: the device against itself, ``dzr``: the device's zero rows)."""
+    results, device_statuses = [], []
     for criterion in THRESHOLDS[(standard, dtype)]:
         value, samples = _MEASURES[criterion.measure](cg, dg, cd, zr)
-        value = float(value)
-        assessed = not math.isnan(value) and samples >= criterion.min_samples
-        if not assessed or _OPS[criterion.op](value, criterion.limit):
-            status: Status = "pass"
-        else:
-            status = criterion.on_miss
+        device_value, device_samples = _MEASURES[criterion.measure](dg, dg, dd, dzr)
+        value, device_value = float(value), float(device_value)
+        status, assessed = _status(criterion, value, samples)
+        device_statuses.append(_status(criterion, device_value, device_samples)[0])
         results.append(CriterionResult(measure=criterion.measure, status=status, value=value, op=criterion.op,
                                        limit=float(criterion.limit), assessed=assessed, samples=int(samples),
-                                       samples_needed=criterion.min_samples))
-    return StandardVerdict(standard=standard, status=_worst(r.status for r in results), criteria=tuple(results))
+                                       samples_needed=criterion.min_samples, device_value=device_value))
+    return StandardVerdict(standard=standard, status=_worst(r.status for r in results), criteria=tuple(results),
+                           device_status=_worst(device_statuses))
 
 
 def _worst(statuses: Iterable[str]) -> Status:
@@ -155,7 +179,7 @@ def _check_candidate(candidate: Any, shape: tuple[int, int], dtype: str) -> np.n
 
 def _check_standards(standards: Iterable[str] | str | None) -> tuple[str, ...]:
     if standards is None:
-        return STANDARDS
+        return DEFAULT_STANDARDS
     names = (standards,) if isinstance(standards, str) else tuple(standards)
     unknown = [name for name in names if name not in STANDARDS]
     if unknown:
@@ -175,7 +199,7 @@ def check_compare_arguments(call: MoeInitRoutingV2GradCall, candidate: Any,
         call: the validated call (:class:`moegrad.MoeInitRoutingV2GradCall`).
         candidate: the implementation's grad_x: a numpy.ndarray of shape [N, H] of the call, in the
             call's dtype or float32 (docs/accuracy.md, "Three comparisons").
-        standards: names from :data:`STANDARDS` (a single name is accepted); None: all of them.
+        standards: names from :data:`STANDARDS` (a single name is accepted); None: :data:`DEFAULT_STANDARDS`.
 
     Returns:
         The requested standards, each once, in :data:`STANDARDS` order (the order of a report).
@@ -197,7 +221,7 @@ def check_compare_arguments(call: MoeInitRoutingV2GradCall, candidate: Any,
 
 def compare_arrays(candidate: np.ndarray, device_result: np.ndarray, golden: np.ndarray, *, dtype: str | None = None,
                    magnitude: np.ndarray | None = None, zero_rows: np.ndarray | None = None,
-                   standards: Iterable[str] | str | None = None) -> ComparisonReport:
+                   standards: Iterable[str] | str | None = None, require_exact: bool = False) -> ComparisonReport:
     """Judge a candidate gradX given the device's result and the golden (no operator call needed).
 
     Args:
@@ -207,7 +231,9 @@ def compare_arrays(candidate: np.ndarray, device_result: np.ndarray, golden: np.
         dtype: the operator's dtype name; defaults to ``device_result``'s.
         magnitude: [N, H] float64, the scale of relative errors (see :func:`metrics`); default |golden|.
         zero_rows: [N] bool, rows that must be exactly +0.0 (:func:`skipped_rows`); default none.
-        standards: names from :data:`STANDARDS` (a single name is accepted); default all.
+        standards: names from :data:`STANDARDS` (a single name is accepted); default
+            :data:`DEFAULT_STANDARDS` (every tolerance standard; bitwise only when named).
+        require_exact: the verdict fails unless the candidate is bit-exact to ``device_result``.
 
     Returns:
         A :class:`ComparisonReport`.
@@ -233,14 +259,60 @@ def compare_arrays(candidate: np.ndarray, device_result: np.ndarray, golden: np.
     if rows.dtype != np.bool_ or rows.shape != (shape[0],):
         raise ValueError(f"zero_rows must be a bool array of shape [{shape[0]}], got {rows.dtype} {list(rows.shape)}")
 
+    if not isinstance(require_exact, bool):
+        raise InvalidArgument(f"require_exact must be a bool, got {type(require_exact).__name__}",
+                              aclnn_status=_INVALID, field="require_exact")
     cg = metrics(candidate, golden, dtype=dtype, magnitude=magnitude)
     dg = metrics(device_result, golden, dtype=dtype, magnitude=magnitude)
     cd = metrics(candidate, device_result, golden, dtype=dtype, magnitude=magnitude)
-    zr = _zero_rows(candidate, rows)
-    verdicts = tuple(_judge(name, dtype, cg, dg, cd, zr) for name in names)
-    return ComparisonReport(dtype=dtype, candidate_dtype=dtype_name(candidate.dtype), shape=shape,
-                            verdict=_worst(v.status for v in verdicts), verdicts=verdicts, candidate_vs_golden=cg,
-                            device_vs_golden=dg, candidate_vs_device=cd, zero_rows=zr)
+    return _report(dtype, dtype_name(candidate.dtype), shape, names, require_exact, cg, dg, cd,
+                   _zero_rows(candidate, rows), _zero_rows(device_result, rows))
+
+
+def _self_metrics(dg: Metrics) -> Metrics:
+    """The device compared with itself: what the bitwise measure sees when the device is the candidate."""
+    return dataclasses.replace(dg, bitwise_equal_count=dg.count, bitwise_equal_share=1.0 if dg.count else math.nan)
+
+
+def _report(dtype: str, candidate_dtype: str, shape: tuple[int, int], names: tuple[str, ...], require_exact: bool,
+            cg: Metrics, dg: Metrics, cd: Metrics, zr: ZeroRowCheck, dzr: ZeroRowCheck,
+            context: ReportContext | None = None) -> ComparisonReport:
+    dd = _self_metrics(dg)
+    verdicts = tuple(_judge(name, dtype, cg, dg, cd, zr, dd, dzr) for name in names)
+    mismatched = cd.count - cd.bitwise_equal_count
+    exact = ExactMatch(bit_exact=mismatched == 0, mismatched=mismatched, count=cd.count,
+                       share=mismatched / cd.count if cd.count else 0.0, required=require_exact)
+    verdict = _worst(v.status for v in verdicts)
+    if require_exact and not exact.bit_exact:
+        verdict = "fail"
+    return ComparisonReport(dtype=dtype, candidate_dtype=candidate_dtype, shape=shape, verdict=verdict,
+                            verdicts=verdicts, candidate_vs_golden=cg, device_vs_golden=dg, candidate_vs_device=cd,
+                            zero_rows=zr, exact=exact, device_zero_rows=dzr, context=context)
+
+
+def rejudge(report: ComparisonReport, *, standards: Iterable[str] | str | None = None,
+            require_exact: bool | None = None) -> ComparisonReport:
+    """Judge a report's stored metrics again (a report read back from JSON, or with other standards).
+
+    The verdicts are a pure function of the three comparisons and the zero rows, so a saved report
+    reproduces its verdict without the tensors.
+
+    Args:
+        report: a :class:`ComparisonReport` (for example :func:`read_json_report`'s).
+        standards: names from :data:`STANDARDS`; default: the standards the report judged.
+        require_exact: default: as the report was judged.
+
+    Returns:
+        A new :class:`ComparisonReport` with the same metrics and context.
+
+    Raises:
+        InvalidArgument: an unknown standard (field ``"standards"``, aclnn 161002).
+    """
+    names = tuple(v.standard for v in report.verdicts) if standards is None else _check_standards(standards)
+    required = (report.exact.required if report.exact is not None else False) if require_exact is None else require_exact
+    device_rows = report.zero_rows if report.device_zero_rows is None else report.device_zero_rows
+    return _report(report.dtype, report.candidate_dtype, report.shape, names, required, report.candidate_vs_golden,
+                   report.device_vs_golden, report.candidate_vs_device, report.zero_rows, device_rows, report.context)
 
 
 def summand_magnitude(call: MoeInitRoutingV2GradCall) -> np.ndarray:
@@ -257,7 +329,8 @@ def summand_magnitude(call: MoeInitRoutingV2GradCall) -> np.ndarray:
 
 
 def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_result: np.ndarray | None = None,
-            golden: np.ndarray | None = None, standards: Iterable[str] | str | None = None) -> ComparisonReport:
+            golden: np.ndarray | None = None, standards: Iterable[str] | str | None = None,
+            require_exact: bool = False) -> ComparisonReport:
     """Judge a candidate implementation's gradX for one validated operator call.
 
     Relative errors are taken against the magnitude of each output's summands
@@ -271,7 +344,9 @@ def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_res
             :func:`moegrad.moe_init_routing_v2_grad` of ``call`` (the bit-exact emulation, in
             ``call.order``).
         golden: [N, H] float64; default :func:`moegrad.moe_init_routing_v2_grad_golden` of ``call``.
-        standards: names from :data:`STANDARDS`; default all.
+        standards: names from :data:`STANDARDS`; default :data:`DEFAULT_STANDARDS`.
+        require_exact: the verdict fails unless the candidate is bit-exact to the device's result
+            (:attr:`ComparisonReport.exact` states exactness either way).
 
     Returns:
         A :class:`ComparisonReport`.
@@ -292,4 +367,52 @@ def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_res
     if golden is None:
         golden = moe_init_routing_v2_grad_golden(call)
     return compare_arrays(candidate, device_result, golden, dtype=call.dtype_name, magnitude=summand_magnitude(call),
-                          zero_rows=skipped_rows(call), standards=standards)
+                          zero_rows=skipped_rows(call), standards=standards, require_exact=require_exact)
+
+
+_PRODUCT_LINES = {"ascend910b": "Atlas A2/A3", "sequential": "sequential golden (no device)"}
+
+
+def _sha256(array: np.ndarray) -> str:
+    data = np.ascontiguousarray(array)
+    if data.dtype.itemsize > 1:  # the bytes as the wire sends them: little-endian
+        data = data.view(f"u{data.dtype.itemsize}").astype(f"<u{data.dtype.itemsize}", copy=False)
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+def report_context(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, backend: str = "in-process",
+                   device: str | None = None, server_url: str | None = None, order: str | None = None,
+                   case: str | None = None, created: str | None = None) -> ReportContext:
+    """The record that makes a saved report reproducible: the call, SHA-256 of its inputs, who answered, when.
+
+    Args:
+        call: the validated call the report judged.
+        candidate: [N, H], the candidate it judged.
+        backend: who computed the device result (a service's backend name, or ``"in-process"``).
+        device: the device that ran it, or None for an emulation.
+        server_url: the service's URL, or None in-process.
+        order: the device result's order; default ``call.order``.
+        case: the case's name in a bulk run.
+        created: ISO 8601 time; default now, in UTC.
+
+    Returns:
+        A :class:`ReportContext` (attach it with :func:`with_context`).
+    """
+    tensors = {"grad_expanded_x": call.grad_expanded_x, "expanded_row_idx": call.expanded_row_idx,
+               "candidate": np.asarray(candidate)}
+    used = call.order if order is None else order
+    return ReportContext(
+        operator="aclnnMoeInitRoutingV2Grad",
+        shapes={name: tuple(int(n) for n in t.shape) for name, t in tensors.items()},
+        dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
+        sha256={name: _sha256(t) for name, t in tensors.items()},
+        top_k=call.top_k, drop_pad_mode=call.drop_pad_mode, active_num=call.active_num, order=used,
+        product_line=_PRODUCT_LINES.get(used, used), moegrad_version=__version__, backend=backend, device=device,
+        server_url=server_url, case=case,
+        created=created or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def with_context(report: ComparisonReport, context: ReportContext | None) -> ComparisonReport:
+    """``report`` with its :attr:`~ComparisonReport.context` set (the metrics and verdicts unchanged)."""
+    return dataclasses.replace(report, context=context)

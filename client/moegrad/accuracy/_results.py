@@ -21,7 +21,10 @@ from pydantic import BeforeValidator, PlainSerializer, Strict, TypeAdapter
 
 from moegrad.accuracy._standards import Op, Status
 
-__all__ = ["ComparisonReport", "CriterionResult", "Metrics", "StandardVerdict", "WorstElement", "ZeroRowCheck"]
+__all__ = [
+    "ComparisonReport", "CriterionResult", "ExactMatch", "Metrics", "ReportContext", "StandardVerdict", "WorstElement",
+    "ZeroRowCheck",
+]
 
 _FLOAT_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -200,6 +203,9 @@ class CriterionResult(_Serializable):
             elements; such a criterion passes.
         samples: the elements the measure rests on.
         samples_needed: :attr:`Criterion.min_samples`.
+        device_value: the same measure with the device's result in the candidate's place (against
+            the golden): what the device itself achieves on these inputs. For the benchmark's
+            ratios this is 1 (0 where the device is exact), for its excesses 0; NaN when undefined.
     """
 
     measure: Str
@@ -210,13 +216,15 @@ class CriterionResult(_Serializable):
     assessed: Bool
     samples: Int
     samples_needed: Int = 0
+    device_value: WireFloat = math.nan
 
     def describe(self) -> str:
-        """One line for people, e.g. ``"rmse_ratio = 2.31 (needs <= 2): fail"``."""
+        """One line for people, e.g. ``"rmse_ratio = 2.31 (needs <= 2; device 1): fail"``."""
         if not self.assessed:
             why = "undefined" if math.isnan(self.value) else f"{self.samples} < {self.samples_needed} samples"
             return f"{self.measure}: not assessed ({why})"
-        return f"{self.measure} = {self.value:.6g} (needs {self.op} {self.limit:.6g}): {self.status}"
+        device = "" if math.isnan(self.device_value) else f"; device {self.device_value:.6g}"
+        return f"{self.measure} = {self.value:.6g} (needs {self.op} {self.limit:.6g}{device}): {self.status}"
 
 
 @dataclass(frozen=True)
@@ -227,11 +235,14 @@ class StandardVerdict(_Serializable):
         standard: one of :data:`STANDARDS`.
         status: ``"pass"``, ``"warning"`` or ``"fail"``.
         criteria: every criterion as judged, in table order.
+        device_status: the status the device's own result gets under this standard (the same
+            criteria, judged on each criterion's ``device_value``).
     """
 
     standard: Str
     status: Status
     criteria: tuple[CriterionResult, ...]
+    device_status: Status = "pass"
 
     @property
     def failures(self) -> tuple[CriterionResult, ...]:
@@ -240,17 +251,82 @@ class StandardVerdict(_Serializable):
 
 
 @dataclass(frozen=True)
+class ExactMatch(_Serializable):
+    """Whether the candidate is bit-exact to the device's result, stated apart from the verdict.
+
+    Attributes:
+        bit_exact: every element equals the device's, the sign of zero included (NaN payloads
+            are not compared).
+        mismatched: elements that differ.
+        count: elements compared (N*H).
+        share: ``mismatched / count`` (0 for an empty grad_x).
+        required: the caller asked for exactness (``require_exact``): then a candidate that is not
+            bit-exact fails, whatever the tolerance standards say.
+    """
+
+    bit_exact: Bool
+    mismatched: Int
+    count: Int
+    share: WireFloat
+    required: Bool = False
+
+
+@dataclass(frozen=True)
+class ReportContext(_Serializable):
+    """What a saved report needs to be reproduced: the call, its inputs' digests, who answered, when.
+
+    Attributes:
+        operator: ``"aclnnMoeInitRoutingV2Grad"``.
+        shapes: name -> shape of ``grad_expanded_x``, ``expanded_row_idx``, ``candidate``.
+        dtypes: name -> dtype name of the same tensors.
+        sha256: name -> SHA-256 (hex) of each tensor's bytes, C order, little-endian.
+        top_k, drop_pad_mode, active_num: the call's attributes.
+        order: the device result's accumulation order (``"ascend910b"``: Atlas A2/A3, or
+            ``"sequential"``).
+        product_line: the products ``order`` stands for (``"Atlas A2/A3"`` or
+            ``"sequential golden"``).
+        moegrad_version: the client's version that wrote the report.
+        backend: who computed the device result (``"reference"``, ``"ascend"``, ``"in-process"``).
+        device: the device, or None for an emulation.
+        server_url: the service's URL, or None in-process.
+        created: the time the report was made, ISO 8601 in UTC.
+        case: the case's name (a bulk run's file stem), or None.
+    """
+
+    operator: Str
+    shapes: dict[Str, tuple[Int, ...]]
+    dtypes: dict[Str, Str]
+    sha256: dict[Str, Str]
+    top_k: Int
+    drop_pad_mode: Int
+    active_num: Int
+    order: Str
+    product_line: Str
+    moegrad_version: Str
+    backend: Str
+    device: Str | None
+    server_url: Str | None
+    created: Str
+    case: Str | None = None
+
+
+@dataclass(frozen=True)
 class ComparisonReport(_Serializable):
-    """Everything :func:`compare` found: three comparisons, the zero rows, the verdicts.
+    """Everything :func:`compare` found: three comparisons, the zero rows, exactness, the verdicts.
 
     Attributes:
         dtype: the operator's dtype (the thresholds' key).
         candidate_dtype: the candidate's dtype (the operator's, or float32).
         shape: [N, H] of grad_x.
-        verdict: the overall status, the worst of ``verdicts``.
-        verdicts: one :class:`StandardVerdict` per requested standard, in :data:`STANDARDS` order.
+        verdict: the overall status: the worst of ``verdicts``, and ``"fail"`` when exactness was
+            required and the candidate is not bit-exact.
+        verdicts: one :class:`StandardVerdict` per judged standard, in :data:`STANDARDS` order.
         candidate_vs_golden, device_vs_golden, candidate_vs_device: :class:`Metrics`.
         zero_rows: :class:`ZeroRowCheck` of the candidate.
+        exact: :class:`ExactMatch`: bit-exactness to the device, with the count and share.
+        device_zero_rows: :class:`ZeroRowCheck` of the device's result (for ``device_status``).
+        context: :class:`ReportContext` when the report was made for saving (CLI, bulk runs,
+            :func:`with_context`); None otherwise.
     """
 
     dtype: Str
@@ -262,6 +338,9 @@ class ComparisonReport(_Serializable):
     device_vs_golden: Metrics
     candidate_vs_device: Metrics
     zero_rows: ZeroRowCheck
+    exact: ExactMatch | None = None
+    device_zero_rows: ZeroRowCheck | None = None
+    context: ReportContext | None = None
 
     @property
     def passed(self) -> bool:

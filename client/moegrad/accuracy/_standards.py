@@ -11,13 +11,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DTYPE_LIMITS", "STANDARDS", "THRESHOLDS", "Criterion", "DtypeLimits", "Op", "Status"]
+__all__ = ["DEFAULT_STANDARDS", "DTYPE_LIMITS", "STANDARDS", "THRESHOLDS", "Criterion", "DtypeLimits", "Op", "Status"]
 
 Status = Literal["pass", "warning", "fail"]
 Op = Literal["<", "<=", ">", ">="]
 
 #: The standards by name, in the order reports list them.
 STANDARDS: tuple[str, ...] = ("bitwise", "dual_thousandth", "threshold", "benchmark", "accumulative")
+#: The standards that decide the verdict unless the caller names others: the tolerance standards
+#: that fit a port of this operator (docs/accuracy.md, "Verdict policy"). Bit-exactness is always
+#: reported apart (:class:`ExactMatch`) and decides the verdict only when required.
+DEFAULT_STANDARDS: tuple[str, ...] = ("dual_thousandth", "threshold", "benchmark", "accumulative")
 SEVERITY: Mapping[str, int] = types.MappingProxyType({"pass": 0, "warning": 1, "fail": 2})
 
 
