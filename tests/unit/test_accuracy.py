@@ -736,3 +736,35 @@ def test_public_names_are_exported():
     for name in set(accuracy.__all__) & set(moegrad.__all__):  # the top level re-exports the same objects
         assert getattr(moegrad, name) is getattr(accuracy, name), name
     assert {"compare", "ComparisonReport", "STANDARDS"} <= set(moegrad.__all__)
+
+
+# --------------------------------------------------------------------------------------------------
+# The compiled comparison agrees with the NumPy path
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("special", [False, True])
+def test_the_compiled_comparison_is_the_numpy_one(mode, name, special, monkeypatch):
+    from moegrad.accuracy import _compare, _fused
+
+    if not _fused.available():
+        pytest.skip("numba is not installed: compare() runs the NumPy path only")
+    call = make_call(mode, name, top_k=5, seed=21)
+    if special:
+        call.grad_expanded_x.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
+    device = moe_init_routing_v2_grad(call)
+    candidate = device.copy()
+    candidate[3] = (candidate[3].astype(np.float32) * 1.01).astype(candidate.dtype)
+    compiled = compare(call, candidate, standards=STANDARDS)
+    monkeypatch.setattr(_compare, "_FUSED", "numpy")
+    reference = compare(call, candidate, standards=STANDARDS)
+    assert statuses(compiled) == statuses(reference)
+    for field in ("candidate_vs_golden", "device_vs_golden", "candidate_vs_device"):
+        got, want = getattr(compiled, field).to_dict(), getattr(reference, field).to_dict()
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert got[key] == pytest.approx(value, rel=1e-12, abs=0.0), (field, key)
+            else:
+                assert got[key] == value, (field, key)

@@ -30,6 +30,7 @@ from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_gra
 from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import dtype_name
+from moegrad.accuracy._fused import fused_metrics
 from moegrad.accuracy._metrics import FLOAT_INPUTS, float_array, metrics
 from moegrad.accuracy._results import (
     ComparisonReport,
@@ -47,6 +48,7 @@ __all__ = [
     "summand_magnitude", "with_context",
 ]
 
+_FUSED = "auto"  # compare()'s path: "auto" (the compiled pass when numba imports) or "numpy"
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
 _NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
 
@@ -364,6 +366,15 @@ def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_res
             raise ValueError(f"{name} has shape {list(getattr(given, 'shape', ()))}; grad_x of this call is {list(shape)}")
     if device_result is None:
         device_result = moe_init_routing_v2_grad(call)
+    if _FUSED != "numpy" and isinstance(require_exact, bool):
+        device_result = float_array(device_result, "device_result", GRAD_DTYPES)
+        if dtype_name(device_result.dtype) != call.dtype_name:
+            raise TypeError(f"device_result.dtype={device_result.dtype} is not the operator's dtype {call.dtype_name}")
+        fused = fused_metrics(call, candidate, device_result, golden)
+        if fused is not None:
+            rows = skipped_rows(call)
+            return _report(call.dtype_name, dtype_name(candidate.dtype), shape, _check_standards(standards),
+                           require_exact, *fused, _zero_rows(candidate, rows), _zero_rows(device_result, rows))
     if golden is None:
         golden = moe_init_routing_v2_grad_golden(call)
     return compare_arrays(candidate, device_result, golden, dtype=call.dtype_name, magnitude=summand_magnitude(call),
