@@ -768,3 +768,9 @@ def test_the_compiled_comparison_is_the_numpy_one(mode, name, special, monkeypat
                 assert got[key] == pytest.approx(value, rel=1e-12, abs=0.0), (field, key)
             else:
                 assert got[key] == value, (field, key)
+
+
+def test_warm_up_compiles_the_comparison_when_numba_is_there():
+    from moegrad.accuracy import _fused
+
+    assert accuracy.warm_up() is _fused.available()

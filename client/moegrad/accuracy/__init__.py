@@ -38,6 +38,7 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
     with_context,
 )
+from moegrad.accuracy._fused import warm_up
 from moegrad.accuracy._metrics import metrics
 from moegrad.accuracy._report import (
     MSPROBE_DETAIL_COLUMNS,
@@ -103,6 +104,7 @@ __all__ = [
     "save_case",
     "skipped_rows",
     "summand_magnitude",
+    "warm_up",
     "with_context",
     "write_csv_report",
     "write_histogram",

@@ -22,7 +22,7 @@ from moegrad._wire import dtype_name
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS
 
-__all__ = ["available", "fused_metrics"]
+__all__ = ["available", "fused_metrics", "warm_up"]
 
 _VIEWS = {np.dtype(np.float32): np.dtype(np.float32), np.dtype(np.float16): np.dtype(np.int16),
           np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16)}
@@ -49,6 +49,24 @@ def _load() -> ModuleType | None:
 def available() -> bool:
     """Whether the compiled comparison can run here (numba imports)."""
     return _load() is not None
+
+
+def warm_up() -> bool:
+    """Compile (or load from numba's on-disk cache) the comparison for every dtype and candidate dtype.
+
+    The first :func:`moegrad.compare` of each combination otherwise pays for it (seconds). A service
+    can call this at startup. Returns False when numba is missing (the NumPy path serves).
+    """
+    if _load() is None:
+        return False
+    for dtype in _VIEWS:
+        for candidate_dtype in {dtype, np.dtype(np.float32)}:
+            x = np.ones((2, 1), dtype=dtype)
+            call = MoeInitRoutingV2GradCall(grad_expanded_x=x, expanded_row_idx=np.arange(2, dtype=np.int32), top_k=2)
+            fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype))
+            fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype),
+                          np.ones((1, 1)))
+    return True
 
 
 def _params(dtype: str, actual: str) -> np.ndarray:
