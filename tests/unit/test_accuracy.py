@@ -773,4 +773,4 @@ def test_the_compiled_comparison_is_the_numpy_one(mode, name, special, monkeypat
 def test_warm_up_compiles_the_comparison_when_numba_is_there():
     from moegrad.accuracy import _fused
 
-    assert accuracy.warm_up() is _fused.available()
+    assert accuracy.warm_up_compare() is _fused.available()

@@ -38,7 +38,7 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
     with_context,
 )
-from moegrad.accuracy._fused import warm_up
+from moegrad.accuracy._fused import warm_up_compare
 from moegrad.accuracy._metrics import metrics
 from moegrad.accuracy._report import (
     MSPROBE_DETAIL_COLUMNS,
@@ -104,7 +104,7 @@ __all__ = [
     "save_case",
     "skipped_rows",
     "summand_magnitude",
-    "warm_up",
+    "warm_up_compare",
     "with_context",
     "write_csv_report",
     "write_histogram",

@@ -22,7 +22,7 @@ from moegrad._wire import dtype_name
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS
 
-__all__ = ["available", "fused_metrics", "warm_up"]
+__all__ = ["available", "fused_metrics", "warm_up_compare"]
 
 _VIEWS = {np.dtype(np.float32): np.dtype(np.float32), np.dtype(np.float16): np.dtype(np.int16),
           np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16)}
@@ -51,7 +51,7 @@ def available() -> bool:
     return _load() is not None
 
 
-def warm_up() -> bool:
+def warm_up_compare() -> bool:
     """Compile (or load from numba's on-disk cache) the comparison for every dtype and candidate dtype.
 
     The first :func:`moegrad.compare` of each combination otherwise pays for it (seconds). A service
