@@ -101,7 +101,6 @@ __all__ = [
     "DeviceFault",
     "DtypeLimits",
     "ExactMatch",
-    "ExactMatch",
     "GradResult",
     "InvalidArgument",
     "MalformedRequest",
