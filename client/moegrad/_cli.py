@@ -52,7 +52,7 @@ EXIT_FAILURE = 4
 
 _DEFAULT_URL = "http://127.0.0.1:8000"
 
-# The documentation's example (reference/aclnnMoeInitRoutingV2Grad.md, "Example"): the expected gradX
+# The documentation's example (docs/operator.md, "The documentation's example"): the expected gradX
 # is [[0.3, 0.3], [0.7, 0.7]]; in float32, 0.2 + 0.1 rounds to 0.3 and 0.4 + 0.3 to 0.70000005.
 _EXAMPLE_GRAD_EXPANDED_X = [[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]]
 _EXAMPLE_EXPANDED_ROW_IDX = [2, 0, 1, 3]
