@@ -7,6 +7,7 @@ environment. One process, one uvicorn worker, one device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import signal
@@ -137,21 +138,48 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         print(f"moegrad-service: {exc}", file=sys.stderr)
         return 2
 
+    from moegrad_service.connections import guarded_protocol
+
+    protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes,
+                                header_timeout_s=settings.header_timeout_s)
+    _raise_fd_limit(settings.max_connections)
+
     class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT: stop admitting at once (503, readiness 503), then uvicorn's own shutdown
-        lets every admitted call finish before the lifespan closes the backend."""
+        """On SIGTERM/SIGINT: stop admitting at once (every new call 503 + Connection: close,
+        readiness 503) while the port stays open for ``shutdown_drain_s``; then uvicorn's own
+        shutdown closes the port and lets every admitted call finish before the lifespan closes the
+        backend. A second signal stops at once."""
+
+        draining = False
 
         def handle_exit(self, sig, frame) -> None:
+            if self.draining or not self.started or settings.shutdown_drain_s == 0:
+                self._begin_drain()
+                super().handle_exit(sig, frame)
+                return
+            self._begin_drain()
+            timer = threading.Timer(settings.shutdown_drain_s, super().handle_exit, (sig, frame))
+            timer.daemon = True
+            timer.start()
+
+        def _begin_drain(self) -> None:
+            if self.draining:
+                return
+            self.draining = True
+            protocol.draining = True
             drain = getattr(app.state, "drain", None)
             if drain is not None:
                 drain()
-            super().handle_exit(sig, frame)
+            for connection in list(self.server_state.connections):
+                if hasattr(connection, "drain"):
+                    connection.drain()
 
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         workers=1,
+        http=protocol,
         log_level=settings.log_level,
         access_log=False,
         ssl_certfile=str(settings.tls_certfile) if settings.tls_certfile else None,
@@ -179,6 +207,29 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
+
+
+#: File descriptors kept beyond max_connections: the listener, logs, the device, the worker threads' files.
+_SPARE_FDS = 64
+
+
+def _raise_fd_limit(max_connections: int) -> None:
+    """Raise the soft open-file limit to the hard one, and warn when it still cannot hold
+    ``max_connections``: at the limit the kernel's accept fails and a new client is closed unanswered."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft != resource.RLIM_INFINITY and max_connections + _SPARE_FDS > soft:
+        logging.getLogger("moegrad_service").warning(
+            "max_connections=%d does not fit the open-file limit of %d (with %d spare); clients beyond the "
+            "limit are closed unanswered: lower max_connections or raise the limit (ulimit -n)",
+            max_connections, soft, _SPARE_FDS)
 
 
 if __name__ == "__main__":
