@@ -174,11 +174,12 @@ class DataPlane:
         """Refuse a call now, before its body is read, when the pool could not take it anyway.
 
         Raises:
-            DeviceBusy: (503 + Retry-After) not admitting (starting, draining) or the queue is full.
+            DeviceBusy: (503 + Retry-After) not admitting (starting, draining), no worker can run
+                calls, or the queue is full.
         """
         pool = self.pool
         if not pool.ready:
-            raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=pool.retry_after_s)
+            raise DeviceBusy(pool.not_ready_reason or "the service is not ready", retry_after_s=pool.retry_after_s)
         if pool.queue_depth >= pool.max_queue:
             raise DeviceBusy(f"the queue is full ({pool.max_queue} calls waiting)", retry_after_s=pool.retry_after_s)
 
@@ -293,7 +294,7 @@ class DataPlane:
         """
         pool = self.pool
         if not pool.ready:
-            raise DeviceBusy("the service is starting or shutting down", retry_after_s=pool.retry_after_s)
+            raise DeviceBusy(pool.not_ready_reason or "the service is not ready", retry_after_s=pool.retry_after_s)
         try:
             await asyncio.wait_for(asyncio.to_thread(pool.backend.check_health), HEALTH_CHECK_TIMEOUT_S)
         except TimeoutError:
