@@ -7,9 +7,11 @@ environment. One process, one uvicorn worker, one device.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -161,6 +163,33 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
             timer = threading.Timer(settings.shutdown_drain_s, super().handle_exit, (sig, frame))
             timer.daemon = True
             timer.start()
+
+        async def shutdown(self, sockets=None) -> None:
+            await self._answer_backlog()
+            await super().shutdown(sockets)
+
+        async def _answer_backlog(self) -> None:
+            """Serve the connections the kernel has accepted but uvicorn has not yet: closing a
+            listening socket resets every connection still in its backlog, and a client that has
+            already sent its request would read that reset instead of an answer."""
+            loop = asyncio.get_running_loop()
+            for listener in [sock for server in self.servers for sock in server.sockets]:
+                own = socket.socket(fileno=os.dup(listener.fileno()))  # stays listening once asyncio closes its fd
+                own.setblocking(False)
+                with contextlib.suppress(OSError):
+                    own.listen(0)  # from now on the backlog holds at most one
+                for server in self.servers:
+                    server.close()  # asyncio stops accepting: every pending connection is ours
+                with own:
+                    while True:
+                        try:
+                            connection, _ = own.accept()
+                        except (BlockingIOError, InterruptedError, OSError):
+                            break
+                        made = protocol(config=self.config, server_state=self.server_state,
+                                        app_state=self.lifespan.state)
+                        with contextlib.suppress(OSError):
+                            await loop.connect_accepted_socket(lambda made=made: made, sock=connection)
 
         def _begin_drain(self) -> None:
             if self.draining:

@@ -10,11 +10,15 @@ subclass of that protocol that bounds both, per request:
   connection, after the connection opened) is answered ``408 Request Timeout``, or closed without an
   answer when not one byte of it came (a socket that never speaks has asked nothing).
 
-Both answers carry ``Connection: close`` and a problem+json body naming the setting; the connection
-is then closed *lingering*: the write side is shut, what the client still sends is read and
-discarded for up to LINGER_S seconds or LINGER_BYTES bytes, then the socket is closed. Closing with
-unread bytes would make the kernel send a reset, which can destroy the answer before the client
-reads it. Each refusal is logged at warning level with the client's address.
+Both answers carry ``Connection: close`` and a problem+json body naming the setting. Each refusal
+is logged at warning level with the client's address.
+
+Every close of a connection whose request is not all in -- these two answers, and any answer the
+application gives before reading the whole body (413, 415, 503 ...), which it sends with
+``Connection: close`` -- is *lingering*: the write side is shut, what the client still sends is read
+and discarded for up to LINGER_S seconds or LINGER_BYTES bytes, then the socket is closed. Closing
+with unread bytes would make the kernel send a reset, which can destroy the answer before the
+client reads it.
 
 The guard is a subclass rather than uvicorn's ``http="h11"`` (whose ``h11_max_incomplete_event_size``
 bounds the head, answered 400, with no head timeout): h11 parses in Python and costs more server
@@ -36,6 +40,9 @@ log = logging.getLogger("moegrad_service.connections")
 #: After an early answer: how long, and how many bytes, the client's further sending is read and discarded.
 LINGER_S = 1.0
 LINGER_BYTES = 1 << 20
+#: At shutdown, how long a connection with no request in progress stays open for one that may be
+#: on its way (answered 503 + Connection: close) before it is closed, in seconds.
+SHUTDOWN_IDLE_S = 0.5
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
@@ -47,6 +54,22 @@ def _answer(status: int, detail: str) -> bytes:
     return head.encode("ascii") + body
 
 
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: ``close()`` lingers while the request is not all in."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _GuardedProtocol) -> None:
+        self._transport, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        if self._protocol._body_unread():
+            self._protocol._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 class _GuardedProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with a bounded request head (see the module docstring)."""
 
@@ -56,13 +79,16 @@ class _GuardedProtocol(HttpToolsProtocol):
     draining: bool = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._raw_transport = transport
+        self._lost = False
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
         self._head_bytes: int | None = 0  # bytes of the current request head so far; None: head complete
         self._lingering = 0  # > 0: answered early, discarding what the client still sends
         self._message_done = True  # the parser has seen the whole of the current request (body too)
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout_s, self._head_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._cancel_head_timer()
         super().connection_lost(exc)
 
@@ -70,7 +96,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         if self._lingering:
             self._lingering += len(data)
             if self._lingering > LINGER_BYTES:
-                self.transport.close()
+                self._raw_transport.close()
             return
         if self._head_bytes is not None:
             if self._head_bytes == 0 and self._head_timer is None:  # the first byte of a keep-alive request
@@ -103,6 +129,19 @@ class _GuardedProtocol(HttpToolsProtocol):
         that no request the client is sending now meets a closed socket)."""
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False
+
+    def shutdown(self) -> None:
+        """uvicorn's shutdown: a request in progress ends the connection once answered; a connection
+        with none gets SHUTDOWN_IDLE_S more for a request already on its way (closing at once would
+        reset it), then is closed unless one has begun."""
+        self.drain()
+        if self.cycle is not None and not self.cycle.response_complete:
+            return
+        self.loop.call_later(SHUTDOWN_IDLE_S, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if self._head_bytes == 0 and (self.cycle is None or self.cycle.response_complete):
+            self.transport.close()
 
     def on_message_begin(self) -> None:
         self._message_done = False
@@ -142,12 +181,25 @@ class _GuardedProtocol(HttpToolsProtocol):
         log.warning("%s: %d %s", self._peer(), status, detail)
         self._cancel_head_timer()
         self._head_bytes = None
-        self._lingering = 1
-        self.parser = None  # type: ignore[assignment]  # nothing more of this connection is parsed
         self.transport.write(_answer(status, detail))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self.loop.call_later(LINGER_S, self.transport.close)
+        self._linger()
+
+    def _body_unread(self) -> bool:
+        """The request's head is in, its body is not, and the connection is still up."""
+        return not (self._lost or self._lingering or self._message_done)
+
+    def _linger(self) -> None:
+        """Shut the write side (what was written is still delivered), discard what the client still
+        sends, and close after LINGER_S seconds or LINGER_BYTES bytes, whichever comes first."""
+        if self._lingering or self._lost:
+            return
+        self._lingering = 1
+        self._cancel_head_timer()
+        transport = self._raw_transport
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()  # uvicorn may have paused it while its buffer was full
+        self.loop.call_later(LINGER_S, transport.close)
 
     def _cancel_head_timer(self) -> None:
         if getattr(self, "_head_timer", None) is not None:
