@@ -301,6 +301,7 @@ class Outcome:
     rss_limit_bytes: int = 0
     problems: list[str] = field(default_factory=list)
     probe_may_get_503: bool = False
+    figures: dict[str, float] = field(default_factory=dict)  #: the figure's numbers, by name (seconds, MiB)
 
     def judge(self) -> None:
         if not self.live_p99_s <= LIVE_P99_S:
@@ -417,6 +418,7 @@ def uploads_past_the_queue(server: ServerProcess, probes: Probes, quick: bool, b
         answers = _parallel(count, lambda _: exchange(server.port, head, body, chunk=256 << 10, timeout_s=30))
     tally(outcome, answers)
     early = sum(1 for a in answers if a.status == 503 and a.elapsed_s < 1.0)
+    outcome.figures["early_503"] = early
     outcome.now = f"{count} x {size // MIB} MiB at once: {_summary(outcome.statuses)}; {early} 503s within 1 s"
     return outcome
 
@@ -443,6 +445,7 @@ def stalled_uploads(server: ServerProcess, probes: Probes, quick: bool, budget: 
         answers = _parallel(count, lambda _: exchange(server.port, head, body, chunk=MIB, stop_after=2 * MIB,
                                                       timeout_s=15))
     tally(outcome, answers)
+    outcome.figures["elapsed_s"] = max(a.elapsed_s for a in answers)
     outcome.now = (f"{count} stop after 2 of {size // MIB} MiB: {_summary(outcome.statuses)} after "
                    f"{max(a.elapsed_s for a in answers):.1f} s (body_timeout_s)")
     return outcome
@@ -477,6 +480,7 @@ def slowloris(server: ServerProcess, probes: Probes, quick: bool, budget: int) -
         sock.close()
     tally(outcome, answers)
     outcome.resets += len(open_socks)
+    outcome.figures["elapsed_s"] = elapsed
     outcome.now = f"{count} connections: {_summary(outcome.statuses)} within {elapsed:.1f} s (header_timeout_s)"
     return outcome
 
@@ -509,6 +513,7 @@ def idle_sockets(server: ServerProcess, probes: Probes, quick: bool, budget: int
     for sock in socks:
         sock.close()
     tally(outcome, answers, closed_is_fine=True)
+    outcome.figures["elapsed_s"] = elapsed
     outcome.now = f"{count} sockets: {_summary(outcome.statuses)} within {elapsed:.1f} s (header_timeout_s)"
     return outcome
 
@@ -533,6 +538,7 @@ def huge_header(server: ServerProcess, probes: Probes, quick: bool, budget: int)
     with watched(server, probes, outcome, budget):
         answers = _parallel(2, lambda _: exchange(server.port, head, filler, chunk=MIB, timeout_s=30))
     tally(outcome, answers)
+    outcome.figures["elapsed_s"] = max(a.elapsed_s for a in answers)
     outcome.now = (f"2 x {size // MIB} MiB header: {_summary(outcome.statuses)} in "
                    f"{max(a.elapsed_s for a in answers):.2f} s")
     return outcome
@@ -549,6 +555,7 @@ def connection_cap(server: ServerProcess, probes: Probes, quick: bool, budget: i
             sock.close()
     tally(outcome, answers)
     closes = sum(1 for a in answers if a.headers.get("connection") == "close")
+    outcome.figures["connection_close"] = closes
     outcome.now = f"{extra} requests past {max_connections} open sockets: {_summary(outcome.statuses)}, {closes} with Connection: close"
     return outcome
 
@@ -624,6 +631,7 @@ def rss_after_load(server: ServerProcess, probes: Probes, quick: bool, budget: i
     outcome.statuses.update(a.status for a in answers if a.status)
     outcome.resets += sum(1 for a in answers if a.error in ("reset", "closed"))
     settled = _settled_rss(server.pid)
+    outcome.figures.update(start_mib=baseline / MIB, idle_mib=settled / MIB)
     outcome.now = (f"{len(answers)} calls ({big // MIB} MiB among them), {_summary(outcome.statuses)}: "
                    f"{baseline / MIB:.0f} -> {outcome.peak_rss_bytes / MIB:.0f} MiB peak -> {settled / MIB:.0f} MiB idle")
     return outcome
