@@ -123,7 +123,7 @@ def test_v2_duplicate_keys(target):
 
 def test_rss_after_mixed_load_returns_near_its_start(target):
     outcome = run(target, "rss_after_load")
-    assert outcome.figures["idle_mib"] - outcome.figures["start_mib"] <= 64, outcome.row()
+    assert outcome.figures["idle_mib"] - outcome.figures["start_mib"] <= 32, outcome.row()
 
 
 def test_unauthenticated_probing_is_401(tmp_path):
