@@ -41,13 +41,13 @@ class Settings(BaseSettings):
                     "(default: a quarter of the memory limit, the cgroup's or the machine's)")
     idle_timeout_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open, "
                                                         "in seconds")
+    max_connections: int = Field(1000, ge=1, description="connections and requests served at once; beyond it new "
+                                                         "requests are answered 503 (uvicorn's limit_concurrency)")
     max_header_bytes: int = Field(64 << 10, ge=1024, description="longest request head (request line and "
                                                              "headers) in bytes; a longer one is answered 431")
     header_timeout_s: float = Field(10.0, gt=0, description="longest a request head may take to arrive, in "
                                                            "seconds; then 408 (a connection that sends nothing "
                                                            "is closed)")
-    max_connections: int = Field(1000, ge=1, description="connections and requests served at once; beyond it new "
-                                                         "requests are answered 503 (uvicorn's limit_concurrency)")
     body_timeout_s: float = Field(
         60.0, gt=0, description="longest a request body may take to arrive, in seconds; then 408")
     request_timeout_s: float = Field(
