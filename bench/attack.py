@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import select
 import signal
@@ -110,7 +109,8 @@ def _parse(raw: bytes) -> tuple[int, dict[str, str], bytes] | None:
     return int(lines[0].split()[1]), headers, body[:length]
 
 
-def exchange(port: int, head: bytes, body: bytes | memoryview = b"", *, chunk: int = 1 << 20, rate_bps: float | None = None,
+def exchange(port: int, head: bytes, body: bytes | memoryview = b"", *, chunk: int = 1 << 20,
+             rate_bps: float | None = None,
              stop_after: int | None = None, timeout_s: float = 10.0, sock: socket.socket | None = None) -> Answer:
     """Send ``head`` then ``body`` (``chunk`` bytes at a time, at most ``rate_bps`` bytes per second,
     stopping after ``stop_after`` bytes when given) on a fresh connection, reading the answer as soon
@@ -181,7 +181,8 @@ def _finish(received: bytearray, started: float, error: str) -> Answer:
     return Answer(None, error=error, elapsed_s=time.monotonic() - started)
 
 
-def example_call(port: int, timeout_s: float = 5.0, token: str | None = None, sock: socket.socket | None = None) -> Answer:
+def example_call(port: int, timeout_s: float = 5.0, token: str | None = None,
+                 sock: socket.socket | None = None) -> Answer:
     """The documentation's example call (on ``sock`` when given, else a fresh connection); its
     status is 200 only with the right grad_x."""
     headers = {"Content-Type": "application/msgpack"}
@@ -270,9 +271,9 @@ def _probe_main(port: int, path: Path, max_s: float, token: str) -> None:
                 with socket.create_connection((LOOPBACK, port), timeout=5.0) as sock:
                     connected = time.monotonic()
                     answer = exchange(port, request_head("GET", "/health/live"), timeout_s=5.0, sock=sock)
-                total, after_connect = time.monotonic() - sent, answer.elapsed_s
+                total = time.monotonic() - sent
             except OSError as exc:
-                answer, total, after_connect = Answer(None, error=type(exc).__name__), 5.0, 5.0
+                answer, total = Answer(None, error=type(exc).__name__), 5.0
                 connected = sent
             out.write(f"{sent:.4f} live {total:.4f} {answer.status or answer.error} {connected - sent:.4f}\n")
             if sent >= next_valid:
@@ -575,7 +576,8 @@ def connection_cap(server: ServerProcess, probes: Probes, quick: bool, budget: i
     tally(outcome, answers)
     closes = sum(1 for a in answers if a.headers.get("connection") == "close")
     outcome.figures["connection_close"] = closes
-    outcome.now = f"{extra} requests past {max_connections} open sockets: {_summary(outcome.statuses)}, {closes} with Connection: close"
+    outcome.now = (f"{extra} requests past {max_connections} open sockets: {_summary(outcome.statuses)}, "
+                   f"{closes} with Connection: close")
     return outcome
 
 
@@ -652,7 +654,8 @@ def rss_after_load(server: ServerProcess, probes: Probes, quick: bool, budget: i
     settled = _settled_rss(server.pid)
     outcome.figures.update(start_mib=baseline / MIB, idle_mib=settled / MIB)
     outcome.now = (f"{len(answers)} calls ({big // MIB} MiB among them), {_summary(outcome.statuses)}: "
-                   f"{baseline / MIB:.0f} -> {outcome.peak_rss_bytes / MIB:.0f} MiB peak -> {settled / MIB:.0f} MiB idle")
+                   f"{baseline / MIB:.0f} -> {outcome.peak_rss_bytes / MIB:.0f} MiB peak -> "
+                   f"{settled / MIB:.0f} MiB idle")
     return outcome
 
 
@@ -708,7 +711,6 @@ def sigterm_under_load(log_dir: Path, quick: bool, settings: dict) -> Outcome:
     refused = 0
     lock = threading.Lock()
     stop_at = [time.monotonic() + 60]
-    sigterm_at = [math.inf]
 
     def client(i: int) -> None:
         # Even clients keep one connection alive (reconnecting after Connection: close), odd ones
@@ -727,9 +729,6 @@ def sigterm_under_load(log_dir: Path, quick: bool, settings: dict) -> Outcome:
             answer = example_call(server.port, timeout_s=20, sock=sock)
             with lock:
                 answers.append(answer)
-                if answer.status is None and os.environ.get("ATTACK_DEBUG"):
-                    print("DEBUG", i % 2, answer.error, answer.body[:80], f"{time.monotonic() - sigterm_at[0]:.3f}",
-                          file=sys.stderr)
             if i % 2 or answer.status is None or answer.headers.get("connection") == "close":
                 sock.close()
                 sock = None
@@ -744,7 +743,6 @@ def sigterm_under_load(log_dir: Path, quick: bool, settings: dict) -> Outcome:
         with ThreadPoolExecutor(clients) as pool:
             futures = [pool.submit(client, i) for i in range(clients)]
             time.sleep(seconds / 2)
-            sigterm_at[0] = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             code = server.process.wait(60)
             stop_at[0] = time.monotonic()
@@ -841,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = run_all(args.quick, Path(log_dir), include_ascend=not args.no_ascend,
                            report=lambda outcome: print(outcome.row(), flush=True))
     failed = [o.name for o in outcomes if not o.passed]
-    print(f"\n{len(outcomes) - len(failed)} of {len(outcomes)} attacks pass" + (f"; failed: {failed}" if failed else ""))
+    verdict = f"; failed: {failed}" if failed else ""
+    print(f"\n{len(outcomes) - len(failed)} of {len(outcomes)} attacks pass{verdict}")
     return 1 if failed else 0
 
 if __name__ == "__main__":

@@ -207,7 +207,7 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._head_timer = None
 
     def _peer(self) -> str:
-        return "%s:%d" % self.client if self.client else "a client"
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
 
 def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[HttpToolsProtocol]:
