@@ -40,6 +40,8 @@ log = logging.getLogger("moegrad_service.connections")
 #: After an early answer: how long, and how many bytes, the client's further sending is read and discarded.
 LINGER_S = 1.0
 LINGER_BYTES = 1 << 20
+#: A lingering connection reads one chunk, then waits this long (seconds) before the next.
+LINGER_PACE_S = 0.05
 #: At shutdown, how long a connection with no request in progress stays open for one that may be
 #: on its way (answered 503 + Connection: close) before it is closed, in seconds.
 SHUTDOWN_IDLE_S = 0.5
@@ -97,6 +99,9 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._lingering += len(data)
             if self._lingering > LINGER_BYTES:
                 self._raw_transport.close()
+            else:  # paced: what is only being thrown away must not crowd out the requests being served
+                self._raw_transport.pause_reading()
+                self.loop.call_later(LINGER_PACE_S, self._resume_lingering)
             return
         if self._head_bytes is not None:
             if self._head_bytes == 0 and self._head_timer is None:  # the first byte of a keep-alive request
@@ -200,6 +205,10 @@ class _GuardedProtocol(HttpToolsProtocol):
             transport.write_eof()
         transport.resume_reading()  # uvicorn may have paused it while its buffer was full
         self.loop.call_later(LINGER_S, transport.close)
+
+    def _resume_lingering(self) -> None:
+        if not self._raw_transport.is_closing():
+            self._raw_transport.resume_reading()
 
     def _cancel_head_timer(self) -> None:
         if getattr(self, "_head_timer", None) is not None:
