@@ -428,12 +428,24 @@ def v2_json_ragged(server: ServerProcess, probes: Probes, quick: bool, budget: i
     return outcome
 
 
+def valid_call_body(nbytes: int, seed: int = 0) -> bytes:
+    """A valid v1 call (dropless, K = 2, 4096 tokens, float32) whose grad is about ``nbytes`` bytes."""
+    tokens = 4096
+    hidden = max(1, nbytes // (tokens * 2 * 4))
+    rng = np.random.default_rng(seed)
+    grad = rng.standard_normal((tokens * 2, hidden), dtype=np.float32)
+    idx = rng.permutation(tokens * 2).astype(np.int32)
+    return msgpack.packb({"grad_expanded_x": {"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
+                          "expanded_row_idx": {"dtype": "int32", "shape": [tokens * 2], "data": idx.tobytes()},
+                          "top_k": 2, "drop_pad_mode": 0, "active_num": 0}, use_bin_type=True)
+
+
 def uploads_past_the_queue(server: ServerProcess, probes: Probes, quick: bool, budget: int) -> Outcome:
     size, count = (16 * MIB, 16) if quick else (16 * MIB, 64)
     outcome = Outcome("uploads past the queue (max_queue 2)", 3,
                       "64 x 16 MiB: 1,654 MiB peak, every 503 after its full body")
-    body = bytes(size)
-    head = request_head("POST", GRAD_PATH, {"Content-Type": "application/msgpack"}, size)
+    body = valid_call_body(size)
+    head = request_head("POST", GRAD_PATH, {"Content-Type": "application/msgpack"}, len(body))
     with watched(server, probes, outcome, budget):
         answers = _parallel(count, lambda _: exchange(server.port, head, body, chunk=256 << 10, timeout_s=30))
     tally(outcome, answers)
@@ -446,8 +458,8 @@ def uploads_past_the_queue(server: ServerProcess, probes: Probes, quick: bool, b
 def slow_senders(server: ServerProcess, probes: Probes, quick: bool, budget: int) -> Outcome:
     count, size, rate = (6, 4 * MIB, 2 * MIB) if quick else (16, 16 * MIB, MIB)
     outcome = Outcome("slow senders (1 MiB/s)", 3, "like the uploads: held whole before 503")
-    body = bytes(size)
-    head = request_head("POST", GRAD_PATH, {"Content-Type": "application/msgpack"}, size)
+    body = valid_call_body(size)
+    head = request_head("POST", GRAD_PATH, {"Content-Type": "application/msgpack"}, len(body))
     with watched(server, probes, outcome, budget):
         answers = _parallel(count, lambda _: exchange(server.port, head, body, chunk=256 << 10, rate_bps=rate,
                                                       timeout_s=30))
@@ -633,13 +645,7 @@ def rss_after_load(server: ServerProcess, probes: Probes, quick: bool, budget: i
     seconds, big = (4.0, 8 * MIB) if quick else (60.0, 32 * MIB)
     outcome = Outcome("RSS after mixed load", 9, "300 s soak: 187 -> 922 MiB peak -> 697 MiB idle")
     baseline = rss_bytes(server.pid)
-    tokens, hidden = 4096, big // (4096 * 4 * 2)
-    rng = np.random.default_rng(0)
-    grad = rng.standard_normal((tokens * 2, hidden), dtype=np.float32)
-    idx = rng.permutation(tokens * 2).astype(np.int32)
-    large = msgpack.packb({"grad_expanded_x": {"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
-                           "expanded_row_idx": {"dtype": "int32", "shape": [tokens * 2], "data": idx.tobytes()},
-                           "top_k": 2, "drop_pad_mode": 0, "active_num": 0}, use_bin_type=True)
+    large = valid_call_body(big)
     head = request_head("POST", GRAD_PATH, {"Content-Type": "application/msgpack"}, len(large))
     answers: list[Answer] = []
     with watched(server, probes, outcome, budget):
