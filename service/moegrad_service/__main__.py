@@ -8,8 +8,13 @@ serves protocol v2 over gRPC, on the same workers, draining with HTTP on SIGTERM
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import ctypes
+import gc
 import importlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -138,21 +143,84 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         print(f"moegrad-service: {exc}", file=sys.stderr)
         return 2
 
+    from moegrad_service.connections import guarded_protocol
+
+    protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes,
+                                header_timeout_s=settings.header_timeout_s)
+    _raise_fd_limit(settings.max_connections)
+    _map_large_allocations()
+
     class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT: stop admitting at once (503, readiness 503), then uvicorn's own shutdown
-        lets every admitted call finish before the lifespan closes the backend."""
+        """On SIGTERM/SIGINT: stop admitting at once (every new call 503 + Connection: close,
+        readiness 503) while the port stays open for ``shutdown_drain_s``; then uvicorn's own
+        shutdown closes the port and lets every admitted call finish before the lifespan closes the
+        backend. A second signal stops at once."""
+
+        draining = False
 
         def handle_exit(self, sig, frame) -> None:
+            if self.draining or not self.started or settings.shutdown_drain_s == 0:
+                self._begin_drain()
+                super().handle_exit(sig, frame)
+                return
+            self._begin_drain()
+            timer = threading.Timer(settings.shutdown_drain_s, super().handle_exit, (sig, frame))
+            timer.daemon = True
+            timer.start()
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            # Everything made while starting (the imported modules, numba's compiled kernels) lives
+            # as long as the process: keep it out of the collector's full passes, which otherwise
+            # stall the event loop for 100-200 ms at a time under load.
+            gc.collect()
+            gc.freeze()
+
+        async def shutdown(self, sockets=None) -> None:
+            await self._answer_backlog()
+            await super().shutdown(sockets)
+
+        async def _answer_backlog(self) -> None:
+            """Serve the connections the kernel has accepted but uvicorn has not yet: closing a
+            listening socket resets every connection still in its backlog, and a client that has
+            already sent its request would read that reset instead of an answer."""
+            loop = asyncio.get_running_loop()
+            for listener in [sock for server in self.servers for sock in server.sockets]:
+                own = socket.socket(fileno=os.dup(listener.fileno()))  # stays listening once asyncio closes its fd
+                own.setblocking(False)
+                with contextlib.suppress(OSError):
+                    own.listen(0)  # from now on the backlog holds at most one
+                for server in self.servers:
+                    server.close()  # asyncio stops accepting: every pending connection is ours
+                with own:
+                    while True:
+                        try:
+                            connection, _ = own.accept()
+                        except (BlockingIOError, InterruptedError, OSError):
+                            break
+                        made = protocol(config=self.config, server_state=self.server_state,
+                                        app_state=self.lifespan.state)
+                        with contextlib.suppress(OSError):
+                            await loop.connect_accepted_socket(lambda made=made: made, sock=connection)
+
+        def _begin_drain(self) -> None:
+            if self.draining:
+                return
+            self.draining = True
+            protocol.draining = True
             drain = getattr(app.state, "drain", None)
             if drain is not None:
                 drain()
-            super().handle_exit(sig, frame)
+            for connection in list(self.server_state.connections):
+                if hasattr(connection, "drain"):
+                    connection.drain()
 
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         workers=1,
+        http=protocol,
         log_level=settings.log_level,
         access_log=False,
         ssl_certfile=str(settings.tls_certfile) if settings.tls_certfile else None,
@@ -180,6 +248,49 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
+
+
+#: Allocations from this size up get pages of their own, given back to the OS when freed (glibc's
+#: M_MMAP_THRESHOLD, fixed: by default glibc raises it after each large free, up to 32 MiB, so that
+#: request bodies and tensors end up in the heap, whose freed pages stay resident).
+MMAP_THRESHOLD_BYTES = 4 << 20
+_M_MMAP_THRESHOLD = -3  # malloc.h
+
+
+def _map_large_allocations() -> None:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES (not when MALLOC_MMAP_THRESHOLD_ is set,
+    nor on a C library without ``mallopt``): RSS returns to its settled size after large calls."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+#: File descriptors kept beyond max_connections: the listener, logs, the device, the worker threads' files.
+_SPARE_FDS = 64
+
+
+def _raise_fd_limit(max_connections: int) -> None:
+    """Raise the soft open-file limit to the hard one, and warn when it still cannot hold
+    ``max_connections``: at the limit the kernel's accept fails and a new client is closed unanswered."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft != resource.RLIM_INFINITY and max_connections + _SPARE_FDS > soft:
+        logging.getLogger("moegrad_service").warning(
+            "max_connections=%d does not fit the open-file limit of %d (with %d spare); clients beyond the "
+            "limit are closed unanswered: lower max_connections or raise the limit (ulimit -n)",
+            max_connections, soft, _SPARE_FDS)
 
 
 if __name__ == "__main__":

@@ -56,15 +56,21 @@ class MemoryBudget:
     """The request bytes that admitted requests may hold at once, in bytes.
 
     A request reserves its body's bytes before they are read (Content-Length) or as they arrive
-    (chunked), and gives them back once its answer is sent. Thread-safe.
+    (chunked), and gives them back once its answer is sent. The last eighth of the budget is kept
+    for small reservations (up to SMALL_BYTES each): clients holding large bodies, even slow or
+    stalled ones, cannot keep a small call out. Thread-safe.
 
     Args:
         limit_bytes: the budget.
         retry_after_s: the retry hint of the DeviceBusy a refusal raises.
     """
 
+    #: A reservation up to this size may use the part of the budget kept for small ones.
+    SMALL_BYTES = 1 << 20
+
     def __init__(self, limit_bytes: int, *, retry_after_s: float = 1.0) -> None:
         self.limit_bytes = limit_bytes
+        self._large_limit = limit_bytes - limit_bytes // 8
         self.retry_after_s = retry_after_s
         self._held = 0
         self._lock = threading.Lock()
@@ -83,8 +89,9 @@ class MemoryBudget:
         if nbytes > self.limit_bytes:
             raise PayloadTooLarge(f"the request needs {nbytes} bytes, over the service's whole in-flight budget of "
                                   f"{self.limit_bytes} bytes (max_inflight_bytes); send smaller calls")
+        limit = self.limit_bytes if nbytes <= self.SMALL_BYTES else self._large_limit
         with self._lock:
-            if self._held + nbytes > self.limit_bytes:
+            if self._held + nbytes > limit:
                 raise DeviceBusy(f"the service holds {self._held} of its {self.limit_bytes} in-flight bytes; "
                                  f"retry later", retry_after_s=self.retry_after_s)
             self._held += nbytes
@@ -220,11 +227,12 @@ class DataPlane:
         """Refuse a call now, before its body is read, when the pool could not take it anyway.
 
         Raises:
-            DeviceBusy: (503 + Retry-After) not admitting (starting, draining) or the queue is full.
+            DeviceBusy: (503 + Retry-After) not admitting (starting, draining), no worker can run
+                calls, or the queue is full.
         """
         pool = self.pool
         if not pool.ready:
-            raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=pool.retry_after_s)
+            raise DeviceBusy(pool.not_ready_reason or "the service is not ready", retry_after_s=pool.retry_after_s)
         if pool.queue_depth >= pool.max_queue:
             raise DeviceBusy(f"the queue is full ({pool.max_queue} calls waiting)", retry_after_s=pool.retry_after_s)
 
@@ -363,7 +371,7 @@ class DataPlane:
         """
         pool = self.pool
         if not pool.ready:
-            raise DeviceBusy("the service is starting or shutting down", retry_after_s=pool.retry_after_s)
+            raise DeviceBusy(pool.not_ready_reason or "the service is not ready", retry_after_s=pool.retry_after_s)
         try:
             await asyncio.wait_for(asyncio.to_thread(pool.backend.check_health), HEALTH_CHECK_TIMEOUT_S)
         except TimeoutError:

@@ -46,6 +46,11 @@ class Settings(BaseSettings):
                                                     "in whole seconds")
     max_connections: int = Field(1000, ge=1, description="connections and requests served at once; beyond it new "
                                                          "requests are answered 503 (uvicorn's limit_concurrency)")
+    max_header_bytes: int = Field(64 << 10, ge=1024, description="longest request head (request line and "
+                                                             "headers) in bytes; a longer one is answered 431")
+    header_timeout_s: float = Field(10.0, gt=0, description="longest a request head may take to arrive, in "
+                                                           "seconds; then 408 (a connection that sends nothing "
+                                                           "is closed)")
     body_timeout_s: float = Field(
         60.0, gt=0, description="longest a request body may take to arrive, in seconds; then 408")
     request_timeout_s: float = Field(
@@ -61,6 +66,9 @@ class Settings(BaseSettings):
                                              "tile for (Ascend 950PR/950DT: 64); it decides the order of adds")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After that a 503 advertises, in seconds")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for admitted calls, in seconds")
+    shutdown_drain_s: float = Field(
+        5.0, ge=0, description="after SIGTERM, how long the server keeps its port open answering every new call "
+                               "503 + Connection: close (readiness 503) before it stops listening, in seconds")
     auth_tokens: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="accepted bearer tokens, comma separated; none = no authentication")
     auth_tokens_file: Path | None = Field(None, description="file with one accepted bearer token per line")

@@ -29,7 +29,6 @@ __all__ = [
     "byte_count",
     "dataplane_of",
     "disconnected",
-    "drain_unread_body",
     "metrics_of",
     "read_body",
     "read_call",
@@ -135,33 +134,6 @@ async def _receive(request: Request, dataplane: DataPlane, limit: int, expected:
     if expected is not None and len(body) - lead != expected:
         raise MalformedRequest(f"the body ended after {len(body) - lead} of {expected} bytes")
     return memoryview(body)[lead:] if lead else body
-
-
-#: An early answer (413, 415, 503 ...) first reads and discards up to this much of the unread body,
-#: for at most DRAIN_S seconds: a connection closed with the client still sending is reset, and
-#: the reset can destroy the answer before the client reads it.
-DRAIN_BYTES = 64 << 20
-DRAIN_S = 1.0
-
-
-async def drain_unread_body(request: Request) -> None:
-    """Read and discard what is left of the body (bounded by DRAIN_BYTES and DRAIN_S); holds no memory."""
-    state = request.scope.get("state", {})
-    has_body = request.headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in request.headers
-    if state.get("body_complete") or not has_body:
-        return
-    drained = 0
-    try:
-        async with asyncio.timeout(DRAIN_S):
-            while drained < DRAIN_BYTES:
-                message = await request.receive()
-                if message["type"] != "http.request":
-                    return
-                drained += len(message.get("body", b""))
-                if not message.get("more_body", False):
-                    return
-    except (TimeoutError, OSError):
-        return
 
 
 def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:

@@ -24,7 +24,7 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from moegrad_service.api.errors import error_response
-from moegrad_service.api.inputs import drain_unread_body, release_reserved
+from moegrad_service.api.inputs import release_reserved
 
 __all__ = ["EndpointRoute", "msgpack_operation", "openapi_with_endpoints"]
 
@@ -45,10 +45,17 @@ class _Endpoint:
                 response = await self.handler(request)
             except Exception as exc:  # noqa: BLE001 - every error is answered by the one renderer
                 response = error_response(request, exc)
-                await drain_unread_body(request)
+                if _body_unread(request):  # answered before the body was read: the server closes the
+                    response.headers["connection"] = "close"  # connection lingering (connections.py)
             await response(scope, receive, send)
         finally:
             release_reserved(scope)
+
+
+def _body_unread(request: Request) -> bool:
+    if request.scope.get("state", {}).get("body_complete"):
+        return False
+    return request.headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in request.headers
 
 
 class EndpointRoute(Route):

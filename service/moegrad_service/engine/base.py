@@ -42,6 +42,9 @@ class BackendWorker(Protocol):
         """Release the slot's resources (on the thread that made it)."""
         ...
 
+    # Optional: ``accepts_calls() -> bool``, asked on the worker's own thread before each call and
+    # while it cannot: False takes the slot out of the pool's capacity until it answers True again.
+
 
 @runtime_checkable
 class Backend(Protocol):

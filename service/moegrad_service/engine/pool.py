@@ -10,7 +10,13 @@ Life of a call::
         │          │           └─(deadline + grace passed)─> abandoned: 504, a fresh worker replaces it
         │          ├─(deadline passed)──> 504, never run
         │          └─(caller cancelled)─> dropped, never run (a disconnected client costs nothing)
-        └─(queue full, not ready, closing)─> DeviceBusy (503 + Retry-After)
+        └─(queue full, not ready, closing, no worker can run calls)─> DeviceBusy (503 + Retry-After)
+
+Capacity: a worker counts while it can run calls. One whose backend slot says it cannot
+(``accepts_calls()`` False: the ascend worker with too many kernels still running past their
+deadline) stops taking calls and asks again every CAPACITY_POLL_S seconds; an abandoned worker
+counts again once its replacement has opened. With none left the pool is not ready and refuses
+calls (503) instead of letting them fail one by one.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ _STOP = object()
 #: How long past its deadline a running call may take before its worker is written off and replaced.
 #: A backend that honours ``timeout_s`` itself (the ascend one does) answers well within it.
 ABANDON_GRACE_S = 2.0
+#: How often a worker that cannot run calls asks its slot again, in seconds.
+CAPACITY_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class StreamPool:
         self._idle = asyncio.Event()
         self._idle.set()
         self._pending: set[_Job] = set()
+        self._capable: set[int] = set()  # indices of the workers that can run calls now
+        self._closing = threading.Event()
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -149,6 +159,7 @@ class StreamPool:
             await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
         except TimeoutError:
             log.warning("shutdown grace of %.1f s passed with %d queued, %d running", grace_s, self._queued, self._running)
+        self._closing.set()  # a worker waiting for its capacity stops waiting
         with self._lock:
             threads = list(self._threads)
         for _ in threads:
@@ -169,8 +180,23 @@ class StreamPool:
 
     @property
     def ready(self) -> bool:
-        """True while the pool admits calls (started, not closing)."""
-        return self._admitting
+        """True while the pool admits calls (started, not closing) and at least one worker can run them."""
+        return self._admitting and bool(self._capable)
+
+    @property
+    def capacity(self) -> int:
+        """Workers that can run calls now (``streams`` when all can)."""
+        return len(self._capable)
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why the pool is not ready, in words (None when it is)."""
+        if not self._admitting:
+            return "the service is starting or shutting down"
+        if not self._capable:
+            return (f"none of the {self.streams} backend workers can run calls now (each is replaced or "
+                    "recovers on its own)")
+        return None
 
     @property
     def queue_depth(self) -> int:
@@ -206,6 +232,8 @@ class StreamPool:
         with self._lock:
             if not self._admitting:
                 raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=self.retry_after_s)
+            if not self._capable:
+                raise DeviceBusy(self.not_ready_reason, retry_after_s=self.retry_after_s)
             if self._queued >= self.max_queue:
                 raise DeviceBusy(f"the queue is full ({self.max_queue} calls waiting)", retry_after_s=self.retry_after_s)
             self._queued += 1
@@ -258,6 +286,7 @@ class StreamPool:
             with self._lock:
                 self._running -= 1
                 self._pending.discard(job)
+                self._capable.discard(job.worker)  # lost until the replacement has opened
                 self._check_idle()
             threading.Thread(target=self._spawn, args=(job.worker, 600.0), name="moegrad-respawn", daemon=True).start()
 
@@ -273,9 +302,13 @@ class StreamPool:
                 self._threads.discard(me)
             opened.set()
             return
+        with self._lock:
+            self._capable.add(index)
         opened.set()
         try:
             while True:
+                if not self._wait_for_capacity(index, worker):
+                    return
                 job = self._queue.get()
                 if job is _STOP:
                     return
@@ -305,6 +338,33 @@ class StreamPool:
                 worker.close()
             except Exception:  # noqa: BLE001
                 log.exception("closing backend worker %d failed", index)
+
+    def _wait_for_capacity(self, index: int, worker) -> bool:
+        """Return once ``worker`` can run calls (True), or when the pool closes first (False)."""
+        if self._accepts(worker):
+            return True
+        with self._lock:
+            self._capable.discard(index)
+        log.error("backend worker %d cannot run calls now; %d of %d workers can", index, len(self._capable),
+                  self.streams)
+        while not self._closing.wait(CAPACITY_POLL_S):
+            if self._accepts(worker):
+                with self._lock:
+                    self._capable.add(index)
+                log.warning("backend worker %d runs calls again", index)
+                return True
+        return False
+
+    @staticmethod
+    def _accepts(worker) -> bool:
+        accepts = getattr(worker, "accepts_calls", None)
+        if accepts is None:
+            return True
+        try:
+            return bool(accepts())
+        except Exception:  # noqa: BLE001 - a slot that cannot even answer this cannot run calls
+            log.exception("asking a backend worker whether it can run calls failed")
+            return False
 
     @staticmethod
     def _execute(worker, job: _Job) -> tuple[np.ndarray | None, BaseException | None]:

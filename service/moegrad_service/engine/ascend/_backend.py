@@ -401,6 +401,16 @@ class _AscendWorker:
                     result.ctypes.data, result.nbytes, out_pointer, result.nbytes, ACL_MEMCPY_DEVICE_TO_HOST))
             return result
 
+    def accepts_calls(self) -> bool:
+        """False while MAX_RETIRED_STREAMS kernels that missed their deadline still run on this worker's
+        retired streams (it refuses calls until one finishes), or once closed; polls them
+        (``aclrtStreamQuery``, no wait) on the calling thread, the worker's own."""
+        if self._closed or self._backend._closed:
+            return False
+        if self._retired:
+            self._poll_retired()
+        return len(self._retired) < MAX_RETIRED_STREAMS
+
     def close(self) -> None:
         """Synchronise, free the cache and workspace, destroy the stream, balance this thread's aclrtSetDevice."""
         if self._closed:

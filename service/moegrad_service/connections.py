@@ -1,0 +1,231 @@
+"""Connection limits below the application: request-head size and time, answered on the socket.
+
+uvicorn's httptools protocol puts no bound on a request's head (request line plus headers): a client
+can send hundreds of MiB of header, or one byte a second forever, and each such connection holds a
+socket, memory and CPU without ever reaching the application. :func:`guarded_protocol` makes a
+subclass of that protocol that bounds both, per request:
+
+- a head longer than ``max_header_bytes`` is answered ``431 Request Header Fields Too Large``;
+- a head that is not complete ``header_timeout_s`` seconds after its first byte (or, on a new
+  connection, after the connection opened) is answered ``408 Request Timeout``, or closed without an
+  answer when not one byte of it came (a socket that never speaks has asked nothing).
+
+Both answers carry ``Connection: close`` and a problem+json body naming the setting. Each refusal
+is logged at warning level with the client's address.
+
+Every close of a connection whose request is not all in -- these two answers, and any answer the
+application gives before reading the whole body (413, 415, 503 ...), which it sends with
+``Connection: close`` -- is *lingering*: the write side is shut, what the client still sends is read
+and discarded for up to LINGER_S seconds or LINGER_BYTES bytes, then the socket is closed. Closing
+with unread bytes would make the kernel send a reset, which can destroy the answer before the
+client reads it.
+
+The guard is a subclass rather than uvicorn's ``http="h11"`` (whose ``h11_max_incomplete_event_size``
+bounds the head, answered 400, with no head timeout): h11 parses in Python and costs more server
+CPU per small call than httptools (see docs/operations.md, "Limits").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["LINGER_BYTES", "LINGER_S", "guarded_protocol"]
+
+log = logging.getLogger("moegrad_service.connections")
+
+#: After an early answer: how long, and how many bytes, the client's further sending is read and discarded.
+LINGER_S = 1.0
+LINGER_BYTES = 1 << 20
+#: A lingering connection reads one chunk, then waits this long (seconds) before the next.
+LINGER_PACE_S = 0.05
+#: At shutdown, how long a connection with no request in progress stays open for one that may be
+#: on its way (answered 503 + Connection: close) before it is closed, in seconds.
+SHUTDOWN_IDLE_S = 0.5
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+def _answer(status: int, detail: str) -> bytes:
+    body = json.dumps({"type": "about:blank", "title": _REASONS[status], "status": status,
+                       "detail": detail}).encode()
+    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/problem+json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: ``close()`` lingers while the request is not all in."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _GuardedProtocol) -> None:
+        self._transport, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        if self._protocol._body_unread():
+            self._protocol._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+class _GuardedProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol with a bounded request head (see the module docstring)."""
+
+    max_header_bytes: int = 64 << 10
+    header_timeout_s: float = 10.0
+    #: Set when the server drains (SIGTERM): every answer from then on carries Connection: close.
+    draining: bool = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._raw_transport = transport
+        self._lost = False
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
+        self._head_bytes: int | None = 0  # bytes of the current request head so far; None: head complete
+        self._lingering = 0  # > 0: answered early, discarding what the client still sends
+        self._message_done = True  # the parser has seen the whole of the current request (body too)
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout_s, self._head_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            self._lingering += len(data)
+            if self._lingering > LINGER_BYTES:
+                self._raw_transport.close()
+            else:  # paced: what is only being thrown away must not crowd out the requests being served
+                self._raw_transport.pause_reading()
+                self.loop.call_later(LINGER_PACE_S, self._resume_lingering)
+            return
+        if self._head_bytes is not None:
+            if self._head_bytes == 0 and self._head_timer is None:  # the first byte of a keep-alive request
+                self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_header_bytes and not self._head_fits(data):
+                return
+        super().data_received(data)
+
+    def _head_fits(self, data: bytes) -> bool:
+        """The head passed max_header_bytes with this chunk: True when the head ends within the limit
+        (the rest of the chunk is body), else answer 431 and return False."""
+        end = data.find(b"\r\n\r\n")
+        if end >= 0 and self._head_bytes - len(data) + end + 4 <= self.max_header_bytes:
+            return True
+        self._refuse(431, f"the request's header is over the limit of {self.max_header_bytes} bytes "
+                          "(max_header_bytes); send a shorter header")
+        return False
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = None
+        self._cancel_head_timer()
+        super().on_headers_complete()
+        if self.draining and self.cycle is not None:
+            self.cycle.keep_alive = False
+
+    def drain(self) -> None:
+        """The server is draining: the request in progress, if any, is answered with Connection: close
+        (an idle keep-alive connection stays open until its next request or its idle timeout, so
+        that no request the client is sending now meets a closed socket)."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+
+    def shutdown(self) -> None:
+        """uvicorn's shutdown: a request in progress ends the connection once answered; a connection
+        with none gets SHUTDOWN_IDLE_S more for a request already on its way (closing at once would
+        reset it), then is closed unless one has begun."""
+        self.drain()
+        if self.cycle is not None and not self.cycle.response_complete:
+            return
+        self.loop.call_later(SHUTDOWN_IDLE_S, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if self._head_bytes == 0 and (self.cycle is None or self.cycle.response_complete):
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self._message_done = False
+        super().on_message_begin()
+
+    def on_message_complete(self) -> None:
+        self._message_done = True
+        super().on_message_complete()
+        self._next_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._next_head()
+
+    def _next_head(self) -> None:
+        # Once the request is answered and its body is all in (an early answer's unread body is
+        # parsed and dropped by uvicorn), the next request's head starts; its timer at its first byte.
+        if self._message_done and self.cycle is not None and self.cycle.response_complete \
+                and not self.transport.is_closing():
+            self._head_bytes = 0
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self._head_bytes is None or self.transport.is_closing():
+            return
+        if self._head_bytes == 0 and self.cycle is None:
+            log.warning("%s: closed a connection that sent nothing within %g s (header_timeout_s)",
+                        self._peer(), self.header_timeout_s)
+            self.transport.close()
+            return
+        if self._head_bytes == 0:  # an idle keep-alive connection: uvicorn's idle timeout closes it
+            return
+        self._refuse(408, f"the request's header did not arrive within {self.header_timeout_s:g} s "
+                          "(header_timeout_s); send it at once")
+
+    def _refuse(self, status: int, detail: str) -> None:
+        log.warning("%s: %d %s", self._peer(), status, detail)
+        self._cancel_head_timer()
+        self._head_bytes = None
+        self.transport.write(_answer(status, detail))
+        self._linger()
+
+    def _body_unread(self) -> bool:
+        """The request's head is in, its body is not, and the connection is still up."""
+        return not (self._lost or self._lingering or self._message_done)
+
+    def _linger(self) -> None:
+        """Shut the write side (what was written is still delivered), discard what the client still
+        sends, and close after LINGER_S seconds or LINGER_BYTES bytes, whichever comes first."""
+        if self._lingering or self._lost:
+            return
+        self._lingering = 1
+        self._cancel_head_timer()
+        transport = self._raw_transport
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()  # uvicorn may have paused it while its buffer was full
+        self.loop.call_later(LINGER_S, transport.close)
+
+    def _resume_lingering(self) -> None:
+        if not self._raw_transport.is_closing():
+            self._raw_transport.resume_reading()
+
+    def _cancel_head_timer(self) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+
+
+def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[HttpToolsProtocol]:
+    """The protocol class to pass as uvicorn's ``http``.
+
+    Args:
+        max_header_bytes: longest request head (request line and headers, with their line ends),
+            in bytes; a longer one is answered 431.
+        header_timeout_s: longest a request head may take to arrive, in seconds; then 408.
+    """
+    return type("GuardedHttpToolsProtocol", (_GuardedProtocol,),
+                {"max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s})
