@@ -283,8 +283,12 @@ class SoakReport:
 def _call(client: moegrad.Client, raw: httpx.Client, url: str, planned: Planned, report: SoakReport) -> None:
     try:
         if planned.raw_body is not None:
-            response = raw.post(url + GRAD_PATH, content=planned.raw_body,
-                                headers={"content-type": "application/msgpack"})
+            for _ in range(30):  # a 503 (queue full, answered before the body is read) is retried as the Client does
+                response = raw.post(url + GRAD_PATH, content=planned.raw_body,
+                                    headers={"content-type": "application/msgpack"})
+                if response.status_code != 503:
+                    break
+                time.sleep(float(response.headers.get("retry-after", "1")))
             if response.status_code == 400:
                 raise moegrad.MalformedRequest(response.json()["detail"])
             raise moegrad.ServiceError(f"status {response.status_code}")
