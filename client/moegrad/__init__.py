@@ -31,7 +31,7 @@ from moegrad._accuracy import (
     summand_magnitude,
 )
 from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
-from moegrad._client import AsyncClient, Client, CompareResult, GradResult
+from moegrad._client import AsyncClient, BatchCompare, Client, CompareResult, GradResult
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -62,22 +62,30 @@ from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import (
     DTYPES,
+    FRAMES_MEDIA_TYPE,
+    MAX_BATCH_CALLS,
     MAX_RANK,
     REQUEST_LIMITS,
     StructureLimits,
     brief,
+    decode_batch,
     decode_body,
+    decode_frames,
     decode_tensor,
     dtype_name,
+    encode_batch,
     encode_body,
     encode_body_view,
+    encode_frames,
     encode_tensor,
 )
 
 __all__ = [
     "DTYPES",
     "DTYPE_LIMITS",
+    "FRAMES_MEDIA_TYPE",
     "GRAD_DTYPES",
+    "MAX_BATCH_CALLS",
     "MAX_RANK",
     "ORDERS",
     "REQUEST_LIMITS",
@@ -86,6 +94,7 @@ __all__ = [
     "AclnnStatus",
     "Ascend950Tiling",
     "AsyncClient",
+    "BatchCompare",
     "Client",
     "CompareResult",
     "ComparisonReport",
@@ -118,11 +127,15 @@ __all__ = [
     "check_compare_arguments",
     "compare",
     "compare_arrays",
+    "decode_batch",
     "decode_body",
+    "decode_frames",
     "decode_tensor",
     "dtype_name",
+    "encode_batch",
     "encode_body",
     "encode_body_view",
+    "encode_frames",
     "encode_tensor",
     "expanded_row_idx_layout",
     "invert_expanded_row_idx",

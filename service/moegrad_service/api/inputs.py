@@ -13,11 +13,22 @@ import asyncio
 import math
 from typing import Any
 
+import numpy as np
+
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Scope
 
-from moegrad import REQUEST_LIMITS, MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief, decode_body
+from moegrad import (
+    FRAMES_MEDIA_TYPE,
+    REQUEST_LIMITS,
+    MalformedRequest,
+    MoeInitRoutingV2GradCall,
+    PayloadTooLarge,
+    brief,
+    decode_body,
+    decode_frames,
+)
 from moegrad_service.api.errors import RequestTimeout, UnsupportedMediaType
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
@@ -26,10 +37,12 @@ from moegrad_service.settings import Settings
 __all__ = [
     "INLINE_DECODE_BYTES",
     "MSGPACK_MEDIA_TYPES",
+    "V1_MEDIA_TYPES",
     "byte_count",
     "dataplane_of",
     "disconnected",
     "drain_unread_body",
+    "media_type_of",
     "metrics_of",
     "read_body",
     "read_call",
@@ -40,6 +53,8 @@ __all__ = [
 ]
 
 MSGPACK_MEDIA_TYPES = frozenset({"application/msgpack", "application/x-msgpack"})
+#: What a v1 call's body may be: msgpack, or frames (a msgpack header, then the tensors' bytes).
+V1_MEDIA_TYPES = MSGPACK_MEDIA_TYPES | {FRAMES_MEDIA_TYPE}
 #: Bodies larger than this are decoded and validated on a worker thread, not on the event loop.
 INLINE_DECODE_BYTES = 1 << 20
 
@@ -92,7 +107,7 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
     binary data starts inside the body picks ``lead`` so that it lands 16-byte aligned, and its
     arrays can view the body instead of copying it (v2's binary tensor data)."""
     if media_types is not None:
-        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        media_type = media_type_of(request)
         if media_type not in media_types:
             raise UnsupportedMediaType(
                 f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}")
@@ -118,23 +133,38 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
 
 async def _receive(request: Request, dataplane: DataPlane, limit: int, expected: int | None,
                    lead: int) -> bytearray | memoryview:
-    # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
-    # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
-    # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
+    if expected is not None:
+        return await _receive_declared(request, expected, lead)
+    # Without a Content-Length the body grows as bytes arrive (each chunk reserved from the budget first).
     body = bytearray(lead)
     async for chunk in request.stream():
-        if expected is not None:
-            if len(body) - lead + len(chunk) > expected:
-                raise MalformedRequest("the body is longer than its Content-Length")
-        else:
-            if len(body) - lead + len(chunk) > limit:
-                raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
-            _reserve(request, dataplane, len(chunk))
+        if len(body) - lead + len(chunk) > limit:
+            raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
+        _reserve(request, dataplane, len(chunk))
         body += chunk
     request.scope["state"]["body_complete"] = True
-    if expected is not None and len(body) - lead != expected:
-        raise MalformedRequest(f"the body ended after {len(body) - lead} of {expected} bytes")
     return memoryview(body)[lead:] if lead else body
+
+
+async def _receive_declared(request: Request, expected: int, lead: int) -> memoryview:
+    # The declared length is already reserved from the in-flight budget, so the buffer is allocated
+    # whole: numpy.empty maps it without touching it (pages become resident as bytes arrive, so a client
+    # that declares much and sends little pins only what it sent), and each chunk is copied once, in place.
+    buffer = np.empty(lead + expected, dtype=np.uint8)
+    view = memoryview(buffer)
+    filled = lead
+    if lead:
+        buffer[:lead] = 0
+    async for chunk in request.stream():
+        end = filled + len(chunk)
+        if end - lead > expected:
+            raise MalformedRequest("the body is longer than its Content-Length")
+        view[filled:end] = chunk
+        filled = end
+    request.scope["state"]["body_complete"] = True
+    if filled - lead != expected:
+        raise MalformedRequest(f"the body ended after {filled - lead} of {expected} bytes")
+    return view[lead:]
 
 
 #: An early answer (413, 415, 503 ...) first reads and discards up to this much of the unread body,
@@ -180,13 +210,20 @@ def release_reserved(scope: Scope) -> None:
 
 
 async def read_document(request: Request) -> dict[str, Any]:
-    """The msgpack body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`),
-    its bytes counted; bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
-    body = await read_body(request, settings_of(request).max_body_bytes)
+    """The v1 body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`), its
+    bytes counted: msgpack, or frames (:func:`moegrad.decode_frames`: the tensors' data views the
+    body, no copy); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
+    body = await read_body(request, settings_of(request).max_body_bytes, V1_MEDIA_TYPES)
     metrics_of(request).bytes_in.inc(len(body))
+    decode = decode_frames if media_type_of(request) == FRAMES_MEDIA_TYPE else decode_body
     if len(body) > INLINE_DECODE_BYTES:
-        return await run_in_threadpool(decode_body, body, REQUEST_LIMITS)
-    return decode_body(body, REQUEST_LIMITS)
+        return await run_in_threadpool(decode, body, REQUEST_LIMITS)
+    return decode(body, REQUEST_LIMITS)
+
+
+def media_type_of(request: Request) -> str:
+    """The request's Content-Type without parameters, lower-cased ("" when absent)."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
 async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
@@ -208,8 +245,9 @@ async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
 def _tensor_bytes(document: dict[str, Any]) -> int:
     total = 0
     for value in document.values():
-        if isinstance(value, dict) and isinstance(value.get("data"), bytes):
-            total += len(value["data"])
+        data = value.get("data") if isinstance(value, dict) else None
+        if data is not None and not isinstance(data, (str, list, dict)) and hasattr(data, "__len__"):
+            total += len(data)  # a msgpack bin, or a frames body's segment
     return total
 
 
