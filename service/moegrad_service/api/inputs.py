@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,8 @@ from moegrad_service.settings import Settings
 
 __all__ = [
     "INLINE_DECODE_BYTES",
+    "RECEIVE_BUFFERS",
+    "ReceiveBuffers",
     "MSGPACK_MEDIA_TYPES",
     "V1_MEDIA_TYPES",
     "byte_count",
@@ -146,12 +149,62 @@ async def _receive(request: Request, dataplane: DataPlane, limit: int, expected:
     return memoryview(body)[lead:] if lead else body
 
 
+class ReceiveBuffers:
+    """Receive buffers kept for reuse once their request is answered: their pages are already
+    resident, so the next body of that size is copied into them without a page fault per 4 KiB.
+
+    At most ``keep_bytes`` are kept (bodies larger than that are never kept: a large idle server
+    gives its memory back). A buffer is kept only when nothing else references it any more (no
+    array of the finished call still views it). Used on the event loop only.
+
+    Args:
+        keep_bytes: the most bytes of buffers kept.
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._kept: list[np.ndarray] = []
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._kept)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` (at most twice that, when a kept one fits), else a new one."""
+        for index, buffer in enumerate(self._kept):
+            if nbytes <= buffer.nbytes <= 2 * nbytes:
+                return self._kept.pop(index)
+        # numpy.empty maps the buffer without touching it: pages become resident as bytes arrive, so a
+        # client that declares much and sends little pins only what it sent.
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray, references: int) -> None:
+        """Keep ``buffer`` if it fits and the caller's ``references`` are the only ones left."""
+        # getrefcount counts its own argument and this parameter besides the caller's references
+        if sys.getrefcount(buffer) - 2 > references or buffer.nbytes < RECEIVE_REUSE_MIN_BYTES:
+            return
+        while self._kept and self.kept_bytes + buffer.nbytes > self.keep_bytes:
+            self._kept.pop(0)
+        if buffer.nbytes <= self.keep_bytes:
+            self._kept.append(buffer)
+
+
+#: Bodies of at least this many bytes are read into reusable buffers (smaller ones cost no page faults).
+RECEIVE_REUSE_MIN_BYTES = 1 << 20
+#: The most bytes of receive buffers an idle server keeps for reuse.
+RECEIVE_KEEP_BYTES = 64 << 20
+RECEIVE_BUFFERS = ReceiveBuffers(RECEIVE_KEEP_BYTES)
+
+
 async def _receive_declared(request: Request, expected: int, lead: int) -> memoryview:
-    # The declared length is already reserved from the in-flight budget, so the buffer is allocated
-    # whole: numpy.empty maps it without touching it (pages become resident as bytes arrive, so a client
-    # that declares much and sends little pins only what it sent), and each chunk is copied once, in place.
-    buffer = np.empty(lead + expected, dtype=np.uint8)
-    view = memoryview(buffer)
+    # The declared length is already reserved from the in-flight budget, so the buffer is taken
+    # whole and each chunk is copied once, in place.
+    if lead + expected >= RECEIVE_REUSE_MIN_BYTES:
+        buffer = RECEIVE_BUFFERS.take(lead + expected)
+        request.scope["state"]["receive_buffer"] = buffer  # given back once the answer is sent
+    else:
+        buffer = np.empty(lead + expected, dtype=np.uint8)
+    view = memoryview(buffer)[:lead + expected]
     filled = lead
     if lead:
         buffer[:lead] = 0
@@ -202,11 +255,16 @@ def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
 
 
 def release_reserved(scope: Scope) -> None:
-    """Give back what this request reserved of the in-flight budget (once its answer is sent)."""
+    """Give back what this request reserved of the in-flight budget, and its receive buffer for
+    reuse when nothing views it any more (once its answer is sent)."""
     state = scope.get("state", {})
     reserved = state.pop("reserved_bytes", 0)
     if reserved:
         state["dataplane"].budget.release(reserved)
+    buffer = state.pop("receive_buffer", None)
+    if buffer is not None:
+        RECEIVE_BUFFERS.give(buffer, references=1)
+        del buffer
 
 
 async def read_document(request: Request) -> dict[str, Any]:
