@@ -183,10 +183,11 @@ class ReceiveBuffers:
         # getrefcount counts its own argument and this parameter besides the caller's references
         if sys.getrefcount(buffer) - 2 > references or buffer.nbytes < RECEIVE_REUSE_MIN_BYTES:
             return
+        if buffer.nbytes > self.keep_bytes:
+            return
         while self._kept and self.kept_bytes + buffer.nbytes > self.keep_bytes:
             self._kept.pop(0)
-        if buffer.nbytes <= self.keep_bytes:
-            self._kept.append(buffer)
+        self._kept.append(buffer)
 
 
 #: Bodies of at least this many bytes are read into reusable buffers (smaller ones cost no page faults).
@@ -273,10 +274,21 @@ async def read_document(request: Request) -> dict[str, Any]:
     body, no copy); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
     body = await read_body(request, settings_of(request).max_body_bytes, V1_MEDIA_TYPES)
     metrics_of(request).bytes_in.inc(len(body))
-    decode = decode_frames if media_type_of(request) == FRAMES_MEDIA_TYPE else decode_body
+    if media_type_of(request) == FRAMES_MEDIA_TYPE:  # the call's arrays will view the body
+        if len(body) > INLINE_DECODE_BYTES:
+            return await run_in_threadpool(decode_frames, body, REQUEST_LIMITS)
+        return decode_frames(body, REQUEST_LIMITS)
     if len(body) > INLINE_DECODE_BYTES:
-        return await run_in_threadpool(decode, body, REQUEST_LIMITS)
-    return decode(body, REQUEST_LIMITS)
+        document = await run_in_threadpool(decode_body, body, REQUEST_LIMITS)
+    else:
+        document = decode_body(body, REQUEST_LIMITS)
+    # msgpack copied every bin out of the body: let the body go now, not after the reply
+    del body
+    buffer = request.scope["state"].pop("receive_buffer", None)
+    if buffer is not None:
+        RECEIVE_BUFFERS.give(buffer, references=1)
+        del buffer
+    return document
 
 
 def media_type_of(request: Request) -> str:
