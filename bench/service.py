@@ -1,7 +1,7 @@
 """Service benchmarks: moegrad on loopback, its floors, a PyTriton peer, memory.
 
 Everything runs on this machine, on 127.0.0.1 only, with bounded loops; every server this module
-starts is stopped in a ``finally``. Two sections of bench/RESULTS.md come from here:
+starts is stopped in a ``finally``. Three sections of bench/RESULTS.md come from here:
 
 - ``service``: S1 sequential latency with the sync :class:`moegrad.Client` against its
   floors (the same bytes POSTed by bare httpx and by a plain socket; ``GET /health/live`` with the
@@ -12,6 +12,10 @@ starts is stopped in a ``finally``. Two sections of bench/RESULTS.md come from h
   moegrad's v2 endpoint, both driven by tritonclient[http] on the same payloads.
 - ``memory``: the server's peak RSS growth over one S2 call (VmHWM after resetting it
   through /proc/<pid>/clear_refs), and its RSS while serving S2 again and again.
+- ``wire``: large calls against the loopback floor, side by side in one run (S2, and SL: DeepSeek-V3's
+  N=4096, K=8, H=7168 bfloat16, 448 MiB in, 56 MiB out): raw socket -> v1 msgpack, -> v1 frames,
+  -> v2 binary, ``moegrad.Client`` -> v1 msgpack and -> v1 frames; the server's peak RSS growth per
+  call and its RSS after; 1,000 S1 calls one by one against one ``Client.batch``.
 
 The workloads: S1 is the documentation's example (grad [[.1,.1],[.3,.3],[.2,.2],[.4,.4]] float32,
 idx [2,0,1,3], K=2); S2 is N=1024, K=2, H=4096 float32 dropless (32 MiB in, 16 MiB out). Every
@@ -20,7 +24,8 @@ are both v0 + v1 in float32).
 
 Usage::
 
-    .venv/bin/python -m bench.service [--quick|--full]     # only this module's two sections
+    .venv/bin/python -m bench.service [--quick|--full]     # only this module's sections
+    .venv/bin/python -m bench.service wire [--sl-rounds N]  # only the wire tables, SL included, printed
     .venv/bin/python -m bench.run [--quick|--full]         # every section (make bench)
 
 ``--server-pythonpath DIR`` runs the moegrad server from another source tree (DIR/client and
@@ -1212,11 +1217,23 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
                 results["rss_run"] = rss_run(fresh.pid, [lambda: calls["v1"](large), lambda: calls["v2"](large)],
                                              mode.memory_s)
 
+    log("wire speed: S2" + (" and SL" if not quick else "") + " against the floor, memory per call, batches")
+    wire_rounds = {"s2_rounds": 3, "sl_rounds": 0, "batch_rounds": 2} if quick else \
+        {"s2_rounds": 5, "sl_rounds": 2, "batch_rounds": 3}
+    wire_tables = wire_speed(**wire_rounds, server_pythonpath=server_pythonpath)
     log("done")
     sections = {
         "service": _service_section(results, mode, machine_line, command, small, large, peer_venv, peer_note,
                                     peer_startup_s),
         "memory": _memory_section(results, mode, machine_line, command, large),
+        "wire": "\n".join([
+            "## Large calls at wire speed, and batches", "",
+            f"Machine: {machine_line}. Command: {command}; SL as well: `python -m bench.service wire` "
+            f"({'quick mode skips SL' if quick else 'full mode includes SL'}). One server (reference backend, "
+            f"2 streams); rounds interleaved ({wire_rounds}), medians; each path's reply checked bitwise "
+            "against the in-process result. The floor is raw TCP on loopback moving the same request and "
+            "reply bytes between pre-touched buffers; the raw callers send prebuilt requests and receive "
+            "into pre-touched buffers the same way.", "", wire_tables]),
     }
     if write:
         for name, body in sections.items():
