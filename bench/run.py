@@ -5,7 +5,10 @@ Sections, in this order (each one is skipped with a note when its module is not 
 1. kernel  -- ``bench.kernel.main(quick=...)`` (the kernels against NumPy; it writes its own section);
 2. service -- :mod:`bench.service` (the service on loopback, the PyTriton peer, memory); this
    module writes its ``service`` and ``memory`` sections;
-3. soak    -- ``bench.soak.main(duration_s=...)``: 60 s in full mode, shortened in quick mode.
+3. soak    -- ``bench.soak.main(duration_s=...)``: 60 s in full mode, shortened in quick mode;
+4. the stand-alone benchmarks of :data:`PRINTED` (the torch op, the orders' differences, gRPC
+   beside HTTP, the attacks), each run as ``python -m <module>`` whose printed tables become its
+   section, with the command and the machine.
 
 Quick mode (the default) is sized to finish in under 5 minutes on the 2-core machine, the kernel
 section included, as long as the PyTriton peer's venv exists (bench/_out/pytriton-venv, built once;
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import subprocess
 import sys
 import time
 import traceback
@@ -29,6 +34,14 @@ __all__ = ["main"]
 
 SOAK_FULL_S = 60.0
 SOAK_QUICK_S = 10.0
+#: section -> (heading, module, its arguments in quick mode, in full mode): benchmarks that print their tables.
+PRINTED: dict[str, tuple[str, str, list[str], list[str]]] = {
+    "torch": ("The torch op on CPU, beside torch's own index_add_ and gather-sum", "bench.torch_op",
+              ["--repeats", "3"], ["--repeats", "7"]),
+    "orders": ("Elements where the Atlas A2/A3 and Ascend 950 orders differ", "bench.order_differences", [], []),
+    "grpc": ("gRPC beside HTTP (tritonclient)", "bench.grpc_bench", ["--quick"], []),
+    "attack": ("Attacks: what each costs the server now", "bench.attack", ["--quick"], []),
+}
 
 
 def _optional(module: str):
@@ -48,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="the default: every section, shortened to finish in under 5 minutes")
     mode.add_argument("--full", dest="quick", action="store_false",
                       help="longer runs: more samples, the 60 s memory run and the 60 s soak")
-    parser.add_argument("--skip", action="append", default=[], choices=["kernel", "service", "soak"],
+    parser.add_argument("--skip", action="append", default=[], choices=["kernel", "service", "soak", *PRINTED],
                         help="leave a section out (repeatable); its part of RESULTS.md is kept as it was")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -101,9 +114,23 @@ def main(argv: list[str] | None = None) -> int:
         return (f"bench.soak.main(duration_s={duration_s:.0f})"
                 + (f", shortened from {SOAK_FULL_S:.0f} s by quick mode" if quick else ""))
 
+    def printed(name: str) -> str:
+        heading, module, quick_args, full_args = PRINTED[name]
+        if importlib.util.find_spec(module) is None:
+            return f"not run: {module} does not exist"
+        argv = [sys.executable, "-m", module, *(quick_args if quick else full_args)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(argv[1:])} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+        command = "python " + " ".join(argv[1:])
+        write_section(name, f"## {heading}\n\n`{command}` on {machine()}\n\n{done.stdout.strip()}")
+        return command
+
     section("kernel", kernel)
     section("service", service)
     section("soak", soak)
+    for name in PRINTED:
+        section(name, lambda name=name: printed(name))
     total_s = time.monotonic() - started
     summary = (f"\n\nLast `python -m bench.run {'--quick' if quick else '--full'}`: {total_s:.0f} s in all"
                + (f" (quick mode's budget: {QUICK_BUDGET_S:.0f} s)" if quick else "") + "; "

@@ -40,7 +40,8 @@ __all__ = [
 
 
 class AclnnStatus(enum.IntEnum):
-    """aclnnStatus return codes (CANN ``aclnn/acl_meta.h``)."""
+    """aclnnStatus return codes (CANN ``aclnn/acl_meta.h``; the 5611xx installation codes from
+    opbase's ``include/nnopbase/opdev/op_errno.h``)."""
 
     ACLNN_SUCCESS = 0
     ACLNN_ERR_PARAM_NULLPTR = 161001
@@ -53,6 +54,9 @@ class AclnnStatus(enum.IntEnum):
     ACLNN_ERR_INNER_CREATE_EXECUTOR = 561101
     ACLNN_ERR_INNER_NOT_TRANS_EXECUTOR = 561102
     ACLNN_ERR_INNER_NULLPTR = 561103
+    ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND = 561107
+    ACLNN_ERR_INNER_LOAD_JSON_FAILED = 561108
+    ACLNN_ERR_INNER_OPP_KERNEL_PKG_NOT_FOUND = 561112
 
     @classmethod
     def name_of(cls, code: int) -> str:
@@ -72,7 +76,7 @@ class InvalidArgument(MoegradError):
 
     Attributes:
         aclnn_status: the aclnn status code the operator's phase one returns for this input
-            (161001 null tensor, 161002 dtype/value, 561002 attribute/shape; DESIGN.md section 4).
+            (161001 null tensor, 161002 dtype/value, 561002 attribute/shape; docs/operator.md).
         aclnn_name: the symbolic name of ``aclnn_status``.
         field: the request field at fault (``"expanded_row_idx"``, ``"top_k"``, ...), or None.
         message: a sentence a user understands, naming the value and the rule.

@@ -1,8 +1,9 @@
 """One operator call, validated as aclnnMoeInitRoutingV2GradGetWorkspaceSize checks it.
 
 The client checks a call with this model before sending it; the service checks it again on receipt.
-Rules, codes and order follow the operator documentation
-(reference/aclnnMoeInitRoutingV2Grad.md, "Return Value") and DESIGN.md section 4:
+Rules, codes and order follow the operator documentation's return codes (docs/operator.md,
+"Return codes"); the index checks guard what the device would read out of bounds
+(docs/semantics.md):
 
 1. a missing tensor                                               -> 161001 ACLNN_ERR_PARAM_NULLPTR
 2. grad dtype not float16/bfloat16/float32, index dtype not int32 -> 161002 ACLNN_ERR_PARAM_INVALID
@@ -248,7 +249,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
         """Build and validate a call from a decoded request document.
 
         Args:
-            document: the msgpack map (DESIGN.md section 5); a missing tensor is a null tensor.
+            document: the msgpack map (docs/protocol.md, "The call"); a missing tensor is a null tensor.
             max_elements: the largest element count accepted per tensor, or None.
             default_order: the order used when the document names none.
             extra_fields: further keys the caller handles itself (they are ignored here).

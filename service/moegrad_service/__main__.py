@@ -1,7 +1,8 @@
 """``moegrad-service serve [flags]`` / ``python -m moegrad_service serve``: run the service with uvicorn.
 
 Each flag mirrors one setting (``--streams 4`` is ``MOEGRAD_STREAMS=4``); a flag given wins over the
-environment. One process, one uvicorn worker, one device.
+environment. One process, one uvicorn worker, one device; with ``--grpc-port`` the same process also
+serves protocol v2 over gRPC, on the same workers, draining with HTTP on SIGTERM.
 """
 
 from __future__ import annotations

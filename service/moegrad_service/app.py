@@ -6,6 +6,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -20,9 +22,18 @@ from moegrad_service.engine import Backend, StreamPool, open_backend
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
+if TYPE_CHECKING:
+    from moegrad_service.api.grpc import GrpcServer
+
 __all__ = ["create_app"]
 
 log = logging.getLogger("moegrad_service")
+
+
+def _drain(pool: StreamPool, grpc_server: GrpcServer | None) -> None:
+    pool.stop_admitting()
+    if grpc_server is not None:
+        grpc_server.drain()
 
 
 def create_app(settings: Settings | None = None, *, backend: Backend | None = None) -> FastAPI:
@@ -37,7 +48,10 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
     them as request state (``settings``, ``dataplane`` over the pool, ``metrics``) and, on shutdown,
     stops admitting, lets admitted calls finish (``shutdown_grace_s``) and closes the backend.
     ``app.state.drain()`` stops admitting at once (new calls get 503, readiness turns 503) while
-    admitted calls finish; ``moegrad-service serve`` calls it when SIGTERM arrives.
+    admitted calls finish; ``moegrad-service serve`` calls it when SIGTERM arrives. With
+    ``settings.grpc_port`` set, the lifespan also serves protocol v2 over gRPC on the same dataplane
+    (:class:`moegrad_service.api.grpc.GrpcServer`, its bound port in ``app.state.grpc_port``): it
+    drains with the HTTP side and stops, letting its calls in flight finish, before the pool closes.
 
     Raises:
         OSError: ``auth_tokens_file`` cannot be read.
@@ -52,13 +66,26 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         pool = StreamPool(opened, streams=settings.streams, max_queue=settings.max_queue,
                           retry_after_s=settings.retry_after_s)
         await pool.start()
-        app.state.drain = pool.stop_admitting  # called on SIGTERM, before uvicorn stops serving
+        dataplane = DataPlane(settings, pool, metrics)
+        grpc_server = None
+        if settings.grpc_port is not None:
+            from moegrad_service.api.grpc import GrpcServer  # grpcio only when gRPC is on
+
+            try:
+                grpc_server = await GrpcServer.start(settings, dataplane, metrics, authenticate)
+            except BaseException:
+                await pool.close(grace_s=0)
+                raise
+            app.state.grpc_port = grpc_server.port
+        app.state.drain = partial(_drain, pool, grpc_server)  # called on SIGTERM, before uvicorn stops serving
         metrics.bind(lambda: pool.queue_depth, lambda: pool.in_flight)
         log.info("moegrad %s ready: backend=%s device=%s streams=%d", __version__, opened.name, opened.device,
                  settings.streams)
         try:
-            yield {"settings": settings, "dataplane": DataPlane(settings, pool, metrics), "metrics": metrics}
+            yield {"settings": settings, "dataplane": dataplane, "metrics": metrics}
         finally:
+            if grpc_server is not None:  # gRPC calls in flight finish on the pool before it closes
+                await grpc_server.stop(grace_s=settings.shutdown_grace_s)
             await pool.close(grace_s=settings.shutdown_grace_s)
             log.info("moegrad stopped")
 

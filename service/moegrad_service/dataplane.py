@@ -18,7 +18,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -43,7 +43,8 @@ from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
-__all__ = ["ClientDisconnected", "Comparison", "CompareOutcome", "DataPlane", "GradOutcome", "MemoryBudget"]
+__all__ = ["ClientDisconnected", "CompareOutcome", "Comparison", "DataPlane", "Duration", "GradOutcome",
+           "InferenceStatistics", "MemoryBudget"]
 
 T = TypeVar("T")
 #: The fewest grad calls a batch hands to one worker at once (fewer only when the batch has fewer).
@@ -159,6 +160,51 @@ class CompareOutcome:
     compare_s: float
 
 
+@dataclass
+class Duration:
+    """A count of events and their total duration in nanoseconds (Triton's ``StatisticDuration``)."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += max(0, round(seconds * 1e9))
+
+
+@dataclass
+class InferenceStatistics:
+    """The model's inference statistics in Triton's schema (``InferStatistics`` of its service
+    definition), over every protocol since the process started.
+
+    Attributes:
+        success: calls answered with a result; ns from the request's arrival (when the endpoint says
+            when, else from the dataplane's start) to the result.
+        fail: calls that reached the dataplane validated and then failed (queue full, not ready,
+            deadline, the device's rejection or fault, the caller gone); ns as for success. A request
+            refused while being decoded never reaches the dataplane and is not counted here.
+        queue: time the successful calls waited for a worker.
+        compute_input: time from the request's arrival to the dataplane: reading, decoding and
+            validating the inputs (0 ns for an endpoint that does not say when its request arrived).
+        compute_infer: time a worker spent computing (the backend's run, copies included).
+        compute_output: time from the worker's result to the dataplane's answer; encoding the reply
+            is the protocol's and is not included.
+        inference_count: inferences performed (one per successful call: no batching).
+        execution_count: executions (equal to inference_count).
+        last_inference_ms: when the last successful call finished, in milliseconds since the epoch (0: none yet).
+    """
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+
+
 class DataPlane:
     """Runs validated calls for every protocol endpoint.
 
@@ -172,6 +218,7 @@ class DataPlane:
         self.settings = settings
         self.pool = pool
         self.metrics = metrics
+        self.statistics = InferenceStatistics()
         self.budget = MemoryBudget(settings.max_inflight_bytes, retry_after_s=settings.retry_after_s)
 
     def admit(self) -> None:
@@ -245,9 +292,10 @@ class DataPlane:
     # --- calls ---------------------------------------------------------------------------------
 
     async def infer(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float,
-                    disconnected: Callable[[], Awaitable[object]] | None = None) -> GradOutcome:
+                    disconnected: Callable[[], Awaitable[object]] | None = None,
+                    received_s: float | None = None) -> GradOutcome:
         """grad_x for a validated call: an empty one (N = 0 or H = 0) is answered at once, the rest
-        run on the pool.
+        run on the pool. Every call is counted in :attr:`statistics`.
 
         Args:
             call: the validated call.
@@ -255,6 +303,8 @@ class DataPlane:
             disconnected: a coroutine function that returns once the caller has gone (an HTTP
                 disconnect); a call still queued then is dropped unrun and a running one's result
                 discarded.
+            received_s: the ``time.perf_counter()`` reading when the call's request arrived, or
+                None (the statistics then start the call here).
 
         Raises:
             DeviceBusy: (503) the queue is full or the service is not ready.
@@ -263,14 +313,35 @@ class DataPlane:
             DeviceFault: the device failed.
             ClientDisconnected: ``disconnected`` returned first.
         """
-        if call.num_tokens == 0 or call.hidden_size == 0:  # the documentation allows empty tensors
-            grad_x = np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype)
-            return self._outcome(call, grad_x, Timings(0.0, 0.0))
-        run = self.pool.run(call, timeout_s=timeout_s)
-        grad_x, timings = await (run if disconnected is None else _unless(disconnected, run))
-        self.metrics.queue_duration.observe(timings.queue_s)
-        self.metrics.compute_duration.observe(timings.compute_s)
-        return self._outcome(call, grad_x, timings)
+        entered = time.perf_counter()
+        received = entered if received_s is None else min(received_s, entered)
+        try:
+            if call.num_tokens == 0 or call.hidden_size == 0:  # the documentation allows empty tensors
+                grad_x = np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype)
+                timings = Timings(0.0, 0.0)
+            else:
+                run = self.pool.run(call, timeout_s=timeout_s)
+                grad_x, timings = await (run if disconnected is None else _unless(disconnected, run))
+                self.metrics.queue_duration.observe(timings.queue_s)
+                self.metrics.compute_duration.observe(timings.compute_s)
+            computed = time.perf_counter()
+            outcome = self._outcome(call, grad_x, timings)
+        except BaseException:
+            self.statistics.fail.add(time.perf_counter() - received)
+            raise
+        self._count_success(received, entered, computed, timings)
+        return outcome
+
+    def _count_success(self, received: float, entered: float, computed: float, timings: Timings) -> None:
+        stats, done = self.statistics, time.perf_counter()
+        stats.success.add(done - received)
+        stats.queue.add(timings.queue_s)
+        stats.compute_input.add(entered - received)
+        stats.compute_infer.add(timings.compute_s)
+        stats.compute_output.add(done - computed)
+        stats.inference_count += 1
+        stats.execution_count += 1
+        stats.last_inference_ms = time.time_ns() // 1_000_000
 
     def _outcome(self, call: MoeInitRoutingV2GradCall, grad_x: np.ndarray, timings: Timings) -> GradOutcome:
         return GradOutcome(grad_x, timings, self.backend_name, self.answer_order or call.order, self.device)
@@ -323,18 +394,26 @@ class DataPlane:
                     grads.append((index, item))
 
         async def run_chunk(chunk: list[tuple[int, MoeInitRoutingV2GradCall]]) -> None:
+            entered = time.perf_counter()
             try:
                 outcomes, timings = await self.pool.run_many([call for _, call in chunk],
                                                              timeout_s=max(deadline - loop.time(), 1e-6))
             except MoegradError as exc:  # the whole chunk was refused or timed out: each call says so
                 for index, _ in chunk:
                     answers[index] = exc
+                    self.statistics.fail.add(time.perf_counter() - entered)
                 return
+            computed = time.perf_counter()
             self.metrics.queue_duration.observe(timings.queue_s)
             self.metrics.compute_duration.observe(timings.compute_s)
             share = Timings(timings.queue_s, timings.compute_s / len(chunk))
             for (index, call), (grad_x, error) in zip(chunk, outcomes):
-                answers[index] = error if error is not None else self._outcome(call, grad_x, share)
+                if error is not None:
+                    answers[index] = error
+                    self.statistics.fail.add(computed - entered)
+                else:
+                    answers[index] = self._outcome(call, grad_x, share)
+                    self._count_success(entered, entered, computed, share)
 
         async def run_comparison(index: int, comparison: Comparison) -> None:
             try:

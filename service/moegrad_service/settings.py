@@ -27,6 +27,9 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="interface to bind (0.0.0.0 in a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535, description="TCP port of protocol v2 over gRPC (on host, with the same tokens and TLS); "
+                                          "unset: no gRPC; 0: a free port")
     backend: Literal["auto", "reference", "ascend"] = Field(
         "auto", description="auto: ascend when CANN and a device are present, else reference (the NumPy emulation)")
     device_id: int = Field(0, ge=0, description="the NPU to use, an index among ASCEND_RT_VISIBLE_DEVICES")
@@ -39,8 +42,8 @@ class Settings(BaseSettings):
         description="request body bytes that admitted requests may hold at once (being read, queued, running "
                     "or answered); a body that does not fit now is answered 503 + Retry-After before it is read "
                     "(default: a quarter of the memory limit, the cgroup's or the machine's)")
-    idle_timeout_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open, "
-                                                        "in seconds")
+    idle_timeout_s: int = Field(5, ge=1, description="how long an idle keep-alive connection stays open, "
+                                                    "in whole seconds")
     max_connections: int = Field(1000, ge=1, description="connections and requests served at once; beyond it new "
                                                          "requests are answered 503 (uvicorn's limit_concurrency)")
     body_timeout_s: float = Field(
@@ -87,6 +90,12 @@ class Settings(BaseSettings):
     def _check_tls(self) -> Settings:
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile must be set together")
+        return self
+
+    @model_validator(mode="after")
+    def _check_grpc_port(self) -> Settings:
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(f"grpc_port and port must differ (both are {self.port})")
         return self
 
 

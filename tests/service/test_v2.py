@@ -92,7 +92,7 @@ def metric(client, name: str, **labels) -> float:
 
 def test_server_routes(client):
     server = client.get("/v2").json()
-    assert server == {"name": "moegrad", "version": moegrad.__version__, "extensions": ["binary_tensor_data"]}
+    assert server == {"name": "moegrad", "version": moegrad.__version__, "extensions": ["binary_tensor_data", "model_configuration", "statistics"]}
     assert client.get("/v2/health/live").json() == {"live": True}
     assert client.get("/v2/health/ready").json() == {"ready": True}
     assert client.get(f"/v2/models/{MODEL}/ready").json() == {"name": MODEL, "ready": True}
@@ -121,7 +121,7 @@ def test_model_metadata(client):
         ("GET", f"/v2/models/{MODEL}/versions/2", "version '2'"),
         ("POST", f"/v2/models/{MODEL}/versions/2/infer", "version '2'"),
         ("GET", "/v2/repository/index", "/v2/repository/index"),
-        ("POST", "/v2/repository/index", "/v2/repository/index"),
+        ("POST", f"/v2/repository/models/{MODEL}/load", f"/v2/repository/models/{MODEL}/load"),  # load is not served
     ],
 )
 def test_unknown_models_versions_and_paths_are_404(client, method, path, words):

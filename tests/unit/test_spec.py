@@ -387,7 +387,7 @@ def test_from_wire_missing_tensor_is_nullptr(field):
 
 
 def test_from_wire_broken_tensor_is_malformed():
-    document = wire_document(grad_expanded_x={"dtype": "float64", "shape": [6, 4], "data": b"\0" * 192})
+    document = wire_document(grad_expanded_x={"dtype": "float99", "shape": [6, 4], "data": b"\0" * 192})
     with pytest.raises(MalformedRequest) as info:
         MoeInitRoutingV2GradCall.from_wire(document)
     assert info.value.field == "grad_expanded_x"

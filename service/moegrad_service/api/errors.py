@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -67,7 +68,7 @@ class NotFound(MoegradError):
 class HTTPProblem(MoegradError):
     """A routing-level refusal Starlette raised (404 no route, 405 wrong method), with its status."""
 
-    def __init__(self, message: str, status: int, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, status: int, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.headers = message, status, dict(headers or {})
 
@@ -203,7 +204,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(request, exc)
 
-    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         field = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "header"))
         return error_response(request, MalformedRequest(f"{field or 'request'}: {first.get('msg')}",

@@ -87,7 +87,7 @@ async def moe_init_routing_v2_grad(request: Request) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     call = await read_call(request)
     outcome = await dataplane_of(request).infer(call, timeout_s=request_timeout(request),
-                                                disconnected=partial(disconnected, request))
+                                                disconnected=partial(disconnected, request), received_s=started)
     reply = {"grad_x": encode_tensor(outcome.grad_x), **reply_document(outcome),
              "timings_ms": timings_ms(started, outcome.timings)}
     metrics = metrics_of(request)

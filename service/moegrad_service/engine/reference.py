@@ -29,7 +29,7 @@ class ReferenceBackend:
     """
 
     name = "reference"
-    device = None
+    device: str | None = None
 
     def __init__(self, *, warm_up: bool = True, fault_hook: FaultHook | None = None,
                  ub_size_bytes: int = UB_SIZE_BYTES, vector_core_count: int = VECTOR_CORE_COUNT) -> None:

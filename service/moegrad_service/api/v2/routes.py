@@ -7,6 +7,9 @@ Routes (docs/protocol.md, "Protocol v2")::
     GET  /v2/models/{name}[/versions/{version}]         model metadata
     GET  /v2/models/{name}[/versions/{version}]/ready   model readiness
     POST /v2/models/{name}[/versions/{version}]/infer   inference: JSON, or JSON + binary tensor data
+    GET  /v2/models/{name}[/versions/{version}]/config  model configuration (extension)
+    GET  /v2/models[/{name}[/versions/{version}]]/stats statistics (extension)
+    POST /v2/repository/index                           repository index (extension)
 
 Each is decode (api/v2/codec.py) -> dataplane -> encode. Errors are ``{"error": "..."}`` as the
 protocol has them: the one renderer (api/errors.py) answers every path under ``/v2`` so.
@@ -14,6 +17,7 @@ protocol has them: the one renderer (api/errors.py) answers every path under ``/
 
 from __future__ import annotations
 
+import json
 import time
 from functools import partial
 from typing import Any
@@ -21,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from moegrad import ORDERS, MalformedRequest, __version__
+from moegrad import MalformedRequest
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.inputs import (
     dataplane_of,
@@ -34,16 +38,21 @@ from moegrad_service.api.inputs import (
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute
 from moegrad_service.api.v2.codec import (
-    BINARY_ONLY,
-    GRAD_DATATYPES,
     HEADER_LENGTH,
     INLINE_ENCODE_ELEMENTS,
     MODEL_NAME,
     MODEL_VERSION,
-    OUTPUT,
     binary_lead,
     decode_infer_request,
     encode_infer_response,
+)
+from moegrad_service.api.v2.model import (
+    check_model,
+    model_config,
+    model_metadata,
+    model_statistics,
+    repository_index,
+    server_metadata,
 )
 from moegrad_service.dataplane import GradOutcome
 
@@ -62,17 +71,12 @@ INFER_PATHS = ("/v2/models/{model_name}/infer", "/v2/models/{model_name}/version
 
 
 def _check_model(request: Request) -> None:
-    name = request.path_params["model_name"]
-    if name != MODEL_NAME:
-        raise NotFound(f"unknown model {name!r}; this server serves {MODEL_NAME!r}")
-    version = request.path_params.get("model_version", MODEL_VERSION)
-    if version != MODEL_VERSION:
-        raise NotFound(f"unknown version {version!r} of model {MODEL_NAME!r}; the versions are [{MODEL_VERSION!r}]")
+    check_model(request.path_params["model_name"], request.path_params.get("model_version", MODEL_VERSION))
 
 
 @router.get("/v2", summary="v2 server metadata")
-async def server_metadata() -> dict[str, Any]:
-    return {"name": "moegrad", "version": __version__, "extensions": ["binary_tensor_data"]}
+async def get_server_metadata() -> dict[str, Any]:
+    return server_metadata(binary_tensor_data=True)
 
 
 @router.get("/v2/health/live", summary="v2 liveness (never touches the device)")
@@ -86,36 +90,63 @@ async def server_ready(request: Request) -> dict[str, bool]:
     return {"ready": True}
 
 
+@router.get("/v2/models/stats", summary="v2 statistics of every model (the one model)")
+async def all_statistics(request: Request) -> dict[str, Any]:
+    return model_statistics(dataplane_of(request))
+
+
 @router.get("/v2/models/{model_name}", summary="v2 model metadata")
 @router.get("/v2/models/{model_name}/versions/{model_version}", summary="v2 model metadata (a version)",
             openapi_extra={"parameters": [_VERSION_PARAMETER]})
-async def model_metadata(request: Request, model_name: str) -> dict[str, Any]:
+async def get_model_metadata(request: Request, model_name: str) -> dict[str, Any]:
     _check_model(request)
-    dataplane = dataplane_of(request)
-    parameters = {
-        "operator": "aclnnMoeInitRoutingV2Grad",
-        "backend": dataplane.backend_name,
-        "grad_expanded_x_datatypes": ",".join(GRAD_DATATYPES),
-        "grad_expanded_x_shape_drop_pad": "[-1,-1,-1] ([E, C, H]) when drop_pad_mode=1",
-        "grad_x_datatype": "the datatype of grad_expanded_x",
-        "binary_only_datatypes": ",".join(sorted(BINARY_ONLY)),
-        "request_parameters": "top_k (int, required), drop_pad_mode (int, default 0), active_num (int, default 0), "
-                              f"order ({'|'.join(ORDERS)}), allow_duplicate_indices (bool, default false)",
-        "default_order": dataplane.default_order,
-    }
-    if dataplane.device is not None:
-        parameters["device"] = dataplane.device
-    return {
-        "name": MODEL_NAME,
-        "versions": [MODEL_VERSION],
-        "platform": f"moegrad_{dataplane.backend_name}",
-        "inputs": [
-            {"name": "grad_expanded_x", "datatype": "FP32", "shape": [-1, -1]},
-            {"name": "expanded_row_idx", "datatype": "INT32", "shape": [-1]},
-        ],
-        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, -1]}],
-        "parameters": parameters,
-    }
+    return model_metadata(dataplane_of(request))
+
+
+@router.get("/v2/models/{model_name}/config", summary="v2 model configuration (Triton's ModelConfig)")
+@router.get("/v2/models/{model_name}/versions/{model_version}/config", summary="v2 model configuration (a version)",
+            openapi_extra={"parameters": [_VERSION_PARAMETER]})
+async def get_model_config(request: Request, model_name: str) -> dict[str, Any]:
+    _check_model(request)
+    return model_config(dataplane_of(request))
+
+
+@router.get("/v2/models/{model_name}/stats", summary="v2 model statistics (Triton's schema, nanoseconds)")
+@router.get("/v2/models/{model_name}/versions/{model_version}/stats", summary="v2 model statistics (a version)",
+            openapi_extra={"parameters": [_VERSION_PARAMETER]})
+async def get_model_statistics(request: Request, model_name: str) -> dict[str, Any]:
+    _check_model(request)
+    return model_statistics(dataplane_of(request))
+
+
+@router.post("/v2/repository/index", summary="v2 repository index: the one model, READY")
+async def get_repository_index(request: Request) -> list[dict[str, str]]:
+    body = await read_body(request, 1 << 16, media_types=None)
+    ready = False
+    if bytes(body).strip():
+        document = parse_repository_request(bytes(body))
+        ready = document.get("ready", False)
+    return repository_index(ready)
+
+
+def parse_repository_request(body: bytes) -> dict[str, Any]:
+    """The repository index request: an optional JSON object ``{"repository_name": str, "ready": bool}``.
+
+    Raises:
+        MalformedRequest: (400) not such an object.
+    """
+    try:
+        document = json.loads(body)
+    except ValueError as exc:
+        raise MalformedRequest(f"the repository index request is not valid JSON ({exc})") from None
+    if not isinstance(document, dict) or set(document) - {"repository_name", "ready"}:
+        raise MalformedRequest("the repository index request must be a JSON object with only repository_name "
+                               "and ready", field="repository index")
+    if not isinstance(document.get("ready", False), bool):
+        raise MalformedRequest(f"ready={document['ready']!r} must be true or false", field="ready")
+    if not isinstance(document.get("repository_name", ""), str):
+        raise MalformedRequest("repository_name must be a string", field="repository_name")
+    return document
 
 
 @router.get("/v2/models/{model_name}/ready", summary="v2 model readiness")
@@ -146,7 +177,8 @@ async def infer(request: Request) -> Response:
     dataplane.check_order(decoded.named_order)
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
-    outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request))
+    outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request),
+                                    received_s=started)
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
     response = await run_in_threadpool(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
     metrics.bytes_out.inc(response.length if isinstance(response, PartsResponse) else len(response.body))

@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from moegrad import AclnnStatus, DeviceFault
 
@@ -46,10 +47,7 @@ _ACL_ERROR_NAMES = {
     207002: "ACL_ERROR_RT_MEMORY_FREE", 507000: "ACL_ERROR_RT_INTERNAL_ERROR",
     507015: "ACL_ERROR_RT_AICORE_EXCEPTION", 507035: "ACL_ERROR_RT_VECTOR_CORE_EXCEPTION",
     507046: "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT", 507899: "ACL_ERROR_RT_DRV_INTERNAL_ERROR",
-    # aclnn codes the client's table does not name (opbase include/nnopbase/opdev/op_errno.h)
-    561107: "ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND", 561108: "ACLNN_ERR_INNER_LOAD_JSON_FAILED",
-    561112: "ACLNN_ERR_INNER_OPP_KERNEL_PKG_NOT_FOUND",
-}
+}  # aclnn codes are named by the client's one table, moegrad.AclnnStatus
 
 SET_ENV_HINT = (
     "Source CANN's environment first (`source /usr/local/Ascend/cann/set_env.sh` from CANN 8.5, "
@@ -203,6 +201,10 @@ class Cann:
         operator_library: the one operator library in use (a path, or a name found on the loader path).
     """
 
+    if TYPE_CHECKING:
+        def __getattr__(self, symbol: str) -> Any:  # the prototyped functions, set per PROTOTYPES
+            ...
+
     def __init__(self, home: Path | None) -> None:
         runtime, runtime_path = _open_library(RUNTIME_LIBRARIES, home)
         nnopbase, nnopbase_path = _open_library(("libnnopbase.so",), home)
@@ -216,6 +218,7 @@ class Cann:
         self.where: dict[str, str] = {}
         for symbol, place, restype, argtypes, required in PROTOTYPES:
             library, path = places[place]
+            function: Any
             try:
                 function = library[symbol]
             except AttributeError:

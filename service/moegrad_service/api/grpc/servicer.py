@@ -1,0 +1,238 @@
+"""Protocol v2 over gRPC, the servicer: ``inference.GRPCInferenceService`` on the shared dataplane.
+
+Each RPC is decode (api/grpc/codec.py) -> dataplane -> encode, like the HTTP routes. An error is a
+gRPC status: its code from the one error table (api/errors.py, the ``grpc_code`` column), its
+details the same message the HTTP answer carries (for an operator constraint: the field, the rule
+and the aclnn code), and the HTTP answer's shared headers as trailing metadata (``retry-after`` on
+UNAVAILABLE, ``www-authenticate`` on UNAUTHENTICATED). Readiness RPCs answer ``ready: false``
+rather than an error, as Triton does. The RPCs of the service definition that moegrad does not
+serve (streaming, loading and unloading models, shared memory, trace and log settings) answer
+UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from starlette.concurrency import run_in_threadpool
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from moegrad import DeadlineExceeded, DeviceBusy, MalformedRequest, MoegradError
+from moegrad_service.api.errors import NotFound, answer_for, message_of, shared_headers
+from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response
+from moegrad_service.api.inputs import INLINE_DECODE_BYTES
+from moegrad_service.api.v2.codec import INLINE_ENCODE_ELEMENTS
+from moegrad_service.api.v2.model import (
+    check_model,
+    model_config,
+    model_metadata,
+    model_statistics,
+    repository_index,
+    server_metadata,
+)
+from moegrad_service.dataplane import DataPlane
+from moegrad_service.metrics import Metrics
+
+__all__ = ["SERVICE", "InferenceServicer", "grpc_status", "method_handlers"]
+
+log = logging.getLogger("moegrad_service.api")
+#: The full name of the service (the prefix of every method path).
+SERVICE = "inference.GRPCInferenceService"
+_DESCRIPTOR = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+_SERVED = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+           "ModelConfig", "ModelStatistics", "RepositoryIndex")
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status code (from :data:`moegrad_service.api.errors.ERRORS`), details and trailing
+    metadata that answer ``exc`` on gRPC."""
+    answer = answer_for(exc)
+    trailers = tuple((key.lower(), value) for key, value in shared_headers(exc).items())
+    return grpc.StatusCode[answer.grpc_code], message_of(exc), trailers
+
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext, float], Awaitable[Any]]
+
+
+def _parse(request_type: Any, raw: bytes) -> Any:
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        raise MalformedRequest(f"the request is not a valid {request_type.DESCRIPTOR.full_name} message ({exc}); "
+                               f"send one serialized from the protocol's service definition") from None
+
+
+def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    """An RPC that parses its request and serializes its reply itself: bytes that are not the
+    request message are INVALID_ARGUMENT (not the INTERNAL a failed deserializer gets from grpc), and
+    a large message is parsed and serialized on a worker thread, not on the event loop. Its errors
+    become gRPC statuses, counted in the failure metric under its method path."""
+    endpoint = f"/{SERVICE}/{method.__name__}"
+    request_type: Any = getattr(service_pb2, _DESCRIPTOR.methods_by_name[method.__name__].input_type.name)
+    infer = method.__name__ == "ModelInfer"
+
+    @functools.wraps(method)
+    async def handler(self: InferenceServicer, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        started = time.perf_counter()
+        reserved = 0
+        try:
+            if infer:  # admitted as an HTTP body is: the queue and the in-flight byte budget
+                self.dataplane.admit()
+                self.dataplane.budget.reserve(len(raw))
+                reserved = len(raw)
+            if len(raw) > INLINE_DECODE_BYTES:
+                request = await run_in_threadpool(_parse, request_type, raw)
+            else:
+                request = _parse(request_type, raw)
+            reply = await method(self, request, context, started)
+            if len(raw) > INLINE_DECODE_BYTES or (infer and _large(reply)):
+                data = await run_in_threadpool(reply.SerializeToString)
+            else:
+                data = reply.SerializeToString()
+            if infer:
+                self.metrics.bytes_in.inc(len(raw))
+                self.metrics.bytes_out.inc(len(data))
+                self.metrics.succeeded(endpoint, started)
+            return data
+        except Exception as exc:  # every error, expected or not, is answered with a status
+            code, details, trailers = grpc_status(exc)
+            answer = answer_for(exc)
+            if not isinstance(exc, MoegradError):
+                log.error("%s: unexpected error", endpoint, exc_info=exc)
+            elif answer.status >= 500 and not isinstance(exc, (DeviceBusy, DeadlineExceeded)):
+                log.error("%s failed: %s: %s", endpoint, type(exc).__name__, details)
+            self.metrics.failure.labels(endpoint=endpoint, reason=answer.reason).inc()
+            context.set_trailing_metadata(trailers)
+            await context.abort(code, details)
+            raise AssertionError("context.abort raises") from None
+        finally:
+            if reserved:
+                self.dataplane.budget.release(reserved)
+
+    return handler
+
+
+def _large(reply: service_pb2.ModelInferResponse) -> bool:
+    """Whether the reply's outputs are larger than INLINE_ENCODE_ELEMENTS (from their shapes: reading a
+    bytes field of a parsed message copies it)."""
+    return sum(math.prod(output.shape) for output in reply.outputs) > INLINE_ENCODE_ELEMENTS
+
+
+def _declared_bytes(request: service_pb2.ModelInferRequest) -> int:
+    """The inputs' bytes as their shapes declare them, at 4 bytes an element (a cheap upper guess for
+    where to decode; the decoder checks the real sizes)."""
+    return sum(4 * math.prod(tensor.shape) for tensor in request.inputs)
+
+
+class InferenceServicer:
+    """The Open Inference Protocol's gRPC service for the one model, on ``dataplane``.
+
+    Args:
+        dataplane: the dataplane every protocol shares.
+        metrics: the app's metrics (successes, failures and bytes, labelled with the method path).
+    """
+
+    def __init__(self, dataplane: DataPlane, metrics: Metrics) -> None:
+        self.dataplane = dataplane
+        self.metrics = metrics
+
+    async def _ready(self) -> bool:
+        try:
+            await self.dataplane.check_ready()
+        except DeviceBusy:
+            return False
+        return True
+
+    @_rpc
+    async def ServerLive(self, request, context, started) -> service_pb2.ServerLiveResponse:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    @_rpc
+    async def ServerReady(self, request, context, started) -> service_pb2.ServerReadyResponse:
+        return service_pb2.ServerReadyResponse(ready=await self._ready())
+
+    @_rpc
+    async def ModelReady(self, request, context, started) -> service_pb2.ModelReadyResponse:
+        try:
+            check_model(request.name, request.version)
+        except NotFound:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=await self._ready())
+
+    @_rpc
+    async def ServerMetadata(self, request, context, started) -> service_pb2.ServerMetadataResponse:
+        return json_format.ParseDict(server_metadata(binary_tensor_data=False), service_pb2.ServerMetadataResponse())
+
+    @_rpc
+    async def ModelMetadata(self, request, context, started) -> service_pb2.ModelMetadataResponse:
+        check_model(request.name, request.version)
+        document = model_metadata(self.dataplane)
+        del document["parameters"]  # the message has no such field: ModelConfig carries them
+        return json_format.ParseDict(document, service_pb2.ModelMetadataResponse())
+
+    @_rpc
+    async def ModelConfig(self, request, context, started) -> service_pb2.ModelConfigResponse:
+        check_model(request.name, request.version)
+        config = json_format.ParseDict(model_config(self.dataplane), model_config_pb2.ModelConfig())
+        return service_pb2.ModelConfigResponse(config=config)
+
+    @_rpc
+    async def ModelStatistics(self, request, context, started) -> service_pb2.ModelStatisticsResponse:
+        if request.name:  # "": every model
+            check_model(request.name, request.version)
+        return json_format.ParseDict(model_statistics(self.dataplane), service_pb2.ModelStatisticsResponse())
+
+    @_rpc
+    async def RepositoryIndex(self, request, context, started) -> service_pb2.RepositoryIndexResponse:
+        return json_format.ParseDict({"models": repository_index(request.ready)}, service_pb2.RepositoryIndexResponse())
+
+    @_rpc
+    async def ModelInfer(self, request, context, started) -> service_pb2.ModelInferResponse:
+        check_model(request.model_name, request.model_version)
+        dataplane, settings = self.dataplane, self.dataplane.settings
+        timeout_s = settings.request_timeout_s
+        remaining = context.time_remaining()  # the client's deadline, if it set one
+        if remaining is not None:
+            timeout_s = min(timeout_s, max(remaining, 0.0))
+        decode = functools.partial(decode_infer_request, request, max_elements=settings.max_elements,
+                                   default_order=dataplane.default_order)
+        decoded = await run_in_threadpool(decode) if _declared_bytes(request) > INLINE_DECODE_BYTES else decode()
+        dataplane.check_order(decoded.named_order)
+        if decoded.timeout_s is not None:
+            timeout_s = min(timeout_s, decoded.timeout_s)
+        # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).
+        outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, received_s=started)
+        if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS:
+            response = await run_in_threadpool(encode_infer_response, outcome, decoded.id)
+        else:
+            response = encode_infer_response(outcome, decoded.id)
+        return response
+
+
+def _unimplemented(name: str) -> Callable[..., Awaitable[None]]:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"moegrad does not serve {SERVICE}/{name}")
+
+    return refuse
+
+
+def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """Every method of the service definition, bound to ``servicer``: requests reach it as bytes and
+    replies leave it as bytes (each RPC parses and serializes its own messages)."""
+    handlers = {}
+    for method in _DESCRIPTOR.methods:
+        if method.name in _SERVED:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(getattr(servicer, method.name))
+        elif method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(_unimplemented(method.name))
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_unimplemented(method.name))
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)

@@ -1,0 +1,86 @@
+"""Admission before reading, against a real server: what a body costs is decided before it is read.
+
+Raw sockets send a request head and then nothing (or a trickle), so any answer that arrives proves
+the server did not wait for the body. The rules (docs/operations.md, "Limits"): a Content-Length
+larger than the free part of the in-flight budget is 503 + Retry-After, one larger than the whole
+budget 413, both before the body is read; a body slower than body_timeout_s is 408.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+from servicekit import example_document, pack
+
+GRAD_PATH = "/v1/moe_init_routing_v2_grad"
+
+
+def head(url: str, length: int) -> bytes:
+    host = url.removeprefix("http://")
+    return (f"POST {GRAD_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/msgpack\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def answer(sock: socket.socket, within_s: float) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of the one answer on ``sock``, read within ``within_s`` seconds."""
+    sock.settimeout(within_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed with no answer after {data!r}"
+        data += chunk
+    top, _, body = data.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", 0)):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+@pytest.mark.parametrize(("declared", "status"), [(12 << 20, 413), (6 << 20, 503)])
+def test_a_body_that_does_not_fit_the_budget_is_answered_before_it_is_read(server_factory, declared, status):
+    url = server_factory(max_inflight_bytes=8 << 20, max_body_bytes=64 << 20)
+    with connect(url) as first, connect(url) as second:
+        if status == 503:  # the first request holds 6 of the 8 MiB while its body never arrives
+            first.sendall(head(url, 6 << 20) + b"\x00" * 1024)
+            time.sleep(0.5)
+        started = time.monotonic()
+        second.sendall(head(url, declared))  # the head alone: the body is never sent
+        got, headers, body = answer(second, within_s=10)
+        assert got == status, body
+        assert time.monotonic() - started < 5  # not after a body read timeout
+        problem = json.loads(body)
+        assert problem["status"] == status and "in-flight" in problem["detail"]
+        if status == 503:
+            assert int(headers["retry-after"]) >= 0
+
+
+def test_a_body_slower_than_the_body_timeout_is_408(server_factory):
+    url = server_factory(body_timeout_s=1)
+    document = pack(example_document())
+    with connect(url) as sock:
+        sock.sendall(head(url, len(document)) + document[:10])  # then nothing more
+        got, _, body = answer(sock, within_s=10)
+    assert got == 408 and "body_timeout_s" in json.loads(body)["detail"]
+
+
+def test_the_server_still_serves_after_the_refusals(server_factory):
+    url = server_factory(max_inflight_bytes=1 << 20)
+    with connect(url) as sock:
+        sock.sendall(head(url, 2 << 20))
+        assert answer(sock, within_s=10)[0] == 413
+    document = pack(example_document())
+    with connect(url) as sock:
+        sock.sendall(head(url, len(document)) + document)
+        assert answer(sock, within_s=10)[0] == 200
