@@ -804,7 +804,7 @@ class _ClientCore:
             response = yield from self.exchange("POST", _BATCH_PATH, accept=_MSGPACK, timeout_s=timeout_s,
                                                 retries=self.retries, body=body)
             results = self.parse_batch(response, len(chunk))
-            for index, result in zip(chunk, results):
+            for index, result in zip(chunk, results, strict=True):
                 answers[index] = self.batch_answer(response, result, kinds[index])
         return answers  # type: ignore[return-value]
 
@@ -822,8 +822,8 @@ class _ClientCore:
         return results
 
     @staticmethod
-    def batch_answer(response: httpx.Response, result: Any,
-                     kind: tuple[str, MoeInitRoutingV2GradCall | None, bool]) -> GradResult | CompareResult | MoegradError:
+    def batch_answer(response: httpx.Response, result: Any, kind: tuple[str, MoeInitRoutingV2GradCall | None, bool],
+                     ) -> GradResult | CompareResult | MoegradError:
         """One item's answer: its result, or the exception its problem document maps to (the table
         of the single-call endpoints); a result that is not valid is a ServiceError in its place."""
         op, call, return_grad_x = kind

@@ -7,6 +7,7 @@ the C-order, little-endian bytes of the array. bfloat16 travels as raw 2-byte wo
 
 from __future__ import annotations
 
+import itertools
 import math
 import reprlib
 from collections.abc import Mapping
@@ -358,7 +359,8 @@ def decode_batch(body: bytes | bytearray | memoryview, limits: StructureLimits |
         elif isinstance(exc, (ValueError, msgpack.UnpackValueError)) and index < 0:
             reason = f"not a msgpack array of call maps ({reason})"
         where = f" at item {index}" if index >= 0 else ""
-        raise MalformedRequest(f"batch body is not a valid msgpack array{where} ({type(exc).__name__}: {reason})") from None
+        raise MalformedRequest(f"batch body is not a valid msgpack array{where} "
+                               f"({type(exc).__name__}: {reason})") from None
     return items
 
 
@@ -408,7 +410,8 @@ def encode_frames(document: Mapping[str, Any]) -> tuple[list[memoryview | bytes]
     segments: list[memoryview] = []
     for key, value in document.items():
         if isinstance(value, dict) and isinstance(value.get("data"), memoryview) and set(value) == _TENSOR_KEYS:
-            header[key] = {"dtype": value["dtype"], "shape": value["shape"], "offset": 0, "nbytes": value["data"].nbytes}
+            header[key] = {"dtype": value["dtype"], "shape": value["shape"], "offset": 0,
+                           "nbytes": value["data"].nbytes}
             segments.append(value["data"])
         else:
             header[key] = value
@@ -420,7 +423,7 @@ def encode_frames(document: Mapping[str, Any]) -> tuple[list[memoryview | bytes]
     packed = msgpack.packb(header, use_bin_type=True)
     start = _aligned(_PREFIX + len(packed))
     offset = start
-    for key, data in zip(tensor_keys, segments):
+    for key, data in zip(tensor_keys, segments, strict=True):
         header[key]["offset"] = offset
         offset = _aligned(offset + data.nbytes)
     packed = msgpack.packb(header, use_bin_type=True)
@@ -430,7 +433,7 @@ def encode_frames(document: Mapping[str, Any]) -> tuple[list[memoryview | bytes]
     head[_PREFIX:_PREFIX + len(packed)] = packed
     parts: list[memoryview | bytes] = [memoryview(head)]
     position = start
-    for key, data in zip(tensor_keys, segments):
+    for key, data in zip(tensor_keys, segments, strict=True):
         parts.append(data.cast("B") if data.format != "B" else data)
         position += data.nbytes
         pad = _aligned(position) - position
@@ -483,9 +486,10 @@ def decode_frames(body: bytes | bytearray | memoryview, limits: StructureLimits 
             raise MalformedRequest(f"{key}'s bytes [{offset}, {offset + nbytes}) must lie after the header "
                                    f"(ends at {end}) and inside the body of {len(view)} bytes", field=key)
         spans.append((offset, offset + nbytes, key))
-        document[key] = {"dtype": value["dtype"], "shape": value["shape"], "data": _Segment(view[offset:offset + nbytes])}
+        segment = _Segment(view[offset:offset + nbytes])
+        document[key] = {"dtype": value["dtype"], "shape": value["shape"], "data": segment}
     spans.sort()
-    for (_, first_end, first), (second_start, _, second) in zip(spans, spans[1:]):
+    for (_, first_end, first), (second_start, _, second) in itertools.pairwise(spans):
         if second_start < first_end:
             raise MalformedRequest(f"the bytes of {first} and {second} overlap", field=second)
     last = max([end] + [stop for _, stop, _ in spans])
@@ -550,7 +554,7 @@ class FramesReader:
                 self._position += skip
                 continue
             take = min(end - self._position, len(view))
-            target = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+            target = array.reshape(-1).view(np.uint8).data if array.size else memoryview(b"")
             start = self._position - offset
             target[start:start + take] = view[:take]
             view = view[take:]
@@ -585,7 +589,7 @@ class FramesReader:
             segments.append((offset, nbytes, array))
             header[key] = array
         segments.sort(key=lambda segment: segment[0])
-        for (first, size, _), (second, _, _) in zip(segments, segments[1:]):
+        for (first, size, _), (second, _, _) in itertools.pairwise(segments):
             if second < first + size:
                 raise MalformedRequest("two segments of the frames body overlap")
         self._header, self._segments = header, segments

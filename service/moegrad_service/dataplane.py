@@ -24,16 +24,15 @@ from typing import Any, TypeVar
 import numpy as np
 
 from moegrad import (
-    ComparisonReport,
+    MAX_BATCH_CALLS,
     AclnnStatus,
-    DeadlineExceeded,
+    ComparisonReport,
     DeviceBusy,
     DeviceFault,
-    MAX_BATCH_CALLS,
     InvalidArgument,
     MoegradError,
-    PayloadTooLarge,
     MoeInitRoutingV2GradCall,
+    PayloadTooLarge,
     __version__,
     check_compare_arguments,
     compare,
@@ -380,7 +379,7 @@ class DataPlane:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        answers: list[GradOutcome | CompareOutcome | BaseException] = list(items)
+        answers: list[Any] = list(items)  # each item's place, filled with its answer
         grads: list[tuple[int, MoeInitRoutingV2GradCall]] = []
         comparisons: list[tuple[int, Comparison]] = []
         for index, item in enumerate(items):
@@ -407,11 +406,12 @@ class DataPlane:
             self.metrics.queue_duration.observe(timings.queue_s)
             self.metrics.compute_duration.observe(timings.compute_s)
             share = Timings(timings.queue_s, timings.compute_s / len(chunk))
-            for (index, call), (grad_x, error) in zip(chunk, outcomes):
+            for (index, call), (grad_x, error) in zip(chunk, outcomes, strict=True):
                 if error is not None:
                     answers[index] = error
                     self.statistics.fail.add(computed - entered)
                 else:
+                    assert grad_x is not None
                     answers[index] = self._outcome(call, grad_x, share)
                     self._count_success(entered, entered, computed, share)
 

@@ -15,10 +15,10 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
-from servicekit import DOC_GRAD, DOC_IDX, example_document, grad_x_of, pack, post
 
 import moegrad
 from moegrad import GradResult, InvalidArgument, MalformedRequest
+from servicekit import DOC_GRAD, DOC_IDX, example_document, grad_x_of, pack, post
 
 BATCH = "/v1/moe_init_routing_v2_grad/batch"
 FRAMES = "application/vnd.moegrad.frames"
@@ -87,7 +87,7 @@ def test_a_batch_answers_in_order_with_each_calls_own_bits(client):
     expected.insert(3, None)
     results = results_of(post_batch(client, items))
     assert len(results) == len(items)
-    for result, want in zip(results, expected):
+    for result, want in zip(results, expected, strict=True):
         if want is None:
             assert result["problem"]["status"] == 400 and "batch item 3" in result["problem"]["detail"]
         else:
@@ -286,7 +286,8 @@ def test_a_v2_binary_reply_sent_from_its_parts_has_the_header_then_grad_x(client
         {"name": "grad_expanded_x", "datatype": "FP32", "shape": [4, 2], "parameters": {"binary_data_size": 32}},
         {"name": "expanded_row_idx", "datatype": "INT32", "shape": [4], "parameters": {"binary_data_size": 16}}],
         "outputs": [{"name": "grad_x", "parameters": {"binary_data": True}}], "parameters": {"top_k": 2}}).encode()
-    response = client.post("/v2/models/moe_init_routing_v2_grad/infer", content=header + DOC_GRAD.tobytes() + DOC_IDX.tobytes(),
+    response = client.post("/v2/models/moe_init_routing_v2_grad/infer",
+                           content=header + DOC_GRAD.tobytes() + DOC_IDX.tobytes(),
                            headers={"inference-header-content-length": str(len(header))})
     assert response.status_code == 200, response.text
     length = int(response.headers["inference-header-content-length"])
@@ -304,9 +305,9 @@ def test_a_receive_buffer_is_reused_only_when_nothing_views_it(client):
     results = []
     for seed in (1, 2):
         grad, idx, k = random_call(np.float32, n=8192, k=2, h=32, seed=seed)  # 2 MiB
-        document = example_document(grad_expanded_x={"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
-                                    expanded_row_idx={"dtype": "int32", "shape": list(idx.shape), "data": idx.tobytes()},
-                                    top_k=k)
+        document = example_document(
+            grad_expanded_x={"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
+            expanded_row_idx={"dtype": "int32", "shape": list(idx.shape), "data": idx.tobytes()}, top_k=k)
         response = client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document),
                                headers={"content-type": FRAMES})
         assert response.status_code == 200

@@ -16,7 +16,6 @@ import sys
 from typing import Any
 
 import numpy as np
-
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Scope
@@ -38,10 +37,10 @@ from moegrad_service.settings import Settings
 
 __all__ = [
     "INLINE_DECODE_BYTES",
-    "RECEIVE_BUFFERS",
-    "ReceiveBuffers",
     "MSGPACK_MEDIA_TYPES",
+    "RECEIVE_BUFFERS",
     "V1_MEDIA_TYPES",
+    "ReceiveBuffers",
     "byte_count",
     "dataplane_of",
     "disconnected",
@@ -223,7 +222,7 @@ async def _receive_declared(request: Request, expected: int, lead: int) -> memor
         request.scope["state"]["receive_buffer"] = buffer  # given back once the answer is sent
     else:
         buffer = np.empty(lead + expected, dtype=np.uint8)
-    view = memoryview(buffer)[:lead + expected]
+    view = buffer.data[:lead + expected]
     filled = lead
     if lead:
         buffer[:lead] = 0

@@ -21,8 +21,8 @@ from moegrad import (
     REQUEST_LIMITS,
     AclnnStatus,
     MalformedRequest,
-    MoeInitRoutingV2GradCall,
     MoegradError,
+    MoeInitRoutingV2GradCall,
     decode_batch,
     encode_body_view,
     encode_frames,
@@ -143,7 +143,7 @@ def batch_reply(items: list[MoeInitRoutingV2GradCall | Comparison | BaseExceptio
     """One reply map per answer: a grad call's (grad_x, backend, order, device, timings_ms), a
     comparison's (report, ..., grad_x when asked), or ``{"problem": {...}}``."""
     results: list[dict[str, Any]] = []
-    for item, answer in zip(items, answers):
+    for item, answer in zip(items, answers, strict=True):
         if isinstance(answer, GradOutcome):
             results.append({"grad_x": encode_tensor(answer.grad_x), **reply_document(answer),
                             "timings_ms": {"queue": answer.timings.queue_s * 1e3,

@@ -378,5 +378,5 @@ def encode_infer_response(grad_x: np.ndarray, request: InferRequest, reply_param
     if not request.binary_output:
         return Response(header, media_type="application/json")
     # header and grad_x's bytes are sent as they are, not joined (a join copies grad_x once more)
-    return PartsResponse([header, memoryview(raw.view(np.uint8))], "application/octet-stream",
+    return PartsResponse([header, raw.view(np.uint8).data], "application/octet-stream",
                          headers={HEADER_LENGTH: str(len(header))})
