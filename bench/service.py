@@ -971,14 +971,18 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
     return {"times": times, "growth": growth, "after_mib": after}
 
 
-def batch_measure(url: str, calls: int, rounds: int) -> dict[str, list[float]]:
-    """``calls`` S1 calls: one after another with the sync Client, and in one ``Client.batch``; interleaved."""
+def batch_measure(url: str, pid: int, calls: int, rounds: int) -> dict[str, list[float]]:
+    """``calls`` S1 calls: one after another with the sync Client, and in one ``Client.batch``; interleaved.
+
+    Also the server's CPU seconds (all its threads, /proc) per batch of ``calls`` and per batch of one.
+    """
     from moegrad import Client, GradResult, MoeInitRoutingV2GradCall
 
     payload = s1()
     call = MoeInitRoutingV2GradCall(grad_expanded_x=payload.grad_expanded_x,
                                     expanded_row_idx=payload.expanded_row_idx, top_k=payload.top_k)
-    out: dict[str, list[float]] = {"sequential": [], "batch": []}
+    out: dict[str, list[float]] = {"sequential": [], "batch": [], "batch_cpu": [], "one_cpu": []}
+    pids = descendants(pid)
     with Client(url, retries=0, timeout_s=300.0) as client:
         client.run(call)
         client.batch([call] * 10)
@@ -987,9 +991,13 @@ def batch_measure(url: str, calls: int, rounds: int) -> dict[str, list[float]]:
             for _ in range(calls):
                 client.run(call)
             out["sequential"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            cpu0 = cpu_s(pids)
+            client.batch([call])
+            out["one_cpu"].append(cpu_s(pids) - cpu0)
+            cpu0, t0 = cpu_s(pids), time.perf_counter()
             answers = client.batch([call] * calls)
             out["batch"].append(time.perf_counter() - t0)
+            out["batch_cpu"].append(cpu_s(pids) - cpu0)
             for answer in answers:
                 if not isinstance(answer, GradResult):
                     raise AssertionError(f"a batch item failed: {answer!r}")
@@ -1013,7 +1021,7 @@ def wire_speed(*, s2_rounds: int = 5, sl_rounds: int = 2, batch_calls: int = 100
         time.sleep(1.0)
         results["start_mib"] = status_kib(server.pid, "VmRSS") / 1024
         log("batches: S1 sequential vs one batch")
-        results["batch"], results["batch_calls"] = batch_measure(server.url, batch_calls, batch_rounds), batch_calls
+        results["batch"], results["batch_calls"] = batch_measure(server.url, server.pid, batch_calls, batch_rounds), batch_calls
         log("S2: every path against the floor")
         results["S2"] = wire_measure(server.url, server.pid, s2(), s2_rounds)
         time.sleep(1.0)
@@ -1062,7 +1070,10 @@ def _wire_tables(r: dict[str, Any]) -> str:
     lines += [f"| {calls:,} S1 calls | median (ms) | per call (us) |", "|---|---:|---:|",
               f"| sequential `Client.run` | {ms(seq)} | {seq / calls * 1e6:.0f} |",
               f"| one `Client.batch` | {ms(one)} | {one / calls * 1e6:.0f} |",
-              f"| speedup | {seq / one:.1f}x | |"]
+              f"| speedup | {seq / one:.1f}x | |", "",
+              f"Server CPU (all threads, /proc) per call inside the batch: "
+              f"{(statistics.median(batch['batch_cpu']) - statistics.median(batch['one_cpu'])) / (calls - 1) * 1e6:.0f} us "
+              f"(a {calls:,}-call batch less a 1-call batch; clock ticks of 10 ms, so about +-{2e4 / calls:.0f} us)."]
     return "\n".join(lines) + "\n"
 
 

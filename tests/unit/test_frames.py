@@ -244,3 +244,38 @@ def test_a_server_without_frames_gets_msgpack():
         client.moe_init_routing_v2_grad(grad, np.arange(2048, dtype=np.int32), 2)
     assert seen == [None, "application/msgpack", "application/msgpack"]
     assert (result == 2).all() and result.flags.owndata
+
+
+class AsyncFramesServer(httpx.AsyncBaseTransport):
+    """FramesServer for the AsyncClient: the reply streamed in 1000-byte pieces."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/info":
+            return httpx.Response(200, json={"wire_formats": ["msgpack", "frames"]})
+        async for _ in request.stream:
+            pass
+        reply = self.reply
+
+        class Pieces(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                for start in range(0, len(reply), 1000):
+                    yield reply[start:start + 1000]
+
+        return httpx.Response(200, stream=Pieces(), headers={"content-type": "application/vnd.moegrad.frames",
+                                                             "content-length": str(len(reply))})
+
+
+@pytest.mark.asyncio
+async def test_the_async_client_reads_a_streamed_frames_reply_into_an_owned_array():
+    grad = sample("bfloat16", (2 * 2048, 16), seed=4)  # 128 KiB: over FRAMES_MIN_BYTES
+    idx = np.random.default_rng(4).permutation(grad.shape[0]).astype(np.int32)
+    grad_x = sample("bfloat16", (2048, 16), seed=5)  # what the scripted server answers
+    reply = joined({"grad_x": encode_tensor(grad_x), "backend": "reference", "order": "ascend910b", "device": None,
+                    "timings_ms": {}})
+    async with moegrad.AsyncClient("http://moegrad.test", transport=AsyncFramesServer(reply), retries=0) as client:
+        result = await client.moe_init_routing_v2_grad(grad, idx, 2)
+    assert result.flags.owndata and result.flags.writeable and result.dtype == grad_x.dtype
+    assert (result.view(np.uint16) == grad_x.view(np.uint16)).all()
