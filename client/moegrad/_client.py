@@ -12,8 +12,10 @@ The core builds every request (URL, headers, body, per-attempt timeouts), maps e
 every network error to a result or an exception, and decides every retry. :class:`Client` and
 :class:`AsyncClient` only drive flows: ``_drive`` is the same dozen lines in each, differing by
 ``await``. A new endpoint is one flow in the core plus one short method in each client: the
-operator call (``grad_flow``), the accuracy comparison (``compare_flow``, docs/accuracy.md), the
-service's info and health probes.
+operator call (``grad_flow``; msgpack, or frames for large calls when the server offers them), many
+calls in one request (``batch_flow``), the accuracy comparison (``compare_flow``, docs/accuracy.md),
+the service's info and health probes. A frames reply is streamed by the driver into a
+:class:`~moegrad._wire.FramesReader` (each tensor's bytes copied once, into an array of its own).
 
 Errors a call raises (the tree is drawn in ``moegrad._errors``):
 
@@ -804,8 +806,9 @@ class _ClientCore:
             response = yield from self.exchange("POST", _BATCH_PATH, accept=_MSGPACK, timeout_s=timeout_s,
                                                 retries=self.retries, body=body)
             results = self.parse_batch(response, len(chunk))
+            request_id = response.headers.get("x-request-id")  # once: a header lookup costs more than a small answer
             for index, result in zip(chunk, results, strict=True):
-                answers[index] = self.batch_answer(response, result, kinds[index])
+                answers[index] = self.batch_answer(response, result, kinds[index], request_id)
         return answers  # type: ignore[return-value]
 
     @staticmethod
@@ -823,9 +826,10 @@ class _ClientCore:
 
     @staticmethod
     def batch_answer(response: httpx.Response, result: Any, kind: tuple[str, MoeInitRoutingV2GradCall | None, bool],
-                     ) -> GradResult | CompareResult | MoegradError:
-        """One item's answer: its result, or the exception its problem document maps to (the table
-        of the single-call endpoints); a result that is not valid is a ServiceError in its place."""
+                     request_id: str | None) -> GradResult | CompareResult | MoegradError:
+        """One item's answer: its result (the fields :meth:`answer_fields` gives a single call's, the
+        batch's ``request_id``), or the exception its problem document maps to (the table of the
+        single-call endpoints); a result that is not valid is a ServiceError in its place."""
         op, call, return_grad_x = kind
         if not isinstance(result, dict):
             return ServiceError("the server's batch reply holds an item that is not a map",
@@ -838,7 +842,10 @@ class _ClientCore:
             if op == "grad" or return_grad_x:
                 grad_x = decode_tensor(result.get("grad_x"), "grad_x").copy()
                 _ClientCore.check_grad_x(response, grad_x, call)
-            fields = _ClientCore.answer_fields(response, result)
+            timings = result.get("timings_ms")
+            fields = {"backend": str(result.get("backend", "")), "order": str(result.get("order", "")),
+                      "device": _str_or_none(result.get("device")),
+                      "timings_ms": dict(timings) if isinstance(timings, dict) else {}, "request_id": request_id}
             if op == "grad":
                 return GradResult(grad_x=grad_x, **fields)
             report = ComparisonReport.from_dict(result.get("report"))
