@@ -756,7 +756,7 @@ class _ClientCore:
                     document, checked = self.batch_grad_document(item)
                     kinds.append(("grad", checked, True))
                 documents.append(document)
-            except InvalidArgument as exc:  # a call that breaks a documented constraint: its own answer
+            except MoegradError as exc:  # a call refused locally (InvalidArgument, MalformedRequest): its own answer
                 documents.append(exc)
                 kinds.append(("grad", None, False))
         return documents, kinds
@@ -1077,8 +1077,8 @@ class Client(_ClientBase):
             One entry per item, in order: a :class:`GradResult`, a :class:`CompareResult`, or the
             exception that item alone earned (InvalidArgument with its aclnn code, MalformedRequest,
             PayloadTooLarge, DeviceBusy, DeadlineExceeded, DeviceFault ...: the exception the single
-            call would have raised). A call that breaks a documented constraint while
-            ``validate=True`` gets its InvalidArgument without being sent.
+            call would have raised). A call refused locally while ``validate=True`` (InvalidArgument,
+            or MalformedRequest for a wire document with an unknown key) gets that without being sent.
 
         Raises:
             TypeError: an item of another type, or one that cannot be packed.

@@ -84,10 +84,11 @@ def test_a_locally_invalid_call_is_answered_without_being_sent_and_compares_carr
            "expanded_row_idx": {"dtype": "int32", "shape": [4], "data": IDX.tobytes()}, "top_k": 3}
     with moegrad.Client(BASE, transport=httpx.MockTransport(server), retries=0) as client:
         answers = client.batch([call(), bad, moegrad.BatchCompare(call(), candidate=BITS.view(np.float32),
-                                                                  standards="bitwise")])
+                                                                  standards="bitwise"), {**bad, "extra": 1}])
     assert isinstance(answers[0], GradResult)
     assert isinstance(answers[1], InvalidArgument) and answers[1].aclnn_status == 561002
     assert isinstance(answers[2], ServiceError)  # the scripted report is not a report
+    assert isinstance(answers[3], MalformedRequest) and answers[3].field == "extra"
     (body,) = server.bodies
     assert len(body) == 2 and body[1]["op"] == "compare" and body[1]["standards"] == ["bitwise"]
     assert body[1]["candidate"]["data"] == BITS.tobytes()
