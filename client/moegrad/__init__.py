@@ -8,30 +8,12 @@
 - :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
   ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
-  against the device and a float64 golden (docs/accuracy.md).
+  against the device and a float64 golden; :mod:`moegrad.accuracy` holds the standards and the
+  report writers (docs/accuracy.md).
 """
 
-from moegrad._accuracy import (
-    DTYPE_LIMITS,
-    STANDARDS,
-    THRESHOLDS,
-    ComparisonReport,
-    Criterion,
-    CriterionResult,
-    DtypeLimits,
-    Metrics,
-    StandardVerdict,
-    WorstElement,
-    ZeroRowCheck,
-    check_compare_arguments,
-    compare,
-    compare_arrays,
-    metrics,
-    skipped_rows,
-    summand_magnitude,
-)
 from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
-from moegrad._client import AsyncClient, BatchCompare, Client, CompareResult, GradResult
+from moegrad._client import AsyncClient, BatchCompare, Client
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -58,6 +40,7 @@ from moegrad._routing import (
     invert_expanded_row_idx,
     moe_init_routing_v2,
 )
+from moegrad._results import CompareResult, GradResult
 from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import (
@@ -79,8 +62,30 @@ from moegrad._wire import (
     encode_frames,
     encode_tensor,
 )
+from moegrad.accuracy import (
+    DEFAULT_STANDARDS,
+    DTYPE_LIMITS,
+    STANDARDS,
+    THRESHOLDS,
+    ComparisonReport,
+    Criterion,
+    CriterionResult,
+    DtypeLimits,
+    ExactMatch,
+    Metrics,
+    StandardVerdict,
+    WorstElement,
+    ZeroRowCheck,
+    check_compare_arguments,
+    compare,
+    compare_arrays,
+    metrics,
+    skipped_rows,
+    summand_magnitude,
+)
 
 __all__ = [
+    "DEFAULT_STANDARDS",
     "DTYPES",
     "DTYPE_LIMITS",
     "FRAMES_MEDIA_TYPE",
@@ -104,6 +109,7 @@ __all__ = [
     "DeviceBusy",
     "DeviceFault",
     "DtypeLimits",
+    "ExactMatch",
     "GradResult",
     "InvalidArgument",
     "MalformedRequest",

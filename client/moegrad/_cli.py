@@ -2,7 +2,7 @@
 
 Every remote command goes through :class:`moegrad.Client`; ``local`` calls
 :func:`moegrad.moe_init_routing_v2_grad` and ``compare --local`` calls :func:`moegrad.compare`.
-There is no third code path; reports are rendered by ``moegrad._report`` in both modes.
+There is no third code path; reports are rendered by :mod:`moegrad.accuracy` in both modes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,28 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from moegrad._accuracy import STANDARDS, ComparisonReport, compare
-from moegrad._client import Client, GradResult
+from moegrad.accuracy import (
+    DEFAULT_STANDARDS,
+    STANDARDS,
+    CaseResult,
+    ComparisonReport,
+    compare,
+    compare_cases,
+    compare_in_process,
+    find_cases,
+    format_report,
+    load_case,
+    report_context,
+    with_context,
+    write_csv_report,
+    write_json_report,
+    write_markdown_report,
+    write_summary,
+)
+from moegrad._client import Client
+from moegrad._results import GradResult
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
 from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._report import format_report, write_markdown_report
 from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 
@@ -35,7 +52,7 @@ EXIT_FAILURE = 4
 
 _DEFAULT_URL = "http://127.0.0.1:8000"
 
-# The documentation's example (reference/aclnnMoeInitRoutingV2Grad.md, "Example"): the expected gradX
+# The documentation's example (docs/operator.md, "The documentation's example"): the expected gradX
 # is [[0.3, 0.3], [0.7, 0.7]]; in float32, 0.2 + 0.1 rounds to 0.3 and 0.4 + 0.3 to 0.70000005.
 _EXAMPLE_GRAD_EXPANDED_X = [[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]]
 _EXAMPLE_EXPANDED_ROW_IDX = [2, 0, 1, 3]
@@ -52,6 +69,7 @@ _EPILOG = """\
 exit status:
   0  success (`compare`: the candidate passed; a warning passes)
   1  `example`: the result differs from the documentation's bit for bit; `compare`: a standard failed
+     (or, with --require-exact, the candidate is not bit-exact; with --cases, any case failed or was invalid)
   2  usage error (bad arguments, an input .npy that cannot be read, an output that cannot be written)
   3  input rejected by the operator's constraints (the message names the field and the aclnn code)
   4  the server failed, was busy past all retries, timed out, or could not be reached
@@ -140,14 +158,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="CA bundle (PEM) to verify an https:// server with (default: the system's CAs)")
 
 
-def _add_call_arguments(parser: argparse.ArgumentParser, *, order_default: str, output: bool = True) -> argparse._ArgumentGroup:
+def _add_call_arguments(parser: argparse.ArgumentParser, *, order_default: str, output: bool = True,
+                        required: bool = True) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("the operator call")
-    group.add_argument("--grad-expanded-x", required=True, metavar="PATH",
+    group.add_argument("--grad-expanded-x", required=required, metavar="PATH",
                        help="gradExpandedX .npy: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); "
                             "float16, bfloat16 or float32")
-    group.add_argument("--expanded-row-idx", required=True, metavar="PATH",
+    group.add_argument("--expanded-row-idx", required=required, metavar="PATH",
                        help="expandedRowIdx .npy: [N*K] int32 (-1 marks a dropped slot in drop/pad mode)")
-    group.add_argument("--top-k", required=True, type=int, metavar="K", help="K, experts per token (> 0)")
+    group.add_argument("--top-k", required=required, type=int, metavar="K", help="K, experts per token (> 0)")
     group.add_argument("--drop-pad-mode", type=int, default=0, metavar="M",
                        help="0 dropless/active, 1 drop/pad (default: %(default)s)")
     group.add_argument("--active-num", type=int, default=0, metavar="A",
@@ -185,24 +204,45 @@ def build_parser() -> argparse.ArgumentParser:
     comparison = commands.add_parser(
         "compare", help="judge a candidate grad_x against the device and a float64 golden", formatter_class=formatter,
         epilog=_EPILOG, description="Send a call and a candidate grad_x to a moegrad service (or, with --local,\n"
-                                    "compute in-process) and print the accuracy verdicts: per standard its status\n"
-                                    "and the numbers that decided it, the key metrics of candidate vs golden,\n"
-                                    "device vs golden and candidate vs device, and the worst elements\n"
-                                    "(docs/accuracy.md). Exit status 0 when the candidate passed (a warning\n"
-                                    "passes), 1 when a standard failed.")
-    group = _add_call_arguments(comparison, order_default="the server's; with --local ascend910b", output=False)
-    group.add_argument("--candidate", required=True, metavar="PATH",
-                       help="the candidate grad_x .npy: [N, H], the dtype of grad_expanded_x or float32")
+                                    "compute in-process) and print the accuracy verdicts: per standard its status,\n"
+                                    "the device's own status and the numbers that decided it, whether the candidate\n"
+                                    "is bit-exact to the device, the key metrics of candidate vs golden, device vs\n"
+                                    "golden and candidate vs device, and the worst elements (docs/accuracy.md).\n"
+                                    "The verdict comes from the tolerance standards; exactness decides only with\n"
+                                    "--require-exact. Exit status 0 when the candidate passed (a warning passes),\n"
+                                    "1 when it failed. With --cases DIR, every .npz case in DIR is judged (one file\n"
+                                    "per case: docs/accuracy.md, \"Bulk checking\") and a summary is written; exit 1\n"
+                                    "when any case failed or was invalid, and the run never stops on a bad case.")
+    group = _add_call_arguments(comparison, order_default="the server's; with --local ascend910b", output=False,
+                                required=False)
+    group.add_argument("--candidate", metavar="PATH",
+                       help="the candidate grad_x .npy: [N, H], the dtype of grad_expanded_x or float32 "
+                            "(required unless --cases)")
     choose = comparison.add_argument_group("the comparison")
     choose.add_argument("--standard", action="append", choices=STANDARDS, metavar="S", dest="standards",
-                        help=f"a standard to apply, repeatable: {', '.join(STANDARDS)} (default: all)")
+                        help=f"a standard to apply, repeatable: {', '.join(STANDARDS)} "
+                             f"(default: {', '.join(DEFAULT_STANDARDS)}; bitwise only when named)")
+    choose.add_argument("--require-exact", action="store_true",
+                        help="fail unless the candidate is bit-exact to the device's result (exactness is reported "
+                             "either way)")
     choose.add_argument("--json", action="store_true", help="print the report as JSON (report.to_dict()) instead of tables")
     choose.add_argument("--report", metavar="PATH",
                         help="also write a markdown report to PATH and, when matplotlib is installed (extra 'plot'), "
-                             "a PNG histogram of the candidate's relative errors beside it (out.md -> out.png); the "
-                             "histogram's float64 golden is computed in this process")
+                             "a PNG of the candidate's and the device's error distributions and the error balance "
+                             "beside it (out.md -> out.png); the plot's float64 golden is computed in this process")
+    choose.add_argument("--report-json", metavar="PATH", help="also write the report as JSON to PATH")
+    choose.add_argument("--report-csv", metavar="PATH",
+                        help="also write the report as CSV to PATH (msprobe's accuracy-checking column names)")
     choose.add_argument("--local", action="store_true",
                         help="compare in-process with the NumPy emulation of the device; no server (--url is ignored)")
+    bulk = comparison.add_argument_group("bulk checking")
+    bulk.add_argument("--cases", metavar="DIR", help="judge every *.npz case file in DIR instead of one call")
+    bulk.add_argument("--summary", metavar="PREFIX",
+                      help="write the summary to PREFIX.csv and PREFIX.md, worst first (default: DIR/summary)")
+    bulk.add_argument("--reports", metavar="DIR",
+                      help="also write each case's report to DIR/<case>.md (with its plot), .json and .csv")
+    bulk.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="a progress bar on stderr (default: when stderr is a terminal)")
     _add_server_arguments(comparison)
 
     example = commands.add_parser("example", help="run the documentation's example on a service",
@@ -299,22 +339,32 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.cases:
+        return _cmd_compare_cases(args)
+    missing = [flag for flag, value in (("--grad-expanded-x", args.grad_expanded_x),
+                                        ("--expanded-row-idx", args.expanded_row_idx), ("--top-k", args.top_k),
+                                        ("--candidate", args.candidate)) if value is None]
+    if missing:
+        raise _UsageError(f"compare needs {', '.join(missing)} (or --cases DIR)")
     fields = _call_fields(args)
     candidate = _load(args.candidate, "--candidate")
+    device_result = None
     if args.local:
         call = MoeInitRoutingV2GradCall(**fields)
-        report: ComparisonReport = compare(call, candidate, standards=args.standards)
+        report: ComparisonReport = compare(call, candidate, standards=args.standards, require_exact=args.require_exact)
         source = f"in-process emulation, order {call.order}"
+        context = report_context(call, candidate)
     else:
         with _client(args) as client:
-            result = client.compare(**fields, candidate=candidate, standards=args.standards)
-        report, source = result.report, _server_summary(result)
-        call = MoeInitRoutingV2GradCall(**fields) if args.report else None  # the Client checked it already
-    if args.report:
-        try:
-            png = write_markdown_report(args.report, report, call, candidate, source=source)
-        except OSError as exc:
-            raise _UsageError(f"cannot write --report {args.report}: {exc}") from None
+            result = client.compare(**fields, candidate=candidate, standards=args.standards,
+                                    require_exact=args.require_exact, return_grad_x=bool(args.report))
+        report, source, device_result = result.report, _server_summary(result), result.grad_x
+        call = MoeInitRoutingV2GradCall(**fields)  # the Client checked it already
+        context = report_context(call, candidate, backend=result.backend, device=result.device,
+                                 server_url=args.url, order=result.order)
+    report = with_context(report, context)
+    png = _write_reports(args.report, args.report_json, args.report_csv, report, call, candidate, source,
+                         device_result if not args.local else None)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
     else:
@@ -323,6 +373,73 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             drawn = f" and {png}" if png is not None else " (histogram skipped: matplotlib is not installed)"
             print(f"\nwrote {args.report}{drawn}")
     return EXIT_OK if report.passed else EXIT_MISMATCH
+
+
+def _write_reports(markdown: str | None, json_path: str | None, csv_path: str | None, report: ComparisonReport,
+                   call: MoeInitRoutingV2GradCall, candidate: np.ndarray, source: str | None,
+                   device_result: np.ndarray | None) -> Any:
+    png = None
+    for flag, path, write in (("--report-json", json_path, lambda p: write_json_report(p, report)),
+                              ("--report-csv", csv_path, lambda p: write_csv_report(p, report))):
+        if path:
+            try:
+                write(path)
+            except OSError as exc:
+                raise _UsageError(f"cannot write {flag} {path}: {exc}") from None
+    if markdown:
+        try:
+            png = write_markdown_report(markdown, report, call, candidate, source=source,
+                                        device_result=device_result if device_result is not None
+                                        else (moe_init_routing_v2_grad(call) if call is not None else None))
+        except OSError as exc:
+            raise _UsageError(f"cannot write --report {markdown}: {exc}") from None
+    return png
+
+
+def _cmd_compare_cases(args: argparse.Namespace) -> int:
+    try:
+        files = find_cases(args.cases)
+    except OSError as exc:
+        raise _UsageError(f"cannot read --cases {args.cases}: {exc}") from None
+    prefix = args.summary or os.path.join(args.cases, "summary")
+    _check_writable(prefix)
+    if args.reports:
+        try:
+            os.makedirs(args.reports, exist_ok=True)
+        except OSError as exc:
+            raise _UsageError(f"cannot create --reports {args.reports}: {exc}") from None
+
+    def save(result: CaseResult) -> None:
+        if not args.reports or result.report is None or result.path is None:
+            return
+        fields, candidate = load_case(result.path)
+        call = MoeInitRoutingV2GradCall(**fields)
+        base = os.path.join(args.reports, result.name)
+        device = moe_init_routing_v2_grad(call) if args.local else None
+        _write_reports(base + ".md", base + ".json", base + ".csv", result.report, call, candidate, None, device)
+
+    if args.local:
+        results = compare_cases(files, compare_in_process(args.standards, args.require_exact),
+                                progress=args.progress, on_result=save)
+        where = "in-process emulation"
+    else:
+        with _client(args) as client:
+            results = client.compare_many(files, standards=args.standards, require_exact=args.require_exact,
+                                          progress=args.progress, on_result=save)
+        where = args.url
+    try:
+        ordered = write_summary(results, prefix + ".csv", prefix + ".md")
+    except OSError as exc:
+        raise _UsageError(f"cannot write --summary {prefix}: {exc}") from None
+    counts = {status: sum(1 for r in ordered if r.status == status) for status in ("pass", "warning", "fail", "invalid",
+                                                                                    "error")}
+    print(f"{len(ordered)} cases against {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    for result in ordered:
+        detail = result.error or (result.report.candidate_vs_golden.worst and
+                                  f"worst row {result.report.candidate_vs_golden.worst.row}") or ""
+        print(f"  {result.status:<8} {result.name}  {detail}")
+    print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
+    return EXIT_OK if all(r.status in ("pass", "warning") for r in ordered) else EXIT_MISMATCH
 
 
 def _format(array: np.ndarray) -> str:

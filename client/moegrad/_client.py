@@ -57,7 +57,6 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
-from moegrad._accuracy import ComparisonReport, check_compare_arguments
 from moegrad._errors import (
     DeadlineExceeded,
     DeviceBusy,
@@ -70,6 +69,7 @@ from moegrad._errors import (
     TransportError,
     Unauthorized,
 )
+from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import to_numpy, to_torch
 from moegrad._version import __version__
@@ -85,8 +85,17 @@ from moegrad._wire import (
     encode_frames,
     encode_tensor,
 )
+from moegrad.accuracy import (
+    CaseResult,
+    ComparisonReport,
+    check_compare_arguments,
+    compare_cases,
+    rejudge,
+    report_context,
+    with_context,
+)
 
-__all__ = ["AsyncClient", "BatchCompare", "Client", "CompareResult", "GradResult"]
+__all__ = ["AsyncClient", "BatchCompare", "Client"]
 
 T = TypeVar("T")
 #: What a flow yields (a request to send, or seconds to sleep), is sent, and returns.
@@ -131,61 +140,6 @@ class _UseClientDefault:
 
 #: A call's ``timeout_s`` when not passed: the client's ``timeout_s`` applies.
 USE_CLIENT_DEFAULT = _UseClientDefault()
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class GradResult:
-    """One call's answer from the service.
-
-    Attributes:
-        grad_x: [N, H], the dtype of grad_expanded_x (float16, ``ml_dtypes.bfloat16`` or float32),
-            C-contiguous, writable, owned by the caller.
-        backend: the backend that ran the call (``"reference"``, ``"ascend"``).
-        order: the accumulation order used (``"ascend910b"`` or ``"sequential"``).
-        device: the device that ran it (e.g. ``"Ascend910B3:0"``), or None for the CPU emulation.
-        timings_ms: ``{"queue": ..., "compute": ..., "total": ...}`` as the server measured them,
-            in milliseconds.
-        request_id: the ``X-Request-Id`` the server echoed (the client sends one per call).
-    """
-
-    grad_x: np.ndarray
-    backend: str
-    order: str
-    device: str | None
-    timings_ms: Mapping[str, float]
-    request_id: str | None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class CompareResult:
-    """One accuracy comparison's answer from the service (docs/accuracy.md, "Reading a report").
-
-    Attributes:
-        report: the :class:`~moegrad.ComparisonReport`, rebuilt with ``ComparisonReport.from_dict``
-            from the reply: the three comparisons, the zero rows and every standard's verdict.
-        grad_x: the device's (or the emulation's) grad_x, [N, H] in the call's dtype, C-contiguous,
-            writable, owned by the caller, when the call asked for it (``return_grad_x=True``);
-            else None.
-        backend: the backend that ran the call (``"reference"``, ``"ascend"``).
-        order: the accumulation order of the device result (``"ascend910b"`` or ``"sequential"``).
-        device: the device that ran it, or None for the CPU emulation.
-        timings_ms: ``{"queue", "compute", "golden", "compare", "total"}`` as the server measured
-            them, in milliseconds.
-        request_id: the ``X-Request-Id`` the server echoed.
-    """
-
-    report: ComparisonReport
-    grad_x: np.ndarray | None
-    backend: str
-    order: str
-    device: str | None
-    timings_ms: Mapping[str, float]
-    request_id: str | None
-
-    @property
-    def passed(self) -> bool:
-        """True unless the overall verdict is ``"fail"`` (a warning passes): ``report.passed``."""
-        return self.report.passed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -857,12 +811,17 @@ class _ClientCore:
             return exc
 
     def compare_flow(self, call: MoeInitRoutingV2GradCall | dict[str, Any], candidate: Any, standards: Any,
-                     return_grad_x: Any, timeout_s: Any) -> Flow[CompareResult]:
+                     return_grad_x: Any, timeout_s: Any, require_exact: Any = False) -> Flow[CompareResult]:
+        if not isinstance(require_exact, bool):
+            raise TypeError(f"require_exact must be a bool, got {type(require_exact).__name__}")
         timeout_s = self.call_timeout_s(timeout_s)
         body, checked = self.compare_body(call, candidate, standards, return_grad_x)
         response = yield from self.exchange("POST", _COMPARE_PATH, accept=_MSGPACK, timeout_s=timeout_s,
                                             retries=self.retries, body=body)
-        return self.parse_compare(response, checked, return_grad_x)
+        result = self.parse_compare(response, checked, return_grad_x)
+        if require_exact:  # the report states exactness either way; requiring it only changes the verdict
+            result = dataclasses.replace(result, report=rejudge(result.report, require_exact=True))
+        return result
 
     def info_flow(self) -> Flow[dict[str, Any]]:
         response = yield from self.exchange("GET", "/v1/info", accept=_JSON, timeout_s=self.timeout_s,
@@ -1100,6 +1059,7 @@ class Client(_ClientBase):
         order: str | None = None,
         allow_duplicate_indices: bool = False,
         return_grad_x: bool = False,
+        require_exact: bool = False,
         timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
     ) -> CompareResult:
         """Judge a candidate grad_x against the service's device result and a float64 golden.
@@ -1113,8 +1073,12 @@ class Client(_ClientBase):
                 allow_duplicate_indices: the operator call, as in :meth:`moe_init_routing_v2_grad`.
             candidate: [N, H] grad_x of the implementation under test, in the dtype of
                 grad_expanded_x or float32.
-            standards: names from :data:`moegrad.STANDARDS` (one name, or several); None: all.
+            standards: names from :data:`moegrad.STANDARDS` (one name, or several); None:
+                :data:`moegrad.DEFAULT_STANDARDS`, the tolerance standards (docs/accuracy.md,
+                "Verdict policy").
             return_grad_x: also return the device's grad_x.
+            require_exact: the verdict fails unless the candidate is bit-exact to the device's
+                result (``report.exact`` states exactness either way).
             timeout_s: this call's deadline in seconds (None: none); not passed: the client's. The
                 server's golden and comparison run after the device and take longer than a plain
                 call (about 2 s per million elements on a small CPU; docs/accuracy.md, "Cost").
@@ -1127,13 +1091,54 @@ class Client(_ClientBase):
                 candidate (161001), a candidate of the wrong dtype or shape or an unknown standard
                 (161002; fields ``"candidate"``, ``"standards"``): locally before any I/O when
                 ``validate=True``, else from the server.
-            TypeError: ``return_grad_x`` is not a bool, or the request cannot be packed.
+            TypeError: ``return_grad_x`` or ``require_exact`` is not a bool, or the request cannot be packed.
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
             DeviceFault, ServiceError, TransportError: see the module docstring.
         """
         call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
                                     order, allow_duplicate_indices)
-        return self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s))
+        return self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s,
+                                                         require_exact))
+
+    def compare_many(
+        self,
+        cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
+        *,
+        standards: Iterable[str] | str | None = None,
+        require_exact: bool = False,
+        progress: bool | None = None,
+        on_result: Callable[[CaseResult], None] | None = None,
+    ) -> list[CaseResult]:
+        """Judge many candidates, one case after another, and never stop on a bad one (docs/accuracy.md, "Bulk checking").
+
+        Args:
+            cases: case files (``.npz``, :func:`moegrad.accuracy.save_case`) or
+                ``(name, fields, candidate)`` tuples, ``fields`` the call's keyword arguments.
+            standards, require_exact: as :meth:`compare`, for every case.
+            progress: a progress bar on stderr; None: when stderr is a terminal.
+            on_result: called with each :class:`~moegrad.accuracy.CaseResult` as it is known.
+
+        Returns:
+            One :class:`~moegrad.accuracy.CaseResult` per case, in the order given; each report
+            carries its :class:`~moegrad.accuracy.ReportContext` (the inputs' SHA-256, the server,
+            the time). A file that cannot be read or a call the operator rejects is ``"invalid"``;
+            a service failure is ``"error"``; neither stops the run. :func:`moegrad.accuracy.write_summary`
+            writes them worst first.
+        """
+        def one(name: str, fields: Mapping[str, Any], candidate: np.ndarray) -> ComparisonReport:
+            return self._compare_case(name, fields, candidate, standards, require_exact)
+
+        return compare_cases(cases, one, progress=progress, on_result=on_result)
+
+    def _compare_case(self, name: str, fields: Mapping[str, Any], candidate: np.ndarray, standards: Any,
+                      require_exact: bool) -> ComparisonReport:
+        """The one place :meth:`compare_many` sends a case to the service (one request per case)."""
+        call = MoeInitRoutingV2GradCall(**fields)
+        result = self._drive(self._core.compare_flow(call, candidate, standards, False, USE_CLIENT_DEFAULT,
+                                                     require_exact))
+        context = report_context(call, candidate, backend=result.backend, device=result.device,
+                                 server_url=str(self.base_url), order=result.order, case=name)
+        return with_context(result.report, context)
 
     def info(self) -> dict[str, Any]:
         """``GET /v1/info``: version, backend, device, order, streams, max_queue and the limits."""
@@ -1262,12 +1267,14 @@ class AsyncClient(_ClientBase):
         order: str | None = None,
         allow_duplicate_indices: bool = False,
         return_grad_x: bool = False,
+        require_exact: bool = False,
         timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
     ) -> CompareResult:
         """As :meth:`Client.compare`, awaited."""
         call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
                                     order, allow_duplicate_indices)
-        return await self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s))
+        return await self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s,
+                                                               require_exact))
 
     async def info(self) -> dict[str, Any]:
         """As :meth:`Client.info`, awaited."""

@@ -1,6 +1,8 @@
-"""The moegrad command with no server: `local`, .npy handling (bfloat16), usage errors, exit codes.
+"""The moegrad command with no server: `local`, `compare --local`, .npy handling (bfloat16), usage errors, exit codes.
 
-Expected values come from the operator documentation's example or from plain float32 adds here.
+Expected values come from the operator documentation's example, from plain float32 adds here, or
+(for `compare`) from the independent float64 computation of tests/oracle.py: the exit code a
+candidate must get is derived from the oracle's statuses, never from ``moegrad.compare``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from oracle import (
+    ALL_STANDARDS,
+    ORACLE_CASES,
+    device_k2,
+    float32_statuses,
+    golden_and_scale,
+    oracle_call,
+    oracle_candidate,
+)
 
 from moegrad._cli import load_npy, main, save_npy
 
@@ -229,3 +240,60 @@ def test_grad_with_an_unwritable_output_exits_2_before_contacting_the_server(exa
             "--expanded-row-idx", str(idx), "--top-k", "2", "-o", str(tmp_path / "no-such-dir" / "o.npy")]
     assert main(argv) == 2  # an attempted connection would have been a TransportError, exit 4
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---- compare --local -----------------------------------------------------------------------------
+
+
+def compare_args(tmp_path, call, candidate, *extra):
+    np.save(tmp_path / "x.npy", call.grad_expanded_x)
+    np.save(tmp_path / "idx.npy", call.expanded_row_idx)
+    np.save(tmp_path / "candidate.npy", candidate)
+    return ["compare", "--local", "--grad-expanded-x", str(tmp_path / "x.npy"), "--expanded-row-idx",
+            str(tmp_path / "idx.npy"), "--top-k", str(call.top_k), "--candidate", str(tmp_path / "candidate.npy"), *extra]
+
+
+@pytest.mark.parametrize("case", ORACLE_CASES)
+def test_compare_exit_code_follows_the_independent_verdicts(tmp_path, capsys, case):
+    call = oracle_call(seed=3)
+    device = device_k2(call)
+    candidate = oracle_candidate(case, device)
+    expected = float32_statuses(candidate, device, *golden_and_scale(call))
+    standards = [arg for name in ALL_STANDARDS for arg in ("--standard", name)]
+    code = main(compare_args(tmp_path, call, candidate, *standards))
+    out = capsys.readouterr().out
+    assert code == (1 if "fail" in expected.values() else 0)
+    table = {words[0]: words[1].lower() for words in (line.split() for line in out.splitlines())
+             if len(words) >= 2 and words[0] in ALL_STANDARDS}
+    assert table == expected
+
+
+def test_compare_a_rejected_candidate_exits_3(tmp_path, capsys):
+    call = oracle_call()
+    assert main(compare_args(tmp_path, call, device_k2(call)[:-1])) == 3
+    err = capsys.readouterr().err
+    assert "candidate" in err and "161002" in err
+
+
+def test_compare_a_rejected_call_exits_3(tmp_path, capsys):
+    call = oracle_call()
+    argv = compare_args(tmp_path, call, device_k2(call))
+    argv[argv.index("--top-k") + 1] = "3"  # 64 slots are not a multiple of K=3: a tiling error (561002)
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "expanded_row_idx" in err and "561002" in err
+
+
+def test_compare_an_unreadable_candidate_exits_2(tmp_path, capsys):
+    call = oracle_call()
+    argv = compare_args(tmp_path, call, device_k2(call))
+    (tmp_path / "candidate.npy").write_bytes(b"not numpy")
+    assert main(argv) == 2
+    assert "--candidate" in capsys.readouterr().err
+
+
+def test_compare_against_an_unreachable_server_exits_4(tmp_path, capsys):
+    call = oracle_call()
+    argv = [arg for arg in compare_args(tmp_path, call, device_k2(call)) if arg != "--local"]
+    assert main([*argv, "--url", closed_port_url(), "--retries", "0", "--timeout", "10"]) == 4
+    assert "TransportError" in capsys.readouterr().err

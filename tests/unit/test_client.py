@@ -117,7 +117,7 @@ def bits(array: np.ndarray) -> np.ndarray:
 def test_public_names_are_exported():
     for name in ("AsyncClient", "Client", "GradResult"):
         assert name in moegrad.__all__
-        assert getattr(moegrad, name).__module__ == "moegrad._client"
+        assert getattr(moegrad, name).__module__ == ("moegrad._results" if name == "GradResult" else "moegrad._client")
 
 
 # ---- requests ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+from oracle import device_k2, oracle_call, oracle_candidate
 
 import moegrad
 from moegrad import (
@@ -122,7 +123,7 @@ def client(handler, **kwargs) -> Client:
 
 
 def test_public_names_are_exported():
-    assert "CompareResult" in moegrad.__all__ and CompareResult.__module__ == "moegrad._client"
+    assert "CompareResult" in moegrad.__all__ and CompareResult.__module__ == "moegrad._results"
     assert "check_compare_arguments" in moegrad.__all__
 
 
@@ -361,3 +362,50 @@ async def test_async_busy_is_retried():
     async with async_client(rec) as c:
         assert (await c.compare(EXAMPLE_X, EXAMPLE_IDX, 2, candidate=EXAMPLE)).passed
     assert len(rec.requests) == 2
+
+
+# ---- require_exact and compare_many ---------------------------------------------------------------
+
+
+def example_fields() -> dict:
+    return {"grad_expanded_x": EXAMPLE_X, "expanded_row_idx": EXAMPLE_IDX, "top_k": 2}
+
+
+def test_require_exact_decides_the_verdict_on_the_client():
+    call = oracle_call()
+    device = device_k2(call)
+    port = oracle_candidate("one_ulp_noise", device)  # a correct port (tests/oracle.py): tolerances pass
+    fields = {"grad_expanded_x": call.grad_expanded_x, "expanded_row_idx": call.expanded_row_idx, "top_k": 2}
+    fake = FakeCompare()
+    with client(fake) as c:
+        # FakeCompare judges against |golden| (no summand magnitude): the accumulative bound fits it
+        relaxed = c.compare(**fields, candidate=port, standards="accumulative")
+        strict = c.compare(**fields, candidate=port, standards="accumulative", require_exact=True)
+        exact = c.compare(**fields, candidate=device, standards="accumulative", require_exact=True)
+    assert "require_exact" not in fake.documents[1]  # the server reports exactness either way
+    differing = int(np.count_nonzero(port.view(np.uint32) != device.view(np.uint32)))
+    assert relaxed.report.exact.mismatched == strict.report.exact.mismatched == differing > 0
+    assert relaxed.passed and not strict.passed and strict.report.exact.required
+    assert exact.passed and exact.report.exact.bit_exact
+    with client(no_io) as c, pytest.raises(TypeError, match="require_exact"):
+        c.compare(**example_fields(), candidate=EXAMPLE.copy(), require_exact="yes")
+
+
+def test_compare_many_sends_one_request_per_case_and_never_stops():
+    # "off" is 1 ULP from the example's exact answer in every element: require_exact fails it.
+    fake = FakeCompare()
+    failing = Script(fake, problem(500), fake)
+    cases = [("good", example_fields(), EXAMPLE.copy()),
+             ("bad_shape", example_fields(), EXAMPLE[:1].copy()),  # refused locally: no request
+             ("server_failed", example_fields(), EXAMPLE.copy()),
+             ("off", example_fields(), (EXAMPLE_BITS + np.uint32(1)).view(np.float32))]
+    seen = []
+    with client(failing, retries=0) as c:
+        results = c.compare_many(cases, require_exact=True, on_result=seen.append, progress=False)
+    assert [(r.name, r.status) for r in results] == [("good", "pass"), ("bad_shape", "invalid"),
+                                                      ("server_failed", "error"), ("off", "fail")]
+    assert seen == results
+    assert len(failing.requests) == 3
+    assert "161002" in results[1].error and "DeviceFault" in results[2].error
+    context = results[0].report.context
+    assert (context.server_url, context.backend, context.device, context.case) == (BASE, "fake", "npu:3", "good")

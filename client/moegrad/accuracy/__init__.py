@@ -1,0 +1,114 @@
+"""Accuracy of a candidate gradX, judged against the device's result and a float64 golden.
+
+An accuracy team sends the inputs of one call and its own gradX (the *candidate*, from a GPU or CPU
+port); :func:`compare` measures three pairs and judges the candidate by named standards; the
+report writers render the result for people and files. docs/accuracy.md defines every number and
+standard, with the thresholds per dtype and their sources.
+
+- tables: :data:`STANDARDS`, :data:`THRESHOLDS` (standard, dtype) -> criteria, :data:`DTYPE_LIMITS`;
+- judging: :func:`compare` (one operator call), :func:`compare_arrays` (given arrays),
+  :func:`metrics` (one pair), :func:`check_compare_arguments`, :func:`skipped_rows`,
+  :func:`summand_magnitude`;
+- results: :class:`ComparisonReport` and its parts, each with ``to_dict`` / ``from_dict``;
+- reports: :func:`format_report` (terminal), :func:`markdown_report` / :func:`write_markdown_report`
+  (with the plot, :func:`write_histogram`), :func:`write_json_report` / :func:`read_json_report`,
+  :func:`write_csv_report` (msprobe's column names), :func:`report_context` / :func:`with_context`
+  (what makes a saved report reproducible), :func:`rejudge` (verdicts again from stored metrics);
+- bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
+  :func:`write_summary`.
+"""
+
+from moegrad.accuracy._cases import (
+    SUMMARY_COLUMNS,
+    CaseResult,
+    compare_cases,
+    compare_in_process,
+    find_cases,
+    load_case,
+    save_case,
+    write_summary,
+)
+from moegrad.accuracy._compare import (
+    check_compare_arguments,
+    compare,
+    compare_arrays,
+    rejudge,
+    report_context,
+    skipped_rows,
+    summand_magnitude,
+    with_context,
+)
+from moegrad.accuracy._fused import warm_up_compare
+from moegrad.accuracy._metrics import metrics
+from moegrad.accuracy._report import (
+    MSPROBE_DETAIL_COLUMNS,
+    MSPROBE_STATUS,
+    csv_rows,
+    exactness_line,
+    format_report,
+    markdown_report,
+    read_json_report,
+    relative_errors,
+    write_csv_report,
+    write_histogram,
+    write_json_report,
+    write_markdown_report,
+)
+from moegrad.accuracy._results import (
+    ComparisonReport,
+    CriterionResult,
+    ExactMatch,
+    Metrics,
+    ReportContext,
+    StandardVerdict,
+    WorstElement,
+    ZeroRowCheck,
+)
+from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
+
+__all__ = [
+    "DEFAULT_STANDARDS",
+    "DTYPE_LIMITS",
+    "MSPROBE_DETAIL_COLUMNS",
+    "MSPROBE_STATUS",
+    "STANDARDS",
+    "SUMMARY_COLUMNS",
+    "THRESHOLDS",
+    "CaseResult",
+    "ComparisonReport",
+    "Criterion",
+    "CriterionResult",
+    "DtypeLimits",
+    "ExactMatch",
+    "Metrics",
+    "ReportContext",
+    "StandardVerdict",
+    "WorstElement",
+    "ZeroRowCheck",
+    "check_compare_arguments",
+    "compare",
+    "compare_arrays",
+    "compare_cases",
+    "compare_in_process",
+    "csv_rows",
+    "exactness_line",
+    "find_cases",
+    "format_report",
+    "load_case",
+    "markdown_report",
+    "metrics",
+    "read_json_report",
+    "rejudge",
+    "relative_errors",
+    "report_context",
+    "save_case",
+    "skipped_rows",
+    "summand_magnitude",
+    "warm_up_compare",
+    "with_context",
+    "write_csv_report",
+    "write_histogram",
+    "write_json_report",
+    "write_markdown_report",
+    "write_summary",
+]

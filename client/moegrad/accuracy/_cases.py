@@ -1,0 +1,323 @@
+"""Bulk checking: one ``.npz`` file per case, a run that never stops on a bad case, one summary worst first.
+
+A case file (:func:`save_case`, :func:`load_case`; docs/accuracy.md, "Bulk checking") is a NumPy
+``.npz`` archive holding the call and the candidate:
+
+    grad_expanded_x   [N*K, H] / [A, H] / [E, C, H], float16, bfloat16 or float32
+    expanded_row_idx  [N*K] int32
+    candidate         [N, H], the call's dtype or float32
+    top_k             0-d integer
+    drop_pad_mode, active_num, order, allow_duplicate_indices   optional 0-d values
+
+``numpy.savez`` stores a bfloat16 array as raw 2-byte words (``|V2``): :func:`load_case` reads any
+such array back as ``ml_dtypes.bfloat16``, bit for bit. Archives are read with
+``allow_pickle=False``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+import time
+import zipfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import ml_dtypes
+import numpy as np
+
+from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
+from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad.accuracy._compare import compare, report_context, with_context
+from moegrad.accuracy._report import MSPROBE_STATUS
+from moegrad.accuracy._results import ComparisonReport
+from moegrad.accuracy._standards import SEVERITY
+
+__all__ = [
+    "SUMMARY_COLUMNS", "CaseResult", "CaseStatus", "compare_cases", "compare_in_process", "find_cases", "load_case",
+    "save_case", "write_summary",
+]
+
+CaseStatus = Literal["pass", "warning", "fail", "invalid", "error"]
+_CASE_SEVERITY = {**SEVERITY, "invalid": 3, "error": 4}
+_TENSORS = ("grad_expanded_x", "expanded_row_idx", "candidate")
+_INTEGERS = ("top_k", "drop_pad_mode", "active_num")
+_KNOWN = frozenset({*_TENSORS, *_INTEGERS, "order", "allow_duplicate_indices"})
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One case of a bulk run.
+
+    Attributes:
+        name: the case's name (the file's stem).
+        status: ``"pass"``, ``"warning"``, ``"fail"`` (the report's verdict), ``"invalid"`` (the
+            file or the call was rejected: no comparison ran) or ``"error"`` (the service failed).
+        report: the comparison, or None when there is none.
+        error: why there is no report (the exception's type and message), else None.
+        path: the case file, when the case came from one.
+    """
+
+    name: str
+    status: CaseStatus
+    report: ComparisonReport | None
+    error: str | None = None
+    path: str | None = None
+
+
+def _array(value: np.ndarray) -> np.ndarray:
+    if value.dtype.kind == "V" and value.dtype.itemsize == 2 and value.dtype.fields is None:
+        return value.view(ml_dtypes.bfloat16)
+    return value
+
+
+def save_case(path: str | os.PathLike[str], *, grad_expanded_x: np.ndarray, expanded_row_idx: np.ndarray, top_k: int,
+              candidate: np.ndarray, drop_pad_mode: int = 0, active_num: int = 0, order: str | None = None,
+              allow_duplicate_indices: bool = False) -> None:
+    """Write one case file (an uncompressed ``.npz``; bfloat16 is stored as ``|V2``, see :func:`load_case`).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    fields: dict[str, Any] = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx,
+                              "candidate": candidate, "top_k": np.int64(top_k), "drop_pad_mode": np.int64(drop_pad_mode),
+                              "active_num": np.int64(active_num)}
+    if order is not None:
+        fields["order"] = np.str_(order)
+    if allow_duplicate_indices:
+        fields["allow_duplicate_indices"] = np.bool_(True)
+    with open(os.fspath(path), "wb") as file:
+        np.savez(file, **fields)
+
+
+def load_case(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]:
+    """Read one case file: the call's keyword arguments and the candidate.
+
+    Returns:
+        ``(fields, candidate)``: ``fields`` as :class:`moegrad.MoeInitRoutingV2GradCall` takes them.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not an ``.npz`` archive, lacks a required array, holds an unknown key or
+            a value of the wrong kind (the message names the key).
+    """
+    if not zipfile.is_zipfile(os.fspath(path)):  # also raises OSError for a file that cannot be read
+        raise ValueError(f"{os.fspath(path)} is not an .npz archive (numpy.savez writes one; docs/accuracy.md)")
+    try:
+        archive = np.load(os.fspath(path), allow_pickle=False)
+    except (zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"{os.fspath(path)} is not a valid .npz archive: {exc}") from None
+    with archive:
+        unknown = sorted(set(archive.files) - _KNOWN)
+        if unknown:
+            raise ValueError(f"{os.fspath(path)}: unknown key {unknown[0]!r}; a case holds {', '.join(sorted(_KNOWN))}")
+        missing = [name for name in (*_TENSORS, "top_k") if name not in archive.files]
+        if missing:
+            raise ValueError(f"{os.fspath(path)}: missing {missing[0]!r} (a case holds grad_expanded_x, "
+                             "expanded_row_idx, candidate and top_k)")
+        fields: dict[str, Any] = {name: _array(archive[name]) for name in _TENSORS}
+        for name in _INTEGERS:
+            if name in archive.files:
+                value = archive[name]
+                if value.shape != () or value.dtype.kind not in "iu":
+                    raise ValueError(f"{os.fspath(path)}: {name} must be a 0-d integer, got {value.dtype} {list(value.shape)}")
+                fields[name] = int(value)
+        if "order" in archive.files:
+            order = archive["order"]
+            if order.shape != () or order.dtype.kind != "U":
+                raise ValueError(f"{os.fspath(path)}: order must be a 0-d string")
+            fields["order"] = str(order)
+        if "allow_duplicate_indices" in archive.files:
+            fields["allow_duplicate_indices"] = bool(archive["allow_duplicate_indices"])
+    candidate = fields.pop("candidate")
+    return fields, candidate
+
+
+def find_cases(directory: str | os.PathLike[str]) -> list[Path]:
+    """The ``*.npz`` files directly in ``directory``, sorted by name.
+
+    Raises:
+        NotADirectoryError, FileNotFoundError: ``directory`` is not a folder.
+    """
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{folder} is not a folder of .npz cases")
+    return sorted(p for p in folder.iterdir() if p.suffix == ".npz" and p.is_file())
+
+
+class _Progress:
+    """A one-line progress bar on a terminal (``[=====>    ] 12/40 name``); silent elsewhere."""
+
+    def __init__(self, total: int, stream: TextIO | None, enabled: bool | None) -> None:
+        self.total, self.stream = total, stream if stream is not None else sys.stderr
+        self.enabled = (self.stream.isatty() and total > 1) if enabled is None else enabled
+        self.started = time.monotonic()
+
+    def show(self, done: int, name: str) -> None:
+        if not self.enabled or not self.total:
+            return
+        width = 30
+        filled = width * done // self.total
+        elapsed = time.monotonic() - self.started
+        eta = f", {elapsed / done * (self.total - done):.0f} s left" if done else ""
+        self.stream.write(f"\r[{'=' * filled}{' ' * (width - filled)}] {done}/{self.total} {name[:40]:<40}{eta}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.total:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+#: compare_one(name, fields, candidate) -> the report of one case (raise for a bad one).
+CompareOne = Callable[[str, Mapping[str, Any], np.ndarray], ComparisonReport]
+
+
+def compare_cases(cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
+                  compare_one: CompareOne, *, progress: bool | None = None,
+                  progress_stream: TextIO | None = None,
+                  on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """Run ``compare_one`` on every case, one at a time, and never stop on a bad one.
+
+    Args:
+        cases: case files (:func:`load_case`) or ``(name, fields, candidate)`` tuples.
+        compare_one: judges one case (``Client.compare_many`` and ``moegrad compare --cases``
+            pass a service's or the in-process comparison).
+        progress: draw a progress bar on ``progress_stream``; None: when it is a terminal.
+        progress_stream: default ``sys.stderr``.
+        on_result: called with each case's result as it is known (e.g. to write its report).
+
+    Returns:
+        One :class:`CaseResult` per case, in the order given. A file that cannot be read or a call
+        the operator rejects is ``"invalid"``; a service failure is ``"error"``.
+    """
+    items = list(cases)
+    bar = _Progress(len(items), progress_stream, progress)
+    results = []
+    try:
+        for done, item in enumerate(items):
+            if isinstance(item, tuple):
+                name, path = item[0], None
+            else:
+                name, path = Path(item).stem, os.fspath(item)
+            bar.show(done, name)
+            result = _one(name, path, item, compare_one)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+        bar.show(len(items), "done")
+    finally:
+        bar.close()
+    return results
+
+
+def _one(name: str, path: str | None, item: Any, compare_one: CompareOne) -> CaseResult:
+    try:
+        fields, candidate = (item[1], item[2]) if path is None else load_case(path)
+    except (OSError, ValueError) as exc:
+        return CaseResult(name, "invalid", None, f"{type(exc).__name__}: {exc}", path)
+    try:
+        report = compare_one(name, fields, candidate)
+    except (InvalidArgument, MalformedRequest, TypeError, ValueError) as exc:  # the operator or moegrad refused it
+        return CaseResult(name, "invalid", None, f"{type(exc).__name__}: {exc}", path)
+    except MoegradError as exc:  # the service or the transport failed
+        return CaseResult(name, "error", None, f"{type(exc).__name__}: {exc}", path)
+    return CaseResult(name, report.verdict, report, None, path)
+
+
+def compare_in_process(standards: Iterable[str] | str | None = None, require_exact: bool = False) -> CompareOne:
+    """A ``compare_one`` for :func:`compare_cases` that judges each case in this process (:func:`compare`),
+    against the bit-exact emulation, and records its :class:`ReportContext`."""
+    def one(name: str, fields: Mapping[str, Any], candidate: np.ndarray) -> ComparisonReport:
+        call = MoeInitRoutingV2GradCall(**fields)
+        report = compare(call, candidate, standards=standards, require_exact=require_exact)
+        return with_context(report, report_context(call, candidate, case=name))
+
+    return one
+
+
+def _ratio(report: ComparisonReport, measure: str) -> float:
+    for verdict in report.verdicts:
+        for criterion in verdict.criteria:
+            if criterion.measure == measure:
+                return criterion.value
+    return math.nan
+
+
+def _badness(result: CaseResult) -> tuple[int, float]:
+    rmse = math.nan if result.report is None else _ratio(result.report, "rmse_ratio")
+    return _CASE_SEVERITY[result.status], -math.inf if math.isnan(rmse) else rmse
+
+
+#: Columns of the summary CSV: msprobe's result-comparison names first, then moegrad's own.
+SUMMARY_COLUMNS: tuple[str, ...] = (
+    "API Name", "DEVICE Dtype", "Shape", "比对结果", "比对算法", "均方根误差比值", "相对误差最大值比值", "相对误差平均值比值",
+    "小值域错误比值", "二进制一致错误率", "Message", "moegrad_status", "bit_exact", "bitwise_mismatches", "worst_row",
+    "file",
+)
+
+
+def _cell(value: float) -> str:
+    return "nan" if math.isnan(value) else repr(value)
+
+
+def _summary_row(result: CaseResult) -> dict[str, str]:
+    r = result.report
+    row = dict.fromkeys(SUMMARY_COLUMNS, "")
+    row.update({"API Name": result.name, "比对结果": MSPROBE_STATUS[result.status], "moegrad_status": result.status,
+                "file": result.path or ""})
+    if r is None:
+        row["Message"] = result.error or ""
+        return row
+    exact = r.exact
+    row.update({
+        "DEVICE Dtype": r.candidate_dtype, "Shape": str(tuple(r.shape)), "比对算法": "+".join(v.standard for v in r.verdicts),
+        "均方根误差比值": _cell(_ratio(r, "rmse_ratio")), "相对误差最大值比值": _cell(_ratio(r, "max_relative_error_ratio")),
+        "相对误差平均值比值": _cell(_ratio(r, "mean_relative_error_ratio")),
+        "小值域错误比值": _cell(_ratio(r, "small_value_error_ratio")),
+        "二进制一致错误率": "" if exact is None else _cell(exact.share),
+        "Message": "; ".join(c.describe() for v in r.verdicts for c in v.criteria if c.status != "pass"),
+        "bit_exact": "" if exact is None else str(exact.bit_exact).lower(),
+        "bitwise_mismatches": "" if exact is None else str(exact.mismatched),
+        "worst_row": "" if r.candidate_vs_golden.worst is None else str(r.candidate_vs_golden.worst.row),
+    })
+    return row
+
+
+def write_summary(results: Iterable[CaseResult], csv_path: str | os.PathLike[str],
+                  markdown_path: str | os.PathLike[str] | None = None) -> list[CaseResult]:
+    """Write one row per case, the worst first: invalid/error, fail, warning, pass; then by RMSE ratio.
+
+    Args:
+        results: :func:`compare_cases`'s.
+        csv_path: the summary CSV (:data:`SUMMARY_COLUMNS`; UTF-8 with a byte-order mark).
+        markdown_path: the same table as markdown, with the counts per status; None: not written.
+
+    Returns:
+        The results in the order written.
+
+    Raises:
+        OSError: a file cannot be written.
+    """
+    ordered = sorted(results, key=_badness, reverse=True)
+    rows = [_summary_row(result) for result in ordered]
+    with open(os.fspath(csv_path), "w", encoding="utf-8-sig", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(SUMMARY_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+    if markdown_path is not None:
+        counts = {status: sum(1 for r in ordered if r.status == status) for status in _CASE_SEVERITY}
+        lines = ["# moegrad accuracy summary", "",
+                 f"{len(ordered)} cases: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n), "",
+                 "| case | status | bit-exact | rmse ratio | worst row | message |", "|---|---|---|---|---|---|"]
+        for row in rows:
+            message = row["Message"].replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {row['API Name']} | {row['moegrad_status']} | {row['bit_exact'] or '-'} | "
+                         f"{row['均方根误差比值'] or '-'} | {row['worst_row'] or '-'} | {message} |")
+        Path(markdown_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return ordered
+
