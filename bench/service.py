@@ -1,7 +1,7 @@
 """Service benchmarks: moegrad on loopback, its floors, a PyTriton peer, memory.
 
 Everything runs on this machine, on 127.0.0.1 only, with bounded loops; every server this module
-starts is stopped in a ``finally``. Two sections of bench/RESULTS.md come from here:
+starts is stopped in a ``finally``. Three sections of bench/RESULTS.md come from here:
 
 - ``service``: S1 sequential latency with the sync :class:`moegrad.Client` against its
   floors (the same bytes POSTed by bare httpx and by a plain socket; ``GET /health/live`` with the
@@ -12,6 +12,10 @@ starts is stopped in a ``finally``. Two sections of bench/RESULTS.md come from h
   moegrad's v2 endpoint, both driven by tritonclient[http] on the same payloads.
 - ``memory``: the server's peak RSS growth over one S2 call (VmHWM after resetting it
   through /proc/<pid>/clear_refs), and its RSS while serving S2 again and again.
+- ``wire``: large calls against the loopback floor, side by side in one run (S2, and SL: DeepSeek-V3's
+  N=4096, K=8, H=7168 bfloat16, 448 MiB in, 56 MiB out): raw socket -> v1 msgpack, -> v1 frames,
+  -> v2 binary, ``moegrad.Client`` -> v1 msgpack and -> v1 frames; the server's peak RSS growth per
+  call and its RSS after; 1,000 S1 calls one by one against one ``Client.batch``.
 
 The workloads: S1 is the documentation's example (grad [[.1,.1],[.3,.3],[.2,.2],[.4,.4]] float32,
 idx [2,0,1,3], K=2); S2 is N=1024, K=2, H=4096 float32 dropless (32 MiB in, 16 MiB out). Every
@@ -20,7 +24,8 @@ are both v0 + v1 in float32).
 
 Usage::
 
-    .venv/bin/python -m bench.service [--quick|--full]     # only this module's two sections
+    .venv/bin/python -m bench.service [--quick|--full]     # only this module's sections
+    .venv/bin/python -m bench.service wire [--sl-rounds N]  # only the wire tables, SL included, printed
     .venv/bin/python -m bench.run [--quick|--full]         # every section (make bench)
 
 ``--server-pythonpath DIR`` runs the moegrad server from another source tree (DIR/client and
@@ -778,6 +783,300 @@ def rss_run(pid: int, calls: list[Callable[[], Any]], duration_s: float) -> RssR
     return run
 
 
+# --- wire speed: large calls against the floor, memory per call, batches ----------------------------
+
+
+def sl() -> Payload:
+    """DeepSeek-V3's layer: N=4096, K=8, H=7168 bfloat16 dropless (448 MiB in, 56 MiB out).
+
+    The expected grad_x is the in-process emulation's (``moegrad.moe_init_routing_v2_grad``): for
+    K=8 the order of adds matters, and the bench compares every path's bits against it.
+    """
+    import ml_dtypes
+
+    import moegrad
+
+    rng = np.random.default_rng(11)
+    rows = 4096 * 8
+    grad = np.empty((rows, 7168), dtype=ml_dtypes.bfloat16)
+    for start in range(0, rows, 4096):  # in blocks: a float32 array of the whole would be 896 MiB more
+        grad[start:start + 4096] = rng.standard_normal((4096, 7168), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    idx = rng.permutation(rows).astype(np.int32)
+    expected = moegrad.moe_init_routing_v2_grad(grad, idx, 8)
+    return Payload("SL", grad, idx, 8, expected)
+
+
+class RawWire:
+    """One keep-alive connection POSTing a prebuilt request (v1 msgpack, v1 frames or v2 binary)
+    and receiving the reply into a pre-touched buffer with ``recv_into``: what the client side of
+    the floor does, so the time above the floor is the server's."""
+
+    def __init__(self, url: str, payload: Payload, kind: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.kind = kind
+        head, parts = self._request(f"{host}:{port}", payload, kind)
+        self.request = np.empty(len(head) + sum(len(p) for p in parts), dtype=np.uint8)
+        view, at = memoryview(self.request), len(head)
+        view[:at] = head
+        for part in parts:
+            view[at:at + len(part)] = part
+            at += len(part)
+        self.reply = np.ones(payload.reply_bytes + (1 << 20), dtype=np.uint8)  # pre-touched, with room for headers
+        self.address = (host, int(port))
+        self.sock: socket.socket | None = None
+        self.used = 0.0
+        self.length = 0
+
+    def connect(self) -> None:
+        """A fresh connection when the last one sat idle (uvicorn closes keep-alives after 5 s)."""
+        if self.sock is not None and time.monotonic() - self.used < 2.0:
+            return
+        if self.sock is not None:
+            self.sock.close()
+        self.sock = socket.create_connection(self.address, timeout=120)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @staticmethod
+    def _request(host: str, payload: Payload, kind: str) -> tuple[bytes, list]:
+        from moegrad import FRAMES_MEDIA_TYPE, encode_body, encode_frames, encode_tensor
+
+        fields = {"grad_expanded_x": encode_tensor(payload.grad_expanded_x),
+                  "expanded_row_idx": encode_tensor(payload.expanded_row_idx), "top_k": payload.top_k}
+        if kind == "v1":
+            parts, path, extra = [encode_body(fields)], "/v1/moe_init_routing_v2_grad", "Content-Type: application/msgpack\r\n"
+        elif kind == "frames":
+            parts, _ = encode_frames(fields)
+            path = "/v1/moe_init_routing_v2_grad"
+            extra = f"Content-Type: {FRAMES_MEDIA_TYPE}\r\nAccept: {FRAMES_MEDIA_TYPE}\r\n"
+        else:
+            from moegrad import dtype_name
+
+            names = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+            grad, idx = payload.grad_expanded_x, payload.expanded_row_idx
+            header = json.dumps({"inputs": [
+                {"name": "grad_expanded_x", "datatype": names[dtype_name(grad.dtype)], "shape": list(grad.shape),
+                 "parameters": {"binary_data_size": grad.nbytes}},
+                {"name": "expanded_row_idx", "datatype": "INT32", "shape": list(idx.shape),
+                 "parameters": {"binary_data_size": idx.nbytes}}],
+                "outputs": [{"name": "grad_x", "parameters": {"binary_data": True}}],
+                "parameters": {"top_k": payload.top_k}}).encode()
+            parts = [header, memoryview(grad.reshape(-1).view(np.uint8)), memoryview(idx.view(np.uint8))]
+            path = f"/v2/models/{MODEL}/infer"
+            extra = f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {len(header)}\r\n"
+        length = sum(len(p) for p in parts)
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: {length}\r\n\r\n").encode()
+        return head, parts
+
+    def __call__(self) -> None:
+        self.connect()
+        assert self.sock is not None
+        self.sock.sendall(memoryview(self.request))
+        view, filled = memoryview(self.reply), 0
+        while True:
+            got = self.sock.recv_into(view[filled:])
+            if not got:
+                raise RuntimeError("the server closed the connection")
+            filled += got
+            end = bytes(view[:min(filled, 4096)]).find(b"\r\n\r\n")
+            if end >= 0:
+                break
+        head = bytes(view[:end])
+        if not head.startswith(b"HTTP/1.1 200 "):
+            raise RuntimeError(f"the server answered {head.splitlines()[0]!r}")
+        self.start, self.length = end + 4, _content_length(head)
+        while filled < self.start + self.length:
+            filled += self.sock.recv_into(view[filled:self.start + self.length])
+        self.used = time.monotonic()
+
+    def result(self) -> np.ndarray:
+        """grad_x of the last reply (decoded after the timing)."""
+        from moegrad import decode_body, decode_frames, decode_tensor
+
+        body = bytes(memoryview(self.reply)[self.start:self.start + self.length])
+        if self.kind == "v1":
+            return decode_tensor(decode_body(body)["grad_x"], "grad_x")
+        if self.kind == "frames":
+            return decode_tensor(decode_frames(body)["grad_x"], "grad_x")
+        header = json.loads(body[:body.index(b"}]}") + 3])
+        output = header["outputs"][0]
+        raw = body[len(json.dumps(header, separators=(",", ":")).encode()):]
+        from moegrad import DTYPES
+
+        names = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
+        return np.frombuffer(raw, dtype=DTYPES[names[output["datatype"]]]).reshape(output["shape"])
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
+def _same_bits(result: np.ndarray, payload: Payload, where: str) -> None:
+    if result.dtype != payload.expected.dtype or result.shape != payload.expected.shape or not np.array_equal(
+            result.view(np.uint16 if result.dtype.itemsize == 2 else np.uint32),
+            payload.expected.view(np.uint16 if result.dtype.itemsize == 2 else np.uint32)):
+        raise AssertionError(f"{where}: the {payload.name} reply differs from the in-process result")
+
+
+WIRE_PATHS = ("raw -> v1 msgpack", "raw -> v1 frames", "raw -> v2 binary", "Client -> v1 (msgpack)",
+              "Client -> v1 (auto: frames)")
+
+
+def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str, Any]:
+    """Interleaved rounds: the floor, then each path once, per round; each reply checked bitwise once.
+
+    Also the server's peak RSS growth per call (VmHWM after a reset, minus VmRSS before) and its
+    RSS one second after the call.
+    """
+    from moegrad import Client
+
+    floor = LoopbackFloor(payload.request_bytes, payload.reply_bytes)
+    raws = {"raw -> v1 msgpack": RawWire(url, payload, "v1"), "raw -> v1 frames": RawWire(url, payload, "frames"),
+            "raw -> v2 binary": RawWire(url, payload, "v2")}
+    clients = {"Client -> v1 (msgpack)": Client(url, retries=0, timeout_s=300.0, wire="msgpack"),
+               "Client -> v1 (auto: frames)": Client(url, retries=0, timeout_s=300.0)}
+    args = (payload.grad_expanded_x, payload.expanded_row_idx, payload.top_k)
+    times: dict[str, list[float]] = {name: [] for name in ("floor", *WIRE_PATHS)}
+    growth: dict[str, list[float]] = {name: [] for name in WIRE_PATHS}
+    after: dict[str, list[float]] = {name: [] for name in WIRE_PATHS}
+    calls: dict[str, Callable[[], Any]] = {**raws, **{name: (lambda c=c: c.moe_init_routing_v2_grad(*args))
+                                                      for name, c in clients.items()}}
+    try:
+        floor.round_trip_s()
+        for name, raw in raws.items():  # warm-up and the bitwise check, outside the timing
+            raw()
+            _same_bits(raw.result(), payload, name)
+        for name, client in clients.items():
+            _same_bits(client.moe_init_routing_v2_grad(*args), payload, name)
+        for _ in range(rounds):
+            times["floor"].append(floor.round_trip_s())
+            for name, call in calls.items():
+                time.sleep(0.3)
+                if name in raws:
+                    raws[name].connect()
+                before = status_kib(pid, "VmRSS")
+                reset_peak_rss(pid)
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
+                growth[name].append((status_kib(pid, "VmHWM") - before) * 1024 / (payload.request_bytes
+                                                                                  + payload.reply_bytes))
+                time.sleep(1.0)
+                after[name].append(status_kib(pid, "VmRSS") / 1024)
+    finally:
+        floor.close()
+        for raw in raws.values():
+            raw.close()
+        for client in clients.values():
+            client.close()
+    return {"times": times, "growth": growth, "after_mib": after}
+
+
+def batch_measure(url: str, pid: int, calls: int, rounds: int) -> dict[str, list[float]]:
+    """``calls`` S1 calls: one after another with the sync Client, and in one ``Client.batch``; interleaved.
+
+    Also the server's CPU seconds (all its threads, /proc) per batch of ``calls`` and per batch of one.
+    """
+    from moegrad import Client, GradResult, MoeInitRoutingV2GradCall
+
+    payload = s1()
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=payload.grad_expanded_x,
+                                    expanded_row_idx=payload.expanded_row_idx, top_k=payload.top_k)
+    out: dict[str, list[float]] = {"sequential": [], "batch": [], "batch_cpu": [], "one_cpu": []}
+    pids = descendants(pid)
+    with Client(url, retries=0, timeout_s=300.0) as client:
+        client.run(call)
+        client.batch([call] * 10)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                client.run(call)
+            out["sequential"].append(time.perf_counter() - t0)
+            cpu0 = cpu_s(pids)
+            client.batch([call])
+            out["one_cpu"].append(cpu_s(pids) - cpu0)
+            cpu0, t0 = cpu_s(pids), time.perf_counter()
+            answers = client.batch([call] * calls)
+            out["batch"].append(time.perf_counter() - t0)
+            out["batch_cpu"].append(cpu_s(pids) - cpu0)
+            for answer in answers:
+                if not isinstance(answer, GradResult):
+                    raise AssertionError(f"a batch item failed: {answer!r}")
+                check(answer.grad_x, payload, "Client.batch")
+    return out
+
+
+def wire_speed(*, s2_rounds: int = 5, sl_rounds: int = 2, batch_calls: int = 1000, batch_rounds: int = 3,
+               server_pythonpath: str | None = None) -> str:
+    """Measure large calls against the loopback floor (S2 and SL), the server's memory per call and
+    idle, and the batch speedup; return the markdown tables."""
+    results: dict[str, Any] = {}
+    with moegrad_server(pythonpath=server_pythonpath) as server:
+        log(f"moegrad at {server.url} (pid {server.pid})")
+        from moegrad import Client
+
+        with Client(server.url, retries=0) as client:
+            small = s1()
+            for _ in range(20):
+                client.moe_init_routing_v2_grad(small.grad_expanded_x, small.expanded_row_idx, small.top_k)
+        time.sleep(1.0)
+        results["start_mib"] = status_kib(server.pid, "VmRSS") / 1024
+        log("batches: S1 sequential vs one batch")
+        results["batch"], results["batch_calls"] = batch_measure(server.url, server.pid, batch_calls, batch_rounds), batch_calls
+        log("S2: every path against the floor")
+        results["S2"] = wire_measure(server.url, server.pid, s2(), s2_rounds)
+        time.sleep(1.0)
+        results["settled_mib"] = status_kib(server.pid, "VmRSS") / 1024
+        if sl_rounds:
+            log("SL: building the payload (448 MiB, and its expected result)")
+            large = sl()
+            log("SL: every path against the floor")
+            results["SL"] = wire_measure(server.url, server.pid, large, sl_rounds)
+            del large
+        time.sleep(1.0)
+        results["end_mib"] = status_kib(server.pid, "VmRSS") / 1024
+    return _wire_tables(results)
+
+
+def _wire_tables(r: dict[str, Any]) -> str:
+    load = os.getloadavg()
+    lines = [f"Load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min; 2 cores, shared).", ""]
+    payloads = [name for name in ("S2", "SL") if name in r]
+    lines += ["| path | " + " | ".join(f"{name} median (x floor)" for name in payloads) + " |",
+              "|---|" + "---:|" * len(payloads)]
+    floors = {name: statistics.median(r[name]["times"]["floor"]) for name in payloads}
+    lines.append("| loopback floor | " + " | ".join(ms(floors[name]) for name in payloads) + " |")
+    for path in WIRE_PATHS:
+        cells = []
+        for name in payloads:
+            median = statistics.median(r[name]["times"][path])
+            cells.append(f"{ms(median)} ({median / floors[name]:.2f}x)")
+        lines.append(f"| {path} | " + " | ".join(cells) + " |")
+    lines += ["", "Server peak RSS growth per call, as a multiple of request + reply bytes (median), and its RSS "
+              "1 s after the call (MiB, median):", "",
+              "| path | " + " | ".join(f"{name} growth | {name} RSS after" for name in payloads) + " |",
+              "|---|" + "---:|---:|" * len(payloads)]
+    for path in WIRE_PATHS:
+        cells = []
+        for name in payloads:
+            cells.append(f"{statistics.median(r[name]['growth'][path]):.2f}x")
+            cells.append(f"{statistics.median(r[name]['after_mib'][path]):.0f}")
+        lines.append(f"| {path} | " + " | ".join(cells) + " |")
+    lines += ["", f"Server RSS: {r['start_mib']:.0f} MiB after warm-up, {r['settled_mib']:.0f} MiB after the S2 "
+              f"rounds, {r['end_mib']:.0f} MiB idle after every round (SL included) "
+              f"({(r['end_mib'] / r['settled_mib'] - 1) * 100:+.0f}% of the settled value).", ""]
+    batch = r["batch"]
+    seq, one = statistics.median(batch["sequential"]), statistics.median(batch["batch"])
+    calls = r["batch_calls"]
+    lines += [f"| {calls:,} S1 calls | median (ms) | per call (us) |", "|---|---:|---:|",
+              f"| sequential `Client.run` | {ms(seq)} | {seq / calls * 1e6:.0f} |",
+              f"| one `Client.batch` | {ms(one)} | {one / calls * 1e6:.0f} |",
+              f"| speedup | {seq / one:.1f}x | |", "",
+              f"Server CPU (all threads, /proc) per call inside the batch: "
+              f"{(statistics.median(batch['batch_cpu']) - statistics.median(batch['one_cpu'])) / (calls - 1) * 1e6:.0f} us "
+              f"(a {calls:,}-call batch less a 1-call batch; clock ticks of 10 ms, so about +-{2e4 / calls:.0f} us)."]
+    return "\n".join(lines) + "\n"
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -929,11 +1228,23 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
                 results["rss_run"] = rss_run(fresh.pid, [lambda: calls["v1"](large), lambda: calls["v2"](large)],
                                              mode.memory_s)
 
+    log("wire speed: S2" + (" and SL" if not quick else "") + " against the floor, memory per call, batches")
+    wire_rounds = {"s2_rounds": 3, "sl_rounds": 0, "batch_rounds": 2} if quick else \
+        {"s2_rounds": 5, "sl_rounds": 2, "batch_rounds": 3}
+    wire_tables = wire_speed(**wire_rounds, server_pythonpath=server_pythonpath)
     log("done")
     sections = {
         "service": _service_section(results, mode, machine_line, command, small, large, peer_venv, peer_note,
                                     peer_startup_s),
         "memory": _memory_section(results, mode, machine_line, command, large),
+        "wire": "\n".join([
+            "## Large calls at wire speed, and batches", "",
+            f"Machine: {machine_line}. Command: {command}; SL as well: `python -m bench.service wire` "
+            f"({'quick mode skips SL' if quick else 'full mode includes SL'}). One server (reference backend, "
+            f"2 streams); rounds interleaved ({wire_rounds}), medians; each path's reply checked bitwise "
+            "against the in-process result. The floor is raw TCP on loopback moving the same request and "
+            "reply bytes between pre-touched buffers; the raw callers send prebuilt requests and receive "
+            "into pre-touched buffers the same way.", "", wire_tables]),
     }
     if write:
         for name, body in sections.items():
@@ -1198,6 +1509,10 @@ def _memory_section(r: dict, mode: Mode, machine_line: str, command: str, large:
 def _cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.service", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
+    wire = sub.add_parser("wire", help="large calls vs the loopback floor (S2, SL), memory per call, batches")
+    wire.add_argument("--s2-rounds", type=int, default=5)
+    wire.add_argument("--sl-rounds", type=int, default=2, help="0 skips SL (~2 GB of RAM per process)")
+    wire.add_argument("--batch-rounds", type=int, default=3)
     load = sub.add_parser("load", help="(internal) the load-generating process")
     load.add_argument("--client", choices=["moegrad", "moegrad-threads", "raw", "triton"], required=True)
     load.add_argument("--url", required=True)
@@ -1219,6 +1534,10 @@ def _cli(argv: list[str] | None = None) -> int:
         else:
             asyncio.run(_load_async(args.client, args.url, payload, args.concurrency, args.duration_s,
                                     args.warmup_s))
+        return 0
+    if args.command == "wire":
+        print(wire_speed(s2_rounds=args.s2_rounds, sl_rounds=args.sl_rounds, batch_rounds=args.batch_rounds,
+                         server_pythonpath=args.server_pythonpath))
         return 0
     sections = main(quick=args.quick, write=True, server_pythonpath=args.server_pythonpath)
     for body in sections.values():

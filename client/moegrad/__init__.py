@@ -13,7 +13,7 @@
 """
 
 from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
-from moegrad._client import AsyncClient, Client
+from moegrad._client import AsyncClient, BatchCompare, Client
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -34,26 +34,32 @@ from moegrad._reference import (
     moe_init_routing_v2_grad_golden,
     warm_up,
 )
+from moegrad._results import CompareResult, GradResult
 from moegrad._routing import (
     MoeInitRoutingV2Result,
     expanded_row_idx_layout,
     invert_expanded_row_idx,
     moe_init_routing_v2,
 )
-from moegrad._results import CompareResult, GradResult
 from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import (
     DTYPES,
+    FRAMES_MEDIA_TYPE,
+    MAX_BATCH_CALLS,
     MAX_RANK,
     REQUEST_LIMITS,
     StructureLimits,
     brief,
+    decode_batch,
     decode_body,
+    decode_frames,
     decode_tensor,
     dtype_name,
+    encode_batch,
     encode_body,
     encode_body_view,
+    encode_frames,
     encode_tensor,
 )
 from moegrad.accuracy import (
@@ -82,7 +88,9 @@ __all__ = [
     "DEFAULT_STANDARDS",
     "DTYPES",
     "DTYPE_LIMITS",
+    "FRAMES_MEDIA_TYPE",
     "GRAD_DTYPES",
+    "MAX_BATCH_CALLS",
     "MAX_RANK",
     "ORDERS",
     "REQUEST_LIMITS",
@@ -91,6 +99,7 @@ __all__ = [
     "AclnnStatus",
     "Ascend950Tiling",
     "AsyncClient",
+    "BatchCompare",
     "Client",
     "CompareResult",
     "ComparisonReport",
@@ -124,11 +133,15 @@ __all__ = [
     "check_compare_arguments",
     "compare",
     "compare_arrays",
+    "decode_batch",
     "decode_body",
+    "decode_frames",
     "decode_tensor",
     "dtype_name",
+    "encode_batch",
     "encode_body",
     "encode_body_view",
+    "encode_frames",
     "encode_tensor",
     "expanded_row_idx_layout",
     "invert_expanded_row_idx",

@@ -12,8 +12,10 @@ The core builds every request (URL, headers, body, per-attempt timeouts), maps e
 every network error to a result or an exception, and decides every retry. :class:`Client` and
 :class:`AsyncClient` only drive flows: ``_drive`` is the same dozen lines in each, differing by
 ``await``. A new endpoint is one flow in the core plus one short method in each client: the
-operator call (``grad_flow``), the accuracy comparison (``compare_flow``, docs/accuracy.md), the
-service's info and health probes.
+operator call (``grad_flow``; msgpack, or frames for large calls when the server offers them), many
+calls in one request (``batch_flow``), the accuracy comparison (``compare_flow``, docs/accuracy.md),
+the service's info and health probes. A frames reply is streamed by the driver into a
+:class:`~moegrad._wire.FramesReader` (each tensor's bytes copied once, into an array of its own).
 
 Errors a call raises (the tree is drawn in ``moegrad._errors``):
 
@@ -71,7 +73,18 @@ from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import to_numpy, to_torch
 from moegrad._version import __version__
-from moegrad._wire import decode_body, decode_tensor, dtype_name, encode_body_view, encode_tensor
+from moegrad._wire import (
+    FRAMES_MEDIA_TYPE,
+    MAX_BATCH_CALLS,
+    FramesReader,
+    decode_body,
+    decode_tensor,
+    dtype_name,
+    encode_batch,
+    encode_body_view,
+    encode_frames,
+    encode_tensor,
+)
 from moegrad.accuracy import (
     CaseResult,
     ComparisonReport,
@@ -82,15 +95,22 @@ from moegrad.accuracy import (
     with_context,
 )
 
-__all__ = ["AsyncClient", "Client"]
+__all__ = ["AsyncClient", "BatchCompare", "Client"]
 
 T = TypeVar("T")
 #: What a flow yields (a request to send, or seconds to sleep), is sent, and returns.
 Flow = Generator["httpx.Request | float", "httpx.Response | httpx.HTTPError | None", T]
 
 _GRAD_PATH = "/v1/moe_init_routing_v2_grad"
+_BATCH_PATH = "/v1/moe_init_routing_v2_grad/batch"
 _COMPARE_PATH = "/v1/moe_init_routing_v2_grad/compare"
 _MSGPACK = "application/msgpack"
+_FRAMES_ACCEPT = f"{FRAMES_MEDIA_TYPE}, {_MSGPACK};q=0.5"
+#: A call whose tensors hold at least this many bytes travels as frames (``wire="auto"``), when the
+#: server offers them; smaller calls are cheaper as one msgpack document.
+FRAMES_MIN_BYTES = 1 << 16
+_WIRES = ("auto", "msgpack", "frames")
+_FRAMES_READER = "moegrad.frames"  # the httpx response extension a driver puts a frames reply's reader under
 _JSON = "application/json"
 _MAX_RETRY_DELAY_S = 30.0  # the longest a single Retry-After is honoured
 _BACKOFF_BASE_S = 0.05  # connection-error backoff: 0.05, 0.1, 0.2, ... s
@@ -120,6 +140,24 @@ class _UseClientDefault:
 
 #: A call's ``timeout_s`` when not passed: the client's ``timeout_s`` applies.
 USE_CLIENT_DEFAULT = _UseClientDefault()
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchCompare:
+    """A comparison to send in a batch (:meth:`Client.batch`), answered as a :class:`CompareResult`.
+
+    Attributes:
+        call: the operator call (a :class:`~moegrad.MoeInitRoutingV2GradCall`, or a wire document
+            when the client's ``validate`` is False).
+        candidate: [N, H] grad_x of the implementation under test, in the call's dtype or float32.
+        standards: names from :data:`moegrad.STANDARDS` (one or several); None: all.
+        return_grad_x: also return the device's grad_x.
+    """
+
+    call: MoeInitRoutingV2GradCall | Mapping[str, Any]
+    candidate: Any
+    standards: Iterable[str] | str | None = None
+    return_grad_x: bool = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,6 +303,17 @@ def _error_from_response(response: httpx.Response) -> MoegradError:
     return factory(message, problem or {}, response)
 
 
+def _error_from_problem(problem: dict[str, Any], response: httpx.Response) -> MoegradError:
+    """The exception for one failed batch item's problem document (the same table as a reply's status)."""
+    status = _int_or_none(problem.get("status")) or 500
+    message = problem.get("detail") or problem.get("title")
+    message = message if isinstance(message, str) else f"a batch item failed with status {status}"
+    factory = _STATUS_ERRORS.get(status)
+    if factory is None:
+        return ServiceError(message, status_code=status, problem=problem)
+    return factory(message, problem, response)
+
+
 # --------------------------------------------------------------------------------------------------
 # The sans-I/O core
 # --------------------------------------------------------------------------------------------------
@@ -274,19 +323,21 @@ def _error_from_response(response: httpx.Response) -> MoegradError:
 BODY_SLICE_BYTES = 1 << 20
 
 
-def _body_slices(body: memoryview) -> Iterator[memoryview]:
+def _body_slices(body: memoryview | list[memoryview | bytes]) -> Iterator[memoryview | bytes]:
     """A request body as slices of the buffer it views.
 
     Given ``bytes``, httpx copies the body into one more buffer of its size on its way to the
     socket; slices keep that copy to one slice at a time (measured on S2, a 32 MiB body: 265 ->
     211 ms per call on bench/RESULTS.md's machine). The Content-Length is set by the caller, so
     httpx does not fall back to chunked encoding. One generator per attempt: a retry sends it all.
+    A list is a frames body's parts (:func:`moegrad.encode_frames`), each sliced in turn.
     """
-    for start in range(0, len(body), BODY_SLICE_BYTES):
-        yield body[start:start + BODY_SLICE_BYTES]
+    for part in (body if isinstance(body, list) else [body]):
+        for start in range(0, len(part), BODY_SLICE_BYTES):
+            yield part[start:start + BODY_SLICE_BYTES]
 
 
-async def _abody_slices(body: memoryview) -> AsyncIterator[memoryview]:
+async def _abody_slices(body: memoryview | list[memoryview | bytes]) -> AsyncIterator[memoryview | bytes]:
     """:func:`_body_slices` for httpx.AsyncClient, which takes only async iterables."""
     for part in _body_slices(body):
         yield part
@@ -307,8 +358,13 @@ class _ClientCore:
         headers: Mapping[str, str] | None,
         clock: Callable[[], float] = time.monotonic,
         async_body: bool = False,
+        wire: str = "auto",
     ) -> None:
         self.base_url = _base_url(base_url)
+        if wire not in _WIRES:
+            raise ValueError(f"wire={wire!r} must be one of {list(_WIRES)}")
+        self.wire = wire
+        self._server_frames: bool | None = None  # whether the server offers frames (learnt from /v1/info)
         self._async_body = async_body  # request bodies as async iterables (httpx.AsyncClient takes no others)
         self._urls: dict[str, httpx.URL] = {}  # path -> absolute URL: parsing one costs more than a small call's codec
         self.timeout_s = _seconds("timeout_s", timeout_s, allow_none=True)
@@ -341,7 +397,7 @@ class _ClientCore:
 
     def build_request(
         self, method: str, path: str, *, accept: str, request_id: str, remaining_s: float | None,
-        body: memoryview | None = None,
+        body: memoryview | list[memoryview | bytes] | None = None, content_type: str = _MSGPACK,
     ) -> httpx.Request:
         """One attempt's request; ``remaining_s`` (None: no deadline) sets X-Request-Timeout and httpx's timeouts.
 
@@ -353,8 +409,8 @@ class _ClientCore:
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
         if body is not None:
-            headers["Content-Type"] = _MSGPACK
-            headers["Content-Length"] = str(len(body))
+            headers["Content-Type"] = content_type
+            headers["Content-Length"] = str(sum(map(len, body)) if isinstance(body, list) else len(body))
         if remaining_s is not None:
             headers["X-Request-Timeout"] = f"{remaining_s:.3f}"
         connect = self.connect_timeout_s
@@ -451,8 +507,8 @@ class _ClientCore:
     def parse_grad(response: httpx.Response, call: MoeInitRoutingV2GradCall | None) -> GradResult:
         """A 200 reply of the grad endpoint as a GradResult; a reply that is not one is a ServiceError."""
         try:
-            document = decode_body(response.content)
-            grad_x = decode_tensor(document.get("grad_x"), "grad_x").copy()
+            document = _ClientCore.reply_document(response)
+            grad_x = _ClientCore.reply_grad_x(document.get("grad_x"))
         except MalformedRequest as exc:  # the server's reply is broken, not the caller's request
             raise ServiceError(f"the server's reply is not a valid result: {exc.message}",
                                status_code=response.status_code) from None
@@ -543,7 +599,7 @@ class _ClientCore:
 
     def exchange(
         self, method: str, path: str, *, accept: str, timeout_s: float | None, retries: int,
-        body: memoryview | None = None,
+        body: memoryview | list[memoryview | bytes] | None = None, content_type: str = _MSGPACK,
     ) -> Flow[httpx.Response]:
         """Send one logical request, retrying 503 and connection errors; return its 2xx response."""
         request_id = uuid.uuid4().hex
@@ -555,7 +611,7 @@ class _ClientCore:
                 raise DeadlineExceeded(f"{method} {path}: the deadline of {timeout_s} s passed before a reply"
                                        + (f" ({attempt} attempts)" if attempt else ""))
             request = self.build_request(method, path, accept=accept, request_id=request_id,
-                                         remaining_s=remaining_s, body=body)
+                                         remaining_s=remaining_s, body=body, content_type=content_type)
             outcome = yield request
             if isinstance(outcome, httpx.Response):
                 if outcome.is_success:
@@ -577,10 +633,182 @@ class _ClientCore:
 
     def grad_flow(self, call: MoeInitRoutingV2GradCall | Mapping[str, Any], timeout_s: Any) -> Flow[GradResult]:
         timeout_s = self.call_timeout_s(timeout_s)
+        if isinstance(call, MoeInitRoutingV2GradCall) and (yield from self.frames_for(call)):
+            parts, _ = encode_frames(self.call_document(call))
+            response = yield from self.exchange("POST", _GRAD_PATH, accept=_FRAMES_ACCEPT, timeout_s=timeout_s,
+                                                retries=self.retries, body=parts, content_type=FRAMES_MEDIA_TYPE)
+            return self.parse_grad(response, call)
         body, checked = self.grad_body(call)
         response = yield from self.exchange("POST", _GRAD_PATH, accept=_MSGPACK, timeout_s=timeout_s,
                                             retries=self.retries, body=body)
         return self.parse_grad(response, checked)
+
+    def frames_for(self, call: MoeInitRoutingV2GradCall) -> Flow[bool]:
+        """Whether ``call`` travels as frames: ``wire="frames"`` always; ``"auto"`` when its tensors
+        hold FRAMES_MIN_BYTES or more and the server's ``/v1/info`` lists ``"frames"`` in
+        ``wire_formats`` (asked once per client; a server that cannot say gets msgpack)."""
+        if self.wire != "auto":
+            return self.wire == "frames"
+        if call.grad_expanded_x.nbytes + call.expanded_row_idx.nbytes < FRAMES_MIN_BYTES:
+            return False
+        if self._server_frames is None:
+            try:
+                info = yield from self.info_flow()
+            except MoegradError:
+                info = {}
+            formats = info.get("wire_formats")
+            self._server_frames = isinstance(formats, list) and "frames" in formats
+        return self._server_frames
+
+    @staticmethod
+    def frames_reader(response: httpx.Response) -> FramesReader | None:
+        """A reader for a successful frames reply (the driver streams the body into it), else None."""
+        kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        if not (response.is_success and kind == FRAMES_MEDIA_TYPE):
+            return None
+        declared = response.headers.get("content-length")
+        reader = FramesReader(int(declared) if declared is not None and declared.isdigit() else None)
+        response.extensions[_FRAMES_READER] = reader
+        return reader
+
+    @staticmethod
+    def reply_document(response: httpx.Response) -> dict[str, Any]:
+        """A reply's document: a frames reply's (its tensors already owned arrays), else the msgpack map.
+
+        Raises:
+            MalformedRequest: the body is not a valid document.
+        """
+        reader = response.extensions.get(_FRAMES_READER)
+        if reader is None:
+            return decode_body(response.content)
+        if reader.error is not None:
+            raise reader.error
+        return reader.document()
+
+    @staticmethod
+    def reply_grad_x(value: Any) -> np.ndarray:
+        """grad_x of a reply document as an owned, writable array: a frames reply's array as it is,
+        a msgpack tensor map's bytes copied out once."""
+        if isinstance(value, np.ndarray):
+            return value
+        return decode_tensor(value, "grad_x").copy()
+
+    # ---- batches ---------------------------------------------------------------------------------
+
+    def batch_items(self, items: Iterable[Any]) -> tuple[list[dict[str, Any] | MoegradError],
+                                                         list[tuple[str, MoeInitRoutingV2GradCall | None, bool]]]:
+        """Each batch item's wire document (or the error it raised locally), and what its answer is
+        checked against: (``"grad"`` or ``"compare"``, the validated call or None, return_grad_x)."""
+        documents: list[dict[str, Any] | MoegradError] = []
+        kinds: list[tuple[str, MoeInitRoutingV2GradCall | None, bool]] = []
+        for item in items:
+            try:
+                if isinstance(item, BatchCompare):
+                    document, checked = self.batch_compare_document(item)
+                    kinds.append(("compare", checked, item.return_grad_x))
+                else:
+                    document, checked = self.batch_grad_document(item)
+                    kinds.append(("grad", checked, True))
+                documents.append(document)
+            except MoegradError as exc:  # a call refused locally (InvalidArgument, MalformedRequest): its own answer
+                documents.append(exc)
+                kinds.append(("grad", None, False))
+        return documents, kinds
+
+    def batch_grad_document(self, call: Any) -> tuple[dict[str, Any], MoeInitRoutingV2GradCall | None]:
+        if isinstance(call, MoeInitRoutingV2GradCall):
+            return self.call_document(call), call
+        if isinstance(call, Mapping):
+            document = dict(call)
+            checked = None
+            if self.validate:
+                checked = MoeInitRoutingV2GradCall.from_wire(decode_body(encode_body_view(document)))
+            return document, checked
+        raise TypeError(f"a batch item must be a MoeInitRoutingV2GradCall, a wire document mapping or a "
+                        f"BatchCompare, got {type(call).__name__}")
+
+    def batch_compare_document(self, item: BatchCompare) -> tuple[dict[str, Any], MoeInitRoutingV2GradCall | None]:
+        if not isinstance(item.return_grad_x, bool):
+            raise TypeError(f"return_grad_x must be a bool, got {type(item.return_grad_x).__name__}")
+        document, checked = self.batch_grad_document(item.call)
+        standards = item.standards
+        names: Any = (standards,) if isinstance(standards, str) else standards
+        if checked is not None:
+            names = check_compare_arguments(checked, item.candidate, standards)
+        document["op"] = "compare"
+        if item.candidate is not None:
+            document["candidate"] = encode_tensor(np.asarray(item.candidate))
+        if standards is not None:
+            document["standards"] = list(names)
+        if item.return_grad_x:
+            document["return_grad_x"] = True
+        return document, checked
+
+    def batch_flow(self, items: Iterable[Any], timeout_s: Any) -> Flow[list[GradResult | CompareResult | MoegradError]]:
+        """Send the items in batches of at most MAX_BATCH_CALLS; one answer (or exception) per item, in order."""
+        timeout_s = self.call_timeout_s(timeout_s)
+        documents, kinds = self.batch_items(items)
+        answers: list[GradResult | CompareResult | MoegradError | None] = [
+            document if isinstance(document, MoegradError) else None for document in documents]
+        sent = [index for index, document in enumerate(documents) if not isinstance(document, MoegradError)]
+        for start in range(0, len(sent), MAX_BATCH_CALLS):
+            chunk = sent[start:start + MAX_BATCH_CALLS]
+            try:
+                body = encode_batch([documents[index] for index in chunk])  # type: ignore[misc]
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"the batch cannot be packed as msgpack: {exc}") from None
+            response = yield from self.exchange("POST", _BATCH_PATH, accept=_MSGPACK, timeout_s=timeout_s,
+                                                retries=self.retries, body=body)
+            results = self.parse_batch(response, len(chunk))
+            request_id = response.headers.get("x-request-id")  # once: a header lookup costs more than a small answer
+            for index, result in zip(chunk, results, strict=True):
+                answers[index] = self.batch_answer(response, result, kinds[index], request_id)
+        return answers  # type: ignore[return-value]
+
+    @staticmethod
+    def parse_batch(response: httpx.Response, count: int) -> list[Any]:
+        try:
+            document = decode_body(response.content)
+        except MalformedRequest as exc:
+            raise ServiceError(f"the server's batch reply is not valid: {exc.message}",
+                               status_code=response.status_code) from None
+        results = document.get("results")
+        if not isinstance(results, list) or len(results) != count:
+            raise ServiceError(f"the server answered {len(results) if isinstance(results, list) else 'no'} "
+                               f"results for a batch of {count}", status_code=response.status_code)
+        return results
+
+    @staticmethod
+    def batch_answer(response: httpx.Response, result: Any, kind: tuple[str, MoeInitRoutingV2GradCall | None, bool],
+                     request_id: str | None) -> GradResult | CompareResult | MoegradError:
+        """One item's answer: its result (the fields :meth:`answer_fields` gives a single call's, the
+        batch's ``request_id``), or the exception its problem document maps to (the table of the
+        single-call endpoints); a result that is not valid is a ServiceError in its place."""
+        op, call, return_grad_x = kind
+        if not isinstance(result, dict):
+            return ServiceError("the server's batch reply holds an item that is not a map",
+                                status_code=response.status_code)
+        problem = result.get("problem")
+        if isinstance(problem, dict):
+            return _error_from_problem(problem, response)
+        try:
+            grad_x = None
+            if op == "grad" or return_grad_x:
+                grad_x = decode_tensor(result.get("grad_x"), "grad_x").copy()
+                _ClientCore.check_grad_x(response, grad_x, call)
+            timings = result.get("timings_ms")
+            fields = {"backend": str(result.get("backend", "")), "order": str(result.get("order", "")),
+                      "device": _str_or_none(result.get("device")),
+                      "timings_ms": dict(timings) if isinstance(timings, dict) else {}, "request_id": request_id}
+            if op == "grad":
+                return GradResult(grad_x=grad_x, **fields)
+            report = ComparisonReport.from_dict(result.get("report"))
+            return CompareResult(report=report, grad_x=grad_x, **fields)
+        except (MalformedRequest, ValueError) as exc:
+            return ServiceError(f"the server's answer to a batch item is not valid: {exc}",
+                                status_code=response.status_code)
+        except ServiceError as exc:
+            return exc
 
     def compare_flow(self, call: MoeInitRoutingV2GradCall | dict[str, Any], candidate: Any, standards: Any,
                      return_grad_x: Any, timeout_s: Any, require_exact: Any = False) -> Flow[CompareResult]:
@@ -630,6 +858,10 @@ _CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, DESIGN.md
         validate: check every call locally with :class:`~moegrad.MoeInitRoutingV2GradCall` before
             sending it (so a bad call raises InvalidArgument with no I/O). False sends calls as given.
         headers: extra headers sent with every request.
+        wire: how a call's tensors travel: ``"auto"`` (frames for calls of FRAMES_MIN_BYTES or more
+            when the server's ``/v1/info`` offers them, else msgpack), ``"msgpack"`` (always one
+            msgpack document) or ``"frames"`` (always frames: the tensors' bytes unpacked after a
+            msgpack header, docs/protocol.md).
 
     Raises:
         TypeError, ValueError: a configuration value of the wrong type or out of range (no I/O done).
@@ -650,10 +882,11 @@ class _ClientBase:
         verify: bool | str | os.PathLike[str] | ssl.SSLContext,
         validate: bool,
         headers: Mapping[str, str] | None,
+        wire: str = "auto",
     ) -> None:
         self._core = _ClientCore(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                                  retries=retries, token=token, validate=validate, headers=headers,
-                                 async_body=self._ASYNC)
+                                 async_body=self._ASYNC, wire=wire)
         self._verify = _verify(verify)
 
     @property
@@ -680,9 +913,10 @@ class Client(_ClientBase):
         transport: httpx.BaseTransport | None = None,
         validate: bool = True,
         headers: Mapping[str, str] | None = None,
+        wire: str = "auto",
     ) -> None:
         super().__init__(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, retries=retries,
-                         token=token, verify=verify, validate=validate, headers=headers)
+                         token=token, verify=verify, validate=validate, headers=headers, wire=wire)
         if transport is not None and not isinstance(transport, httpx.BaseTransport):
             raise TypeError(f"transport must be an httpx.BaseTransport, got {type(transport).__name__}")
         self._http = httpx.Client(transport=transport, verify=self._verify)
@@ -696,7 +930,22 @@ class Client(_ClientBase):
                 return stop.value
             if isinstance(step, httpx.Request):
                 try:
-                    outcome = self._http.send(step)
+                    outcome = self._http.send(step, stream=True)
+                    try:
+                        reader = self._core.frames_reader(outcome)
+                        if reader is None:
+                            outcome.read()
+                        else:
+                            # a response built with its content (a mock transport) is not a stream
+                            chunks = [outcome.content] if outcome.is_stream_consumed else outcome.iter_raw()
+                            for chunk in chunks:
+                                try:
+                                    reader.feed(chunk)
+                                except MalformedRequest as exc:
+                                    reader.error = exc
+                                    break
+                    finally:
+                        outcome.close()
                 except httpx.HTTPError as exc:
                     outcome = exc
             else:
@@ -765,6 +1014,37 @@ class Client(_ClientBase):
             the errors of :meth:`moe_init_routing_v2_grad`; TypeError for a call of another type.
         """
         return self._drive(self._core.grad_flow(call, timeout_s))
+
+    def batch(
+        self,
+        items: Iterable[MoeInitRoutingV2GradCall | Mapping[str, Any] | BatchCompare],
+        *,
+        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> list[GradResult | CompareResult | MoegradError]:
+        """Run many independent calls (and comparisons) in one request each ``MAX_BATCH_CALLS`` items.
+
+        ``POST /v1/moe_init_routing_v2_grad/batch`` (docs/protocol.md, "Batches"): the service
+        answers every item on its own, in order; a failing item never fails its neighbours. For many
+        small calls this costs one round trip instead of one per call.
+
+        Args:
+            items: each a :class:`~moegrad.MoeInitRoutingV2GradCall` or a wire document (as
+                :meth:`run` takes), or a :class:`BatchCompare` (answered as :meth:`compare` is).
+            timeout_s: the deadline of the whole batch in seconds (None: none); not passed: the client's.
+
+        Returns:
+            One entry per item, in order: a :class:`GradResult`, a :class:`CompareResult`, or the
+            exception that item alone earned (InvalidArgument with its aclnn code, MalformedRequest,
+            PayloadTooLarge, DeviceBusy, DeadlineExceeded, DeviceFault ...: the exception the single
+            call would have raised). A call refused locally while ``validate=True`` (InvalidArgument,
+            or MalformedRequest for a wire document with an unknown key) gets that without being sent.
+
+        Raises:
+            TypeError: an item of another type, or one that cannot be packed.
+            The errors of :meth:`run` that concern the whole request (TransportError, Unauthorized,
+            DeviceBusy after the retries, DeadlineExceeded, ServiceError, a malformed batch).
+        """
+        return self._drive(self._core.batch_flow(items, timeout_s))
 
     def compare(
         self,
@@ -899,9 +1179,10 @@ class AsyncClient(_ClientBase):
         transport: httpx.AsyncBaseTransport | None = None,
         validate: bool = True,
         headers: Mapping[str, str] | None = None,
+        wire: str = "auto",
     ) -> None:
         super().__init__(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, retries=retries,
-                         token=token, verify=verify, validate=validate, headers=headers)
+                         token=token, verify=verify, validate=validate, headers=headers, wire=wire)
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
             raise TypeError(f"transport must be an httpx.AsyncBaseTransport, got {type(transport).__name__}")
         self._http = httpx.AsyncClient(transport=transport, verify=self._verify)
@@ -915,7 +1196,23 @@ class AsyncClient(_ClientBase):
                 return stop.value
             if isinstance(step, httpx.Request):
                 try:
-                    outcome = await self._http.send(step)
+                    outcome = await self._http.send(step, stream=True)
+                    try:
+                        reader = self._core.frames_reader(outcome)
+                        if reader is None:
+                            await outcome.aread()
+                        else:
+                            if outcome.is_stream_consumed:  # a response built with its content (a mock transport)
+                                reader.feed(outcome.content)
+                            else:
+                                async for chunk in outcome.aiter_raw():
+                                    try:
+                                        reader.feed(chunk)
+                                    except MalformedRequest as exc:
+                                        reader.error = exc
+                                        break
+                    finally:
+                        await outcome.aclose()
                 except httpx.HTTPError as exc:
                     outcome = exc
             else:
@@ -947,6 +1244,15 @@ class AsyncClient(_ClientBase):
     ) -> GradResult:
         """As :meth:`Client.run`, awaited."""
         return await self._drive(self._core.grad_flow(call, timeout_s))
+
+    async def batch(
+        self,
+        items: Iterable[MoeInitRoutingV2GradCall | Mapping[str, Any] | BatchCompare],
+        *,
+        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> list[GradResult | CompareResult | MoegradError]:
+        """As :meth:`Client.batch`, awaited."""
+        return await self._drive(self._core.batch_flow(items, timeout_s))
 
     async def compare(
         self,

@@ -24,14 +24,15 @@ from typing import Any, TypeVar
 import numpy as np
 
 from moegrad import (
-    ComparisonReport,
+    MAX_BATCH_CALLS,
     AclnnStatus,
+    ComparisonReport,
     DeviceBusy,
     DeviceFault,
     InvalidArgument,
     MoegradError,
-    PayloadTooLarge,
     MoeInitRoutingV2GradCall,
+    PayloadTooLarge,
     __version__,
     check_compare_arguments,
     compare,
@@ -44,6 +45,8 @@ __all__ = ["ClientDisconnected", "CompareOutcome", "Comparison", "DataPlane", "D
            "InferenceStatistics", "MemoryBudget"]
 
 T = TypeVar("T")
+#: The fewest grad calls a batch hands to one worker at once (fewer only when the batch has fewer).
+BATCH_CHUNK_CALLS = 16
 #: Longest a readiness check waits for the backend's health check, in seconds.
 HEALTH_CHECK_TIMEOUT_S = 5.0
 
@@ -361,6 +364,78 @@ class DataPlane:
         report, golden_s, compare_s = await asyncio.to_thread(_judge, comparison, grad.grad_x)
         return CompareOutcome(grad, report, golden_s, compare_s)
 
+    async def infer_batch(self, items: Sequence[MoeInitRoutingV2GradCall | Comparison | BaseException], *,
+                          timeout_s: float) -> list[GradOutcome | CompareOutcome | BaseException]:
+        """Run a batch of independent calls and comparisons; answer each in order, alone.
+
+        The grad calls run on the pool in one chunk per worker (:meth:`StreamPool.run_many`: one
+        hand-off each, not one per call), comparisons one by one as :meth:`compare`, all under the
+        batch's one deadline. A call that fails gets its own error in its place; its neighbours are
+        unaffected (a chunk the pool refuses or that runs out of time answers that error for each
+        of its calls).
+
+        Args:
+            items: validated calls (:meth:`infer`), validated comparisons (:meth:`compare`), or the
+                error an item already earned while it was decoded (passed through in place).
+            timeout_s: seconds from now until the batch's deadline.
+
+        Returns:
+            One entry per item, in order: a GradOutcome, a CompareOutcome, or the exception
+            (MoegradError: DeviceBusy, DeadlineExceeded, InvalidArgument, DeviceFault ...) that
+            item alone raised.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        answers: list[Any] = list(items)  # each item's place, filled with its answer
+        grads: list[tuple[int, MoeInitRoutingV2GradCall]] = []
+        comparisons: list[tuple[int, Comparison]] = []
+        for index, item in enumerate(items):
+            if isinstance(item, Comparison):
+                comparisons.append((index, item))
+            elif isinstance(item, MoeInitRoutingV2GradCall):
+                if item.num_tokens == 0 or item.hidden_size == 0:
+                    answers[index] = self._outcome(item, np.zeros((item.num_tokens, item.hidden_size),
+                                                                  dtype=item.grad_expanded_x.dtype), Timings(0.0, 0.0))
+                else:
+                    grads.append((index, item))
+
+        async def run_chunk(chunk: list[tuple[int, MoeInitRoutingV2GradCall]]) -> None:
+            entered = time.perf_counter()
+            try:
+                outcomes, timings = await self.pool.run_many([call for _, call in chunk],
+                                                             timeout_s=max(deadline - loop.time(), 1e-6))
+            except MoegradError as exc:  # the whole chunk was refused or timed out: each call says so
+                for index, _ in chunk:
+                    answers[index] = exc
+                    self.statistics.fail.add(time.perf_counter() - entered)
+                return
+            computed = time.perf_counter()
+            self.metrics.queue_duration.observe(timings.queue_s)
+            self.metrics.compute_duration.observe(timings.compute_s)
+            share = Timings(timings.queue_s, timings.compute_s / len(chunk))
+            for (index, call), (grad_x, error) in zip(chunk, outcomes, strict=True):
+                if error is not None:
+                    answers[index] = error
+                    self.statistics.fail.add(computed - entered)
+                else:
+                    assert grad_x is not None
+                    answers[index] = self._outcome(call, grad_x, share)
+                    self._count_success(entered, entered, computed, share)
+
+        async def run_comparison(index: int, comparison: Comparison) -> None:
+            try:
+                answers[index] = await self.compare(comparison, timeout_s=max(deadline - loop.time(), 1e-6))
+            except MoegradError as exc:
+                answers[index] = exc
+
+        # Grad calls go to the pool in chunks, one queue entry each, as many chunks as workers (at
+        # least BATCH_CHUNK_CALLS calls a chunk, fewer when there are fewer calls).
+        size = max(BATCH_CHUNK_CALLS, -(-len(grads) // self.settings.streams))
+        chunks = [grads[start:start + size] for start in range(0, len(grads), size)]
+        await asyncio.gather(*(run_chunk(chunk) for chunk in chunks),
+                             *(run_comparison(index, item) for index, item in comparisons))
+        return answers
+
     # --- health and metadata ---------------------------------------------------------------------
 
     async def check_ready(self) -> None:
@@ -394,6 +469,8 @@ class DataPlane:
             "max_body_bytes": settings.max_body_bytes,
             "max_elements": settings.max_elements,
             "request_timeout_s": settings.request_timeout_s,
+            "wire_formats": ["msgpack", "frames"],
+            "max_batch_calls": MAX_BATCH_CALLS,
         }
 
 

@@ -712,7 +712,7 @@ def test_a_large_body_is_streamed_in_slices_with_its_length_and_resent_whole_on_
         {"grad_x": tensor_to(rows, "float32"), "backend": "x", "order": "ascend910b", "device": None, "timings_ms": {}}),
         headers={"content-type": "application/msgpack"})
     transport = SliceRecorder(problem(503, headers={"Retry-After": "0"}), reply)
-    with Client(BASE, transport=transport, retries=1) as c:
+    with Client(BASE, transport=transport, retries=1, wire="msgpack") as c:
         np.testing.assert_array_equal(c.moe_init_routing_v2_grad(grad, idx, 2), rows)
     assert transport.bodies == [want, want]
     for slices in transport.slices:

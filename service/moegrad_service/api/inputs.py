@@ -11,13 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import math
+import mmap
+import sys
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Scope
 
-from moegrad import REQUEST_LIMITS, MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief, decode_body
+from moegrad import (
+    FRAMES_MEDIA_TYPE,
+    REQUEST_LIMITS,
+    MalformedRequest,
+    MoeInitRoutingV2GradCall,
+    PayloadTooLarge,
+    brief,
+    decode_body,
+    decode_frames,
+)
 from moegrad_service.api.errors import RequestTimeout, UnsupportedMediaType
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
@@ -26,9 +38,13 @@ from moegrad_service.settings import Settings
 __all__ = [
     "INLINE_DECODE_BYTES",
     "MSGPACK_MEDIA_TYPES",
+    "RECEIVE_BUFFERS",
+    "V1_MEDIA_TYPES",
+    "ReceiveBuffers",
     "byte_count",
     "dataplane_of",
     "disconnected",
+    "media_type_of",
     "metrics_of",
     "read_body",
     "read_call",
@@ -39,6 +55,8 @@ __all__ = [
 ]
 
 MSGPACK_MEDIA_TYPES = frozenset({"application/msgpack", "application/x-msgpack"})
+#: What a v1 call's body may be: msgpack, or frames (a msgpack header, then the tensors' bytes).
+V1_MEDIA_TYPES = MSGPACK_MEDIA_TYPES | {FRAMES_MEDIA_TYPE}
 #: Bodies larger than this are decoded and validated on a worker thread, not on the event loop.
 INLINE_DECODE_BYTES = 1 << 20
 
@@ -91,7 +109,7 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
     binary data starts inside the body picks ``lead`` so that it lands 16-byte aligned, and its
     arrays can view the body instead of copying it (v2's binary tensor data)."""
     if media_types is not None:
-        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        media_type = media_type_of(request)
         if media_type not in media_types:
             raise UnsupportedMediaType(
                 f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}")
@@ -117,23 +135,106 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
 
 async def _receive(request: Request, dataplane: DataPlane, limit: int, expected: int | None,
                    lead: int) -> bytearray | memoryview:
-    # Grown as bytes arrive, never allocated from the declared length: a zero-filled buffer of
-    # Content-Length bytes is resident at once, so a client declaring max_body_bytes and sending
-    # nothing would pin that much memory per connection. (Large buffers grow by remapping pages.)
+    if expected is not None:
+        return await _receive_declared(request, expected, lead)
+    # Without a Content-Length the body grows as bytes arrive (each chunk reserved from the budget first).
     body = bytearray(lead)
     async for chunk in request.stream():
-        if expected is not None:
-            if len(body) - lead + len(chunk) > expected:
-                raise MalformedRequest("the body is longer than its Content-Length")
-        else:
-            if len(body) - lead + len(chunk) > limit:
-                raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
-            _reserve(request, dataplane, len(chunk))
+        if len(body) - lead + len(chunk) > limit:
+            raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
+        _reserve(request, dataplane, len(chunk))
         body += chunk
     request.scope["state"]["body_complete"] = True
-    if expected is not None and len(body) - lead != expected:
-        raise MalformedRequest(f"the body ended after {len(body) - lead} of {expected} bytes")
     return memoryview(body)[lead:] if lead else body
+
+
+class ReceiveBuffers:
+    """Receive buffers kept for reuse once their request is answered: their pages are already
+    resident, so the next body of that size is copied into them without a page fault per 4 KiB.
+
+    At most ``keep_bytes`` are kept (bodies larger than that are never kept: a large idle server
+    gives its memory back). A buffer is kept only when nothing else references it any more (no
+    array of the finished call still views it). Used on the event loop only.
+
+    Args:
+        keep_bytes: the most bytes of buffers kept.
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._kept: list[np.ndarray] = []
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._kept)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` (at most twice that, when a kept one fits), else a new one."""
+        for index, buffer in enumerate(self._kept):
+            if nbytes <= buffer.nbytes <= 2 * nbytes:
+                return self._kept.pop(index)
+        # A fresh mapping, untouched: pages become resident as bytes arrive, so a client that declares
+        # much and sends little pins only what it sent.
+        return _fresh_buffer(nbytes)
+
+    def give(self, buffer: np.ndarray, references: int) -> None:
+        """Keep ``buffer`` if it fits and the caller's ``references`` are the only ones left."""
+        # getrefcount counts its own argument and this parameter besides the caller's references
+        if sys.getrefcount(buffer) - 2 > references or buffer.nbytes < RECEIVE_REUSE_MIN_BYTES:
+            return
+        if buffer.nbytes > self.keep_bytes:
+            return
+        while self._kept and self.kept_bytes + buffer.nbytes > self.keep_bytes:
+            self._kept.pop(0)
+        self._kept.append(buffer)
+
+
+#: Fresh buffers of at least this many bytes are mapped with transparent huge pages where the
+#: kernel offers them (``madvise``): one fault per 2 MiB instead of per 4 KiB as the body arrives.
+HUGE_PAGE_MIN_BYTES = 16 << 20
+
+
+def _fresh_buffer(nbytes: int) -> np.ndarray:
+    """An untouched byte buffer: an anonymous mapping advised for huge pages when large, else numpy.empty."""
+    if nbytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without THP: ordinary pages
+            pass
+        return np.frombuffer(mapping, dtype=np.uint8)  # unmapped when the last view goes
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+#: Bodies of at least this many bytes are read into reusable buffers (smaller ones cost no page faults).
+RECEIVE_REUSE_MIN_BYTES = 1 << 20
+#: The most bytes of receive buffers an idle server keeps for reuse.
+RECEIVE_KEEP_BYTES = 64 << 20
+RECEIVE_BUFFERS = ReceiveBuffers(RECEIVE_KEEP_BYTES)
+
+
+async def _receive_declared(request: Request, expected: int, lead: int) -> memoryview:
+    # The declared length is already reserved from the in-flight budget, so the buffer is taken
+    # whole and each chunk is copied once, in place.
+    if lead + expected >= RECEIVE_REUSE_MIN_BYTES:
+        buffer = RECEIVE_BUFFERS.take(lead + expected)
+        request.scope["state"]["receive_buffer"] = buffer  # given back once the answer is sent
+    else:
+        buffer = np.empty(lead + expected, dtype=np.uint8)
+    view = buffer.data[:lead + expected]
+    filled = lead
+    if lead:
+        buffer[:lead] = 0
+    async for chunk in request.stream():
+        end = filled + len(chunk)
+        if end - lead > expected:
+            raise MalformedRequest("the body is longer than its Content-Length")
+        view[filled:end] = chunk
+        filled = end
+    request.scope["state"]["body_complete"] = True
+    if filled - lead != expected:
+        raise MalformedRequest(f"the body ended after {filled - lead} of {expected} bytes")
+    return view[lead:]
 
 
 def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
@@ -144,21 +245,44 @@ def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
 
 
 def release_reserved(scope: Scope) -> None:
-    """Give back what this request reserved of the in-flight budget (once its answer is sent)."""
+    """Give back what this request reserved of the in-flight budget, and its receive buffer for
+    reuse when nothing views it any more (once its answer is sent)."""
     state = scope.get("state", {})
     reserved = state.pop("reserved_bytes", 0)
     if reserved:
         state["dataplane"].budget.release(reserved)
+    buffer = state.pop("receive_buffer", None)
+    if buffer is not None:
+        RECEIVE_BUFFERS.give(buffer, references=1)
+        del buffer
 
 
 async def read_document(request: Request) -> dict[str, Any]:
-    """The msgpack body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`),
-    its bytes counted; bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
-    body = await read_body(request, settings_of(request).max_body_bytes)
+    """The v1 body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`), its
+    bytes counted: msgpack, or frames (:func:`moegrad.decode_frames`: the tensors' data views the
+    body, no copy); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
+    body = await read_body(request, settings_of(request).max_body_bytes, V1_MEDIA_TYPES)
     metrics_of(request).bytes_in.inc(len(body))
+    if media_type_of(request) == FRAMES_MEDIA_TYPE:  # the call's arrays will view the body
+        if len(body) > INLINE_DECODE_BYTES:
+            return await run_in_threadpool(decode_frames, body, REQUEST_LIMITS)
+        return decode_frames(body, REQUEST_LIMITS)
     if len(body) > INLINE_DECODE_BYTES:
-        return await run_in_threadpool(decode_body, body, REQUEST_LIMITS)
-    return decode_body(body, REQUEST_LIMITS)
+        document = await run_in_threadpool(decode_body, body, REQUEST_LIMITS)
+    else:
+        document = decode_body(body, REQUEST_LIMITS)
+    # msgpack copied every bin out of the body: let the body go now, not after the reply
+    del body
+    buffer = request.scope["state"].pop("receive_buffer", None)
+    if buffer is not None:
+        RECEIVE_BUFFERS.give(buffer, references=1)
+        del buffer
+    return document
+
+
+def media_type_of(request: Request) -> str:
+    """The request's Content-Type without parameters, lower-cased ("" when absent)."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
 async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
@@ -180,8 +304,9 @@ async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
 def _tensor_bytes(document: dict[str, Any]) -> int:
     total = 0
     for value in document.values():
-        if isinstance(value, dict) and isinstance(value.get("data"), bytes):
-            total += len(value["data"])
+        data = value.get("data") if isinstance(value, dict) else None
+        if data is not None and not isinstance(data, (str, list, dict)) and hasattr(data, "__len__"):
+            total += len(data)  # a msgpack bin, or a frames body's segment
     return total
 
 

@@ -26,7 +26,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +40,13 @@ __all__ = ["StreamPool", "Timings"]
 log = logging.getLogger("moegrad_service.engine")
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """Several calls run as one job (:meth:`StreamPool.run_many`)."""
+
+    calls: tuple[MoeInitRoutingV2GradCall, ...]
 #: How long past its deadline a running call may take before its worker is written off and replaced.
 #: A backend that honours ``timeout_s`` itself (the ascend one does) answers well within it.
 ABANDON_GRACE_S = 2.0
@@ -255,6 +264,22 @@ class StreamPool:
         return result, Timings(queue_s=(job.started or job.enqueued) - job.enqueued,
                                compute_s=(job.finished or job.enqueued) - (job.started or job.enqueued))
 
+    async def run_many(self, calls: Sequence[MoeInitRoutingV2GradCall], *, timeout_s: float | None,
+                       ) -> tuple[list[tuple[np.ndarray | None, BaseException | None]], Timings]:
+        """Run validated, non-empty calls one after another on the next free worker, as one queue entry.
+
+        For many small calls (a batch): one hand-off to a worker thread for all of them, instead of
+        one each. The calls share the deadline; each one's failure is its own.
+
+        Returns:
+            ([(grad_x, None) or (None, error)] in the calls' order, the whole run's timings).
+
+        Raises:
+            The errors of :meth:`run` that concern the whole run: DeviceBusy (not admitting, queue
+            full) and DeadlineExceeded (the deadline passed before the run finished).
+        """
+        return await self.run(_Calls(tuple(calls)), timeout_s=timeout_s)  # type: ignore[arg-type]
+
     def _expire(self, job: _Job, timeout_s: float) -> None:
         """The call's deadline passed (on the loop): drop it if still queued, else give up on it."""
         if job.future.done():
@@ -367,12 +392,19 @@ class StreamPool:
             return False
 
     @staticmethod
-    def _execute(worker, job: _Job) -> tuple[np.ndarray | None, BaseException | None]:
-        remaining = None if job.deadline is None else job.deadline - time.monotonic()
+    def _execute(worker, job: _Job) -> tuple[Any, BaseException | None]:
+        if isinstance(job.call, _Calls):  # run_many: each call's own outcome, in order
+            return [StreamPool._execute_one(worker, call, job.deadline) for call in job.call.calls], None
+        return StreamPool._execute_one(worker, job.call, job.deadline)
+
+    @staticmethod
+    def _execute_one(worker, call: MoeInitRoutingV2GradCall,
+                     deadline: float | None) -> tuple[np.ndarray | None, BaseException | None]:
+        remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return None, DeadlineExceeded("the deadline passed while the call was queued; it was not run")
         try:
-            return worker.run(job.call, timeout_s=remaining), None
+            return worker.run(call, timeout_s=remaining), None
         except (InvalidArgument, DeadlineExceeded, DeviceFault, DeviceBusy) as exc:
             return None, exc
         except MoegradError as exc:

@@ -20,6 +20,7 @@ from fastapi import Response
 
 from moegrad import DTYPES, MAX_RANK, MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief
 from moegrad_service.api.inputs import byte_count
+from moegrad_service.api.outputs import PartsResponse
 
 __all__ = [
     "BINARY_ONLY",
@@ -142,8 +143,8 @@ def binary_lead(header_length: str | None) -> int:
 def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[bytes | bytearray | memoryview,
                                                                           memoryview]:
     """The JSON part and the binary part of a body (the binary part is empty without the header)."""
-    if header_length is None:
-        return body, memoryview(b"")
+    if header_length is None:  # a JSON-only body (json.loads takes bytes, not a memoryview)
+        return (bytes(body) if isinstance(body, memoryview) else body), memoryview(b"")
     size = byte_count(header_length)
     if size is None:
         raise MalformedRequest(f"{HEADER_LENGTH} {brief(header_length)} is not a byte count", field=HEADER_LENGTH)
@@ -376,5 +377,6 @@ def encode_infer_response(grad_x: np.ndarray, request: InferRequest, reply_param
     header = json.dumps(document, separators=(",", ":")).encode()
     if not request.binary_output:
         return Response(header, media_type="application/json")
-    return Response(b"".join((header, raw.view(np.uint8).data)), media_type="application/octet-stream",
-                    headers={HEADER_LENGTH: str(len(header))})
+    # header and grad_x's bytes are sent as they are, not joined (a join copies grad_x once more)
+    return PartsResponse([header, raw.view(np.uint8).data], "application/octet-stream",
+                         headers={HEADER_LENGTH: str(len(header))})

@@ -35,6 +35,7 @@ from moegrad_service.api.inputs import (
     request_timeout,
     settings_of,
 )
+from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute
 from moegrad_service.api.v2.codec import (
     HEADER_LENGTH,
@@ -180,7 +181,7 @@ async def infer(request: Request) -> Response:
                                     received_s=started)
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
     response = await run_in_threadpool(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
-    metrics.bytes_out.inc(len(response.body))
+    metrics.bytes_out.inc(response.length if isinstance(response, PartsResponse) else len(response.body))
     metrics.succeeded(request.scope["route"].path, started)
     return response
 
