@@ -1125,20 +1125,37 @@ class Client(_ClientBase):
             a service failure is ``"error"``; neither stops the run. :func:`moegrad.accuracy.write_summary`
             writes them worst first.
         """
-        def one(name: str, fields: Mapping[str, Any], candidate: np.ndarray) -> ComparisonReport:
-            return self._compare_case(name, fields, candidate, standards, require_exact)
+        def judged(chunk: list[tuple[str, Mapping[str, Any], np.ndarray]]) -> list[ComparisonReport | Exception]:
+            return self._compare_cases(chunk, standards, require_exact)
 
-        return compare_cases(cases, one, progress=progress, on_result=on_result)
+        return compare_cases(cases, compare_batch=judged, progress=progress, on_result=on_result)
 
-    def _compare_case(self, name: str, fields: Mapping[str, Any], candidate: np.ndarray, standards: Any,
-                      require_exact: bool) -> ComparisonReport:
-        """The one place :meth:`compare_many` sends a case to the service (one request per case)."""
-        call = MoeInitRoutingV2GradCall(**fields)
-        result = self._drive(self._core.compare_flow(call, candidate, standards, False, USE_CLIENT_DEFAULT,
-                                                     require_exact))
-        context = report_context(call, candidate, backend=result.backend, device=result.device,
-                                 server_url=str(self.base_url), order=result.order, case=name)
-        return with_context(result.report, context)
+    def _compare_cases(self, chunk: list[tuple[str, Mapping[str, Any], np.ndarray]], standards: Any,
+                       require_exact: bool) -> list[ComparisonReport | Exception]:
+        """The one place :meth:`compare_many` sends cases to the service: one batch request
+        (:meth:`batch`) per chunk; each case's report carries its :class:`ReportContext`."""
+        outcomes: list[ComparisonReport | Exception | None] = [None] * len(chunk)
+        items, sent = [], []
+        for index, (_, fields, candidate) in enumerate(chunk):
+            try:
+                call = MoeInitRoutingV2GradCall(**fields)
+            except (InvalidArgument, MalformedRequest, TypeError, ValueError) as exc:
+                outcomes[index] = exc
+                continue
+            items.append(BatchCompare(call, candidate, standards, False))
+            sent.append((index, call))
+        for (index, call), answer in zip(sent, self.batch(items), strict=True):
+            if isinstance(answer, Exception):
+                outcomes[index] = answer
+                continue
+            assert isinstance(answer, CompareResult)
+            name, _, candidate = chunk[index]
+            report = rejudge(answer.report, require_exact=True) if require_exact else answer.report
+            context = report_context(call, candidate, backend=answer.backend, device=answer.device,
+                                     server_url=str(self.base_url), order=answer.order, case=name)
+            outcomes[index] = with_context(report, context)
+        assert all(outcome is not None for outcome in outcomes)
+        return outcomes  # type: ignore[return-value]  # every slot filled above
 
     def info(self) -> dict[str, Any]:
         """``GET /v1/info``: version, backend, device, order, streams, max_queue and the limits."""

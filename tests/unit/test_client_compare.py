@@ -391,21 +391,47 @@ def test_require_exact_decides_the_verdict_on_the_client():
         c.compare(**example_fields(), candidate=EXAMPLE.copy(), require_exact="yes")
 
 
-def test_compare_many_sends_one_request_per_case_and_never_stops():
+class FakeBatch:
+    """A minimal batch endpoint: each item judged as FakeCompare judges one call, except the items
+    whose position is in ``failing``, answered with a device fault's problem document."""
+
+    def __init__(self, failing: set[int] = frozenset()):
+        self.one = FakeCompare()
+        self.failing = failing
+        self.requests: list[list[dict]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        assert request.url.path.endswith("/batch"), request.url
+        items = msgpack.unpackb(request.content, raw=False)
+        self.requests.append(items)
+        results = []
+        for position, item in enumerate(items):
+            assert item.pop("op") == "compare"
+            if position in self.failing:
+                results.append({"problem": {"status": 500, "title": "Device fault", "detail": "injected",
+                                            "field": None, "aclnn_status": None, "aclnn_name": None}})
+                continue
+            answer = self.one(httpx.Request("POST", COMPARE_URL, content=msgpack.packb(item, use_bin_type=True)))
+            results.append(msgpack.unpackb(answer.content, raw=False))
+        return httpx.Response(200, content=msgpack.packb({"results": results, "timings_ms": {"total": 1.0}},
+                                                          use_bin_type=True),
+                              headers={"content-type": "application/msgpack"})
+
+
+def test_compare_many_sends_the_cases_in_one_batch_and_never_stops():
     # "off" is 1 ULP from the example's exact answer in every element: require_exact fails it.
-    fake = FakeCompare()
-    failing = Script(fake, problem(500), fake)
     cases = [("good", example_fields(), EXAMPLE.copy()),
-             ("bad_shape", example_fields(), EXAMPLE[:1].copy()),  # refused locally: no request
+             ("bad_shape", example_fields(), EXAMPLE[:1].copy()),  # refused locally: never sent
              ("server_failed", example_fields(), EXAMPLE.copy()),
              ("off", example_fields(), (EXAMPLE_BITS + np.uint32(1)).view(np.float32))]
+    fake = FakeBatch(failing={1})  # the second item sent is "server_failed"
     seen = []
-    with client(failing, retries=0) as c:
+    with client(fake, retries=0) as c:
         results = c.compare_many(cases, require_exact=True, on_result=seen.append, progress=False)
     assert [(r.name, r.status) for r in results] == [("good", "pass"), ("bad_shape", "invalid"),
                                                       ("server_failed", "error"), ("off", "fail")]
     assert seen == results
-    assert len(failing.requests) == 3
+    assert len(fake.requests) == 1 and len(fake.requests[0]) == 3  # one request; the refused case not in it
     assert "161002" in results[1].error and "DeviceFault" in results[2].error
     context = results[0].report.context
     assert (context.server_url, context.backend, context.device, context.case) == (BASE, "fake", "npu:3", "good")

@@ -177,16 +177,25 @@ class _Progress:
 CompareOne = Callable[[str, Mapping[str, Any], np.ndarray], ComparisonReport]
 
 
+#: compare_batch([(name, fields, candidate), ...]) -> per case, its report or the exception it raised.
+CompareBatch = Callable[[list[tuple[str, Mapping[str, Any], np.ndarray]]], list["ComparisonReport | Exception"]]
+#: compare_cases sends a batch once it holds this many cases or this many input bytes.
+BATCH_CASES = 64
+BATCH_BYTES = 32 << 20
+
+
 def compare_cases(cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
-                  compare_one: CompareOne, *, progress: bool | None = None,
-                  progress_stream: TextIO | None = None,
+                  compare_one: CompareOne | None = None, *, compare_batch: CompareBatch | None = None,
+                  progress: bool | None = None, progress_stream: TextIO | None = None,
                   on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
-    """Run ``compare_one`` on every case, one at a time, and never stop on a bad one.
+    """Judge every case, and never stop on a bad one.
 
     Args:
         cases: case files (:func:`load_case`) or ``(name, fields, candidate)`` tuples.
-        compare_one: judges one case (``Client.compare_many`` and ``moegrad compare --cases``
-            pass a service's or the in-process comparison).
+        compare_one: judges one case (``moegrad compare --cases`` passes the in-process comparison).
+        compare_batch: judges many cases at once (``Client.compare_many`` passes the service's batch
+            endpoint); cases are loaded and sent in batches of at most BATCH_CASES cases and about
+            BATCH_BYTES bytes of inputs. Give this or ``compare_one``.
         progress: draw a progress bar on ``progress_stream``; None: when it is a terminal.
         progress_stream: default ``sys.stderr``.
         on_result: called with each case's result as it is known (e.g. to write its report).
@@ -195,38 +204,81 @@ def compare_cases(cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[st
         One :class:`CaseResult` per case, in the order given. A file that cannot be read or a call
         the operator rejects is ``"invalid"``; a service failure is ``"error"``.
     """
+    if (compare_one is None) == (compare_batch is None):
+        raise TypeError("give exactly one of compare_one and compare_batch")
     items = list(cases)
     bar = _Progress(len(items), progress_stream, progress)
-    results = []
+    results: list[CaseResult] = []
+
+    def done(result: CaseResult) -> None:
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+
+    pending: list[tuple[str, str | None, Mapping[str, Any], np.ndarray]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        assert compare_batch is not None
+        try:
+            outcomes = compare_batch([(name, fields, candidate) for name, _, fields, candidate in pending])
+        except MoegradError as exc:  # the whole batch failed (transport): each case is an error
+            outcomes = [exc] * len(pending)
+        for (name, path, _, _), outcome in zip(pending, outcomes, strict=True):
+            done(_classified(name, path, outcome))
+        pending.clear()
+
     try:
-        for done, item in enumerate(items):
-            if isinstance(item, tuple):
-                name, path = item[0], None
-            else:
-                name, path = Path(item).stem, os.fspath(item)
-            bar.show(done, name)
-            result = _one(name, path, item, compare_one)
-            results.append(result)
-            if on_result is not None:
-                on_result(result)
+        for index, item in enumerate(items):
+            name, path = (item[0], None) if isinstance(item, tuple) else (Path(item).stem, os.fspath(item))
+            bar.show(index, name)
+            loaded = _load(name, path, item)
+            if isinstance(loaded, CaseResult):
+                flush()  # keep the order of the results
+                done(loaded)
+                continue
+            fields, candidate = loaded
+            if compare_one is not None:
+                try:
+                    outcome: ComparisonReport | Exception = compare_one(name, fields, candidate)
+                except MoegradError as exc:
+                    outcome = exc
+                except (TypeError, ValueError) as exc:
+                    outcome = exc
+                done(_classified(name, path, outcome))
+                continue
+            pending.append((name, path, fields, candidate))
+            if len(pending) >= BATCH_CASES or sum(_nbytes(case) for case in pending) >= BATCH_BYTES:
+                flush()
+        flush()
         bar.show(len(items), "done")
     finally:
         bar.close()
     return results
 
 
-def _one(name: str, path: str | None, item: Any, compare_one: CompareOne) -> CaseResult:
+def _nbytes(case: tuple[str, str | None, Mapping[str, Any], np.ndarray]) -> int:
+    _, _, fields, candidate = case
+    return int(candidate.nbytes) + sum(int(np.asarray(v).nbytes) for v in fields.values() if isinstance(v, np.ndarray))
+
+
+def _load(name: str, path: str | None, item: Any) -> tuple[Mapping[str, Any], np.ndarray] | CaseResult:
+    """The case's call fields and candidate, or its ``"invalid"`` result when it cannot be read."""
     try:
-        fields, candidate = (item[1], item[2]) if path is None else load_case(path)
+        return (item[1], item[2]) if path is None else load_case(path)
     except (OSError, ValueError) as exc:
         return CaseResult(name, "invalid", None, f"{type(exc).__name__}: {exc}", path)
-    try:
-        report = compare_one(name, fields, candidate)
-    except (InvalidArgument, MalformedRequest, TypeError, ValueError) as exc:  # the operator or moegrad refused it
-        return CaseResult(name, "invalid", None, f"{type(exc).__name__}: {exc}", path)
-    except MoegradError as exc:  # the service or the transport failed
-        return CaseResult(name, "error", None, f"{type(exc).__name__}: {exc}", path)
-    return CaseResult(name, report.verdict, report, None, path)
+
+
+def _classified(name: str, path: str | None, outcome: ComparisonReport | Exception) -> CaseResult:
+    """A case's result: its report's verdict; ``"invalid"`` for a call the operator or moegrad
+    refused; ``"error"`` for a failure of the service or the transport."""
+    if isinstance(outcome, (InvalidArgument, MalformedRequest, TypeError, ValueError)):
+        return CaseResult(name, "invalid", None, f"{type(outcome).__name__}: {outcome}", path)
+    if isinstance(outcome, Exception):
+        return CaseResult(name, "error", None, f"{type(outcome).__name__}: {outcome}", path)
+    return CaseResult(name, outcome.verdict, outcome, None, path)
 
 
 def compare_in_process(standards: Iterable[str] | str | None = None, require_exact: bool = False) -> CompareOne:
