@@ -6,7 +6,8 @@ For each workload W1-W6 (:data:`WORKLOADS`) it builds the inputs from a forward 
 turns so that every method sees the same machine load:
 
 - ``copyto``: ``numpy.copyto`` of a 512 MiB float64 buffer; bandwidth counts read + write (1 GiB);
-- ``fast``: ``moe_init_routing_v2_grad`` on the compiled path (numba), order ascend910b, bit-exact;
+- ``fast``: ``moe_init_routing_v2_grad`` on the compiled path (numba), order ascend910b, bit-exact,
+  into a gradX buffer written before (``out=``); ``fast_new``: the same allocating its result;
 - ``fallback``: the same call on the NumPy path (what runs where numba is not installed);
 - ``naive``: ``grad_expanded_x.astype(float32)[idx.reshape(N, K)].sum(1)`` (not bit-exact; with the
   skipped slots of W3/W4 pointed at row 0 beforehand, so it times the gather and sum only).
@@ -316,7 +317,8 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
         "timed in turns with the other methods inside each workload's loop. Effective bandwidth = (gathered rows "
         "read, skipped slots excluded + index + grad_x written) / time. Times are the best of n samples "
         "(n = copyto/fast/new, naive, fallback). `fast` = the compiled path (numba) writing into a gradX buffer "
-        "the caller owns (as the operator does: aclnn writes into the caller's gradX); `new gradX` = the same "
+        "the caller owns (`moe_init_routing_v2_grad(..., out=grad_x)`; as the operator does: aclnn writes into "
+        "the caller's gradX); `new gradX` = the same "
         "call allocating its result (what `moe_init_routing_v2_grad` does: it adds the first touch of fresh "
         "pages); `fallback` = the NumPy path (no numba), into the caller's buffer; all three order ascend910b, "
         "bit-exact. `naive` = `grad_expanded_x.astype(float32)[idx.reshape(N, K)].sum(1)` (not bit-exact; "

@@ -21,6 +21,8 @@ Numerics (DESIGN.md section 3), and how this code keeps them exact:
   CPU's float16 conversion (where used) returns it quiet with the top payload bits.
 - The conversions are written as 32-bit LLVM IR (numba would type the same Python integer code as
   64-bit, which halves the vector width); the loops around them are plain numba.
+- Prefetch hints (``llvm.prefetch``) for the rows of the tokens a few ahead change no value: with
+  random routing at small H, a token's rows otherwise wait for memory one token at a time.
 - The schedule (``accumulation_schedule``) is data: per-bin chains of slots (see ``run_rows`` and
   ``moegrad._fast._plan``), so both A2/A3-shaped orders run through the same compiled code. The
   Ascend 950 order (one accumulator, groups of four restarting every chunk of slots) has its own
@@ -81,7 +83,7 @@ def _inlined(function):
 
 
 _PREFETCH_BYTES = 512  # of each row read soon: what the hardware's stream prefetcher needs to take over
-_PREFETCH_SLOTS = 16  # slots read ahead: rows ahead = ceil(16 / K), so that misses overlap at small K
+_PREFETCH_SLOTS = 32  # slots read ahead: tokens ahead = ceil(32 / K), so that misses overlap at small K
 
 
 @intrinsic

@@ -229,7 +229,7 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
         else:
             taken = _fast.accumulate(rows, flat_index, call.top_k, schedule, out, _map_chunks, _workers())
         if taken:
-            return out  # same bits as below; strided or byte-swapped inputs fall through to NumPy
+            return out  # same bits as below; byte-swapped inputs fall through to NumPy
     nbins = 1 + max(step[1] for step in schedule)
     chunk = max(1, _CHUNK_BYTES // (nbins * hidden * acc_dtype.itemsize))
     widen = rows.dtype != acc_dtype

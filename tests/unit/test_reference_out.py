@@ -93,7 +93,7 @@ def test_out_with_another_dtype_or_shape_is_invalid_argument(buffer, status):
 
 
 def test_out_layout_rules_are_value_errors():
-    grad, idx, top_k, mode, active = _call_args()
+    grad, idx, top_k, _, _ = _call_args()
     with pytest.raises(ValueError, match="C-contiguous"):
         moe_init_routing_v2_grad(grad, idx, top_k, out=np.empty((4, 3), dtype=F32).T)
     read_only = np.empty((3, 4), dtype=F32)
