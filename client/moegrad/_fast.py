@@ -77,8 +77,9 @@ def available() -> bool:
 def warm_up() -> bool:
     """Compile (or load from numba's cache) the kernel for all three dtypes; False without numba.
 
-    The first call of each dtype otherwise pays for it: about 10 s per dtype on a busy 2-core
-    machine without a cache (numba caches beside the module, or in NUMBA_CACHE_DIR). A server can
+    The first call of each dtype otherwise pays for it: up to about a minute per dtype on a busy
+    2-core machine without a cache (numba caches beside the module, or in NUMBA_CACHE_DIR; a cached
+    kernel loads in well under a second). A server can
     call this at startup, before it reports ready.
     """
     jit = _load_jit()
