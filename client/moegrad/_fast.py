@@ -14,8 +14,10 @@ S1-S3 touch one bin at a time) run four bins and two elements each per pass, so 
 rows side by side (a core keeps more loads in flight). For K = 1-3 and 8-15 (B = 1 or 4) the whole
 sum, S4 and the narrowing of grad_x happen in passes that end in grad_x directly, K = 8 in a single
 pass with no float32 bin in memory at all. Other K keep float32 bins for the group results, in
-cache-sized tiles of H. Nothing is allocated beyond those
-bins, one set per running lane (at most ``_BIN_BYTES``).
+cache-sized tiles of H; a pass whose every chain element is a pad (a -0.0 add) is left out. The
+first bytes of the rows of the tokens a few ahead are prefetched, so that at small H with random
+routing the misses of several tokens overlap instead of one token's two rows waiting at a time.
+Nothing is allocated beyond those bins, one set per running lane (at most ``_BIN_BYTES``).
 
 Threads: rows are cut into spans of about 4 MiB of input each. One task per thread of the reference
 module's shared pool (a "lane") takes spans one after the other until none is left, calling the
@@ -75,8 +77,9 @@ def available() -> bool:
 def warm_up() -> bool:
     """Compile (or load from numba's cache) the kernel for all three dtypes; False without numba.
 
-    The first call of each dtype otherwise pays for it: about 10 s per dtype on a busy 2-core
-    machine without a cache (numba caches beside the module, or in NUMBA_CACHE_DIR). A server can
+    The first call of each dtype otherwise pays for it: up to about a minute per dtype on a busy
+    2-core machine without a cache (numba caches beside the module, or in NUMBA_CACHE_DIR; a cached
+    kernel loads in well under a second). A server can
     call this at startup, before it reports ready.
     """
     jit = _load_jit()

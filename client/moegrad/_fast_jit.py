@@ -21,6 +21,8 @@ Numerics (DESIGN.md section 3), and how this code keeps them exact:
   CPU's float16 conversion (where used) returns it quiet with the top payload bits.
 - The conversions are written as 32-bit LLVM IR (numba would type the same Python integer code as
   64-bit, which halves the vector width); the loops around them are plain numba.
+- Prefetch hints (``llvm.prefetch``) for the rows of the tokens a few ahead change no value: with
+  random routing at small H, a token's rows otherwise wait for memory one token at a time.
 - The schedule (``accumulation_schedule``) is data: per-bin chains of slots (see ``run_rows`` and
   ``moegrad._fast._plan``), so both A2/A3-shaped orders run through the same compiled code. The
   Ascend 950 order (one accumulator, groups of four restarting every chunk of slots) has its own
@@ -32,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 __all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "narrow_f16_portable", "run_rows", "run_rows_950", "widen_bf16",
@@ -71,6 +74,39 @@ def _compiled(function):
         if "cannot cache" not in str(error):
             raise
         return njit(nogil=True)(function)
+
+
+def _inlined(function):
+    """njit, inlined into its callers at numba's level: the row slices the passes take then cost no
+    reference counting (on the benchmark machine a call per pass cost more than the pass at small H)."""
+    return njit(inline="always")(function)
+
+
+_PREFETCH_BYTES = 512  # of each row read soon: what the hardware's stream prefetcher needs to take over
+_PREFETCH_SLOTS = 32  # slots read ahead: tokens ahead = ceil(32 / K), so that misses overlap at small K
+
+
+@intrinsic
+def _prefetch(typingctx, array, row, column):
+    """Hint the cache line of ``array[row, column]`` (2-D, C-contiguous) into the caches; no load, no fault."""
+    if not isinstance(array, types.Array) or array.ndim != 2:
+        return None
+
+    def codegen(context, builder, signature, args):
+        arraytype = signature.args[0]
+        view = context.make_array(arraytype)(context, builder, args[0])
+        row_value = context.cast(builder, args[1], signature.args[1], types.intp)
+        column_value = context.cast(builder, args[2], signature.args[2], types.intp)
+        pointer = cgutils.get_item_pointer(context, builder, arraytype, view, [row_value, column_value],
+                                           wraparound=False)
+        bytes_pointer = ir.IntType(8).as_pointer()
+        function_type = ir.FunctionType(ir.VoidType(), [bytes_pointer, _I32, _I32, _I32])
+        function = cgutils.get_or_insert_function(builder.module, function_type, "llvm.prefetch.p0")
+        # read (0), high locality (3), data cache (1)
+        builder.call(function, [builder.bitcast(pointer, bytes_pointer), _i32(0), _i32(3), _i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, row, column), codegen
 
 
 def _i32(value: int) -> ir.Constant:
@@ -287,7 +323,7 @@ def narrow_bf16(values, out):
 # is a bit view of grad_x, as is when it is a float32 row of group results. Every add is written out
 # in the schedule's order; LLVM only vectorises over h.
 
-@njit
+@_inlined
 def _pass_4x2(first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
     n = a0.shape[0]
     if first and last:
@@ -312,7 +348,7 @@ def _pass_4x2(first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
             w3[h] = (w3[h] + _widen(a3[h])) + _widen(b3[h])
 
 
-@njit
+@_inlined
 def _pass_1x4(first, last, out, w0, a0, b0, c0, d0):
     n = a0.shape[0]
     if first and last:
@@ -328,7 +364,7 @@ def _pass_1x4(first, last, out, w0, a0, b0, c0, d0):
             w0[h] = (((w0[h] + _widen(a0[h])) + _widen(b0[h])) + _widen(c0[h])) + _widen(d0[h])
 
 
-@njit
+@_inlined
 def _pass_1x2(first, last, out, w0, a0, b0):
     n = a0.shape[0]
     if first and last:
@@ -344,19 +380,19 @@ def _pass_1x2(first, last, out, w0, a0, b0):
             w0[h] = (w0[h] + _widen(a0[h])) + _widen(b0[h])
 
 
-@njit
+@_inlined
 def _add_bin(target, other):
     for h in range(target.shape[0]):
         target[h] = target[h] + other[h]
 
 
-@njit
+@_inlined
 def _store(total, segment):
     for h in range(total.shape[0]):
         segment[h] = _narrow(total[h], segment)
 
 
-@njit
+@_inlined
 def _row(rows, aux, index, base, chains, chain, layer, h0, h1):
     """The slice [h0, h1) of the row a chain element reads; a skipped slot or a pad reads aux."""
     slot = chains[chain, layer, 0]
@@ -367,13 +403,27 @@ def _row(rows, aux, index, base, chains, chain, layer, h0, h1):
     return aux[chains[chain, layer, 1], h0:h1]
 
 
-@njit
+@_inlined
+def _group_layers(chains, first_bin, group):
+    """The group's chain length without the pairs of pads all its bins end with (adding -0.0 changes
+    no bit, so those passes can go): at least 2, even."""
+    layers = chains.shape[1]
+    while layers > 2:
+        for b in range(first_bin, first_bin + group):
+            for layer in range(layers - 2, layers):
+                if chains[b, layer, 0] != -1 or chains[b, layer, 1] != 1:
+                    return layers
+        layers -= 2
+    return layers
+
+
+@_inlined
 def _run_group(rows, aux, index, base, chains, first_bin, group, work, h0, h1, out):
     """Bins first_bin .. first_bin + group - 1 over the tile [h0, h1), reduced into ``out``.
 
     ``group`` is 4 or 1; the chains have an even length L (the plan pads them with -0.0).
     """
-    layers = chains.shape[1]
+    layers = _group_layers(chains, first_bin, group)
     width = h1 - h0
     layer = 0
     if group == 4:
@@ -408,6 +458,19 @@ def _run_group(rows, aux, index, base, chains, first_bin, group, work, h0, h1, o
                       _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1))
 
 
+@_inlined
+def _prefetch_token(rows, index, top_k, token):
+    """Prefetch the first bytes of each row token ``token`` reads (nothing past the last token)."""
+    if token * top_k + top_k <= index.shape[0]:
+        line = 64 // rows.itemsize
+        lead = min(rows.shape[1], _PREFETCH_BYTES // rows.itemsize)
+        for t in range(top_k):
+            r = index[token * top_k + t]
+            if 0 <= r < rows.shape[0]:
+                for h in range(0, lead, line):
+                    _prefetch(rows, r, h)
+
+
 @_compiled
 def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
     """grad_x rows [start, stop) into ``out`` (same bit type as ``rows``).
@@ -435,7 +498,11 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
     work = np.empty((group, tile), dtype=np.float32)
     results = np.empty((ngroups, tile), dtype=np.float32)
     zero = start - start  # the first bin, typed as g * group is (a literal 0 would compile another version)
+    ahead = max(1, -(-_PREFETCH_SLOTS // top_k))
+    for i in range(start, min(stop, start + ahead)):
+        _prefetch_token(rows, index, top_k, i)
     for i in range(start, stop):
+        _prefetch_token(rows, index, top_k, i + ahead)
         base = i * top_k
         for h0 in range(0, hidden, tile):
             h1 = min(hidden, h0 + tile)
@@ -456,7 +523,7 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
 # The Ascend 950 order (moegrad._ascend950): one float32 accumulator per element from +0.0; groups of
 # four slots added as ((a + b) + (c + d)), leftovers one by one; a skipped slot reads the +0.0 row.
 
-@njit
+@_inlined
 def _slot(rows, zero, index, position, h0, h1):
     """The slice [h0, h1) of the row slot ``position`` reads; a skipped slot reads the +0.0 row."""
     r = index[position]
@@ -465,19 +532,19 @@ def _slot(rows, zero, index, position, h0, h1):
     return zero[0, h0:h1]
 
 
-@njit
+@_inlined
 def _add_group(total, a, b, c, d):
     for h in range(total.shape[0]):
         total[h] = total[h] + ((_widen(a[h]) + _widen(b[h])) + (_widen(c[h]) + _widen(d[h])))
 
 
-@njit
+@_inlined
 def _add_chain(total, a, b, c, d):
     for h in range(total.shape[0]):
         total[h] = (((total[h] + _widen(a[h])) + _widen(b[h])) + _widen(c[h])) + _widen(d[h])
 
 
-@njit
+@_inlined
 def _add_one(total, a):
     for h in range(total.shape[0]):
         total[h] = total[h] + _widen(a[h])
@@ -500,7 +567,11 @@ def run_rows_950(rows, zero, index, top_k, k_chunk, grouped, tile, out, start, s
     """
     hidden = rows.shape[1]
     work = np.empty(tile, dtype=np.float32)
+    ahead = max(1, -(-_PREFETCH_SLOTS // top_k))
+    for i in range(start, min(stop, start + ahead)):
+        _prefetch_token(rows, index, top_k, i)
     for i in range(start, stop):
+        _prefetch_token(rows, index, top_k, i + ahead)
         base = i * top_k
         for h0 in range(0, hidden, tile):
             h1 = min(hidden, h0 + tile)

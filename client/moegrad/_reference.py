@@ -40,6 +40,7 @@ import numpy as np
 from moegrad import _fast
 from moegrad._ascend950 import (ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule,
                                 ascend950_tiling)
+from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
 
 __all__ = [
@@ -159,24 +160,49 @@ def _map_chunks(fn: Callable[[int, int], None], rows: int, chunk: int) -> None:
 
 
 def _prepare(call: MoeInitRoutingV2GradCall) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray | None]]:
-    """Flat [rows, H] view of grad_expanded_x, the [N, K] index, and the per-mode skip-mask function."""
+    """C-contiguous [R, H] rows, the flat [N*K] index into them, and the per-mode skip-mask function.
+
+    A C-contiguous grad_expanded_x is viewed as [rows, H] as it is. Any other layout (a strided or
+    overlapping view, a transposed array) is not copied whole: only the rows the index references
+    are gathered, in increasing order, into a C-contiguous [R, H] array, and the index is renumbered
+    into it, its skipped slots kept skipped (-1 in drop/pad mode, A in active mode). The adds then
+    read the same values in the same order, so the bits are those of a contiguous copy.
+    """
+    grad = call.grad_expanded_x
     hidden = call.hidden_size
-    rows = call.grad_expanded_x.reshape(-1, hidden)
-    index = call.expanded_row_idx.reshape(-1, call.top_k)
+    index = call.expanded_row_idx.reshape(-1)
     if call.drop_pad_mode == 1:
+        skip_value = -1
+
         def skipped(column: np.ndarray) -> np.ndarray | None:
             mask = column < 0
             return mask if mask.any() else None
     elif call.active_num > 0:
-        limit = call.active_num
+        limit = skip_value = call.active_num
 
         def skipped(column: np.ndarray) -> np.ndarray | None:
             mask = column >= limit
             return mask if mask.any() else None
     else:
+        skip_value = 0
+
         def skipped(column: np.ndarray) -> np.ndarray | None:
             return None
-    return rows, index, skipped
+    if grad.flags.c_contiguous:
+        return grad.reshape(-1, hidden), index, skipped
+    mask = skipped(index)
+    used = index if mask is None else index[~mask]
+    referenced, renumbered = np.unique(used, return_inverse=True)
+    if referenced.size == 0:
+        return np.empty((0, hidden), dtype=grad.dtype), np.full(index.shape, skip_value, dtype=np.int32), skipped
+    positions = np.unravel_index(referenced.astype(np.intp), grad.shape[:-1])
+    rows = np.ascontiguousarray(grad[positions].reshape(-1, hidden))
+    compact = np.full(index.shape, skip_value, dtype=np.int32)
+    if mask is None:
+        compact[:] = renumbered.reshape(-1)
+    else:
+        compact[~mask] = renumbered.reshape(-1)
+    return rows, compact, skipped
 
 
 def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: Sequence[tuple[str, int, int]],
@@ -186,7 +212,8 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
     tokens, hidden = out.shape
     if tokens == 0 or hidden == 0:  # before _prepare: reshape(-1, 0) cannot infer the row count
         return out
-    rows, index, skipped = _prepare(call)
+    rows, flat_index, skipped = _prepare(call)
+    index = flat_index.reshape(-1, call.top_k)
     if rows.shape[0] == 0:  # drop/pad with E*C = 0: validation left only -1, every slot is skipped
         out.fill(0.0)
         return out
@@ -197,12 +224,12 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
         raise RuntimeError("kernel='numba' needs numba: pip install 'moegrad[fast]'")
     if kernel != "numpy" and not compensated and acc_dtype == _F32:
         if chunking is not None:
-            taken = _fast.accumulate_950(rows, call.expanded_row_idx, call.top_k, *chunking, out, _map_chunks,
+            taken = _fast.accumulate_950(rows, flat_index, call.top_k, *chunking, out, _map_chunks,
                                          _workers())
         else:
-            taken = _fast.accumulate(rows, call.expanded_row_idx, call.top_k, schedule, out, _map_chunks, _workers())
+            taken = _fast.accumulate(rows, flat_index, call.top_k, schedule, out, _map_chunks, _workers())
         if taken:
-            return out  # same bits as below; strided or byte-swapped inputs fall through to NumPy
+            return out  # same bits as below; byte-swapped inputs fall through to NumPy
     nbins = 1 + max(step[1] for step in schedule)
     chunk = max(1, _CHUNK_BYTES // (nbins * hidden * acc_dtype.itemsize))
     widen = rows.dtype != acc_dtype
@@ -310,6 +337,7 @@ def moe_init_routing_v2_grad(
     allow_duplicate_indices: bool = False,
     ub_size_bytes: int = UB_SIZE_BYTES,
     vector_core_count: int = VECTOR_CORE_COUNT,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """gradX of aclnnMoeInitRoutingV2Grad, computed on the CPU in the order the device uses.
 
@@ -328,18 +356,26 @@ def moe_init_routing_v2_grad(
         ub_size_bytes: the 950 platform's unified-buffer size in bytes (default 253952, Ascend
             950PR/950DT); only the 950 orders read it, since it decides the tiling and so the order.
         vector_core_count: the 950 platform's vector (AIV) core count (default 64); as above.
+        out: where to write grad_x, as the operator writes into the gradX its caller allocated: a
+            writeable C-contiguous [N, H] array of grad_expanded_x's dtype in native byte order,
+            sharing no memory with the inputs. Default: a new array. Every element is written; the
+            bits are the same either way.
 
     Returns:
-        grad_x, [N, H] C-contiguous, the dtype of grad_expanded_x. A row whose slots are all skipped
-        is +0.0; empty inputs give an empty [N, H] array.
+        grad_x, [N, H] C-contiguous, the dtype of grad_expanded_x (``out`` itself when given). A
+        row whose slots are all skipped is +0.0; empty inputs give an empty [N, H] array.
 
     Raises:
         InvalidArgument: the call breaks a documented constraint (aclnn 161001 / 161002 / 561002;
-            see :class:`MoeInitRoutingV2GradCall`).
-        ValueError / TypeError: ``ub_size_bytes`` or ``vector_core_count`` is not a positive integer.
+            see :class:`MoeInitRoutingV2GradCall`); or ``out`` has another dtype (161002, field
+            ``grad_x``) or another shape than [N, H] (561002, field ``grad_x``).
+        TypeError: ``out`` is not a numpy.ndarray.
+        ValueError: ``out`` is not C-contiguous, is read-only or overlaps an input; or
+            ``ub_size_bytes`` / ``vector_core_count`` is not a positive integer (TypeError when
+            it is not an integer at all).
     """
     call = _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
-    out = np.empty((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype.newbyteorder("="))
+    out = _result_buffer(call, out)
     if call.order not in ASCEND950_ORDERS:
         return _accumulate(call, _F32, accumulation_schedule(call.top_k, call.order), out)
     # checked even when the result is empty, so a bad setting never passes unnoticed
@@ -348,6 +384,30 @@ def moe_init_routing_v2_grad(
     grouped = ASCEND950_ORDERS[call.order]
     return _accumulate(call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk, grouped), out,
                        chunking=(tiling.k_chunk, grouped))
+
+
+def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np.ndarray:
+    """``out`` checked against the call (see :func:`moe_init_routing_v2_grad`), or a new [N, H] array."""
+    shape = (call.num_tokens, call.hidden_size)
+    dtype = call.grad_expanded_x.dtype.newbyteorder("=")
+    if out is None:
+        return np.empty(shape, dtype=dtype)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise InvalidArgument(f"out.dtype={out.dtype} must be grad_expanded_x's dtype in native byte order ({dtype})",
+                              aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="grad_x")
+    if out.shape != shape:
+        raise InvalidArgument(f"out.shape={out.shape} must be [N, H] = {list(shape)} (N = len(expanded_row_idx) // "
+                              "top_k, H = grad_expanded_x.shape[-1])",
+                              aclnn_status=AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR, field="grad_x")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous (strides {out.strides} for shape {out.shape})")
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
+    if np.may_share_memory(out, call.grad_expanded_x) or np.may_share_memory(out, call.expanded_row_idx):
+        raise ValueError("out must not share memory with grad_expanded_x or expanded_row_idx")
+    return out
 
 
 def moe_init_routing_v2_grad_golden(
@@ -380,7 +440,7 @@ def moe_init_routing_v2_grad_golden(
 def warm_up() -> bool:
     """Compile (or load from numba's on-disk cache) the compiled kernel for every dtype, now.
 
-    Without it the first call of each dtype pays for the compilation (seconds). The service calls it
+    Without it the first call of each dtype pays for the compilation (up to a minute). The service calls it
     before it reports ready. Set ``NUMBA_CACHE_DIR`` to a writable folder where the package's own
     folder is read-only (a container), so later processes load instead of compiling.
 
