@@ -34,13 +34,13 @@ from moegrad._reference import (
     moe_init_routing_v2_grad_golden,
     warm_up,
 )
+from moegrad._results import CompareResult, GradResult
 from moegrad._routing import (
     MoeInitRoutingV2Result,
     expanded_row_idx_layout,
     invert_expanded_row_idx,
     moe_init_routing_v2,
 )
-from moegrad._results import CompareResult, GradResult
 from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import (

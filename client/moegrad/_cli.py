@@ -17,6 +17,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from moegrad._client import Client
+from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
+from moegrad._reference import moe_init_routing_v2_grad
+from moegrad._results import GradResult
+from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
+from moegrad._version import __version__
 from moegrad.accuracy import (
     DEFAULT_STANDARDS,
     STANDARDS,
@@ -35,12 +41,6 @@ from moegrad.accuracy import (
     write_markdown_report,
     write_summary,
 )
-from moegrad._client import Client
-from moegrad._results import GradResult
-from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
-from moegrad._version import __version__
 
 __all__ = ["load_npy", "main", "save_npy"]
 

@@ -159,7 +159,7 @@ def moe_init_routing_v2(
         if bad.size:
             where = int(bad[0])
             rule = (f"[0, expert_num) = [0, {experts})" if bounded
-                    else f"[0, 2**24) (the device sorts ids as float32 keys)")
+                    else "[0, 2**24) (the device sorts ids as float32 keys)")
             raise _fail(_INVALID, "expert_idx",
                         f"expert_idx.flat[{where}]={int(flat[where])} is outside {rule}")
     slots = flat.size

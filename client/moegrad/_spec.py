@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_v
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
 from moegrad._wire import brief, decode_tensor, dtype_name, encode_tensor
 
-__all__ = ["ORDERS", "GRAD_DTYPES", "MoeInitRoutingV2GradCall", "Order"]
+__all__ = ["GRAD_DTYPES", "ORDERS", "MoeInitRoutingV2GradCall", "Order"]
 
 Order = Literal["ascend910b", "ascend950", "ascend950@2025-12", "sequential"]
 #: Accumulation orders by name (docs/semantics.md section 3): the Atlas A2/A3 device, the Ascend 950

@@ -420,7 +420,7 @@ def report_context(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, bac
         top_k=call.top_k, drop_pad_mode=call.drop_pad_mode, active_num=call.active_num, order=used,
         product_line=_PRODUCT_LINES.get(used, used), moegrad_version=__version__, backend=backend, device=device,
         server_url=server_url, case=case,
-        created=created or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created=created or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
 
 
