@@ -327,6 +327,8 @@ def write_markdown_report(path: str | os.PathLike[str], report: ComparisonReport
     png = markdown.with_suffix(".png")
     if png == markdown:
         png = markdown.with_name(markdown.name + ".png")
+    written: Path | None
+    note: str | None
     try:
         import matplotlib.figure  # noqa: F401  (probe before the float64 work)
     except ImportError:
