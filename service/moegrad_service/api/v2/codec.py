@@ -139,11 +139,11 @@ def binary_lead(header_length: str | None) -> int:
     return 0 if size is None else -size % 16
 
 
-def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[bytes | bytearray | memoryview,
-                                                                          memoryview]:
+def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[bytes | bytearray, memoryview]:
     """The JSON part and the binary part of a body (the binary part is empty without the header)."""
     if header_length is None:
-        return body, memoryview(b"")
+        # read_body gives a memoryview only with the header (the binary part's lead); json.loads takes no memoryview
+        return (bytes(body) if isinstance(body, memoryview) else body), memoryview(b"")
     size = byte_count(header_length)
     if size is None:
         raise MalformedRequest(f"{HEADER_LENGTH} {brief(header_length)} is not a byte count", field=HEADER_LENGTH)
@@ -260,6 +260,7 @@ def _decode_inputs(inputs: Any, binary: memoryview, max_elements: int) -> dict[s
         if datatype not in DATATYPES:
             raise MalformedRequest(f"{name}.datatype={datatype!r} is not supported; "
                                    f"{name} is {'FP16, BF16 or FP32' if name == INPUTS[0] else 'INT32'}", field=name)
+        assert isinstance(datatype, str), "DATATYPES is keyed by str, so only a str is in it"
         count = math.prod(shape)
         if count > max_elements:
             raise PayloadTooLarge(f"{name}.shape={shape} has {count} elements, over the limit of {max_elements}",
