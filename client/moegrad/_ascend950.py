@@ -40,8 +40,10 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from moegrad._wire import dtype_name
 
@@ -83,7 +85,7 @@ class Ascend950Tiling:
     hidden_align: int
 
 
-def _positive(name: str, value: object) -> int:
+def _positive(name: str, value: Any) -> int:
     try:
         if isinstance(value, (bool, np.bool_)):
             raise TypeError
@@ -130,7 +132,11 @@ def ascend950_tiling(dtype: object, num_tokens: int, top_k: int, hidden_size: in
         ValueError: an unknown dtype, or a size below 1.
         TypeError: a size that is not an integer.
     """
-    name = dtype if isinstance(dtype, str) else dtype_name(np.dtype(dtype)) or str(np.dtype(dtype))
+    if isinstance(dtype, str):
+        name = dtype
+    else:  # anything else goes to np.dtype as given, which raises TypeError for what is not dtype-like
+        as_dtype = np.dtype(cast(npt.DTypeLike, dtype))
+        name = dtype_name(as_dtype) or str(as_dtype)
     if name not in _ITEM_BYTES:
         raise ValueError(f"dtype={name!r} is not one of {', '.join(_ITEM_BYTES)}")
     sizes = [_positive(field, value) for field, value in (

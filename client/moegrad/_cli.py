@@ -17,6 +17,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from moegrad._client import Client
+from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
+from moegrad._reference import moe_init_routing_v2_grad
+from moegrad._results import CompareResult, GradResult
+from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
+from moegrad._version import __version__
 from moegrad.accuracy import (
     DEFAULT_STANDARDS,
     STANDARDS,
@@ -35,12 +41,6 @@ from moegrad.accuracy import (
     write_markdown_report,
     write_summary,
 )
-from moegrad._client import Client
-from moegrad._results import GradResult
-from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
-from moegrad._version import __version__
 
 __all__ = ["load_npy", "main", "save_npy"]
 
@@ -179,7 +179,8 @@ def _add_call_arguments(parser: argparse.ArgumentParser, *, order_default: str, 
                        help="accept repeated indices, which the documentation forbids")
     if output:
         group.add_argument("-o", "--output", required=True, metavar="PATH",
-                           help="where to write grad_x, [N, H] in the input's dtype (.npy, written to exactly this path)")
+                           help="where to write grad_x, [N, H] in the input's dtype "
+                                "(.npy, written to exactly this path)")
     return group
 
 
@@ -225,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     choose.add_argument("--require-exact", action="store_true",
                         help="fail unless the candidate is bit-exact to the device's result (exactness is reported "
                              "either way)")
-    choose.add_argument("--json", action="store_true", help="print the report as JSON (report.to_dict()) instead of tables")
+    choose.add_argument("--json", action="store_true",
+                        help="print the report as JSON (report.to_dict()) instead of tables")
     choose.add_argument("--report", metavar="PATH",
                         help="also write a markdown report to PATH and, when matplotlib is installed (extra 'plot'), "
                              "a PNG of the candidate's and the device's error distributions and the error balance "
@@ -313,7 +315,7 @@ def _describe(array: np.ndarray) -> str:
     return f"{array.dtype.name} {list(array.shape)}"
 
 
-def _server_summary(result: GradResult) -> str:
+def _server_summary(result: GradResult | CompareResult) -> str:
     total = result.timings_ms.get("total")
     timing = f", {total:.3f} ms on the server" if isinstance(total, (int, float)) else ""
     return f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}"
@@ -435,8 +437,8 @@ def _cmd_compare_cases(args: argparse.Namespace) -> int:
                                                                                     "error")}
     print(f"{len(ordered)} cases against {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
     for result in ordered:
-        detail = result.error or (result.report.candidate_vs_golden.worst and
-                                  f"worst row {result.report.candidate_vs_golden.worst.row}") or ""
+        worst = None if result.report is None else result.report.candidate_vs_golden.worst  # None: error says why
+        detail = result.error or (worst and f"worst row {worst.row}") or ""
         print(f"  {result.status:<8} {result.name}  {detail}")
     print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
     return EXIT_OK if all(r.status in ("pass", "warning") for r in ordered) else EXIT_MISMATCH
@@ -460,7 +462,8 @@ def _cmd_example(args: argparse.Namespace) -> int:
         np.array_equal(got.view(np.uint32), expected.view(np.uint32)))
     print("the documentation's example of aclnnMoeInitRoutingV2Grad")
     print(f"  grad_expanded_x  {_format(grad_expanded_x)} float32")
-    print(f"  expanded_row_idx {_EXAMPLE_EXPANDED_ROW_IDX} int32, top_k={_EXAMPLE_TOP_K}, drop_pad_mode=0, active_num=0")
+    print(f"  expanded_row_idx {_EXAMPLE_EXPANDED_ROW_IDX} int32, top_k={_EXAMPLE_TOP_K}, "
+          "drop_pad_mode=0, active_num=0")
     print(f"  result           {_format(got)} {got.dtype.name}  ({_server_summary(result)})")
     print(f"  expected         {_format(expected)} float32  (documentation: [[0.3, 0.3], [0.7, 0.7]])")
     print(f"  bit-exact match: {'yes' if same else 'NO'}")

@@ -125,9 +125,9 @@ def moe_init_routing_v2(
     if not isinstance(expert_tokens_before_capacity_flag, (bool, np.bool_)):
         raise _fail(_TILING, "expert_tokens_before_capacity_flag",
                     f"expert_tokens_before_capacity_flag={brief(expert_tokens_before_capacity_flag)} must be a bool")
-    for field, value in (("active_num", active), ("expert_capacity", capacity), ("expert_num", experts)):
-        if value < 0:
-            raise _fail(_TILING, field, f"{field}={value} must be >= 0")
+    for field, size in (("active_num", active), ("expert_capacity", capacity), ("expert_num", experts)):
+        if size < 0:
+            raise _fail(_TILING, field, f"{field}={size} must be >= 0")
     if mode not in (0, 1):
         raise _fail(_TILING, "drop_pad_mode", f"drop_pad_mode={mode} must be 0 (dropless/active) or 1 (drop/pad)")
     if count_flag not in (0, 1, 2):
@@ -159,7 +159,7 @@ def moe_init_routing_v2(
         if bad.size:
             where = int(bad[0])
             rule = (f"[0, expert_num) = [0, {experts})" if bounded
-                    else f"[0, 2**24) (the device sorts ids as float32 keys)")
+                    else "[0, 2**24) (the device sorts ids as float32 keys)")
             raise _fail(_INVALID, "expert_idx",
                         f"expert_idx.flat[{where}]={int(flat[where])} is outside {rule}")
     slots = flat.size
@@ -173,8 +173,10 @@ def moe_init_routing_v2(
         rows = slots if active == 0 else min(active, slots)
         expanded_x = x[sorted_row_idx[:rows] // top_k]
         if count_flag:
+            assert counts is not None, "count_flag > 0 makes the ids bounded, so counts was taken"
             count_or_cumsum = np.cumsum(counts, dtype=np.int32) if count_flag == 1 else counts
     else:
+        assert counts is not None, "drop/pad mode bounds the ids, so counts was taken"
         first = np.cumsum(counts, dtype=np.int64) - counts  # each expert's first sorted position
         rank = np.arange(slots) - first[sorted_expert]  # a slot's rank among its expert's slots
         kept = rank < capacity
@@ -251,4 +253,5 @@ def expanded_row_idx_layout(
         return "slot_to_row"
     if row_to_slot:
         return "row_to_slot"
-    raise ValueError("expanded_row_idx sorts these expert ids in neither layout; was it routed from another expert_idx?")
+    raise ValueError("expanded_row_idx sorts these expert ids in neither layout; "
+                     "was it routed from another expert_idx?")

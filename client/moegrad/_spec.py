@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_v
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
 from moegrad._wire import brief, decode_tensor, dtype_name, encode_tensor
 
-__all__ = ["ORDERS", "GRAD_DTYPES", "MoeInitRoutingV2GradCall", "Order"]
+__all__ = ["GRAD_DTYPES", "ORDERS", "MoeInitRoutingV2GradCall", "Order"]
 
 Order = Literal["ascend910b", "ascend950", "ascend950@2025-12", "sequential"]
 #: Accumulation orders by name (docs/semantics.md section 3): the Atlas A2/A3 device, the Ascend 950
@@ -50,7 +50,7 @@ _CAST_HINTS = {  # what to do about a dtype the operator does not take
 }
 
 
-def _fail(status: AclnnStatus, field: str, message: str) -> InvalidArgument:
+def _fail(status: AclnnStatus, field: str | None, message: str) -> InvalidArgument:
     return InvalidArgument(message, aclnn_status=status, field=field)
 
 
@@ -159,15 +159,18 @@ class MoeInitRoutingV2GradCall(BaseModel):
             raise _fail(_TILING, "grad_expanded_x",
                         f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}{hint}")
         if idx.ndim != 1:
-            raise _fail(_TILING, "expanded_row_idx", f"expanded_row_idx has rank {idx.ndim} (shape {list(idx.shape)}); it must be 1-D [N*K]")
+            raise _fail(_TILING, "expanded_row_idx",
+                        f"expanded_row_idx has rank {idx.ndim} (shape {list(idx.shape)}); it must be 1-D [N*K]")
         if mode == 0 and active == 0 and grad.shape[0] != idx.shape[0]:
             raise _fail(_TILING, "grad_expanded_x",
-                        f"grad_expanded_x.shape[0]={grad.shape[0]} must equal expanded_row_idx.shape[0]={idx.shape[0]} in dropless mode")
+                        f"grad_expanded_x.shape[0]={grad.shape[0]} must equal "
+                        f"expanded_row_idx.shape[0]={idx.shape[0]} in dropless mode")
         if mode == 0 and active > 0 and grad.shape[0] != active:
             raise _fail(_TILING, "grad_expanded_x",
                         f"grad_expanded_x.shape[0]={grad.shape[0]} must equal active_num={active} in active mode")
         if idx.shape[0] % top_k:
-            raise _fail(_TILING, "expanded_row_idx", f"expanded_row_idx.shape[0]={idx.shape[0]} is not divisible by top_k={top_k}")
+            raise _fail(_TILING, "expanded_row_idx",
+                        f"expanded_row_idx.shape[0]={idx.shape[0]} is not divisible by top_k={top_k}")
 
     # Rule 7: index values and uniqueness (vectorised: O(len) time, at most 8 bytes of table per index).
     def _check_indices(self, grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int) -> None:
@@ -181,7 +184,8 @@ class MoeInitRoutingV2GradCall(BaseModel):
         if lo < low or hi >= high:
             where = int(np.flatnonzero((idx < low) | (idx >= high))[0])
             raise _fail(_INVALID, "expanded_row_idx",
-                        f"expanded_row_idx[{where}]={int(idx[where])} is outside {rule} = [{low}, {high}) for this call")
+                        f"expanded_row_idx[{where}]={int(idx[where])} is outside {rule} = [{low}, {high}) "
+                        "for this call")
         if self.allow_duplicate_indices:
             return
         if high > 8 * idx.size:  # drop/pad with E*C far above N*K (e.g. H = 0): sort instead of a table of E*C
@@ -227,7 +231,9 @@ class MoeInitRoutingV2GradCall(BaseModel):
     @property
     def dtype_name(self) -> str:
         """The wire name of grad_expanded_x's (and grad_x's) dtype."""
-        return dtype_name(self.grad_expanded_x.dtype)
+        name = dtype_name(self.grad_expanded_x.dtype)
+        assert name is not None, "grad_expanded_x's dtype was validated to be one of GRAD_DTYPES"
+        return name
 
     def to_wire(self) -> dict[str, Any]:
         """This call as a request document (tensors encoded, ready for :func:`moegrad.encode_body`)."""

@@ -146,7 +146,8 @@ def _check_meta(grad: torch.Tensor, idx: torch.Tensor, top_k: int, drop_pad_mode
         raise _fail(invalid, "expanded_row_idx", f"expanded_row_idx.dtype={idx.dtype} is not int32; "
                                                  "cast it first, e.g. .int()")
     if drop_pad_mode not in (0, 1):
-        raise _fail(tiling, "drop_pad_mode", f"drop_pad_mode={drop_pad_mode} must be 0 (dropless/active) or 1 (drop/pad)")
+        raise _fail(tiling, "drop_pad_mode",
+                    f"drop_pad_mode={drop_pad_mode} must be 0 (dropless/active) or 1 (drop/pad)")
     if top_k <= 0:
         raise _fail(tiling, "top_k", f"top_k={top_k} must be greater than 0")
     if grad.dim() != (3 if drop_pad_mode == 1 else 2) or idx.dim() != 1:

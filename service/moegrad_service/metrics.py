@@ -26,7 +26,8 @@ class Metrics:
         self.failure = Counter("moegrad_inference_request_failure", "Calls answered with an error, by reason.",
                                ["endpoint", "reason"], registry=r)
         self.request_duration = Histogram("moegrad_inference_request_duration_seconds",
-                                          "Whole call: body read to reply built.", ["endpoint"], buckets=_SECONDS, registry=r)
+                                          "Whole call: body read to reply built.", ["endpoint"], buckets=_SECONDS,
+                                          registry=r)
         self.queue_duration = Histogram("moegrad_inference_queue_duration_seconds",
                                         "Time admitted calls waited for a worker.", buckets=_SECONDS, registry=r)
         self.compute_duration = Histogram("moegrad_inference_compute_duration_seconds",

@@ -35,7 +35,8 @@ class Settings(BaseSettings):
     device_id: int = Field(0, ge=0, description="the NPU to use, an index among ASCEND_RT_VISIBLE_DEVICES")
     streams: int = Field(2, ge=1, le=64, description="worker threads, each owning one device stream (or CPU slot)")
     max_queue: int = Field(64, ge=1, description="calls waiting for a worker beyond which new calls get 503")
-    max_body_bytes: int = Field(2 << 30, ge=1024, description="largest request body in bytes, checked before it is read")
+    max_body_bytes: int = Field(2 << 30, ge=1024,
+                                description="largest request body in bytes, checked before it is read")
     max_elements: int = Field(1 << 31, ge=1, description="largest element count of one tensor")
     max_inflight_bytes: int = Field(
         default_factory=lambda: memory_limit_bytes() // 4, ge=1024,
@@ -81,7 +82,8 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     ascend_home_path: Path | None = Field(
         None, validation_alias=AliasChoices("ascend_home_path", "MOEGRAD_ASCEND_HOME_PATH", "ASCEND_HOME_PATH"),
-        description="CANN install whose lib64 holds the libraries (default: CANN's ASCEND_HOME_PATH, else the loader path)")
+        description="CANN install whose lib64 holds the libraries "
+                    "(default: CANN's ASCEND_HOME_PATH, else the loader path)")
 
     @field_validator("auth_tokens", mode="before")
     @classmethod

@@ -84,8 +84,8 @@ def save_case(path: str | os.PathLike[str], *, grad_expanded_x: np.ndarray, expa
         OSError: the file cannot be written.
     """
     fields: dict[str, Any] = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx,
-                              "candidate": candidate, "top_k": np.int64(top_k), "drop_pad_mode": np.int64(drop_pad_mode),
-                              "active_num": np.int64(active_num)}
+                              "candidate": candidate, "top_k": np.int64(top_k),
+                              "drop_pad_mode": np.int64(drop_pad_mode), "active_num": np.int64(active_num)}
     if order is not None:
         fields["order"] = np.str_(order)
     if allow_duplicate_indices:
@@ -124,7 +124,8 @@ def load_case(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]
             if name in archive.files:
                 value = archive[name]
                 if value.shape != () or value.dtype.kind not in "iu":
-                    raise ValueError(f"{os.fspath(path)}: {name} must be a 0-d integer, got {value.dtype} {list(value.shape)}")
+                    raise ValueError(f"{os.fspath(path)}: {name} must be a 0-d integer, "
+                                     f"got {value.dtype} {list(value.shape)}")
                 fields[name] = int(value)
         if "order" in archive.files:
             order = archive["order"]
@@ -307,7 +308,8 @@ def _badness(result: CaseResult) -> tuple[int, float]:
 
 #: Columns of the summary CSV: msprobe's result-comparison names first, then moegrad's own.
 SUMMARY_COLUMNS: tuple[str, ...] = (
-    "API Name", "DEVICE Dtype", "Shape", "比对结果", "比对算法", "均方根误差比值", "相对误差最大值比值", "相对误差平均值比值",
+    "API Name", "DEVICE Dtype", "Shape", "比对结果", "比对算法", "均方根误差比值", "相对误差最大值比值",
+    "相对误差平均值比值",
     "小值域错误比值", "二进制一致错误率", "Message", "moegrad_status", "bit_exact", "bitwise_mismatches", "worst_row",
     "file",
 )
@@ -327,8 +329,10 @@ def _summary_row(result: CaseResult) -> dict[str, str]:
         return row
     exact = r.exact
     row.update({
-        "DEVICE Dtype": r.candidate_dtype, "Shape": str(tuple(r.shape)), "比对算法": "+".join(v.standard for v in r.verdicts),
-        "均方根误差比值": _cell(_ratio(r, "rmse_ratio")), "相对误差最大值比值": _cell(_ratio(r, "max_relative_error_ratio")),
+        "DEVICE Dtype": r.candidate_dtype, "Shape": str(tuple(r.shape)),
+        "比对算法": "+".join(v.standard for v in r.verdicts),
+        "均方根误差比值": _cell(_ratio(r, "rmse_ratio")),
+        "相对误差最大值比值": _cell(_ratio(r, "max_relative_error_ratio")),
         "相对误差平均值比值": _cell(_ratio(r, "mean_relative_error_ratio")),
         "小值域错误比值": _cell(_ratio(r, "small_value_error_ratio")),
         "二进制一致错误率": "" if exact is None else _cell(exact.share),

@@ -99,7 +99,9 @@ _MEASURES: Mapping[str, _Measure] = {
     "special_value_mismatch_excess": lambda cg, dg, cd, zr: (_specials(cg) - _specials(dg), cg.count),
     "zero_row_mismatches": lambda cg, dg, cd, zr: (zr.mismatched_elements, zr.rows),
 }
-_OPS: Mapping[str, Callable[[float, float], bool]] = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+_OPS: Mapping[str, Callable[[float, float], bool]] = {
+    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+}
 
 
 def _status(criterion: Criterion, value: float, samples: int) -> tuple[Status, bool]:
@@ -113,7 +115,8 @@ def _judge(standard: str, dtype: str, cg: Metrics, dg: Metrics, cd: Metrics, zr:
            dd: Metrics, dzr: ZeroRowCheck) -> StandardVerdict:
     """One standard's verdict of the candidate; each criterion also judged with the device in its place
     (``dd``: the device against itself, ``dzr``: the device's zero rows)."""
-    results, device_statuses = [], []
+    results: list[CriterionResult] = []
+    device_statuses: list[Status] = []
     for criterion in THRESHOLDS[(standard, dtype)]:
         value, samples = _MEASURES[criterion.measure](cg, dg, cd, zr)
         device_value, device_samples = _MEASURES[criterion.measure](dg, dg, dd, dzr)
@@ -127,8 +130,8 @@ def _judge(standard: str, dtype: str, cg: Metrics, dg: Metrics, cd: Metrics, zr:
                            device_status=_worst(device_statuses))
 
 
-def _worst(statuses: Iterable[str]) -> Status:
-    return max(statuses, key=SEVERITY.__getitem__, default="pass")  # type: ignore[return-value]
+def _worst(statuses: Iterable[Status]) -> Status:
+    return max(statuses, key=SEVERITY.__getitem__, default="pass")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,6 +166,12 @@ def _zero_rows(candidate: np.ndarray, rows: np.ndarray) -> ZeroRowCheck:
                         mismatched_elements=int(np.count_nonzero(bad)), first_mismatched_row=first)
 
 
+def _candidate_dtype(candidate: np.ndarray) -> str:
+    name = dtype_name(candidate.dtype)
+    assert name is not None, "_check_candidate took the candidate, so its dtype is a wire dtype"
+    return name
+
+
 def _check_candidate(candidate: Any, shape: tuple[int, int], dtype: str) -> np.ndarray:
     if not isinstance(candidate, np.ndarray):
         raise InvalidArgument(f"candidate must be a numpy.ndarray, got {type(candidate).__name__}",
@@ -174,7 +183,8 @@ def _check_candidate(candidate: Any, shape: tuple[int, int], dtype: str) -> np.n
                               f"(grad_expanded_x's dtype{'' if dtype == 'float32' else ', or float32'})",
                               aclnn_status=_INVALID, field="candidate")
     if candidate.shape != shape:
-        raise InvalidArgument(f"candidate has shape {list(candidate.shape)}; grad_x of this call is {list(shape)} [N, H]",
+        raise InvalidArgument(f"candidate has shape {list(candidate.shape)}; "
+                              f"grad_x of this call is {list(shape)} [N, H]",
                               aclnn_status=_INVALID, field="candidate")
     return candidate
 
@@ -267,7 +277,7 @@ def compare_arrays(candidate: np.ndarray, device_result: np.ndarray, golden: np.
     cg = metrics(candidate, golden, dtype=dtype, magnitude=magnitude)
     dg = metrics(device_result, golden, dtype=dtype, magnitude=magnitude)
     cd = metrics(candidate, device_result, golden, dtype=dtype, magnitude=magnitude)
-    return _report(dtype, dtype_name(candidate.dtype), shape, names, require_exact, cg, dg, cd,
+    return _report(dtype, _candidate_dtype(candidate), shape, names, require_exact, cg, dg, cd,
                    _zero_rows(candidate, rows), _zero_rows(device_result, rows))
 
 
@@ -311,7 +321,10 @@ def rejudge(report: ComparisonReport, *, standards: Iterable[str] | str | None =
         InvalidArgument: an unknown standard (field ``"standards"``, aclnn 161002).
     """
     names = tuple(v.standard for v in report.verdicts) if standards is None else _check_standards(standards)
-    required = (report.exact.required if report.exact is not None else False) if require_exact is None else require_exact
+    if require_exact is None:
+        required = report.exact.required if report.exact is not None else False
+    else:
+        required = require_exact
     device_rows = report.zero_rows if report.device_zero_rows is None else report.device_zero_rows
     return _report(report.dtype, report.candidate_dtype, report.shape, names, required, report.candidate_vs_golden,
                    report.device_vs_golden, report.candidate_vs_device, report.zero_rows, device_rows, report.context)
@@ -363,7 +376,8 @@ def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_res
     shape = (call.num_tokens, call.hidden_size)
     for name, given in (("device_result", device_result), ("golden", golden)):
         if given is not None and getattr(given, "shape", None) != shape:
-            raise ValueError(f"{name} has shape {list(getattr(given, 'shape', ()))}; grad_x of this call is {list(shape)}")
+            raise ValueError(f"{name} has shape {list(getattr(given, 'shape', ()))}; "
+                             f"grad_x of this call is {list(shape)}")
     if device_result is None:
         device_result = moe_init_routing_v2_grad(call)
     if _FUSED != "numpy" and isinstance(require_exact, bool):
@@ -373,7 +387,7 @@ def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_res
         fused = fused_metrics(call, candidate, device_result, golden)
         if fused is not None:
             rows = skipped_rows(call)
-            return _report(call.dtype_name, dtype_name(candidate.dtype), shape, _check_standards(standards),
+            return _report(call.dtype_name, _candidate_dtype(candidate), shape, _check_standards(standards),
                            require_exact, *fused, _zero_rows(candidate, rows), _zero_rows(device_result, rows))
     if golden is None:
         golden = moe_init_routing_v2_grad_golden(call)
@@ -388,7 +402,7 @@ def _sha256(array: np.ndarray) -> str:
     data = np.ascontiguousarray(array)
     if data.dtype.itemsize > 1:  # the bytes as the wire sends them: little-endian
         data = data.view(f"u{data.dtype.itemsize}").astype(f"<u{data.dtype.itemsize}", copy=False)
-    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+    return hashlib.sha256(data.data.cast("B")).hexdigest()
 
 
 def report_context(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, backend: str = "in-process",
@@ -420,7 +434,7 @@ def report_context(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, bac
         top_k=call.top_k, drop_pad_mode=call.drop_pad_mode, active_num=call.active_num, order=used,
         product_line=_PRODUCT_LINES.get(used, used), moegrad_version=__version__, backend=backend, device=device,
         server_url=server_url, case=case,
-        created=created or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created=created or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
 
 

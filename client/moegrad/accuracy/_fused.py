@@ -24,8 +24,9 @@ from moegrad.accuracy._standards import DTYPE_LIMITS
 
 __all__ = ["available", "fused_metrics", "warm_up_compare"]
 
-_VIEWS = {np.dtype(np.float32): np.dtype(np.float32), np.dtype(np.float16): np.dtype(np.int16),
-          np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16)}
+_VIEWS: dict[np.dtype, np.dtype] = {np.dtype(np.float32): np.dtype(np.float32),
+                                    np.dtype(np.float16): np.dtype(np.int16),
+                                    np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16)}
 # |x| at or above which a finite float64 rounds to inf in the format (half the top ULP above the maximum).
 _OVERFLOW_AT = {"float32": 2.0**128 - 2.0**103, "float16": 65520.0, "bfloat16": 2.0**128 - 2.0**119}
 _CHUNK_ELEMENTS = 1 << 16  # output elements per task of the pool
@@ -102,6 +103,7 @@ def fused_metrics(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, device_
     index = np.ascontiguousarray(call.expanded_row_idx.reshape(-1, call.top_k), dtype=np.int32)
     mode = 1 if call.drop_pad_mode == 1 else 2 if call.active_num > 0 else 0
     dtype, candidate_dtype = call.dtype_name, dtype_name(candidate.dtype)
+    assert candidate_dtype is not None, "_view took the candidate, so its dtype is a wire dtype"
     p_cand, p_dev = _params(dtype, candidate_dtype), _params(dtype, dtype)
     acc = np.zeros((tokens, 3, jit.SLOTS), dtype=np.float64)
     acc[:, :, jit.BAD] = -2.0
@@ -118,8 +120,9 @@ def fused_metrics(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, device_
     totals = acc.sum(axis=0)
     maxima = acc.max(axis=0)
     actual = (candidate_dtype, dtype, candidate_dtype)
-    return tuple(_metrics(jit, acc[:, k], totals[k], maxima[k], dtype, actual[k], tokens * hidden, hidden)
-                 for k in range(3))  # type: ignore[return-value]
+    cand_gold, dev_gold, cand_dev = (_metrics(jit, acc[:, k], totals[k], maxima[k], dtype, actual[k], tokens * hidden,
+                                              hidden) for k in range(3))
+    return cand_gold, dev_gold, cand_dev
 
 
 def _metrics(jit: ModuleType, per_row: np.ndarray, total: np.ndarray, maximum: np.ndarray, dtype: str, actual: str,
@@ -157,7 +160,8 @@ def _metrics(jit: ModuleType, per_row: np.ndarray, total: np.ndarray, maximum: n
         dtype=dtype, actual_dtype=actual, relative_to="magnitude", count=count, finite_count=n, normal_count=normal,
         small_count=small, max_abs_error=largest(jit.MAX_ABS, jit.FINITE),
         mean_abs_error=share(float(total[jit.SUM_ABS]), n), rmse=math.sqrt(share(float(total[jit.SUM_SQ]), n)),
-        max_relative_error=largest(jit.MAX_REL, jit.NORMAL), mean_relative_error=share(float(total[jit.SUM_REL]), normal),
+        max_relative_error=largest(jit.MAX_REL, jit.NORMAL),
+        mean_relative_error=share(float(total[jit.SUM_REL]), normal),
         small_value_error_count=small_errors, small_value_error_rate=share(small_errors, small),
         max_small_value_abs_error=largest(jit.MAX_SMALL, jit.SMALL),
         max_accumulative_error=largest(jit.MAX_ACC, jit.FINITE), cosine_similarity=cosine,

@@ -87,8 +87,10 @@ def metrics(actual: np.ndarray, expected: np.ndarray, golden: np.ndarray | None 
         magnitude = float_array(magnitude, "magnitude", ("float64",))
     if not actual.shape == expected.shape == golden.shape == (actual.shape if magnitude is None else magnitude.shape):
         raise ValueError(f"shapes differ: actual {list(actual.shape)}, expected {list(expected.shape)}, "
-                         f"golden {list(golden.shape)}" + ("" if magnitude is None else f", magnitude {list(magnitude.shape)}"))
+                         f"golden {list(golden.shape)}"
+                         + ("" if magnitude is None else f", magnitude {list(magnitude.shape)}"))
     actual_dtype = dtype_name(actual.dtype)
+    assert actual_dtype is not None, "float_array checked that actual's dtype is one of GRAD_DTYPES"
     dtype = actual_dtype if dtype is None else dtype
     if dtype not in DTYPE_LIMITS:
         raise TypeError(f"dtype={dtype!r} is not one of {', '.join(DTYPE_LIMITS)}")
@@ -154,7 +156,8 @@ def _metrics(actual: np.ndarray, expected: np.ndarray, golden: np.ndarray, magni
     if count and badness.max() > 0:
         index = int(np.argmax(badness))
         worst = WorstElement(row=index // width, column=index % width, actual=float(a[index]),
-                             expected=float(e[index]), golden=float(g[index]), abs_error=float(abs(a[index] - e[index])))
+                             expected=float(e[index]), golden=float(g[index]),
+                             abs_error=float(abs(a[index] - e[index])))
 
     small_errors = int(np.count_nonzero(small_abs > limits.small_value_atol))
     return Metrics(

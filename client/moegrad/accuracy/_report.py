@@ -36,7 +36,8 @@ from moegrad.accuracy._results import ComparisonReport, CriterionResult, Metrics
 from moegrad.accuracy._standards import DTYPE_LIMITS, SEVERITY, THRESHOLDS
 
 __all__ = [
-    "MSPROBE_DETAIL_COLUMNS", "MSPROBE_STATUS", "csv_rows", "exactness_line", "format_report", "markdown_report", "read_json_report", "relative_errors",
+    "MSPROBE_DETAIL_COLUMNS", "MSPROBE_STATUS", "csv_rows", "exactness_line", "format_report", "markdown_report",
+    "read_json_report", "relative_errors",
     "write_csv_report", "write_histogram", "write_json_report", "write_markdown_report",
 ]
 
@@ -88,7 +89,7 @@ def _sections(report: ComparisonReport) -> list[_Table]:
     metrics = [_metric_row(name, comparisons) for name in _KEY_METRICS]
     metrics.append(["nan / inf mismatches", *(f"{m.nan_mismatch_count} / {m.inf_mismatch_count}" for m in comparisons)])
     worst = []
-    for name, m in zip(_COMPARISONS, comparisons):
+    for name, m in zip(_COMPARISONS, comparisons, strict=True):
         w = m.worst
         if w is None:
             worst.append([name, "-", "-", "-", "-", "-", "none: every element equal"])
@@ -98,7 +99,8 @@ def _sections(report: ComparisonReport) -> list[_Table]:
     tables: list[_Table] = []
     if report.context is not None:
         tables.append(("call", ("field", "value"), _context_rows(report.context)))
-    return tables + [
+    return [
+        *tables,
         ("standards", ("standard", "status", "device", "deciding numbers (device's own figure beside)"), standards),
         ("metrics", ("metric", *_COMPARISONS), metrics),
         ("worst elements", ("comparison", "row", "column", "actual", "expected", "golden", "abs error"), worst),
@@ -154,11 +156,12 @@ def _zero_rows_line(report: ComparisonReport) -> str:
 def _text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     split = [[cell.split("\n") for cell in row] for row in rows]
     widths = [max([len(headers[i])] + [len(line) for row in split for line in row[i]]) for i in range(len(headers))]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
            "  ".join("-" * w for w in widths)]
     for row in split:
         for k in range(max(len(cell) for cell in row)):
-            out.append("  ".join((cell[k] if k < len(cell) else "").ljust(w) for cell, w in zip(row, widths)).rstrip())
+            cells = ((cell[k] if k < len(cell) else "").ljust(w) for cell, w in zip(row, widths, strict=False))
+            out.append("  ".join(cells).rstrip())
     return out
 
 
@@ -228,7 +231,8 @@ def relative_errors(call: MoeInitRoutingV2GradCall, values: np.ndarray, *, signe
                      signed)
 
 
-def _relative(values: np.ndarray, golden: np.ndarray, scale: np.ndarray, small_value: float, signed: bool) -> np.ndarray:
+def _relative(values: np.ndarray, golden: np.ndarray, scale: np.ndarray, small_value: float,
+              signed: bool) -> np.ndarray:
     keep = np.isfinite(values) & np.isfinite(golden) & np.isfinite(scale) & (scale >= small_value)
     if signed:
         return (np.abs(values[keep]) - np.abs(golden[keep])) / scale[keep]
@@ -267,12 +271,12 @@ def write_histogram(path: str | os.PathLike[str], errors: np.ndarray, *, dtype: 
     if positive.size:
         low, high = math.floor(math.log10(positive.min())), math.ceil(math.log10(positive.max()))
         bins = np.logspace(low, max(high, low + 1), 10 * max(high - low, 1) + 1)
-        for (label, values, color), style in zip(series, ("stepfilled", "step")):
+        for (label, values, color), style in zip(series, ("stepfilled", "step"), strict=False):  # 1 or 2 series
             nonzero = values[values > 0]
             axes.hist(nonzero, bins=bins, color=color, histtype=style, alpha=0.6 if style == "stepfilled" else 1.0,
                       linewidth=1.5, label=f"{label}: {values.size - nonzero.size} exact of {values.size}")
         axes.set_xscale("log")
-        for criterion, style in zip(THRESHOLDS[("threshold", dtype)][:2], ("--", ":")):
+        for criterion, style in zip(THRESHOLDS[("threshold", dtype)][:2], ("--", ":"), strict=False):
             axes.axvline(criterion.limit, color="tab:red", linestyle=style,
                          label=f"threshold: {criterion.measure} {criterion.op} {criterion.limit:.3g}")
         axes.legend(loc="upper left", fontsize="small")
@@ -327,6 +331,8 @@ def write_markdown_report(path: str | os.PathLike[str], report: ComparisonReport
     png = markdown.with_suffix(".png")
     if png == markdown:
         png = markdown.with_name(markdown.name + ".png")
+    written: Path | None
+    note: str | None
     try:
         import matplotlib.figure  # noqa: F401  (probe before the float64 work)
     except ImportError:
@@ -372,9 +378,10 @@ def read_json_report(path: str | os.PathLike[str]) -> ComparisonReport:
 #: The columns of msprobe's accuracy-checking details table (``accuracy_checking_details_*.csv``), in
 #: its order, followed by moegrad's own (docs/accuracy.md, "CSV columns").
 MSPROBE_DETAIL_COLUMNS: tuple[str, ...] = (
-    "API Name", "Bench Dtype", "DEVICE Dtype", "Shape", "余弦相似度", "最大绝对误差", "双百指标", "双千指标", "双万指标",
-    "二进制一致错误率", "误差均衡性", "均方根误差", "小值域错误占比", "相对误差最大值", "相对误差平均值", "inf/nan错误率",
-    "相对误差错误率", "绝对误差错误率", "ULP误差最大值", "ULP误差平均值", "ULP误差大于阈值占比", "Status", "Message",
+    "API Name", "Bench Dtype", "DEVICE Dtype", "Shape", "余弦相似度", "最大绝对误差", "双百指标", "双千指标",
+    "双万指标", "二进制一致错误率", "误差均衡性", "均方根误差", "小值域错误占比", "相对误差最大值", "相对误差平均值",
+    "inf/nan错误率", "相对误差错误率", "绝对误差错误率", "ULP误差最大值", "ULP误差平均值", "ULP误差大于阈值占比",
+    "Status", "Message",
 )
 _MOEGRAD_COLUMNS = ("moegrad_status", "bit_exact", "bitwise_mismatches", "worst_row", "worst_column", "standards")
 #: moegrad's status -> the word msprobe writes in its Status column.
@@ -410,14 +417,16 @@ def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
         is_candidate = role == "candidate"
         mismatched = report.exact.mismatched if report.exact is not None and is_candidate else 0
         share = report.exact.share if report.exact is not None and is_candidate else 0.0
-        messages = [c.describe() for v in report.verdicts for c in v.criteria if c.status != "pass"] if is_candidate else []
+        messages = ([c.describe() for v in report.verdicts for c in v.criteria if c.status != "pass"]
+                    if is_candidate else [])
         worst = metric.worst
         rows.append({
             "API Name": f"{name}.{role}", "Bench Dtype": "float64", "DEVICE Dtype": metric.actual_dtype,
             "Shape": str(tuple(report.shape)), "余弦相似度": _cell(metric.cosine_similarity),
             "最大绝对误差": _cell(metric.max_abs_error), "双百指标": _cell(metric.hundredth_share),
             "双千指标": _cell(metric.thousandth_share), "双万指标": _cell(metric.ten_thousandth_share),
-            "二进制一致错误率": _cell(share), "误差均衡性": _cell(metric.error_imbalance), "均方根误差": _cell(metric.rmse),
+            "二进制一致错误率": _cell(share), "误差均衡性": _cell(metric.error_imbalance),
+            "均方根误差": _cell(metric.rmse),
             "小值域错误占比": _cell(metric.small_value_error_rate), "相对误差最大值": _cell(metric.max_relative_error),
             "相对误差平均值": _cell(metric.mean_relative_error),
             "inf/nan错误率": _cell((metric.nan_mismatch_count + metric.inf_mismatch_count) / metric.count

@@ -60,7 +60,8 @@ class _Serializable:
 
     def to_dict(self) -> dict[str, Any]:
         """This object as a JSON- and msgpack-safe dict (non-finite floats as strings, tuples as lists)."""
-        return _adapter(type(self)).dump_python(self, mode="json")  # type: ignore[no-any-return]
+        # mypy takes a class for non-Hashable (its __hash__ is seen unbound), so functools.cache's stub refuses it
+        return _adapter(type(self)).dump_python(self, mode="json")  # type: ignore[arg-type]
 
     @classmethod
     def from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
@@ -69,7 +70,8 @@ class _Serializable:
         Raises:
             ValueError: a field is missing or has the wrong type (the message names it).
         """
-        return _adapter(cls).validate_python(data)  # type: ignore[no-any-return]
+        # a class is Hashable at run time; see to_dict
+        return _adapter(cls).validate_python(data)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ def _dual_thousandth(required: tuple[str, float], passing: tuple[str, float]) ->
 
 
 def _threshold(t: float) -> tuple[Criterion, ...]:
-    return (Criterion("mean_relative_error", "<", t), Criterion("max_relative_error", "<", 10 * t), _SPECIAL, _ZERO_ROWS)
+    return (Criterion("mean_relative_error", "<", t), Criterion("max_relative_error", "<", 10 * t), _SPECIAL,
+            _ZERO_ROWS)
 
 
 _BENCHMARK = (

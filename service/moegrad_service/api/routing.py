@@ -43,7 +43,7 @@ class _Endpoint:
         try:
             try:
                 response = await self.handler(request)
-            except Exception as exc:  # noqa: BLE001 - every error is answered by the one renderer
+            except Exception as exc:  # every error is answered by the one renderer
                 response = error_response(request, exc)
                 if _body_unread(request):  # answered before the body was read: the server closes the
                     response.headers["connection"] = "close"  # connection lingering (connections.py)

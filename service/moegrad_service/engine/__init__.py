@@ -31,7 +31,7 @@ def open_backend(settings: Settings) -> Backend:
         return ascend.AscendBackend(device_id=settings.device_id, ascend_home_path=settings.ascend_home_path)
     except DeviceFault:
         raise
-    except Exception as exc:  # noqa: BLE001 - a startup failure must read as one sentence
+    except Exception as exc:  # a startup failure must read as one sentence
         raise DeviceFault(f"the ascend backend could not start: {type(exc).__name__}: {exc}") from exc
 
 

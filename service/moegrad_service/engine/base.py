@@ -58,7 +58,10 @@ class Backend(Protocol):
     """
 
     name: str
-    device: str | None
+
+    @property
+    def device(self) -> str | None:  # read-only here, so a backend whose device is always named (str) conforms
+        ...
 
     def open_worker(self, index: int) -> BackendWorker:
         """Make worker slot ``index``; called on the worker's own thread, once per thread."""

@@ -140,8 +140,7 @@ def binary_lead(header_length: str | None) -> int:
     return 0 if size is None else -size % 16
 
 
-def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[bytes | bytearray | memoryview,
-                                                                          memoryview]:
+def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[bytes | bytearray, memoryview]:
     """The JSON part and the binary part of a body (the binary part is empty without the header)."""
     if header_length is None:  # a JSON-only body (json.loads takes bytes, not a memoryview)
         return (bytes(body) if isinstance(body, memoryview) else body), memoryview(b"")
@@ -258,9 +257,10 @@ def _decode_inputs(inputs: Any, binary: memoryview, max_elements: int) -> dict[s
         if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
             raise MalformedRequest(f"{name}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers",
                                    field=name)
-        if datatype not in DATATYPES:
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
             raise MalformedRequest(f"{name}.datatype={datatype!r} is not supported; "
                                    f"{name} is {'FP16, BF16 or FP32' if name == INPUTS[0] else 'INT32'}", field=name)
+        assert isinstance(datatype, str), "DATATYPES is keyed by str, so only a str is in it"
         count = math.prod(shape)
         if count > max_elements:
             raise PayloadTooLarge(f"{name}.shape={shape} has {count} elements, over the limit of {max_elements}",
