@@ -486,3 +486,13 @@ def test_empty_tensor_with_an_unrepresentable_dimension_is_400(client, binary):
 def test_json_number_beyond_float_range_is_400_not_infinity(client):
     body = json.dumps(example()).replace('"data": [0.1', '"data": [1e400', 1).encode()
     assert "beyond the range" in error(infer(client, body=body), 400)
+
+
+@pytest.mark.parametrize("datatype", [["FP32"], {"a": 1}, 32, None])
+def test_a_datatype_that_is_not_a_string_is_400_naming_the_input(client, datatype):
+    body = {"parameters": {"top_k": 2},
+            "inputs": [{"name": "grad_expanded_x", "shape": [4, 2], "datatype": datatype, "data": [0.0] * 8},
+                       {"name": "expanded_row_idx", "shape": [4], "datatype": "INT32", "data": [2, 0, 1, 3]}]}
+    response = client.post("/v2/models/moe_init_routing_v2_grad/infer", content=json.dumps(body))
+    assert response.status_code == 400, response.text
+    assert "grad_expanded_x.datatype" in response.json()["error"]

@@ -258,9 +258,8 @@ def _decode_inputs(inputs: Any, binary: memoryview, max_elements: int) -> dict[s
             raise MalformedRequest(f"{name}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers",
                                    field=name)
         if not isinstance(datatype, str) or datatype not in DATATYPES:
-            raise MalformedRequest(f"{name}.datatype={datatype!r} is not supported; "
+            raise MalformedRequest(f"{name}.datatype={brief(datatype)} is not supported; "
                                    f"{name} is {'FP16, BF16 or FP32' if name == INPUTS[0] else 'INT32'}", field=name)
-        assert isinstance(datatype, str), "DATATYPES is keyed by str, so only a str is in it"
         count = math.prod(shape)
         if count > max_elements:
             raise PayloadTooLarge(f"{name}.shape={shape} has {count} elements, over the limit of {max_elements}",
