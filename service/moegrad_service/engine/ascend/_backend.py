@@ -494,6 +494,7 @@ class _AscendWorker:
             if status:
                 raise device.fault("aclrtMalloc", status) from first
         device.check(f"aclrtMalloc ({size} bytes)", status)
+        assert pointer.value is not None  # check() raised unless the runtime filled it in
         return pointer.value
 
     def _acquire(self, nbytes: int, lease: Lease) -> int:
