@@ -808,6 +808,7 @@ class _ClientCore:
                       "device": _str_or_none(result.get("device")),
                       "timings_ms": dict(timings) if isinstance(timings, dict) else {}, "request_id": request_id}
             if op == "grad":
+                assert grad_x is not None  # decoded above whenever op == "grad"
                 return GradResult(grad_x=grad_x, **fields)
             report = ComparisonReport.from_dict(result.get("report"))
             return CompareResult(report=report, grad_x=grad_x, **fields)
