@@ -439,7 +439,9 @@ class _AscendWorker:
         backend = self._backend
         if deadline is None:
             deadline = time.monotonic() + backend.drain_timeout_s
-        if not self._busy.acquire(timeout=left(deadline)):
+        timeout = left(deadline)
+        assert timeout is not None  # deadline is set just above, so left() gives seconds
+        if not self._busy.acquire(timeout=timeout):
             self._closed = True
             with backend._lock:
                 backend._workers.discard(self)
