@@ -173,7 +173,8 @@ def _seconds(name: str, value: Any, *, allow_none: bool) -> float | None:
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
     value = float(value)
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}={value} must be a finite number of seconds > 0" + (" (or None)" if allow_none else ""))
+        raise ValueError(f"{name}={value} must be a finite number of seconds > 0"
+                         + (" (or None)" if allow_none else ""))
     return value
 
 
@@ -283,8 +284,9 @@ def _error_from_response(response: httpx.Response) -> MoegradError:
     """The exception for a non-2xx response (problem+json, or any body at all, e.g. a proxy's HTML)."""
     status = response.status_code
     problem = _problem(response)
-    if problem is not None and isinstance(problem.get("detail") or problem.get("title"), str):
-        message = problem.get("detail") or problem.get("title")
+    headline = None if problem is None else problem.get("detail") or problem.get("title")
+    if isinstance(headline, str):
+        message = headline
     else:
         request = response.request
         message = f"HTTP {status} {response.reason_phrase} from {request.method} {request.url}"
@@ -421,9 +423,13 @@ class _ClientCore:
         if url is None:
             url = self._urls[path] = httpx.URL(str(self.base_url).rstrip("/") + path)
         content = None if body is None else (_abody_slices(body) if self._async_body else _body_slices(body))
-        return httpx.Request(method, url, headers=headers, content=content, extensions={"timeout": timeout.as_dict()})
+        # httpx annotates content chunks as bytes; it sends any bytes-like chunk, and these are memoryviews
+        return httpx.Request(method, url, headers=headers, content=content,  # type: ignore[arg-type]
+                             extensions={"timeout": timeout.as_dict()})
 
-    def grad_body(self, call: MoeInitRoutingV2GradCall | Mapping[str, Any]) -> tuple[memoryview, MoeInitRoutingV2GradCall | None]:
+    def grad_body(
+        self, call: MoeInitRoutingV2GradCall | Mapping[str, Any],
+    ) -> tuple[memoryview, MoeInitRoutingV2GradCall | None]:
         """The msgpack body of a call, and the validated call when there is one (to check the reply against).
 
         A :class:`MoeInitRoutingV2GradCall` is sent as it is (its ``order`` only when it was set
@@ -440,7 +446,8 @@ class _ClientCore:
                 raise TypeError(f"the request document cannot be packed as msgpack: {exc}") from None
             checked = MoeInitRoutingV2GradCall.from_wire(decode_body(body)) if self.validate else None
             return body, checked
-        raise TypeError(f"call must be a MoeInitRoutingV2GradCall or a wire document mapping, got {type(call).__name__}")
+        raise TypeError(f"call must be a MoeInitRoutingV2GradCall or a wire document mapping, "
+                        f"got {type(call).__name__}")
 
     @staticmethod
     def call_document(call: MoeInitRoutingV2GradCall) -> dict[str, Any]:
@@ -797,10 +804,11 @@ class _ClientCore:
                 grad_x = decode_tensor(result.get("grad_x"), "grad_x").copy()
                 _ClientCore.check_grad_x(response, grad_x, call)
             timings = result.get("timings_ms")
-            fields = {"backend": str(result.get("backend", "")), "order": str(result.get("order", "")),
+            fields: dict[str, Any] = {"backend": str(result.get("backend", "")), "order": str(result.get("order", "")),
                       "device": _str_or_none(result.get("device")),
                       "timings_ms": dict(timings) if isinstance(timings, dict) else {}, "request_id": request_id}
             if op == "grad":
+                assert grad_x is not None  # decoded above whenever op == "grad"
                 return GradResult(grad_x=grad_x, **fields)
             report = ComparisonReport.from_dict(result.get("report"))
             return CompareResult(report=report, grad_x=grad_x, **fields)
@@ -962,7 +970,7 @@ class Client(_ClientBase):
         *,
         order: str | None = None,
         allow_duplicate_indices: bool = False,
-        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> np.ndarray:
         """gradX of aclnnMoeInitRoutingV2Grad, computed by the service.
 
@@ -1000,7 +1008,7 @@ class Client(_ClientBase):
         self,
         call: MoeInitRoutingV2GradCall | Mapping[str, Any],
         *,
-        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> GradResult:
         """Run one call and return the full answer (grad_x, backend, order, device, timings, request id).
 
@@ -1019,7 +1027,7 @@ class Client(_ClientBase):
         self,
         items: Iterable[MoeInitRoutingV2GradCall | Mapping[str, Any] | BatchCompare],
         *,
-        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> list[GradResult | CompareResult | MoegradError]:
         """Run many independent calls (and comparisons) in one request each ``MAX_BATCH_CALLS`` items.
 
@@ -1060,7 +1068,7 @@ class Client(_ClientBase):
         allow_duplicate_indices: bool = False,
         return_grad_x: bool = False,
         require_exact: bool = False,
-        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> CompareResult:
         """Judge a candidate grad_x against the service's device result and a float64 golden.
 
@@ -1109,7 +1117,9 @@ class Client(_ClientBase):
         progress: bool | None = None,
         on_result: Callable[[CaseResult], None] | None = None,
     ) -> list[CaseResult]:
-        """Judge many candidates, one case after another, and never stop on a bad one (docs/accuracy.md, "Bulk checking").
+        """Judge many candidates, one case after another, and never stop on a bad one.
+
+        See docs/accuracy.md, "Bulk checking".
 
         Args:
             cases: case files (``.npz``, :func:`moegrad.accuracy.save_case`) or
@@ -1246,7 +1256,7 @@ class AsyncClient(_ClientBase):
         *,
         order: str | None = None,
         allow_duplicate_indices: bool = False,
-        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> np.ndarray:
         """As :meth:`Client.moe_init_routing_v2_grad`, awaited."""
         call = self._core.grad_call(to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), top_k, drop_pad_mode,
@@ -1257,7 +1267,7 @@ class AsyncClient(_ClientBase):
         self,
         call: MoeInitRoutingV2GradCall | Mapping[str, Any],
         *,
-        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> GradResult:
         """As :meth:`Client.run`, awaited."""
         return await self._drive(self._core.grad_flow(call, timeout_s))
@@ -1266,7 +1276,7 @@ class AsyncClient(_ClientBase):
         self,
         items: Iterable[MoeInitRoutingV2GradCall | Mapping[str, Any] | BatchCompare],
         *,
-        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> list[GradResult | CompareResult | MoegradError]:
         """As :meth:`Client.batch`, awaited."""
         return await self._drive(self._core.batch_flow(items, timeout_s))
@@ -1285,7 +1295,7 @@ class AsyncClient(_ClientBase):
         allow_duplicate_indices: bool = False,
         return_grad_x: bool = False,
         require_exact: bool = False,
-        timeout_s: float | None | _UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> CompareResult:
         """As :meth:`Client.compare`, awaited."""
         call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,

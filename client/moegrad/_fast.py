@@ -37,6 +37,7 @@ import functools
 import itertools
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -46,7 +47,7 @@ __all__ = ["accumulate", "accumulate_950", "available", "warm_up"]
 _CHUNK_INPUT_BYTES = 4 << 20  # gathered input per chunk: enough to hide the call, small enough to balance
 _BIN_BYTES = 128 << 10  # float32 bins of one tile: they stay in the core's L2
 _TILE_950 = 4096  # elements of H per pass of the 950 loop: its one float32 accumulator row stays in L1
-_BIT_VIEWS = {  # the dtype the kernel sees: it names the format too (see _fast_jit)
+_BIT_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {  # the dtype the kernel sees: it names the format too (see _fast_jit)
     np.dtype(np.float32): np.dtype(np.float32),
     np.dtype(np.float16): np.dtype(np.int16),
     np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16),
@@ -87,7 +88,9 @@ def warm_up() -> bool:
         return False
     for view in _BIT_VIEWS.values():
         rows = np.zeros((2, 1), dtype=view)
-        chains, group = _plan((("set", 0, 0), ("add", 0, 1)))
+        plan = _plan((("set", 0, 0), ("add", 0, 1)))
+        assert plan is not None  # a two-slot chain always has the kernel's shape
+        chains, group = plan
         jit.run_rows(_read_only(rows), _aux(view, 1), _read_only(np.arange(2, dtype=np.int32)), 2, chains, group, 1,
                      np.empty((1, 1), dtype=view), 0, 1)
         jit.run_rows_950(_read_only(rows), _aux(view, 1), _read_only(np.arange(2, dtype=np.int32)), 2, 2, True, 1,

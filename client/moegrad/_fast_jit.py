@@ -37,8 +37,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "narrow_f16_portable", "run_rows", "run_rows_950", "widen_bf16",
-           "widen_f16", "widen_f16_portable"]
+__all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "narrow_f16_portable", "run_rows", "run_rows_950",
+           "widen_bf16", "widen_f16", "widen_f16_portable"]
 
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)

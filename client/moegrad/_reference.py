@@ -38,8 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from moegrad import _fast
-from moegrad._ascend950 import (ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule,
-                                ascend950_tiling)
+from moegrad._ascend950 import ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
 from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
 
@@ -100,6 +99,7 @@ def accumulation_schedule(
                              "depends on the dtype, N and H")
         if top_k < 1:
             raise ValueError(f"top_k={top_k} must be >= 1")
+        assert num_tokens is not None and hidden_size is not None  # checked just above: missing is empty
         tiling = ascend950_tiling(dtype, num_tokens, top_k, hidden_size, ub_size_bytes=ub_size_bytes,
                                   vector_core_count=vector_core_count)
         return ascend950_schedule(top_k, tiling.k_chunk, ASCEND950_ORDERS[order])
@@ -111,7 +111,7 @@ def _a2_schedule(top_k: int, order: str) -> tuple[tuple[str, int, int], ...]:
     if top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1")
     if order == "sequential":
-        return (("zero", 0, 0),) + tuple(("add", 0, t) for t in range(top_k))
+        return (("zero", 0, 0), *(("add", 0, t) for t in range(top_k)))
     if order != "ascend910b":
         raise ValueError(f"order={order!r} is not one of {', '.join(map(repr, ORDERS))}")
     bins = bin_count(top_k)
@@ -159,7 +159,9 @@ def _map_chunks(fn: Callable[[int, int], None], rows: int, chunk: int) -> None:
         future.result()
 
 
-def _prepare(call: MoeInitRoutingV2GradCall) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray | None]]:
+def _prepare(
+    call: MoeInitRoutingV2GradCall,
+) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray | None]]:
     """C-contiguous [R, H] rows, the flat [N*K] index into them, and the per-mode skip-mask function.
 
     A C-contiguous grad_expanded_x is viewed as [rows, H] as it is. Any other layout (a strided or
@@ -249,6 +251,7 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
             if mask is not None:
                 column = np.where(mask, 0, column)
             if widen:
+                assert gathered is not None  # allocated above whenever widen
                 np.take(rows, column, axis=0, out=gathered)
                 np.copyto(into, gathered, casting="unsafe")  # exact: float16/bfloat16 -> float32/64
             else:
@@ -269,6 +272,7 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
                 mask = load(src, value)
                 keep = None if mask is None else ~mask[:, None]
                 if compensated:
+                    assert comp is not None and inexact is not None  # allocated above whenever compensated
                     _neumaier_add(target, value, comp, keep, inexact)
                 elif keep is None:
                     np.add(target, value, out=target)
@@ -278,7 +282,7 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
             total = bins[0] + comp
             bins[0] = np.where(np.isfinite(bins[0]), total, bins[0])
             # Where comp itself rounded, total + comp is not the exact sum: sum those few elements exactly.
-            for r, h in zip(*np.nonzero(inexact & np.isfinite(bins[0]))):
+            for r, h in zip(*np.nonzero(inexact & np.isfinite(bins[0])), strict=True):
                 slots = block[r]
                 mask = skipped(slots)
                 used = slots if mask is None else slots[~mask]
@@ -374,7 +378,8 @@ def moe_init_routing_v2_grad(
             ``ub_size_bytes`` / ``vector_core_count`` is not a positive integer (TypeError when
             it is not an integer at all).
     """
-    call = _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
+    call = _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order,
+                      allow_duplicate_indices)
     out = _result_buffer(call, out)
     if call.order not in ASCEND950_ORDERS:
         return _accumulate(call, _F32, accumulation_schedule(call.top_k, call.order), out)

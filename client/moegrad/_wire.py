@@ -115,7 +115,7 @@ def encode_tensor(array: np.ndarray) -> dict[str, Any]:
         raise TypeError(f"dtype {array.dtype} cannot travel on the wire; use one of {sorted(DTYPES)}")
     shape = list(array.shape)  # before ascontiguousarray, which turns a 0-d array into shape [1]
     array = np.ascontiguousarray(array, dtype=DTYPES[name])
-    data = memoryview(array.reshape(-1).view(np.uint8))
+    data = array.reshape(-1).view(np.uint8).data  # the same memoryview as memoryview(...) gives
     return {"dtype": name, "shape": shape, "data": data}
 
 
@@ -145,11 +145,13 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
         PayloadTooLarge: more than ``max_elements`` elements are declared.
     """
     if not isinstance(obj, dict):
-        raise MalformedRequest(f"{field} must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}", field=field)
+        raise MalformedRequest(f"{field} must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}",
+                               field=field)
     keys = set(obj)
     if keys != _TENSOR_KEYS:
         missing, extra = sorted(_TENSOR_KEYS - keys), sorted(map(str, keys - _TENSOR_KEYS))
-        raise MalformedRequest(f"{field} must have exactly the keys dtype, shape, data (missing {missing}, unknown {extra})", field=field)
+        raise MalformedRequest(f"{field} must have exactly the keys dtype, shape, data (missing {missing}, "
+                               f"unknown {extra})", field=field)
     name, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(name, str) or name not in DTYPES:
         if isinstance(name, str) and name in _UNSUPPORTED_DTYPES:  # a real dtype the operator does not take
@@ -158,14 +160,16 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
                                   aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field=field)
         raise MalformedRequest(f"{field}.dtype={brief(name)} is not one of {sorted(DTYPES)}", field=field)
     if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedRequest(f"{field}.shape={brief(shape)} must be a list of at most {MAX_RANK} non-negative integers", field=field)
+        raise MalformedRequest(f"{field}.shape={brief(shape)} must be a list of at most {MAX_RANK} "
+                               "non-negative integers", field=field)
     if isinstance(data, _Segment):  # a frames body's tensor bytes (decode_frames), viewed in place
         data = data.view
     elif not isinstance(data, bytes):
         raise MalformedRequest(f"{field}.data must be msgpack bin, got {type(data).__name__}", field=field)
     count = math.prod(shape)
     if max_elements is not None and count > max_elements:
-        raise PayloadTooLarge(f"{field}.shape={shape} has {count} elements, over the limit of {max_elements}", field=field)
+        raise PayloadTooLarge(f"{field}.shape={shape} has {count} elements, over the limit of {max_elements}",
+                              field=field)
     dtype = DTYPES[name]
     if len(data) != count * dtype.itemsize:
         raise MalformedRequest(
@@ -348,7 +352,7 @@ def decode_batch(body: bytes | bytearray | memoryview, limits: StructureLimits |
             raise MalformedRequest("the batch body has trailing bytes after its array")
     except MalformedRequest:
         raise
-    except Exception as exc:  # noqa: BLE001 - msgpack's OutOfData, FormatError, StackError, ValueError ...
+    except Exception as exc:  # msgpack's OutOfData, FormatError, StackError, ValueError ...
         reason = str(exc) or "truncated or invalid data"
         if isinstance(exc, msgpack.OutOfData):
             reason = "truncated"

@@ -59,7 +59,8 @@ def _port_problem(host: str, port: int) -> str | None:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
-        return f"cannot listen on {host}:{port}: the host does not resolve ({exc.strerror}); check --host / MOEGRAD_HOST"
+        return (f"cannot listen on {host}:{port}: the host does not resolve ({exc.strerror}); "
+                "check --host / MOEGRAD_HOST")
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
         try:

@@ -211,8 +211,9 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._raw_transport.resume_reading()
 
     def _cancel_head_timer(self) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()
+        timer = getattr(self, "_head_timer", None)
+        if timer is not None:
+            timer.cancel()
             self._head_timer = None
 
     def _peer(self) -> str:

@@ -325,5 +325,6 @@ def request_timeout(request: Request) -> float:
     except ValueError:
         value = math.nan
     if not (value > 0 and math.isfinite(value)):
-        raise MalformedRequest(f"X-Request-Timeout {raw!r} must be a positive number of seconds", field="X-Request-Timeout")
+        raise MalformedRequest(f"X-Request-Timeout {raw!r} must be a positive number of seconds",
+                               field="X-Request-Timeout")
     return min(value, settings.request_timeout_s)

@@ -138,7 +138,8 @@ class StreamPool:
         errors = [e for e in results if e is not None]
         if errors:
             await self.close(grace_s=0)
-            raise DeviceFault(f"could not open {len(errors)} of {self.streams} backend workers: {errors[0]}") from errors[0]
+            raise DeviceFault(f"could not open {len(errors)} of {self.streams} backend workers: "
+                              f"{errors[0]}") from errors[0]
         self._admitting = True
 
     def _spawn(self, index: int, timeout_s: float) -> BaseException | None:
@@ -167,7 +168,8 @@ class StreamPool:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
         except TimeoutError:
-            log.warning("shutdown grace of %.1f s passed with %d queued, %d running", grace_s, self._queued, self._running)
+            log.warning("shutdown grace of %.1f s passed with %d queued, %d running", grace_s, self._queued,
+                        self._running)
         self._closing.set()  # a worker waiting for its capacity stops waiting
         with self._lock:
             threads = list(self._threads)
@@ -244,7 +246,8 @@ class StreamPool:
             if not self._capable:
                 raise DeviceBusy(self.not_ready_reason, retry_after_s=self.retry_after_s)
             if self._queued >= self.max_queue:
-                raise DeviceBusy(f"the queue is full ({self.max_queue} calls waiting)", retry_after_s=self.retry_after_s)
+                raise DeviceBusy(f"the queue is full ({self.max_queue} calls waiting)",
+                                 retry_after_s=self.retry_after_s)
             self._queued += 1
             self._pending.add(job)
             self._idle.clear()
@@ -321,7 +324,7 @@ class StreamPool:
         me = threading.current_thread()
         try:
             worker = self.backend.open_worker(index)
-        except BaseException as exc:  # noqa: BLE001 - reported to start()
+        except BaseException as exc:  # reported to start()
             outcome[0] = exc
             with self._lock:
                 self._threads.discard(me)
@@ -361,7 +364,7 @@ class StreamPool:
                 self._threads.discard(me)
             try:
                 worker.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("closing backend worker %d failed", index)
 
     def _wait_for_capacity(self, index: int, worker) -> bool:
@@ -387,7 +390,7 @@ class StreamPool:
             return True
         try:
             return bool(accepts())
-        except Exception:  # noqa: BLE001 - a slot that cannot even answer this cannot run calls
+        except Exception:  # a slot that cannot even answer this cannot run calls
             log.exception("asking a backend worker whether it can run calls failed")
             return False
 
@@ -409,6 +412,6 @@ class StreamPool:
             return None, exc
         except MoegradError as exc:
             return None, DeviceFault(str(exc))
-        except Exception as exc:  # noqa: BLE001 - a backend bug is a device fault, never a crash
+        except Exception as exc:  # a backend bug is a device fault, never a crash
             log.exception("backend raised an unexpected error")
             return None, DeviceFault(f"{type(exc).__name__}: {exc}")

@@ -439,7 +439,9 @@ class _AscendWorker:
         backend = self._backend
         if deadline is None:
             deadline = time.monotonic() + backend.drain_timeout_s
-        if not self._busy.acquire(timeout=left(deadline)):
+        timeout = left(deadline)
+        assert timeout is not None  # deadline is set just above, so left() gives seconds
+        if not self._busy.acquire(timeout=timeout):
             self._closed = True
             with backend._lock:
                 backend._workers.discard(self)
@@ -494,6 +496,7 @@ class _AscendWorker:
             if status:
                 raise device.fault("aclrtMalloc", status) from first
         device.check(f"aclrtMalloc ({size} bytes)", status)
+        assert pointer.value is not None  # check() raised unless the runtime filled it in
         return pointer.value
 
     def _acquire(self, nbytes: int, lease: Lease) -> int:

@@ -152,6 +152,7 @@ class Device:
     def create_stream(self) -> int:
         stream = ctypes.c_void_p()
         self.check("aclrtCreateStream", self.api.aclrtCreateStream(ctypes.byref(stream)))
+        assert stream.value is not None  # check() raised unless the runtime filled it in
         return stream.value
 
     def destroy_stream(self, stream: int) -> None:
@@ -230,6 +231,7 @@ class Device:
         pointer = ctypes.c_void_p()
         self.check(f"aclrtMalloc ({size} bytes)",
                    self.api.aclrtMalloc(ctypes.byref(pointer), size, ACL_MEM_MALLOC_HUGE_FIRST))
+        assert pointer.value is not None  # check() raised unless the runtime filled it in
         return pointer.value
 
     # --- tensors and executors -----------------------------------------------------------------------
