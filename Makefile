@@ -29,6 +29,9 @@ $(SERVE_STAMP): pyproject.toml | $(BIN)/python
 	touch $(SERVE_STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check client service
+	$(BIN)/ruff format --check client service
+	$(BIN)/mypy
 	$(BIN)/python -c "import moegrad; moegrad.warm_up()"  # compile the kernel once; test servers then load it
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

@@ -47,8 +47,15 @@ import numpy.typing as npt
 
 from moegrad._wire import dtype_name
 
-__all__ = ["ASCEND950_ORDERS", "TEMPLATES", "UB_SIZE_BYTES", "VECTOR_CORE_COUNT", "Ascend950Tiling",
-           "ascend950_schedule", "ascend950_tiling"]
+__all__ = [
+    "ASCEND950_ORDERS",
+    "TEMPLATES",
+    "UB_SIZE_BYTES",
+    "VECTOR_CORE_COUNT",
+    "Ascend950Tiling",
+    "ascend950_schedule",
+    "ascend950_tiling",
+]
 
 #: The UB size of Ascend 950PR/950DT in bytes (``ub_size`` of the CANN platform files): the default.
 UB_SIZE_BYTES = 253952
@@ -113,8 +120,15 @@ def _tiling(item: int, tokens: int, top_k: int, hidden: int, ub: int, cores: int
     return Ascend950Tiling("regbase", min(factor, top_k), factor, align)
 
 
-def ascend950_tiling(dtype: object, num_tokens: int, top_k: int, hidden_size: int, *,
-                     ub_size_bytes: int = UB_SIZE_BYTES, vector_core_count: int = VECTOR_CORE_COUNT) -> Ascend950Tiling:
+def ascend950_tiling(
+    dtype: object,
+    num_tokens: int,
+    top_k: int,
+    hidden_size: int,
+    *,
+    ub_size_bytes: int = UB_SIZE_BYTES,
+    vector_core_count: int = VECTOR_CORE_COUNT,
+) -> Ascend950Tiling:
     """The template the Ascend 950 tiling picks for a call's shape (docs/semantics.md section 7.1).
 
     Args:
@@ -139,9 +153,16 @@ def ascend950_tiling(dtype: object, num_tokens: int, top_k: int, hidden_size: in
         name = dtype_name(as_dtype) or str(as_dtype)
     if name not in _ITEM_BYTES:
         raise ValueError(f"dtype={name!r} is not one of {', '.join(_ITEM_BYTES)}")
-    sizes = [_positive(field, value) for field, value in (
-        ("num_tokens", num_tokens), ("top_k", top_k), ("hidden_size", hidden_size),
-        ("ub_size_bytes", ub_size_bytes), ("vector_core_count", vector_core_count))]
+    sizes = [
+        _positive(field, value)
+        for field, value in (
+            ("num_tokens", num_tokens),
+            ("top_k", top_k),
+            ("hidden_size", hidden_size),
+            ("ub_size_bytes", ub_size_bytes),
+            ("vector_core_count", vector_core_count),
+        )
+    ]
     return _tiling(_ITEM_BYTES[name], *sizes)
 
 
@@ -165,8 +186,16 @@ def ascend950_schedule(top_k: int, k_chunk: int, grouped: bool = True) -> tuple[
         last = min(first + k_chunk, top_k)
         t = first
         while grouped and t + 4 <= last:
-            steps += [("set", 1, t), ("set", 2, t + 1), ("merge", 1, 2), ("set", 2, t + 2), ("set", 3, t + 3),
-                      ("merge", 2, 3), ("merge", 1, 2), ("merge", 0, 1)]
+            steps += [
+                ("set", 1, t),
+                ("set", 2, t + 1),
+                ("merge", 1, 2),
+                ("set", 2, t + 2),
+                ("set", 3, t + 3),
+                ("merge", 2, 3),
+                ("merge", 1, 2),
+                ("merge", 0, 1),
+            ]
             t += 4
         for leftover in range(t, last):
             steps += [("set", 1, leftover), ("merge", 0, 1)]

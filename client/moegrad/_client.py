@@ -120,8 +120,10 @@ _DEFAULT_RETRY_AFTER_S = 1.0
 # Connection failures after which the request cannot have been processed, or the computation is
 # simply repeated (a call is a pure function of its body, so repeating it is safe).
 _RETRYABLE_NETWORK = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
-_CONNECT_HINT = ("; is a moegrad server running there? Start one (`moegrad-service serve`, or `make serve` in a "
-                 "checkout), or point the client at the right one (base_url; the CLI's --url or MOEGRAD_URL)")
+_CONNECT_HINT = (
+    "; is a moegrad server running there? Start one (`moegrad-service serve`, or `make serve` in a "
+    "checkout), or point the client at the right one (base_url; the CLI's --url or MOEGRAD_URL)"
+)
 
 
 class _UseClientDefault:
@@ -173,8 +175,9 @@ def _seconds(name: str, value: Any, *, allow_none: bool) -> float | None:
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
     value = float(value)
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}={value} must be a finite number of seconds > 0"
-                         + (" (or None)" if allow_none else ""))
+        raise ValueError(
+            f"{name}={value} must be a finite number of seconds > 0" + (" (or None)" if allow_none else "")
+        )
     return value
 
 
@@ -334,9 +337,9 @@ def _body_slices(body: memoryview | list[memoryview | bytes]) -> Iterator[memory
     httpx does not fall back to chunked encoding. One generator per attempt: a retry sends it all.
     A list is a frames body's parts (:func:`moegrad.encode_frames`), each sliced in turn.
     """
-    for part in (body if isinstance(body, list) else [body]):
+    for part in body if isinstance(body, list) else [body]:
         for start in range(0, len(part), BODY_SLICE_BYTES):
-            yield part[start:start + BODY_SLICE_BYTES]
+            yield part[start : start + BODY_SLICE_BYTES]
 
 
 async def _abody_slices(body: memoryview | list[memoryview | bytes]) -> AsyncIterator[memoryview | bytes]:
@@ -398,8 +401,15 @@ class _ClientCore:
     # ---- requests --------------------------------------------------------------------------------
 
     def build_request(
-        self, method: str, path: str, *, accept: str, request_id: str, remaining_s: float | None,
-        body: memoryview | list[memoryview | bytes] | None = None, content_type: str = _MSGPACK,
+        self,
+        method: str,
+        path: str,
+        *,
+        accept: str,
+        request_id: str,
+        remaining_s: float | None,
+        body: memoryview | list[memoryview | bytes] | None = None,
+        content_type: str = _MSGPACK,
     ) -> httpx.Request:
         """One attempt's request; ``remaining_s`` (None: no deadline) sets X-Request-Timeout and httpx's timeouts.
 
@@ -424,11 +434,17 @@ class _ClientCore:
             url = self._urls[path] = httpx.URL(str(self.base_url).rstrip("/") + path)
         content = None if body is None else (_abody_slices(body) if self._async_body else _body_slices(body))
         # httpx annotates content chunks as bytes; it sends any bytes-like chunk, and these are memoryviews
-        return httpx.Request(method, url, headers=headers, content=content,  # type: ignore[arg-type]
-                             extensions={"timeout": timeout.as_dict()})
+        return httpx.Request(
+            method,
+            url,
+            headers=headers,
+            content=content,  # type: ignore[arg-type]
+            extensions={"timeout": timeout.as_dict()},
+        )
 
     def grad_body(
-        self, call: MoeInitRoutingV2GradCall | Mapping[str, Any],
+        self,
+        call: MoeInitRoutingV2GradCall | Mapping[str, Any],
     ) -> tuple[memoryview, MoeInitRoutingV2GradCall | None]:
         """The msgpack body of a call, and the validated call when there is one (to check the reply against).
 
@@ -446,8 +462,9 @@ class _ClientCore:
                 raise TypeError(f"the request document cannot be packed as msgpack: {exc}") from None
             checked = MoeInitRoutingV2GradCall.from_wire(decode_body(body)) if self.validate else None
             return body, checked
-        raise TypeError(f"call must be a MoeInitRoutingV2GradCall or a wire document mapping, "
-                        f"got {type(call).__name__}")
+        raise TypeError(
+            f"call must be a MoeInitRoutingV2GradCall or a wire document mapping, got {type(call).__name__}"
+        )
 
     @staticmethod
     def call_document(call: MoeInitRoutingV2GradCall) -> dict[str, Any]:
@@ -458,7 +475,11 @@ class _ClientCore:
         return document
 
     def compare_body(
-        self, call: MoeInitRoutingV2GradCall | dict[str, Any], candidate: Any, standards: Any, return_grad_x: Any,
+        self,
+        call: MoeInitRoutingV2GradCall | dict[str, Any],
+        candidate: Any,
+        standards: Any,
+        return_grad_x: Any,
     ) -> tuple[memoryview, MoeInitRoutingV2GradCall | None]:
         """The msgpack body of a comparison: the call's fields plus ``candidate``, ``standards``, ``return_grad_x``.
 
@@ -476,7 +497,7 @@ class _ClientCore:
             document, checked = dict(call), None
         if candidate is not None:  # an absent candidate is the wire's null tensor
             document["candidate"] = encode_tensor(np.asarray(candidate))
-        if standards is not None:
+        if standards is not None and names is not None:
             document["standards"] = list(names)
         if return_grad_x:
             document["return_grad_x"] = True
@@ -486,13 +507,22 @@ class _ClientCore:
             raise TypeError(f"the comparison cannot be packed as msgpack: {exc}") from None
 
     def grad_call(
-        self, grad_expanded_x: Any, expanded_row_idx: Any, top_k: Any, drop_pad_mode: Any, active_num: Any,
-        order: str | None, allow_duplicate_indices: bool,
+        self,
+        grad_expanded_x: Any,
+        expanded_row_idx: Any,
+        top_k: Any,
+        drop_pad_mode: Any,
+        active_num: Any,
+        order: str | None,
+        allow_duplicate_indices: bool,
     ) -> MoeInitRoutingV2GradCall | dict[str, Any]:
         """The keyword API's arguments as a validated call (``validate=True``) or a raw wire document."""
         fields: dict[str, Any] = {
-            "grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx, "top_k": top_k,
-            "drop_pad_mode": drop_pad_mode, "active_num": active_num,
+            "grad_expanded_x": grad_expanded_x,
+            "expanded_row_idx": expanded_row_idx,
+            "top_k": top_k,
+            "drop_pad_mode": drop_pad_mode,
+            "active_num": active_num,
             "allow_duplicate_indices": allow_duplicate_indices,
         }
         if order is not None:
@@ -517,30 +547,36 @@ class _ClientCore:
             document = _ClientCore.reply_document(response)
             grad_x = _ClientCore.reply_grad_x(document.get("grad_x"))
         except MalformedRequest as exc:  # the server's reply is broken, not the caller's request
-            raise ServiceError(f"the server's reply is not a valid result: {exc.message}",
-                               status_code=response.status_code) from None
+            raise ServiceError(
+                f"the server's reply is not a valid result: {exc.message}", status_code=response.status_code
+            ) from None
         _ClientCore.check_grad_x(response, grad_x, call)
         return GradResult(grad_x=grad_x, **_ClientCore.answer_fields(response, document))
 
     @staticmethod
-    def parse_compare(response: httpx.Response, call: MoeInitRoutingV2GradCall | None,
-                      return_grad_x: bool) -> CompareResult:
+    def parse_compare(
+        response: httpx.Response, call: MoeInitRoutingV2GradCall | None, return_grad_x: bool
+    ) -> CompareResult:
         """A 200 reply of the compare endpoint as a CompareResult; a reply that is not one is a ServiceError."""
         try:
             document = decode_body(response.content)
             grad_x = decode_tensor(document.get("grad_x"), "grad_x").copy() if return_grad_x else None
         except MalformedRequest as exc:
-            raise ServiceError(f"the server's reply is not a valid comparison: {exc.message}",
-                               status_code=response.status_code) from None
+            raise ServiceError(
+                f"the server's reply is not a valid comparison: {exc.message}", status_code=response.status_code
+            ) from None
         try:
-            report = ComparisonReport.from_dict(document.get("report"))
+            report = ComparisonReport.from_dict(_mapping(document.get("report"), "report"))
         except ValueError as exc:
             raise ServiceError(f"the server's report is not valid: {exc}", status_code=response.status_code) from None
         if grad_x is not None:
             _ClientCore.check_grad_x(response, grad_x, call)
         if call is not None and report.shape != (call.num_tokens, call.hidden_size):
-            raise ServiceError(f"the server's report is about grad_x {list(report.shape)}, expected "
-                               f"{[call.num_tokens, call.hidden_size]}", status_code=response.status_code)
+            raise ServiceError(
+                f"the server's report is about grad_x {list(report.shape)}, expected "
+                f"{[call.num_tokens, call.hidden_size]}",
+                status_code=response.status_code,
+            )
         return CompareResult(report=report, grad_x=grad_x, **_ClientCore.answer_fields(response, document))
 
     @staticmethod
@@ -551,7 +587,9 @@ class _ClientCore:
             if grad_x.shape != want or dtype_name(grad_x.dtype) != call.dtype_name:
                 raise ServiceError(
                     f"the server replied grad_x {grad_x.dtype}{list(grad_x.shape)}, expected "
-                    f"{call.dtype_name}{list(want)}", status_code=response.status_code)
+                    f"{call.dtype_name}{list(want)}",
+                    status_code=response.status_code,
+                )
 
     @staticmethod
     def answer_fields(response: httpx.Response, document: dict[str, Any]) -> dict[str, Any]:
@@ -578,8 +616,9 @@ class _ClientCore:
     # ---- errors and retries ----------------------------------------------------------------------
 
     @staticmethod
-    def error_from_transport(exc: httpx.HTTPError, request: httpx.Request, timeout_s: float | None,
-                             deadline_passed: bool) -> tuple[MoegradError, bool]:
+    def error_from_transport(
+        exc: httpx.HTTPError, request: httpx.Request, timeout_s: float | None, deadline_passed: bool
+    ) -> tuple[MoegradError, bool]:
         """The one place network errors are translated: (exception, whether a retry may help)."""
         what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if deadline_passed or (isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)):
@@ -605,8 +644,15 @@ class _ClientCore:
     # ---- flows -----------------------------------------------------------------------------------
 
     def exchange(
-        self, method: str, path: str, *, accept: str, timeout_s: float | None, retries: int,
-        body: memoryview | list[memoryview | bytes] | None = None, content_type: str = _MSGPACK,
+        self,
+        method: str,
+        path: str,
+        *,
+        accept: str,
+        timeout_s: float | None,
+        retries: int,
+        body: memoryview | list[memoryview | bytes] | None = None,
+        content_type: str = _MSGPACK,
     ) -> Flow[httpx.Response]:
         """Send one logical request, retrying 503 and connection errors; return its 2xx response."""
         request_id = uuid.uuid4().hex
@@ -615,10 +661,19 @@ class _ClientCore:
         while True:
             remaining_s = None if deadline is None else deadline - self._clock()
             if remaining_s is not None and remaining_s < _MIN_ATTEMPT_S:
-                raise DeadlineExceeded(f"{method} {path}: the deadline of {timeout_s} s passed before a reply"
-                                       + (f" ({attempt} attempts)" if attempt else ""))
-            request = self.build_request(method, path, accept=accept, request_id=request_id,
-                                         remaining_s=remaining_s, body=body, content_type=content_type)
+                raise DeadlineExceeded(
+                    f"{method} {path}: the deadline of {timeout_s} s passed before a reply"
+                    + (f" ({attempt} attempts)" if attempt else "")
+                )
+            request = self.build_request(
+                method,
+                path,
+                accept=accept,
+                request_id=request_id,
+                remaining_s=remaining_s,
+                body=body,
+                content_type=content_type,
+            )
             outcome = yield request
             if isinstance(outcome, httpx.Response):
                 if outcome.is_success:
@@ -642,12 +697,20 @@ class _ClientCore:
         timeout_s = self.call_timeout_s(timeout_s)
         if isinstance(call, MoeInitRoutingV2GradCall) and (yield from self.frames_for(call)):
             parts, _ = encode_frames(self.call_document(call))
-            response = yield from self.exchange("POST", _GRAD_PATH, accept=_FRAMES_ACCEPT, timeout_s=timeout_s,
-                                                retries=self.retries, body=parts, content_type=FRAMES_MEDIA_TYPE)
+            response = yield from self.exchange(
+                "POST",
+                _GRAD_PATH,
+                accept=_FRAMES_ACCEPT,
+                timeout_s=timeout_s,
+                retries=self.retries,
+                body=parts,
+                content_type=FRAMES_MEDIA_TYPE,
+            )
             return self.parse_grad(response, call)
         body, checked = self.grad_body(call)
-        response = yield from self.exchange("POST", _GRAD_PATH, accept=_MSGPACK, timeout_s=timeout_s,
-                                            retries=self.retries, body=body)
+        response = yield from self.exchange(
+            "POST", _GRAD_PATH, accept=_MSGPACK, timeout_s=timeout_s, retries=self.retries, body=body
+        )
         return self.parse_grad(response, checked)
 
     def frames_for(self, call: MoeInitRoutingV2GradCall) -> Flow[bool]:
@@ -702,8 +765,9 @@ class _ClientCore:
 
     # ---- batches ---------------------------------------------------------------------------------
 
-    def batch_items(self, items: Iterable[Any]) -> tuple[list[dict[str, Any] | MoegradError],
-                                                         list[tuple[str, MoeInitRoutingV2GradCall | None, bool]]]:
+    def batch_items(
+        self, items: Iterable[Any]
+    ) -> tuple[list[dict[str, Any] | MoegradError], list[tuple[str, MoeInitRoutingV2GradCall | None, bool]]]:
         """Each batch item's wire document (or the error it raised locally), and what its answer is
         checked against: (``"grad"`` or ``"compare"``, the validated call or None, return_grad_x)."""
         documents: list[dict[str, Any] | MoegradError] = []
@@ -731,8 +795,10 @@ class _ClientCore:
             if self.validate:
                 checked = MoeInitRoutingV2GradCall.from_wire(decode_body(encode_body_view(document)))
             return document, checked
-        raise TypeError(f"a batch item must be a MoeInitRoutingV2GradCall, a wire document mapping or a "
-                        f"BatchCompare, got {type(call).__name__}")
+        raise TypeError(
+            f"a batch item must be a MoeInitRoutingV2GradCall, a wire document mapping or a "
+            f"BatchCompare, got {type(call).__name__}"
+        )
 
     def batch_compare_document(self, item: BatchCompare) -> tuple[dict[str, Any], MoeInitRoutingV2GradCall | None]:
         if not isinstance(item.return_grad_x, bool):
@@ -756,16 +822,18 @@ class _ClientCore:
         timeout_s = self.call_timeout_s(timeout_s)
         documents, kinds = self.batch_items(items)
         answers: list[GradResult | CompareResult | MoegradError | None] = [
-            document if isinstance(document, MoegradError) else None for document in documents]
+            document if isinstance(document, MoegradError) else None for document in documents
+        ]
         sent = [index for index, document in enumerate(documents) if not isinstance(document, MoegradError)]
         for start in range(0, len(sent), MAX_BATCH_CALLS):
-            chunk = sent[start:start + MAX_BATCH_CALLS]
+            chunk = sent[start : start + MAX_BATCH_CALLS]
             try:
                 body = encode_batch([documents[index] for index in chunk])  # type: ignore[misc]
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"the batch cannot be packed as msgpack: {exc}") from None
-            response = yield from self.exchange("POST", _BATCH_PATH, accept=_MSGPACK, timeout_s=timeout_s,
-                                                retries=self.retries, body=body)
+            response = yield from self.exchange(
+                "POST", _BATCH_PATH, accept=_MSGPACK, timeout_s=timeout_s, retries=self.retries, body=body
+            )
             results = self.parse_batch(response, len(chunk))
             request_id = response.headers.get("x-request-id")  # once: a header lookup costs more than a small answer
             for index, result in zip(chunk, results, strict=True):
@@ -777,24 +845,33 @@ class _ClientCore:
         try:
             document = decode_body(response.content)
         except MalformedRequest as exc:
-            raise ServiceError(f"the server's batch reply is not valid: {exc.message}",
-                               status_code=response.status_code) from None
+            raise ServiceError(
+                f"the server's batch reply is not valid: {exc.message}", status_code=response.status_code
+            ) from None
         results = document.get("results")
         if not isinstance(results, list) or len(results) != count:
-            raise ServiceError(f"the server answered {len(results) if isinstance(results, list) else 'no'} "
-                               f"results for a batch of {count}", status_code=response.status_code)
+            raise ServiceError(
+                f"the server answered {len(results) if isinstance(results, list) else 'no'} "
+                f"results for a batch of {count}",
+                status_code=response.status_code,
+            )
         return results
 
     @staticmethod
-    def batch_answer(response: httpx.Response, result: Any, kind: tuple[str, MoeInitRoutingV2GradCall | None, bool],
-                     request_id: str | None) -> GradResult | CompareResult | MoegradError:
+    def batch_answer(
+        response: httpx.Response,
+        result: Any,
+        kind: tuple[str, MoeInitRoutingV2GradCall | None, bool],
+        request_id: str | None,
+    ) -> GradResult | CompareResult | MoegradError:
         """One item's answer: its result (the fields :meth:`answer_fields` gives a single call's, the
         batch's ``request_id``), or the exception its problem document maps to (the table of the
         single-call endpoints); a result that is not valid is a ServiceError in its place."""
         op, call, return_grad_x = kind
         if not isinstance(result, dict):
-            return ServiceError("the server's batch reply holds an item that is not a map",
-                                status_code=response.status_code)
+            return ServiceError(
+                "the server's batch reply holds an item that is not a map", status_code=response.status_code
+            )
         problem = result.get("problem")
         if isinstance(problem, dict):
             return _error_from_problem(problem, response)
@@ -804,36 +881,50 @@ class _ClientCore:
                 grad_x = decode_tensor(result.get("grad_x"), "grad_x").copy()
                 _ClientCore.check_grad_x(response, grad_x, call)
             timings = result.get("timings_ms")
-            fields: dict[str, Any] = {"backend": str(result.get("backend", "")), "order": str(result.get("order", "")),
-                      "device": _str_or_none(result.get("device")),
-                      "timings_ms": dict(timings) if isinstance(timings, dict) else {}, "request_id": request_id}
+            fields: dict[str, Any] = {
+                "backend": str(result.get("backend", "")),
+                "order": str(result.get("order", "")),
+                "device": _str_or_none(result.get("device")),
+                "timings_ms": dict(timings) if isinstance(timings, dict) else {},
+                "request_id": request_id,
+            }
             if op == "grad":
                 assert grad_x is not None  # decoded above whenever op == "grad"
                 return GradResult(grad_x=grad_x, **fields)
-            report = ComparisonReport.from_dict(result.get("report"))
+            report = ComparisonReport.from_dict(_mapping(result.get("report"), "report"))
             return CompareResult(report=report, grad_x=grad_x, **fields)
         except (MalformedRequest, ValueError) as exc:
-            return ServiceError(f"the server's answer to a batch item is not valid: {exc}",
-                                status_code=response.status_code)
+            return ServiceError(
+                f"the server's answer to a batch item is not valid: {exc}", status_code=response.status_code
+            )
         except ServiceError as exc:
             return exc
 
-    def compare_flow(self, call: MoeInitRoutingV2GradCall | dict[str, Any], candidate: Any, standards: Any,
-                     return_grad_x: Any, timeout_s: Any, require_exact: Any = False) -> Flow[CompareResult]:
+    def compare_flow(
+        self,
+        call: MoeInitRoutingV2GradCall | dict[str, Any],
+        candidate: Any,
+        standards: Any,
+        return_grad_x: Any,
+        timeout_s: Any,
+        require_exact: Any = False,
+    ) -> Flow[CompareResult]:
         if not isinstance(require_exact, bool):
             raise TypeError(f"require_exact must be a bool, got {type(require_exact).__name__}")
         timeout_s = self.call_timeout_s(timeout_s)
         body, checked = self.compare_body(call, candidate, standards, return_grad_x)
-        response = yield from self.exchange("POST", _COMPARE_PATH, accept=_MSGPACK, timeout_s=timeout_s,
-                                            retries=self.retries, body=body)
+        response = yield from self.exchange(
+            "POST", _COMPARE_PATH, accept=_MSGPACK, timeout_s=timeout_s, retries=self.retries, body=body
+        )
         result = self.parse_compare(response, checked, return_grad_x)
         if require_exact:  # the report states exactness either way; requiring it only changes the verdict
             result = dataclasses.replace(result, report=rejudge(result.report, require_exact=True))
         return result
 
     def info_flow(self) -> Flow[dict[str, Any]]:
-        response = yield from self.exchange("GET", "/v1/info", accept=_JSON, timeout_s=self.timeout_s,
-                                            retries=self.retries)
+        response = yield from self.exchange(
+            "GET", "/v1/info", accept=_JSON, timeout_s=self.timeout_s, retries=self.retries
+        )
         return self.parse_json(response)
 
     def probe_flow(self, path: str) -> Flow[bool]:
@@ -892,9 +983,17 @@ class _ClientBase:
         headers: Mapping[str, str] | None,
         wire: str = "auto",
     ) -> None:
-        self._core = _ClientCore(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                                 retries=retries, token=token, validate=validate, headers=headers,
-                                 async_body=self._ASYNC, wire=wire)
+        self._core = _ClientCore(
+            base_url,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            retries=retries,
+            token=token,
+            validate=validate,
+            headers=headers,
+            async_body=self._ASYNC,
+            wire=wire,
+        )
         self._verify = _verify(verify)
 
     @property
@@ -923,8 +1022,17 @@ class Client(_ClientBase):
         headers: Mapping[str, str] | None = None,
         wire: str = "auto",
     ) -> None:
-        super().__init__(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, retries=retries,
-                         token=token, verify=verify, validate=validate, headers=headers, wire=wire)
+        super().__init__(
+            base_url,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            retries=retries,
+            token=token,
+            verify=verify,
+            validate=validate,
+            headers=headers,
+            wire=wire,
+        )
         if transport is not None and not isinstance(transport, httpx.BaseTransport):
             raise TypeError(f"transport must be an httpx.BaseTransport, got {type(transport).__name__}")
         self._http = httpx.Client(transport=transport, verify=self._verify)
@@ -1000,8 +1108,15 @@ class Client(_ClientBase):
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
             DeviceFault, ServiceError, TransportError: see the module docstring.
         """
-        call = self._core.grad_call(to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), top_k, drop_pad_mode,
-                                    active_num, order, allow_duplicate_indices)
+        call = self._core.grad_call(
+            to_numpy(grad_expanded_x),
+            to_numpy(expanded_row_idx),
+            top_k,
+            drop_pad_mode,
+            active_num,
+            order,
+            allow_duplicate_indices,
+        )
         return to_torch(self.run(call, timeout_s=timeout_s).grad_x, grad_expanded_x)
 
     def run(
@@ -1103,10 +1218,10 @@ class Client(_ClientBase):
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
             DeviceFault, ServiceError, TransportError: see the module docstring.
         """
-        call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
-                                    order, allow_duplicate_indices)
-        return self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s,
-                                                         require_exact))
+        call = self._core.grad_call(
+            grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
+        )
+        return self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s, require_exact))
 
     def compare_many(
         self,
@@ -1135,13 +1250,15 @@ class Client(_ClientBase):
             a service failure is ``"error"``; neither stops the run. :func:`moegrad.accuracy.write_summary`
             writes them worst first.
         """
+
         def judged(chunk: list[tuple[str, Mapping[str, Any], np.ndarray]]) -> list[ComparisonReport | Exception]:
             return self._compare_cases(chunk, standards, require_exact)
 
         return compare_cases(cases, compare_batch=judged, progress=progress, on_result=on_result)
 
-    def _compare_cases(self, chunk: list[tuple[str, Mapping[str, Any], np.ndarray]], standards: Any,
-                       require_exact: bool) -> list[ComparisonReport | Exception]:
+    def _compare_cases(
+        self, chunk: list[tuple[str, Mapping[str, Any], np.ndarray]], standards: Any, require_exact: bool
+    ) -> list[ComparisonReport | Exception]:
         """The one place :meth:`compare_many` sends cases to the service: one batch request
         (:meth:`batch`) per chunk; each case's report carries its :class:`ReportContext`."""
         outcomes: list[ComparisonReport | Exception | None] = [None] * len(chunk)
@@ -1161,8 +1278,15 @@ class Client(_ClientBase):
             assert isinstance(answer, CompareResult)
             name, _, candidate = chunk[index]
             report = rejudge(answer.report, require_exact=True) if require_exact else answer.report
-            context = report_context(call, candidate, backend=answer.backend, device=answer.device,
-                                     server_url=str(self.base_url), order=answer.order, case=name)
+            context = report_context(
+                call,
+                candidate,
+                backend=answer.backend,
+                device=answer.device,
+                server_url=str(self.base_url),
+                order=answer.order,
+                case=name,
+            )
             outcomes[index] = with_context(report, context)
         assert all(outcome is not None for outcome in outcomes)
         return outcomes  # type: ignore[return-value]  # every slot filled above
@@ -1208,8 +1332,17 @@ class AsyncClient(_ClientBase):
         headers: Mapping[str, str] | None = None,
         wire: str = "auto",
     ) -> None:
-        super().__init__(base_url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, retries=retries,
-                         token=token, verify=verify, validate=validate, headers=headers, wire=wire)
+        super().__init__(
+            base_url,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            retries=retries,
+            token=token,
+            verify=verify,
+            validate=validate,
+            headers=headers,
+            wire=wire,
+        )
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
             raise TypeError(f"transport must be an httpx.AsyncBaseTransport, got {type(transport).__name__}")
         self._http = httpx.AsyncClient(transport=transport, verify=self._verify)
@@ -1259,8 +1392,15 @@ class AsyncClient(_ClientBase):
         timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> np.ndarray:
         """As :meth:`Client.moe_init_routing_v2_grad`, awaited."""
-        call = self._core.grad_call(to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), top_k, drop_pad_mode,
-                                    active_num, order, allow_duplicate_indices)
+        call = self._core.grad_call(
+            to_numpy(grad_expanded_x),
+            to_numpy(expanded_row_idx),
+            top_k,
+            drop_pad_mode,
+            active_num,
+            order,
+            allow_duplicate_indices,
+        )
         return to_torch((await self.run(call, timeout_s=timeout_s)).grad_x, grad_expanded_x)
 
     async def run(
@@ -1298,10 +1438,12 @@ class AsyncClient(_ClientBase):
         timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> CompareResult:
         """As :meth:`Client.compare`, awaited."""
-        call = self._core.grad_call(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
-                                    order, allow_duplicate_indices)
-        return await self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s,
-                                                               require_exact))
+        call = self._core.grad_call(
+            grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
+        )
+        return await self._drive(
+            self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s, require_exact)
+        )
 
     async def info(self) -> dict[str, Any]:
         """As :meth:`Client.info`, awaited."""
@@ -1324,3 +1466,10 @@ class AsyncClient(_ClientBase):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+    """``value`` when it is a map; else the ValueError a report of another type gets."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a map, got {type(value).__name__}")
+    return value

@@ -143,9 +143,7 @@ class DeviceFault(MoegradError):
         device_message: the device runtime's own text (``aclGetRecentErrMsg``), when it gave one.
     """
 
-    def __init__(
-        self, message: str, *, aclnn_status: int | None = None, device_message: str | None = None
-    ) -> None:
+    def __init__(self, message: str, *, aclnn_status: int | None = None, device_message: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.aclnn_status = aclnn_status
@@ -160,9 +158,7 @@ class ServiceError(MoegradError):
         problem: the decoded RFC 9457 problem document, when the server sent one.
     """
 
-    def __init__(
-        self, message: str, *, status_code: int | None = None, problem: dict | None = None
-    ) -> None:
+    def __init__(self, message: str, *, status_code: int | None = None, problem: dict | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code

@@ -91,10 +91,30 @@ def warm_up() -> bool:
         plan = _plan((("set", 0, 0), ("add", 0, 1)))
         assert plan is not None  # a two-slot chain always has the kernel's shape
         chains, group = plan
-        jit.run_rows(_read_only(rows), _aux(view, 1), _read_only(np.arange(2, dtype=np.int32)), 2, chains, group, 1,
-                     np.empty((1, 1), dtype=view), 0, 1)
-        jit.run_rows_950(_read_only(rows), _aux(view, 1), _read_only(np.arange(2, dtype=np.int32)), 2, 2, True, 1,
-                         np.empty((1, 1), dtype=view), 0, 1)
+        jit.run_rows(
+            _read_only(rows),
+            _aux(view, 1),
+            _read_only(np.arange(2, dtype=np.int32)),
+            2,
+            chains,
+            group,
+            1,
+            np.empty((1, 1), dtype=view),
+            0,
+            1,
+        )
+        jit.run_rows_950(
+            _read_only(rows),
+            _aux(view, 1),
+            _read_only(np.arange(2, dtype=np.int32)),
+            2,
+            2,
+            True,
+            1,
+            np.empty((1, 1), dtype=view),
+            0,
+            1,
+        )
     return True
 
 
@@ -112,7 +132,7 @@ def _plan(schedule: tuple[tuple[str, int, int], ...]) -> tuple[np.ndarray, int] 
     DESIGN.md section 3 (S4) over B bins (both orders have it).
     """
     merges = [step for step in schedule if step[0] == "merge"]
-    head = list(schedule[:len(schedule) - len(merges)])
+    head = list(schedule[: len(schedule) - len(merges)])
     if any(step[0] == "merge" for step in head):
         return None
     nbins = 1 + max(step[1] for step in schedule)
@@ -154,9 +174,15 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     return view
 
 
-def accumulate(rows: np.ndarray, index: np.ndarray, top_k: int, schedule: Sequence[tuple[str, int, int]],
-               out: np.ndarray, map_chunks: Callable[[Callable[[int, int], None], int, int], None],
-               lanes: int) -> bool:
+def accumulate(
+    rows: np.ndarray,
+    index: np.ndarray,
+    top_k: int,
+    schedule: Sequence[tuple[str, int, int]],
+    out: np.ndarray,
+    map_chunks: Callable[[Callable[[int, int], None], int, int], None],
+    lanes: int,
+) -> bool:
     """grad_x into ``out`` with the compiled kernel; False (``out`` untouched) when it cannot take the call.
 
     Args:
@@ -200,8 +226,16 @@ def accumulate(rows: np.ndarray, index: np.ndarray, top_k: int, schedule: Sequen
     return True
 
 
-def accumulate_950(rows: np.ndarray, index: np.ndarray, top_k: int, k_chunk: int, grouped: bool, out: np.ndarray,
-                   map_chunks: Callable[[Callable[[int, int], None], int, int], None], lanes: int) -> bool:
+def accumulate_950(
+    rows: np.ndarray,
+    index: np.ndarray,
+    top_k: int,
+    k_chunk: int,
+    grouped: bool,
+    out: np.ndarray,
+    map_chunks: Callable[[Callable[[int, int], None], int, int], None],
+    lanes: int,
+) -> bool:
     """grad_x into ``out`` in the Ascend 950 order; False (``out`` untouched) when it cannot take the call.
 
     Same bits as the NumPy path running :func:`moegrad._ascend950.ascend950_schedule` (one float32

@@ -37,8 +37,17 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["HARDWARE_HALF", "narrow_bf16", "narrow_f16", "narrow_f16_portable", "run_rows", "run_rows_950",
-           "widen_bf16", "widen_f16", "widen_f16_portable"]
+__all__ = [
+    "HARDWARE_HALF",
+    "narrow_bf16",
+    "narrow_f16",
+    "narrow_f16_portable",
+    "run_rows",
+    "run_rows_950",
+    "widen_bf16",
+    "widen_f16",
+    "widen_f16_portable",
+]
 
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
@@ -97,8 +106,9 @@ def _prefetch(typingctx, array, row, column):
         view = context.make_array(arraytype)(context, builder, args[0])
         row_value = context.cast(builder, args[1], signature.args[1], types.intp)
         column_value = context.cast(builder, args[2], signature.args[2], types.intp)
-        pointer = cgutils.get_item_pointer(context, builder, arraytype, view, [row_value, column_value],
-                                           wraparound=False)
+        pointer = cgutils.get_item_pointer(
+            context, builder, arraytype, view, [row_value, column_value], wraparound=False
+        )
         bytes_pointer = ir.IntType(8).as_pointer()
         function_type = ir.FunctionType(ir.VoidType(), [bytes_pointer, _I32, _I32, _I32])
         function = cgutils.get_or_insert_function(builder.module, function_type, "llvm.prefetch.p0")
@@ -185,9 +195,14 @@ def _narrow_f16_integer(builder, value):
     half_plus = b.fadd(b.bitcast(magnitude, _F32), ir.Constant(_F32, 0.5))
     tiny = b.sub(b.bitcast(half_plus, _I32), _i32(0x3F000000))
     body = b.select(
-        b.icmp_unsigned(">", magnitude, _i32(0x7F800000)), nan,
-        b.select(b.icmp_unsigned(">=", magnitude, _i32(0x477FF000)), _i32(0x7C00),  # >= 65520: inf
-                 b.select(b.icmp_unsigned(">=", magnitude, _i32(0x38800000)), normal, tiny)))
+        b.icmp_unsigned(">", magnitude, _i32(0x7F800000)),
+        nan,
+        b.select(
+            b.icmp_unsigned(">=", magnitude, _i32(0x477FF000)),
+            _i32(0x7C00),  # >= 65520: inf
+            b.select(b.icmp_unsigned(">=", magnitude, _i32(0x38800000)), normal, tiny),
+        ),
+    )
     return b.trunc(b.or_(sign, body), _I16)
 
 
@@ -323,6 +338,7 @@ def narrow_bf16(values, out):
 # is a bit view of grad_x, as is when it is a float32 row of group results. Every add is written out
 # in the schedule's order; LLVM only vectorises over h.
 
+
 @_inlined
 def _pass_4x2(first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
     n = a0.shape[0]
@@ -431,31 +447,49 @@ def _run_group(rows, aux, index, base, chains, first_bin, group, work, h0, h1, o
         if layers > 2:
             work[:, :width] = -0.0
         while layer < layers:
-            _pass_4x2(layer == 0, layer + 2 == layers, out, w0, w1, w2, w3,
-                      _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin + 1, layer, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin + 1, layer + 1, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin + 2, layer, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin + 2, layer + 1, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin + 3, layer, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin + 3, layer + 1, h0, h1))
+            _pass_4x2(
+                layer == 0,
+                layer + 2 == layers,
+                out,
+                w0,
+                w1,
+                w2,
+                w3,
+                _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin + 1, layer, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin + 1, layer + 1, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin + 2, layer, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin + 2, layer + 1, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin + 3, layer, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin + 3, layer + 1, h0, h1),
+            )
             layer += 2
     else:
         w0 = work[0, :width]
         if layers > 4:
             w0[:] = -0.0
         while layer + 4 <= layers:
-            _pass_1x4(layer == 0, layer + 4 == layers, out, w0,
-                      _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin, layer + 2, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin, layer + 3, h0, h1))
+            _pass_1x4(
+                layer == 0,
+                layer + 4 == layers,
+                out,
+                w0,
+                _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin, layer + 2, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin, layer + 3, h0, h1),
+            )
             layer += 4
         if layer < layers:
-            _pass_1x2(layer == 0, True, out, w0,
-                      _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
-                      _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1))
+            _pass_1x2(
+                layer == 0,
+                True,
+                out,
+                w0,
+                _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
+                _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
+            )
 
 
 @_inlined
@@ -523,6 +557,7 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
 # The Ascend 950 order (moegrad._ascend950): one float32 accumulator per element from +0.0; groups of
 # four slots added as ((a + b) + (c + d)), leftovers one by one; a skipped slot reads the +0.0 row.
 
+
 @_inlined
 def _slot(rows, zero, index, position, h0, h1):
     """The slice [h0, h1) of the row slot ``position`` reads; a skipped slot reads the +0.0 row."""
@@ -575,7 +610,7 @@ def run_rows_950(rows, zero, index, top_k, k_chunk, grouped, tile, out, start, s
         base = i * top_k
         for h0 in range(0, hidden, tile):
             h1 = min(hidden, h0 + tile)
-            total = work[:h1 - h0]
+            total = work[: h1 - h0]
             total[:] = 0.0
             first = 0
             while first < top_k:

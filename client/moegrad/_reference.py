@@ -92,16 +92,22 @@ def accumulation_schedule(
             and hidden_size.
     """
     if order in ASCEND950_ORDERS:
-        missing = [name for name, value in (("dtype", dtype), ("num_tokens", num_tokens), ("hidden_size", hidden_size))
-                   if value is None]
+        missing = [
+            name
+            for name, value in (("dtype", dtype), ("num_tokens", num_tokens), ("hidden_size", hidden_size))
+            if value is None
+        ]
         if missing:
-            raise ValueError(f"order={order!r} needs {', '.join(missing)}: the 950's tiling, and so its order, "
-                             "depends on the dtype, N and H")
+            raise ValueError(
+                f"order={order!r} needs {', '.join(missing)}: the 950's tiling, and so its order, "
+                "depends on the dtype, N and H"
+            )
         if top_k < 1:
             raise ValueError(f"top_k={top_k} must be >= 1")
         assert num_tokens is not None and hidden_size is not None  # checked just above: missing is empty
-        tiling = ascend950_tiling(dtype, num_tokens, top_k, hidden_size, ub_size_bytes=ub_size_bytes,
-                                  vector_core_count=vector_core_count)
+        tiling = ascend950_tiling(
+            dtype, num_tokens, top_k, hidden_size, ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count
+        )
         return ascend950_schedule(top_k, tiling.k_chunk, ASCEND950_ORDERS[order])
     return _a2_schedule(top_k, order)
 
@@ -190,6 +196,7 @@ def _prepare(
 
         def skipped(column: np.ndarray) -> np.ndarray | None:
             return None
+
     if grad.flags.c_contiguous:
         return grad.reshape(-1, hidden), index, skipped
     mask = skipped(index)
@@ -207,9 +214,15 @@ def _prepare(
     return rows, compact, skipped
 
 
-def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: Sequence[tuple[str, int, int]],
-                out: np.ndarray, compensated: bool = False, kernel: str | None = None,
-                chunking: tuple[int, bool] | None = None) -> np.ndarray:
+def _accumulate(
+    call: MoeInitRoutingV2GradCall,
+    acc_dtype: np.dtype,
+    schedule: Sequence[tuple[str, int, int]],
+    out: np.ndarray,
+    compensated: bool = False,
+    kernel: str | None = None,
+    chunking: tuple[int, bool] | None = None,
+) -> np.ndarray:
     """grad_x into ``out`` by ``schedule``; ``chunking`` = (k_chunk, grouped) marks a 950 schedule."""
     tokens, hidden = out.shape
     if tokens == 0 or hidden == 0:  # before _prepare: reshape(-1, 0) cannot infer the row count
@@ -226,8 +239,7 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
         raise RuntimeError("kernel='numba' needs numba: pip install 'moegrad[fast]'")
     if kernel != "numpy" and not compensated and acc_dtype == _F32:
         if chunking is not None:
-            taken = _fast.accumulate_950(rows, flat_index, call.top_k, *chunking, out, _map_chunks,
-                                         _workers())
+            taken = _fast.accumulate_950(rows, flat_index, call.top_k, *chunking, out, _map_chunks, _workers())
         else:
             taken = _fast.accumulate(rows, flat_index, call.top_k, schedule, out, _map_chunks, _workers())
         if taken:
@@ -299,8 +311,9 @@ def _accumulate(call: MoeInitRoutingV2GradCall, acc_dtype: np.dtype, schedule: S
     return out
 
 
-def _neumaier_add(total: np.ndarray, value: np.ndarray, comp: np.ndarray, keep: np.ndarray | None,
-                  inexact: np.ndarray) -> None:
+def _neumaier_add(
+    total: np.ndarray, value: np.ndarray, comp: np.ndarray, keep: np.ndarray | None, inexact: np.ndarray
+) -> None:
     """total += value with Neumaier's compensation term accumulated in comp (elementwise, where keep).
 
     ``lost`` is the exact rounding error of each add (Fast2Sum). While every ``comp += lost`` is exact
@@ -324,8 +337,12 @@ def _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_n
     if isinstance(grad_expanded_x, MoeInitRoutingV2GradCall):
         return grad_expanded_x
     return MoeInitRoutingV2GradCall(
-        grad_expanded_x=grad_expanded_x, expanded_row_idx=expanded_row_idx, top_k=top_k,
-        drop_pad_mode=drop_pad_mode, active_num=active_num, order=order,
+        grad_expanded_x=grad_expanded_x,
+        expanded_row_idx=expanded_row_idx,
+        top_k=top_k,
+        drop_pad_mode=drop_pad_mode,
+        active_num=active_num,
+        order=order,
         allow_duplicate_indices=allow_duplicate_indices,
     )
 
@@ -378,17 +395,25 @@ def moe_init_routing_v2_grad(
             ``ub_size_bytes`` / ``vector_core_count`` is not a positive integer (TypeError when
             it is not an integer at all).
     """
-    call = _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order,
-                      allow_duplicate_indices)
+    call = _validated(
+        grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
+    )
     out = _result_buffer(call, out)
     if call.order not in ASCEND950_ORDERS:
         return _accumulate(call, _F32, accumulation_schedule(call.top_k, call.order), out)
     # checked even when the result is empty, so a bad setting never passes unnoticed
-    tiling = ascend950_tiling(call.dtype_name, max(call.num_tokens, 1), call.top_k, max(call.hidden_size, 1),
-                              ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count)
+    tiling = ascend950_tiling(
+        call.dtype_name,
+        max(call.num_tokens, 1),
+        call.top_k,
+        max(call.hidden_size, 1),
+        ub_size_bytes=ub_size_bytes,
+        vector_core_count=vector_core_count,
+    )
     grouped = ASCEND950_ORDERS[call.order]
-    return _accumulate(call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk, grouped), out,
-                       chunking=(tiling.k_chunk, grouped))
+    return _accumulate(
+        call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk, grouped), out, chunking=(tiling.k_chunk, grouped)
+    )
 
 
 def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np.ndarray:
@@ -400,12 +425,18 @@ def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
     if out.dtype != dtype:
-        raise InvalidArgument(f"out.dtype={out.dtype} must be grad_expanded_x's dtype in native byte order ({dtype})",
-                              aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="grad_x")
+        raise InvalidArgument(
+            f"out.dtype={out.dtype} must be grad_expanded_x's dtype in native byte order ({dtype})",
+            aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+            field="grad_x",
+        )
     if out.shape != shape:
-        raise InvalidArgument(f"out.shape={out.shape} must be [N, H] = {list(shape)} (N = len(expanded_row_idx) // "
-                              "top_k, H = grad_expanded_x.shape[-1])",
-                              aclnn_status=AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR, field="grad_x")
+        raise InvalidArgument(
+            f"out.shape={out.shape} must be [N, H] = {list(shape)} (N = len(expanded_row_idx) // "
+            "top_k, H = grad_expanded_x.shape[-1])",
+            aclnn_status=AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR,
+            field="grad_x",
+        )
     if not out.flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous (strides {out.strides} for shape {out.shape})")
     if not out.flags.writeable:
@@ -436,8 +467,9 @@ def moe_init_routing_v2_grad_golden(
     Returns:
         [N, H] float64.
     """
-    call = _validated(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, "ascend910b",
-                      allow_duplicate_indices)
+    call = _validated(
+        grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, "ascend910b", allow_duplicate_indices
+    )
     out = np.empty((call.num_tokens, call.hidden_size), dtype=_F64)
     return _accumulate(call, _F64, accumulation_schedule(call.top_k, "sequential"), out, compensated=True)
 
@@ -453,4 +485,3 @@ def warm_up() -> bool:
         True when the compiled path is ready; False when numba is missing (the NumPy path serves).
     """
     return _fast.warm_up()
-

@@ -112,33 +112,50 @@ def moe_init_routing_v2(
         if not isinstance(value, np.ndarray):
             raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}")
     if dtype_name(x.dtype) not in GRAD_DTYPES:
-        raise _fail(_INVALID, "x", f"x.dtype={x.dtype} is not one of {', '.join(GRAD_DTYPES)}; "
-                                   "cast it first, e.g. x.astype(numpy.float32)")
+        raise _fail(
+            _INVALID,
+            "x",
+            f"x.dtype={x.dtype} is not one of {', '.join(GRAD_DTYPES)}; cast it first, e.g. x.astype(numpy.float32)",
+        )
     if expert_idx.dtype.kind != "i" or expert_idx.dtype.itemsize not in (4, 8):
-        raise _fail(_INVALID, "expert_idx", f"expert_idx.dtype={expert_idx.dtype} is not one of int32, int64; "
-                                            "cast it first, e.g. expert_idx.astype(numpy.int32)")
+        raise _fail(
+            _INVALID,
+            "expert_idx",
+            f"expert_idx.dtype={expert_idx.dtype} is not one of int32, int64; "
+            "cast it first, e.g. expert_idx.astype(numpy.int32)",
+        )
     active = _integer("active_num", active_num)
     capacity = _integer("expert_capacity", expert_capacity)
     experts = _integer("expert_num", expert_num)
     mode = _integer("drop_pad_mode", drop_pad_mode)
     count_flag = _integer("expert_tokens_count_or_cumsum_flag", expert_tokens_count_or_cumsum_flag)
     if not isinstance(expert_tokens_before_capacity_flag, (bool, np.bool_)):
-        raise _fail(_TILING, "expert_tokens_before_capacity_flag",
-                    f"expert_tokens_before_capacity_flag={brief(expert_tokens_before_capacity_flag)} must be a bool")
+        raise _fail(
+            _TILING,
+            "expert_tokens_before_capacity_flag",
+            f"expert_tokens_before_capacity_flag={brief(expert_tokens_before_capacity_flag)} must be a bool",
+        )
     for field, size in (("active_num", active), ("expert_capacity", capacity), ("expert_num", experts)):
         if size < 0:
             raise _fail(_TILING, field, f"{field}={size} must be >= 0")
     if mode not in (0, 1):
         raise _fail(_TILING, "drop_pad_mode", f"drop_pad_mode={mode} must be 0 (dropless/active) or 1 (drop/pad)")
     if count_flag not in (0, 1, 2):
-        raise _fail(_TILING, "expert_tokens_count_or_cumsum_flag",
-                    f"expert_tokens_count_or_cumsum_flag={count_flag} must be 0 (none), 1 (cumsum) or 2 (count)")
+        raise _fail(
+            _TILING,
+            "expert_tokens_count_or_cumsum_flag",
+            f"expert_tokens_count_or_cumsum_flag={count_flag} must be 0 (none), 1 (cumsum) or 2 (count)",
+        )
     if x.ndim != 2 or expert_idx.ndim != 2:
         field, array = ("x", x) if x.ndim != 2 else ("expert_idx", expert_idx)
         raise _fail(_TILING, field, f"{field} has rank {array.ndim} (shape {list(array.shape)}); it must be 2-D")
     if x.shape[0] != expert_idx.shape[0]:
-        raise _fail(_TILING, "expert_idx", f"expert_idx.shape[0]={expert_idx.shape[0]} must equal "
-                                           f"x.shape[0]={x.shape[0]} (one row of experts per token)")
+        raise _fail(
+            _TILING,
+            "expert_idx",
+            f"expert_idx.shape[0]={expert_idx.shape[0]} must equal "
+            f"x.shape[0]={x.shape[0]} (one row of experts per token)",
+        )
     tokens, hidden = x.shape
     top_k = expert_idx.shape[1]
     bounded = mode == 1 or count_flag > 0
@@ -147,8 +164,11 @@ def moe_init_routing_v2(
             field = "expert_num" if experts == 0 else "expert_capacity"
             raise _fail(_TILING, field, f"{field}=0: drop/pad mode needs expert_num > 0 and expert_capacity > 0")
         if capacity > tokens:
-            raise _fail(_TILING, "expert_capacity",
-                        f"expert_capacity={capacity} must be in (0, N] = (0, {tokens}] in drop/pad mode")
+            raise _fail(
+                _TILING,
+                "expert_capacity",
+                f"expert_capacity={capacity} must be in (0, N] = (0, {tokens}] in drop/pad mode",
+            )
     elif count_flag > 0 and experts == 0:
         raise _fail(_TILING, "expert_num", "expert_num=0: expert token counts need expert_num > 0")
 
@@ -158,10 +178,10 @@ def moe_init_routing_v2(
         bad = np.flatnonzero((flat < 0) | (flat >= limit))
         if bad.size:
             where = int(bad[0])
-            rule = (f"[0, expert_num) = [0, {experts})" if bounded
-                    else "[0, 2**24) (the device sorts ids as float32 keys)")
-            raise _fail(_INVALID, "expert_idx",
-                        f"expert_idx.flat[{where}]={int(flat[where])} is outside {rule}")
+            rule = (
+                f"[0, expert_num) = [0, {experts})" if bounded else "[0, 2**24) (the device sorts ids as float32 keys)"
+            )
+            raise _fail(_INVALID, "expert_idx", f"expert_idx.flat[{where}]={int(flat[where])} is outside {rule}")
     slots = flat.size
     sorted_row_idx = np.argsort(flat, kind="stable")  # stable: one expert's slots stay in slot order
     sorted_expert = flat[sorted_row_idx]
@@ -188,8 +208,7 @@ def moe_init_routing_v2(
         expanded_x = expanded_x.reshape(experts, capacity, hidden)
         if expert_tokens_before_capacity_flag:
             before_capacity = counts
-    return MoeInitRoutingV2Result(np.ascontiguousarray(expanded_x), expanded_row_idx, count_or_cumsum,
-                                  before_capacity)
+    return MoeInitRoutingV2Result(np.ascontiguousarray(expanded_x), expanded_row_idx, count_or_cumsum, before_capacity)
 
 
 def invert_expanded_row_idx(expanded_row_idx: np.ndarray) -> np.ndarray:
@@ -212,15 +231,17 @@ def invert_expanded_row_idx(expanded_row_idx: np.ndarray) -> np.ndarray:
         raise ValueError(f"expanded_row_idx must be a 1-D integer array, got {index.dtype}{list(index.shape)}")
     n = index.size
     if n and (int(index.min()) < 0 or int(index.max()) >= n or np.unique(index).size != n):
-        raise ValueError(f"expanded_row_idx is not a permutation of [0, {n}); only a dropless or active "
-                         "index has two layouts")
+        raise ValueError(
+            f"expanded_row_idx is not a permutation of [0, {n}); only a dropless or active index has two layouts"
+        )
     out = np.empty(n, dtype=np.int32)
     out[index] = np.arange(n, dtype=np.int32)
     return out
 
 
 def expanded_row_idx_layout(
-    expanded_row_idx: np.ndarray, expert_idx: np.ndarray,
+    expanded_row_idx: np.ndarray,
+    expert_idx: np.ndarray,
 ) -> Literal["slot_to_row", "row_to_slot", "both"]:
     """Tell which layout a dropless/active index has, from the expert ids it was routed with.
 
@@ -253,5 +274,6 @@ def expanded_row_idx_layout(
         return "slot_to_row"
     if row_to_slot:
         return "row_to_slot"
-    raise ValueError("expanded_row_idx sorts these expert ids in neither layout; "
-                     "was it routed from another expert_idx?")
+    raise ValueError(
+        "expanded_row_idx sorts these expert ids in neither layout; was it routed from another expert_idx?"
+    )

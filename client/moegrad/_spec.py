@@ -99,8 +99,13 @@ class MoeInitRoutingV2GradCall(BaseModel):
         top_k, mode, active = self._check_attributes()
         self._check_shapes(grad, idx, top_k, mode, active)
         self._check_indices(grad, idx, top_k, mode, active)
-        for name, value in (("grad_expanded_x", grad), ("expanded_row_idx", idx), ("top_k", top_k),
-                            ("drop_pad_mode", mode), ("active_num", active)):
+        for name, value in (
+            ("grad_expanded_x", grad),
+            ("expanded_row_idx", idx),
+            ("top_k", top_k),
+            ("drop_pad_mode", mode),
+            ("active_num", active),
+        ):
             object.__setattr__(self, name, value)
         return self
 
@@ -113,12 +118,18 @@ class MoeInitRoutingV2GradCall(BaseModel):
         for field, allowed in (("grad_expanded_x", GRAD_DTYPES), ("expanded_row_idx", ("int32",))):
             value = getattr(self, field)
             if not isinstance(value, np.ndarray):
-                hint = ("; moegrad.Client and moegrad.torch take tensors, or pass tensor.numpy()"
-                        if type(value).__module__.startswith("torch") else "")
+                hint = (
+                    "; moegrad.Client and moegrad.torch take tensors, or pass tensor.numpy()"
+                    if type(value).__module__.startswith("torch")
+                    else ""
+                )
                 raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}{hint}")
             if dtype_name(value.dtype) not in allowed:
-                raise _fail(_INVALID, field, f"{field}.dtype={value.dtype} is not one of {', '.join(allowed)}; "
-                                             f"{_CAST_HINTS[field]}")
+                raise _fail(
+                    _INVALID,
+                    field,
+                    f"{field}.dtype={value.dtype} is not one of {', '.join(allowed)}; {_CAST_HINTS[field]}",
+                )
             arrays.append(value)
         return arrays[0], arrays[1]
 
@@ -156,21 +167,36 @@ class MoeInitRoutingV2GradCall(BaseModel):
                 hint = "; a 3-D [E, C, H] grad is the drop/pad layout: pass drop_pad_mode=1"
             elif mode == 1 and grad.ndim == 2:
                 hint = "; a 2-D grad is the dropless/active layout: pass drop_pad_mode=0"
-            raise _fail(_TILING, "grad_expanded_x",
-                        f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}{hint}")
+            raise _fail(
+                _TILING,
+                "grad_expanded_x",
+                f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}{hint}",
+            )
         if idx.ndim != 1:
-            raise _fail(_TILING, "expanded_row_idx",
-                        f"expanded_row_idx has rank {idx.ndim} (shape {list(idx.shape)}); it must be 1-D [N*K]")
+            raise _fail(
+                _TILING,
+                "expanded_row_idx",
+                f"expanded_row_idx has rank {idx.ndim} (shape {list(idx.shape)}); it must be 1-D [N*K]",
+            )
         if mode == 0 and active == 0 and grad.shape[0] != idx.shape[0]:
-            raise _fail(_TILING, "grad_expanded_x",
-                        f"grad_expanded_x.shape[0]={grad.shape[0]} must equal "
-                        f"expanded_row_idx.shape[0]={idx.shape[0]} in dropless mode")
+            raise _fail(
+                _TILING,
+                "grad_expanded_x",
+                f"grad_expanded_x.shape[0]={grad.shape[0]} must equal "
+                f"expanded_row_idx.shape[0]={idx.shape[0]} in dropless mode",
+            )
         if mode == 0 and active > 0 and grad.shape[0] != active:
-            raise _fail(_TILING, "grad_expanded_x",
-                        f"grad_expanded_x.shape[0]={grad.shape[0]} must equal active_num={active} in active mode")
+            raise _fail(
+                _TILING,
+                "grad_expanded_x",
+                f"grad_expanded_x.shape[0]={grad.shape[0]} must equal active_num={active} in active mode",
+            )
         if idx.shape[0] % top_k:
-            raise _fail(_TILING, "expanded_row_idx",
-                        f"expanded_row_idx.shape[0]={idx.shape[0]} is not divisible by top_k={top_k}")
+            raise _fail(
+                _TILING,
+                "expanded_row_idx",
+                f"expanded_row_idx.shape[0]={idx.shape[0]} is not divisible by top_k={top_k}",
+            )
 
     # Rule 7: index values and uniqueness (vectorised: O(len) time, at most 8 bytes of table per index).
     def _check_indices(self, grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int) -> None:
@@ -183,9 +209,11 @@ class MoeInitRoutingV2GradCall(BaseModel):
         lo, hi = int(idx.min()), int(idx.max())
         if lo < low or hi >= high:
             where = int(np.flatnonzero((idx < low) | (idx >= high))[0])
-            raise _fail(_INVALID, "expanded_row_idx",
-                        f"expanded_row_idx[{where}]={int(idx[where])} is outside {rule} = [{low}, {high}) "
-                        "for this call")
+            raise _fail(
+                _INVALID,
+                "expanded_row_idx",
+                f"expanded_row_idx[{where}]={int(idx[where])} is outside {rule} = [{low}, {high}) for this call",
+            )
         if self.allow_duplicate_indices:
             return
         if high > 8 * idx.size:  # drop/pad with E*C far above N*K (e.g. H = 0): sort instead of a table of E*C
@@ -196,7 +224,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
         seen = np.zeros(high, dtype=np.bool_)
         count = 0
         for start in range(0, idx.size, _INDEX_CHUNK):  # chunks: the intp copy NumPy indexes with stays small
-            block = idx[start:start + _INDEX_CHUNK].astype(np.intp)
+            block = idx[start : start + _INDEX_CHUNK].astype(np.intp)
             if lo < 0:
                 block = block[block >= 0]
             seen[block] = True
@@ -214,9 +242,12 @@ class MoeInitRoutingV2GradCall(BaseModel):
         later, earlier = positions[order[clash + 1]], positions[order[clash]]
         k = int(np.argmin(later))  # the first position that repeats an earlier one
         where, previous = int(later[k]), int(earlier[k])
-        return _fail(_INVALID, "expanded_row_idx",
-                     f"expanded_row_idx[{where}]={int(idx[where])} repeats expanded_row_idx[{previous}]; "
-                     "indices other than -1 must be unique (set allow_duplicate_indices to accept repeats)")
+        return _fail(
+            _INVALID,
+            "expanded_row_idx",
+            f"expanded_row_idx[{where}]={int(idx[where])} repeats expanded_row_idx[{previous}]; "
+            "indices other than -1 must be unique (set allow_duplicate_indices to accept repeats)",
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -249,7 +280,11 @@ class MoeInitRoutingV2GradCall(BaseModel):
 
     @classmethod
     def from_wire(
-        cls, document: Mapping[str, Any], *, max_elements: int | None = None, default_order: str = "ascend910b",
+        cls,
+        document: Mapping[str, Any],
+        *,
+        max_elements: int | None = None,
+        default_order: str = "ascend910b",
         extra_fields: frozenset[str] = frozenset(),
     ) -> MoeInitRoutingV2GradCall:
         """Build and validate a call from a decoded request document.
@@ -267,8 +302,10 @@ class MoeInitRoutingV2GradCall(BaseModel):
         """
         unknown = sorted(map(str, set(document) - _WIRE_FIELDS - extra_fields))
         if unknown:
-            raise MalformedRequest(f"unknown field {brief(unknown[0])}; the fields are "
-                                   f"{sorted(_WIRE_FIELDS | extra_fields)}", field=unknown[0][:64])
+            raise MalformedRequest(
+                f"unknown field {brief(unknown[0])}; the fields are {sorted(_WIRE_FIELDS | extra_fields)}",
+                field=unknown[0][:64],
+            )
         fields: dict[str, Any] = {}
         for name in _TENSORS:
             raw = document.get(name)
@@ -281,4 +318,3 @@ class MoeInitRoutingV2GradCall(BaseModel):
         if "allow_duplicate_indices" in document:
             fields["allow_duplicate_indices"] = document["allow_duplicate_indices"]
         return cls(**fields)
-

@@ -53,8 +53,23 @@ _NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
 #: Dtype names that exist (NumPy's, and the Open Inference Protocol's lower-cased) but that the
 #: operator does not take: such a tensor is the operator's 161002, not a malformed body.
-_UNSUPPORTED_DTYPES = frozenset({"float64", "int64", "int16", "int8", "uint8", "uint16", "uint32", "uint64",
-                                 "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"})
+_UNSUPPORTED_DTYPES = frozenset(
+    {
+        "float64",
+        "int64",
+        "int16",
+        "int8",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    }
+)
 #: The highest rank a wire tensor may have (the operator takes ranks 1 to 3).
 MAX_RANK = 8
 #: The deepest container nesting a body may have (a request is 3 deep: map, tensor map, shape list).
@@ -145,31 +160,38 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
         PayloadTooLarge: more than ``max_elements`` elements are declared.
     """
     if not isinstance(obj, dict):
-        raise MalformedRequest(f"{field} must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}",
-                               field=field)
+        raise MalformedRequest(
+            f"{field} must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}", field=field
+        )
     keys = set(obj)
     if keys != _TENSOR_KEYS:
         missing, extra = sorted(_TENSOR_KEYS - keys), sorted(map(str, keys - _TENSOR_KEYS))
-        raise MalformedRequest(f"{field} must have exactly the keys dtype, shape, data (missing {missing}, "
-                               f"unknown {extra})", field=field)
+        raise MalformedRequest(
+            f"{field} must have exactly the keys dtype, shape, data (missing {missing}, unknown {extra})", field=field
+        )
     name, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(name, str) or name not in DTYPES:
         if isinstance(name, str) and name in _UNSUPPORTED_DTYPES:  # a real dtype the operator does not take
-            raise InvalidArgument(f"{field}.dtype={name} is not supported; the wire dtypes are {sorted(DTYPES)}: "
-                                  f"cast the array (e.g. .astype(numpy.float32) or .astype(numpy.int32))",
-                                  aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field=field)
+            raise InvalidArgument(
+                f"{field}.dtype={name} is not supported; the wire dtypes are {sorted(DTYPES)}: "
+                f"cast the array (e.g. .astype(numpy.float32) or .astype(numpy.int32))",
+                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+                field=field,
+            )
         raise MalformedRequest(f"{field}.dtype={brief(name)} is not one of {sorted(DTYPES)}", field=field)
     if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedRequest(f"{field}.shape={brief(shape)} must be a list of at most {MAX_RANK} "
-                               "non-negative integers", field=field)
+        raise MalformedRequest(
+            f"{field}.shape={brief(shape)} must be a list of at most {MAX_RANK} non-negative integers", field=field
+        )
     if isinstance(data, _Segment):  # a frames body's tensor bytes (decode_frames), viewed in place
         data = data.view
     elif not isinstance(data, bytes):
         raise MalformedRequest(f"{field}.data must be msgpack bin, got {type(data).__name__}", field=field)
     count = math.prod(shape)
     if max_elements is not None and count > max_elements:
-        raise PayloadTooLarge(f"{field}.shape={shape} has {count} elements, over the limit of {max_elements}",
-                              field=field)
+        raise PayloadTooLarge(
+            f"{field}.shape={shape} has {count} elements, over the limit of {max_elements}", field=field
+        )
     dtype = DTYPES[name]
     if len(data) != count * dtype.itemsize:
         raise MalformedRequest(
@@ -222,15 +244,20 @@ def decode_body(body: bytes | bytearray | memoryview, limits: StructureLimits | 
     bounds = {"max_str_len": size, "max_array_len": size, "max_map_len": size // 2}
     hooks: dict[str, Any] = {}
     if limits is not None:
-        bounds = {"max_str_len": min(size, limits.max_str_len), "max_array_len": min(size, limits.max_array_len),
-                  "max_map_len": min(size // 2, limits.max_map_len)}
+        bounds = {
+            "max_str_len": min(size, limits.max_str_len),
+            "max_array_len": min(size, limits.max_array_len),
+            "max_map_len": min(size // 2, limits.max_map_len),
+        }
         seen = [0]
 
         def count(container: Any) -> Any:  # called as each map or array is completed
             seen[0] += 1
             if seen[0] > limits.max_containers:
-                raise MalformedRequest(f"body has more than {limits.max_containers} maps and arrays; a request "
-                                       "holds a handful (docs/protocol.md)")
+                raise MalformedRequest(
+                    f"body has more than {limits.max_containers} maps and arrays; a request "
+                    "holds a handful (docs/protocol.md)"
+                )
             return container
 
         hooks = {"object_hook": count, "list_hook": count}
@@ -289,8 +316,9 @@ def encode_batch(items: list[Mapping[str, Any]]) -> memoryview:
     return encode_body_view(list(items))  # type: ignore[arg-type]
 
 
-def decode_batch(body: bytes | bytearray | memoryview, limits: StructureLimits | None = None, *,
-                 max_calls: int = MAX_BATCH_CALLS) -> list[dict[str, Any] | MalformedRequest]:
+def decode_batch(
+    body: bytes | bytearray | memoryview, limits: StructureLimits | None = None, *, max_calls: int = MAX_BATCH_CALLS
+) -> list[dict[str, Any] | MalformedRequest]:
     """Unpack a batch body (a msgpack array of call maps) into its items, in order.
 
     ``limits`` bound each item as one request's body (a server passes :data:`REQUEST_LIMITS`), so a
@@ -312,36 +340,50 @@ def decode_batch(body: bytes | bytearray | memoryview, limits: StructureLimits |
             (the body cannot be read past such an item, so the whole batch is refused).
     """
     size = len(body)
-    per = limits or StructureLimits(max_containers=size + 1, max_map_len=size // 2 + 1, max_array_len=size + 1,
-                                    max_str_len=size)
+    per = limits or StructureLimits(
+        max_containers=size + 1, max_map_len=size // 2 + 1, max_array_len=size + 1, max_str_len=size
+    )
     seen = [0]
 
     def count(container: Any) -> Any:
         seen[0] += 1
         if seen[0] > per.max_containers:
-            raise MalformedRequest(f"batch item {index} has more than {per.max_containers} maps and arrays; a call "
-                                   "holds a handful (docs/protocol.md)")
+            raise MalformedRequest(
+                f"batch item {index} has more than {per.max_containers} maps and arrays; a call "
+                "holds a handful (docs/protocol.md)"
+            )
         return container
 
     unpacker = msgpack.Unpacker(
-        raw=False, use_list=True, strict_map_key=False, max_buffer_size=max(size, 1), max_bin_len=size,
-        max_str_len=min(size, per.max_str_len), max_array_len=max(min(size, per.max_array_len), min(size, max_calls)),
-        max_map_len=min(size // 2, per.max_map_len), max_ext_len=0, ext_hook=_reject_ext,
-        object_hook=count, list_hook=count)
+        raw=False,
+        use_list=True,
+        strict_map_key=False,
+        max_buffer_size=max(size, 1),
+        max_bin_len=size,
+        max_str_len=min(size, per.max_str_len),
+        max_array_len=max(min(size, per.max_array_len), min(size, max_calls)),
+        max_map_len=min(size // 2, per.max_map_len),
+        max_ext_len=0,
+        ext_hook=_reject_ext,
+        object_hook=count,
+        list_hook=count,
+    )
     index = -1
     try:
         unpacker.feed(body)
         count_items = unpacker.read_array_header()
         if count_items > max_calls:
-            raise MalformedRequest(f"the batch holds {count_items} calls, over the limit of {max_calls}; "
-                                   "split it into several batches")
+            raise MalformedRequest(
+                f"the batch holds {count_items} calls, over the limit of {max_calls}; split it into several batches"
+            )
         items: list[dict[str, Any] | MalformedRequest] = []
         for index in range(count_items):
             seen[0] = 0
             item = unpacker.unpack()
             if not isinstance(item, dict):
-                items.append(MalformedRequest(f"batch item {index} must be a msgpack map (one call), got "
-                                              f"{type(item).__name__}"))
+                items.append(
+                    MalformedRequest(f"batch item {index} must be a msgpack map (one call), got {type(item).__name__}")
+                )
             elif not all(isinstance(key, str) for key in item):
                 items.append(MalformedRequest(f"batch item {index} has a key that is not a string"))
             elif _deeper_than(item, MAX_DEPTH):
@@ -363,8 +405,9 @@ def decode_batch(body: bytes | bytearray | memoryview, limits: StructureLimits |
         elif isinstance(exc, (ValueError, msgpack.UnpackValueError)) and index < 0:
             reason = f"not a msgpack array of call maps ({reason})"
         where = f" at item {index}" if index >= 0 else ""
-        raise MalformedRequest(f"batch body is not a valid msgpack array{where} "
-                               f"({type(exc).__name__}: {reason})") from None
+        raise MalformedRequest(
+            f"batch body is not a valid msgpack array{where} ({type(exc).__name__}: {reason})"
+        ) from None
     return items
 
 
@@ -414,8 +457,12 @@ def encode_frames(document: Mapping[str, Any]) -> tuple[list[memoryview | bytes]
     segments: list[memoryview] = []
     for key, value in document.items():
         if isinstance(value, dict) and isinstance(value.get("data"), memoryview) and set(value) == _TENSOR_KEYS:
-            header[key] = {"dtype": value["dtype"], "shape": value["shape"], "offset": 0,
-                           "nbytes": value["data"].nbytes}
+            header[key] = {
+                "dtype": value["dtype"],
+                "shape": value["shape"],
+                "offset": 0,
+                "nbytes": value["data"].nbytes,
+            }
             segments.append(value["data"])
         else:
             header[key] = value
@@ -434,7 +481,7 @@ def encode_frames(document: Mapping[str, Any]) -> tuple[list[memoryview | bytes]
     assert _PREFIX + len(packed) <= start
     head = bytearray(start)
     head[:_PREFIX] = FRAMES_MAGIC + len(packed).to_bytes(4, "little")
-    head[_PREFIX:_PREFIX + len(packed)] = packed
+    head[_PREFIX : _PREFIX + len(packed)] = packed
     parts: list[memoryview | bytes] = [memoryview(head)]
     position = start
     for key, data in zip(tensor_keys, segments, strict=True):
@@ -466,31 +513,38 @@ def decode_frames(body: bytes | bytearray | memoryview, limits: StructureLimits 
     """
     view = memoryview(body).cast("B") if not isinstance(body, memoryview) or body.format != "B" else body
     view = view.toreadonly()
-    if len(view) < _PREFIX or bytes(view[:len(FRAMES_MAGIC)]) != FRAMES_MAGIC:
-        raise MalformedRequest(f"a frames body starts with {FRAMES_MAGIC!r} and a 4-byte header length "
-                               "(docs/protocol.md, Frames)")
-    length = int.from_bytes(view[len(FRAMES_MAGIC):_PREFIX], "little")
+    if len(view) < _PREFIX or bytes(view[: len(FRAMES_MAGIC)]) != FRAMES_MAGIC:
+        raise MalformedRequest(
+            f"a frames body starts with {FRAMES_MAGIC!r} and a 4-byte header length (docs/protocol.md, Frames)"
+        )
+    length = int.from_bytes(view[len(FRAMES_MAGIC) : _PREFIX], "little")
     if _PREFIX + length > len(view):
         raise MalformedRequest(f"the frames header of {length} bytes runs past the body of {len(view)} bytes")
-    document = decode_body(view[_PREFIX:_PREFIX + length], limits)
+    document = decode_body(view[_PREFIX : _PREFIX + length], limits)
     end = _PREFIX + length
     spans: list[tuple[int, int, str]] = []
     for key, value in document.items():
         if not (isinstance(value, dict) and "offset" in value):
             continue
         if set(value) != _SEGMENT_KEYS:
-            raise MalformedRequest(f"{key} must have exactly the keys dtype, shape, offset, nbytes in a frames "
-                                   f"header, got {brief(sorted(map(str, value)))}", field=key)
+            raise MalformedRequest(
+                f"{key} must have exactly the keys dtype, shape, offset, nbytes in a frames "
+                f"header, got {brief(sorted(map(str, value)))}",
+                field=key,
+            )
         offset, nbytes = value["offset"], value["nbytes"]
         if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
             raise MalformedRequest(f"{key}.offset and {key}.nbytes must be non-negative integers", field=key)
         if offset % FRAMES_ALIGN:
             raise MalformedRequest(f"{key}.offset={offset} must be a multiple of {FRAMES_ALIGN}", field=key)
         if offset < end or offset + nbytes > len(view):
-            raise MalformedRequest(f"{key}'s bytes [{offset}, {offset + nbytes}) must lie after the header "
-                                   f"(ends at {end}) and inside the body of {len(view)} bytes", field=key)
+            raise MalformedRequest(
+                f"{key}'s bytes [{offset}, {offset + nbytes}) must lie after the header "
+                f"(ends at {end}) and inside the body of {len(view)} bytes",
+                field=key,
+            )
         spans.append((offset, offset + nbytes, key))
-        segment = _Segment(view[offset:offset + nbytes])
+        segment = _Segment(view[offset : offset + nbytes])
         document[key] = {"dtype": value["dtype"], "shape": value["shape"], "data": segment}
     spans.sort()
     for (_, first_end, first), (second_start, _, second) in itertools.pairwise(spans):
@@ -560,19 +614,19 @@ class FramesReader:
             take = min(end - self._position, len(view))
             target = array.reshape(-1).view(np.uint8).data if array.size else memoryview(b"")
             start = self._position - offset
-            target[start:start + take] = view[:take]
+            target[start : start + take] = view[:take]
             view = view[take:]
             self._position += take
             if self._position == end:
                 self._segment += 1
 
     def _frame_header_length(self) -> int:
-        if bytes(self._head[:len(FRAMES_MAGIC)]) != FRAMES_MAGIC:
+        if bytes(self._head[: len(FRAMES_MAGIC)]) != FRAMES_MAGIC:
             raise MalformedRequest(f"a frames body starts with {FRAMES_MAGIC!r}")
-        return int.from_bytes(self._head[len(FRAMES_MAGIC):_PREFIX], "little")
+        return int.from_bytes(self._head[len(FRAMES_MAGIC) : _PREFIX], "little")
 
     def _parse_header(self, length: int) -> None:
-        header = decode_body(memoryview(self._head)[_PREFIX:_PREFIX + length])
+        header = decode_body(memoryview(self._head)[_PREFIX : _PREFIX + length])
         end = _PREFIX + length
         segments = []
         for key, value in header.items():
@@ -584,8 +638,9 @@ class FramesReader:
             if name not in DTYPES or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                 raise MalformedRequest(f"{key} has dtype {brief(name)} and shape {brief(shape)}", field=key)
             if type(offset) is not int or type(nbytes) is not int or offset < end or offset % FRAMES_ALIGN:
-                raise MalformedRequest(f"{key}.offset={brief(offset)} is not a 16-byte aligned offset after the header",
-                                       field=key)
+                raise MalformedRequest(
+                    f"{key}.offset={brief(offset)} is not a 16-byte aligned offset after the header", field=key
+                )
             dtype = DTYPES[name]
             if nbytes != math.prod(shape) * dtype.itemsize:
                 raise MalformedRequest(f"{key}.nbytes={nbytes} does not match shape {shape} of {name}", field=key)

@@ -25,11 +25,22 @@ __all__ = ["assert_close"]
 _WORST_ROWS = 5
 
 
-def assert_close(candidate: Any, grad_expanded_x: Any, expanded_row_idx: Any, top_k: int, *, drop_pad_mode: int = 0,
-                 active_num: int = 0, order: str | None = None, allow_duplicate_indices: bool = False,
-                 standards: Iterable[str] | str | None = None, require_exact: bool = False,
-                 client: Client | None = None, device_result: np.ndarray | None = None,
-                 msg: str | None = None) -> ComparisonReport:
+def assert_close(
+    candidate: Any,
+    grad_expanded_x: Any,
+    expanded_row_idx: Any,
+    top_k: int,
+    *,
+    drop_pad_mode: int = 0,
+    active_num: int = 0,
+    order: str | None = None,
+    allow_duplicate_indices: bool = False,
+    standards: Iterable[str] | str | None = None,
+    require_exact: bool = False,
+    client: Client | None = None,
+    device_result: np.ndarray | None = None,
+    msg: str | None = None,
+) -> ComparisonReport:
     """Assert that ``candidate`` is an accurate grad_x of the call, by the accuracy standards of its dtype.
 
     Args:
@@ -59,16 +70,30 @@ def assert_close(candidate: Any, grad_expanded_x: Any, expanded_row_idx: Any, to
             :func:`moegrad.compare` raise it.
     """
     call = MoeInitRoutingV2GradCall(
-        grad_expanded_x=np.asarray(grad_expanded_x), expanded_row_idx=np.asarray(expanded_row_idx), top_k=top_k,
-        drop_pad_mode=drop_pad_mode, active_num=active_num, allow_duplicate_indices=allow_duplicate_indices,
-        **({} if order is None else {"order": order}))
+        grad_expanded_x=np.asarray(grad_expanded_x),
+        expanded_row_idx=np.asarray(expanded_row_idx),
+        top_k=top_k,
+        drop_pad_mode=drop_pad_mode,
+        active_num=active_num,
+        allow_duplicate_indices=allow_duplicate_indices,
+        **({} if order is None else {"order": order}),
+    )
     values = np.asarray(candidate)
     if client is None:
         report = compare(call, values, device_result=device_result, standards=standards, require_exact=require_exact)
     else:
-        report = client.compare(call.grad_expanded_x, call.expanded_row_idx, call.top_k, call.drop_pad_mode,
-                                call.active_num, candidate=values, standards=standards, order=order,
-                                allow_duplicate_indices=allow_duplicate_indices, require_exact=require_exact).report
+        report = client.compare(
+            call.grad_expanded_x,
+            call.expanded_row_idx,
+            call.top_k,
+            call.drop_pad_mode,
+            call.active_num,
+            candidate=values,
+            standards=standards,
+            order=order,
+            allow_duplicate_indices=allow_duplicate_indices,
+            require_exact=require_exact,
+        ).report
     if report.passed:
         return report
     raise AssertionError(_message(report, call, values, msg))
@@ -77,8 +102,10 @@ def assert_close(candidate: Any, grad_expanded_x: Any, expanded_row_idx: Any, to
 def _message(report: ComparisonReport, call: MoeInitRoutingV2GradCall, candidate: np.ndarray, msg: str | None) -> str:
     n, h = report.shape
     lines = [msg] if msg else []
-    lines.append(f"grad_x is not accurate enough: verdict FAIL for aclnnMoeInitRoutingV2Grad grad_x [{n}, {h}] "
-                 f"{report.dtype} (candidate {report.candidate_dtype}; docs/accuracy.md)")
+    lines.append(
+        f"grad_x is not accurate enough: verdict FAIL for aclnnMoeInitRoutingV2Grad grad_x [{n}, {h}] "
+        f"{report.dtype} (candidate {report.candidate_dtype}; docs/accuracy.md)"
+    )
     for verdict in report.verdicts:
         if verdict.status != "pass":
             lines.append(f"  {verdict.standard}: {verdict.status} (the device: {verdict.device_status})")
@@ -86,8 +113,10 @@ def _message(report: ComparisonReport, call: MoeInitRoutingV2GradCall, candidate
     lines.append(f"  {exactness_line(report)}")
     if report.zero_rows.mismatched_rows:
         z = report.zero_rows
-        lines.append(f"  rows that must be +0.0 (every slot skipped): {z.mismatched_rows} hold other values, "
-                     f"first row {z.first_mismatched_row}")
+        lines.append(
+            f"  rows that must be +0.0 (every slot skipped): {z.mismatched_rows} hold other values, "
+            f"first row {z.first_mismatched_row}"
+        )
     lines.append("  worst rows (|candidate - golden| / max(sum |summands|, small value)):")
     lines += [f"    {line}" for line in _worst_rows(call, candidate)]
     return "\n".join(lines)
@@ -107,5 +136,8 @@ def _worst_rows(call: MoeInitRoutingV2GradCall, candidate: np.ndarray) -> list[s
     rows = [int(r) for r in np.argsort(-row_error, kind="stable")[:_WORST_ROWS] if row_error[r] > 0]
     if not rows:
         return ["none: every element equals the golden"]
-    return [f"row {r}: {row_error[r]:.3g} at column {int(column[r])} (candidate {float(values[r, column[r]])!r}, "
-            f"golden {float(golden[r, column[r]])!r})" for r in rows]
+    return [
+        f"row {r}: {row_error[r]:.3g} at column {int(column[r])} (candidate {float(values[r, column[r]])!r}, "
+        f"golden {float(golden[r, column[r]])!r})"
+        for r in rows
+    ]

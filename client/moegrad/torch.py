@@ -65,8 +65,11 @@ _service: Client | None = None
 def _check_order(order: str) -> str:
     allowed = typing.get_args(Order)  # the client's own table of orders
     if order not in allowed:
-        raise InvalidArgument(f"order={order!r} is not one of {', '.join(allowed)}",
-                              aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+        raise InvalidArgument(
+            f"order={order!r} is not one of {', '.join(allowed)}",
+            aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+            field="order",
+        )
     return order
 
 
@@ -140,37 +143,66 @@ def _check_meta(grad: torch.Tensor, idx: torch.Tensor, top_k: int, drop_pad_mode
     """The shape and dtype rules the fake kernel can check (values need the data: the real kernel checks them)."""
     invalid, tiling = AclnnStatus.ACLNN_ERR_PARAM_INVALID, AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR
     if grad.dtype not in _GRAD_DTYPES:
-        raise _fail(invalid, "grad_expanded_x", f"grad_expanded_x.dtype={grad.dtype} is not one of float16, "
-                                                "bfloat16, float32; cast it first, e.g. .float()")
+        raise _fail(
+            invalid,
+            "grad_expanded_x",
+            f"grad_expanded_x.dtype={grad.dtype} is not one of float16, "
+            "bfloat16, float32; cast it first, e.g. .float()",
+        )
     if idx.dtype != torch.int32:
-        raise _fail(invalid, "expanded_row_idx", f"expanded_row_idx.dtype={idx.dtype} is not int32; "
-                                                 "cast it first, e.g. .int()")
+        raise _fail(
+            invalid, "expanded_row_idx", f"expanded_row_idx.dtype={idx.dtype} is not int32; cast it first, e.g. .int()"
+        )
     if drop_pad_mode not in (0, 1):
-        raise _fail(tiling, "drop_pad_mode",
-                    f"drop_pad_mode={drop_pad_mode} must be 0 (dropless/active) or 1 (drop/pad)")
+        raise _fail(
+            tiling, "drop_pad_mode", f"drop_pad_mode={drop_pad_mode} must be 0 (dropless/active) or 1 (drop/pad)"
+        )
     if top_k <= 0:
         raise _fail(tiling, "top_k", f"top_k={top_k} must be greater than 0")
     if grad.dim() != (3 if drop_pad_mode == 1 else 2) or idx.dim() != 1:
-        raise _fail(tiling, "grad_expanded_x" if idx.dim() == 1 else "expanded_row_idx",
-                    f"grad_expanded_x {list(grad.shape)} / expanded_row_idx {list(idx.shape)}: the ranks must be "
-                    f"{3 if drop_pad_mode == 1 else 2} and 1 for drop_pad_mode={drop_pad_mode}")
+        raise _fail(
+            tiling,
+            "grad_expanded_x" if idx.dim() == 1 else "expanded_row_idx",
+            f"grad_expanded_x {list(grad.shape)} / expanded_row_idx {list(idx.shape)}: the ranks must be "
+            f"{3 if drop_pad_mode == 1 else 2} and 1 for drop_pad_mode={drop_pad_mode}",
+        )
 
 
-def _run_grad(grad_expanded_x: torch.Tensor, expanded_row_idx: torch.Tensor, top_k: int, drop_pad_mode: int,
-              active_num: int, order: str) -> torch.Tensor:
+def _run_grad(
+    grad_expanded_x: torch.Tensor,
+    expanded_row_idx: torch.Tensor,
+    top_k: int,
+    drop_pad_mode: int,
+    active_num: int,
+    order: str,
+) -> torch.Tensor:
     service = _service
     if service is not None:
-        return service.moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num,
-                                                order=order)
-    grad_x = _grad_numpy(to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), top_k, drop_pad_mode, active_num,
-                         order=order)
+        # Client takes and returns torch tensors (moegrad._tensors); its annotations name the NumPy form
+        result: torch.Tensor = service.moe_init_routing_v2_grad(
+            grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order=order
+        )  # type: ignore[arg-type,assignment]
+        return result
+    grad_x = _grad_numpy(
+        to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), top_k, drop_pad_mode, active_num, order=order
+    )
     return to_torch(grad_x, grad_expanded_x)
 
 
-@torch.library.custom_op("moegrad::moe_init_routing_grad", mutates_args=(), schema=(
-    "(Tensor grad_expanded_x, Tensor expanded_row_idx, int top_k, int drop_pad_mode=0, int active_num=0) -> Tensor"))
-def moe_init_routing_grad(grad_expanded_x: torch.Tensor, expanded_row_idx: torch.Tensor, top_k: int,
-                          drop_pad_mode: int = 0, active_num: int = 0) -> torch.Tensor:
+@torch.library.custom_op(
+    "moegrad::moe_init_routing_grad",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad_expanded_x, Tensor expanded_row_idx, int top_k, int drop_pad_mode=0, int active_num=0) -> Tensor"
+    ),
+)
+def moe_init_routing_grad(
+    grad_expanded_x: torch.Tensor,
+    expanded_row_idx: torch.Tensor,
+    top_k: int,
+    drop_pad_mode: int = 0,
+    active_num: int = 0,
+) -> torch.Tensor:
     """gradX of aclnnMoeInitRoutingV2Grad, in the order :func:`set_order` chose.
 
     ``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]``, skipping -1 in
@@ -193,12 +225,22 @@ def moe_init_routing_grad(grad_expanded_x: torch.Tensor, expanded_row_idx: torch
     return _run_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, _order)
 
 
-@torch.library.custom_op("moegrad::moe_init_routing_grad_ordered", mutates_args=(), schema=(
-    "(Tensor grad_expanded_x, Tensor expanded_row_idx, int top_k, int drop_pad_mode=0, int active_num=0, "
-    "str order=\"ascend910b\") -> Tensor"))
-def moe_init_routing_grad_ordered(grad_expanded_x: torch.Tensor, expanded_row_idx: torch.Tensor, top_k: int,
-                                  drop_pad_mode: int = 0, active_num: int = 0,
-                                  order: str = "ascend910b") -> torch.Tensor:
+@torch.library.custom_op(
+    "moegrad::moe_init_routing_grad_ordered",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad_expanded_x, Tensor expanded_row_idx, int top_k, int drop_pad_mode=0, int active_num=0, "
+        'str order="ascend910b") -> Tensor'
+    ),
+)
+def moe_init_routing_grad_ordered(
+    grad_expanded_x: torch.Tensor,
+    expanded_row_idx: torch.Tensor,
+    top_k: int,
+    drop_pad_mode: int = 0,
+    active_num: int = 0,
+    order: str = "ascend910b",
+) -> torch.Tensor:
     """:func:`moe_init_routing_grad` with the accumulation order as an argument (a name of the order table)."""
     return _run_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, _check_order(order))
 
@@ -245,23 +287,51 @@ moe_init_routing_grad_ordered.register_autograd(_grad_backward, setup_context=_g
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moegrad::moe_init_routing_v2", mutates_args=(), schema=(
-    "(Tensor x, Tensor expert_idx, int active_num=0, int expert_capacity=0, int expert_num=0, int drop_pad_mode=0, "
-    "int expert_tokens_count_or_cumsum_flag=0, bool expert_tokens_before_capacity_flag=False) "
-    "-> (Tensor, Tensor, Tensor, Tensor)"))
-def _routing_op(x: torch.Tensor, expert_idx: torch.Tensor, active_num: int = 0, expert_capacity: int = 0,
-                expert_num: int = 0, drop_pad_mode: int = 0, expert_tokens_count_or_cumsum_flag: int = 0,
-                expert_tokens_before_capacity_flag: bool = False,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    result = _routing_numpy(to_numpy(x), to_numpy(expert_idx), active_num, expert_capacity, expert_num, drop_pad_mode,
-                            expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag)
-    return tuple(torch.empty(0, dtype=torch.int32, device=x.device) if value is None else to_torch(value, x)
-                 for value in result)  # type: ignore[return-value]
+@torch.library.custom_op(
+    "moegrad::moe_init_routing_v2",
+    mutates_args=(),
+    schema=(
+        "(Tensor x, Tensor expert_idx, int active_num=0, int expert_capacity=0, int expert_num=0, int drop_pad_mode=0, "
+        "int expert_tokens_count_or_cumsum_flag=0, bool expert_tokens_before_capacity_flag=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
+def _routing_op(
+    x: torch.Tensor,
+    expert_idx: torch.Tensor,
+    active_num: int = 0,
+    expert_capacity: int = 0,
+    expert_num: int = 0,
+    drop_pad_mode: int = 0,
+    expert_tokens_count_or_cumsum_flag: int = 0,
+    expert_tokens_before_capacity_flag: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    result = _routing_numpy(
+        to_numpy(x),
+        to_numpy(expert_idx),
+        active_num,
+        expert_capacity,
+        expert_num,
+        drop_pad_mode,
+        expert_tokens_count_or_cumsum_flag,
+        expert_tokens_before_capacity_flag,
+    )
+    return tuple(
+        torch.empty(0, dtype=torch.int32, device=x.device) if value is None else to_torch(value, x) for value in result
+    )  # type: ignore[return-value]
 
 
 @_routing_op.register_fake
-def _routing_fake(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mode=0,
-                  expert_tokens_count_or_cumsum_flag=0, expert_tokens_before_capacity_flag=False):
+def _routing_fake(
+    x,
+    expert_idx,
+    active_num=0,
+    expert_capacity=0,
+    expert_num=0,
+    drop_pad_mode=0,
+    expert_tokens_count_or_cumsum_flag=0,
+    expert_tokens_before_capacity_flag=False,
+):
     slots = expert_idx.shape[0] * expert_idx.shape[1]
     if drop_pad_mode == 1:
         expanded_x = x.new_empty((expert_num, expert_capacity, x.shape[1]))
@@ -271,8 +341,12 @@ def _routing_fake(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, 
     counts = drop_pad_mode == 0 and expert_tokens_count_or_cumsum_flag > 0
     before = drop_pad_mode == 1 and expert_tokens_before_capacity_flag
     int32 = {"dtype": torch.int32, "device": x.device}
-    return (expanded_x, torch.empty(slots, **int32), torch.empty(expert_num if counts else 0, **int32),
-            torch.empty(expert_num if before else 0, **int32))
+    return (
+        expanded_x,
+        torch.empty(slots, **int32),
+        torch.empty(expert_num if counts else 0, **int32),
+        torch.empty(expert_num if before else 0, **int32),
+    )
 
 
 class MoeInitRoutingV2(torch.autograd.Function):
@@ -286,11 +360,27 @@ class MoeInitRoutingV2(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mode=0,
-                expert_tokens_count_or_cumsum_flag=0, expert_tokens_before_capacity_flag=False):
+    def forward(
+        ctx,
+        x,
+        expert_idx,
+        active_num=0,
+        expert_capacity=0,
+        expert_num=0,
+        drop_pad_mode=0,
+        expert_tokens_count_or_cumsum_flag=0,
+        expert_tokens_before_capacity_flag=False,
+    ):
         outputs = torch.ops.moegrad.moe_init_routing_v2(
-            x, expert_idx, active_num, expert_capacity, expert_num, drop_pad_mode,
-            expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag)
+            x,
+            expert_idx,
+            active_num,
+            expert_capacity,
+            expert_num,
+            drop_pad_mode,
+            expert_tokens_count_or_cumsum_flag,
+            expert_tokens_before_capacity_flag,
+        )
         expanded_row_idx = outputs[1]
         ctx.save_for_backward(expanded_row_idx)
         ctx.top_k = expert_idx.shape[1]
@@ -305,7 +395,8 @@ class MoeInitRoutingV2(torch.autograd.Function):
     def backward(ctx, grad_expanded_x, *unused):
         (expanded_row_idx,) = ctx.saved_tensors
         grad_x = torch.ops.moegrad.moe_init_routing_grad_ordered(
-            grad_expanded_x.contiguous(), expanded_row_idx, ctx.top_k, ctx.drop_pad_mode, ctx.active_num, ctx.order)
+            grad_expanded_x.contiguous(), expanded_row_idx, ctx.top_k, ctx.drop_pad_mode, ctx.active_num, ctx.order
+        )
         return (grad_x,) + (None,) * 7
 
 
@@ -326,10 +417,19 @@ def moe_init_routing_v2(
     x's device, an absent count output is None. ``expanded_x.backward(g)`` sets ``x.grad`` to
     aclnnMoeInitRoutingV2Grad's result for g (through :class:`MoeInitRoutingV2`).
     """
-    outputs = MoeInitRoutingV2.apply(x, expert_idx, active_num, expert_capacity, expert_num, drop_pad_mode,
-                                     expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag)
+    outputs = MoeInitRoutingV2.apply(
+        x,
+        expert_idx,
+        active_num,
+        expert_capacity,
+        expert_num,
+        drop_pad_mode,
+        expert_tokens_count_or_cumsum_flag,
+        expert_tokens_before_capacity_flag,
+    )
     expanded_x, expanded_row_idx, count_or_cumsum, before_capacity = outputs
     counts = drop_pad_mode == 0 and expert_tokens_count_or_cumsum_flag > 0
     before = drop_pad_mode == 1 and bool(expert_tokens_before_capacity_flag)
-    return MoeInitRoutingV2Result(expanded_x, expanded_row_idx, count_or_cumsum if counts else None,
-                                  before_capacity if before else None)
+    return MoeInitRoutingV2Result(
+        expanded_x, expanded_row_idx, count_or_cumsum if counts else None, before_capacity if before else None
+    )

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
 import gc
 import importlib
 import logging
@@ -56,18 +57,22 @@ def _port_problem(host: str, port: int) -> str | None:
     if port == 0:  # an ephemeral port is always free
         return None
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
-        return (f"cannot listen on {host}:{port}: the host does not resolve ({exc.strerror}); "
-                "check --host / MOEGRAD_HOST")
+        return (
+            f"cannot listen on {host}:{port}: the host does not resolve ({exc.strerror}); check --host / MOEGRAD_HOST"
+        )
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
         try:
             probe.bind(address)
         except OSError as exc:
-            return (f"cannot listen on {host}:{port}: {exc.strerror or exc}; is another server running there? "
-                    "Stop it, or choose another port with --port / MOEGRAD_PORT")
+            return (
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; is another server running there? "
+                "Stop it, or choose another port with --port / MOEGRAD_PORT"
+            )
     return None
 
 
@@ -96,8 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moegrad-service", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"moegrad {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the service (one process, one device)",
-                                description="Run the moegrad service. Every flag mirrors a MOEGRAD_ setting.")
+    serve = commands.add_parser(
+        "serve",
+        help="run the service (one process, one device)",
+        description="Run the moegrad service. Every flag mirrors a MOEGRAD_ setting.",
+    )
     _add_setting_flags(serve)
     return parser
 
@@ -106,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     """The ``moegrad-service`` command; 2 for bad settings or a missing service extra."""
     missing = _missing_service_modules() if Settings is not None else ["pydantic_settings"]
     if missing:
-        print(f"moegrad-service: the service is not installed here (missing {', '.join(missing)}); "
-              f"install it with: {_INSTALL_HINT}", file=sys.stderr)
+        print(
+            f"moegrad-service: the service is not installed here (missing {', '.join(missing)}); "
+            f"install it with: {_INSTALL_HINT}",
+            file=sys.stderr,
+        )
         return 2
     args = vars(build_parser().parse_args(argv))
     args.pop("command")
@@ -146,8 +157,7 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
 
     from moegrad_service.connections import guarded_protocol
 
-    protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes,
-                                header_timeout_s=settings.header_timeout_s)
+    protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s)
     _raise_fd_limit(settings.max_connections)
     _map_large_allocations()
 
@@ -199,10 +209,11 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
                             connection, _ = own.accept()
                         except (BlockingIOError, InterruptedError, OSError):
                             break
-                        made = protocol(config=self.config, server_state=self.server_state,
-                                        app_state=self.lifespan.state)
+                        made = protocol(
+                            config=self.config, server_state=self.server_state, app_state=self.lifespan.state
+                        )
                         with contextlib.suppress(OSError):
-                            await loop.connect_accepted_socket(lambda made=made: made, sock=connection)
+                            await loop.connect_accepted_socket(functools.partial(_same, made), sock=connection)
 
         def _begin_drain(self) -> None:
             if self.draining:
@@ -291,8 +302,16 @@ def _raise_fd_limit(max_connections: int) -> None:
         logging.getLogger("moegrad_service").warning(
             "max_connections=%d does not fit the open-file limit of %d (with %d spare); clients beyond the "
             "limit are closed unanswered: lower max_connections or raise the limit (ulimit -n)",
-            max_connections, soft, _SPARE_FDS)
+            max_connections,
+            soft,
+            _SPARE_FDS,
+        )
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _same(protocol: asyncio.BaseProtocol) -> asyncio.BaseProtocol:
+    """A protocol factory that hands out one protocol already made (for connect_accepted_socket)."""
+    return protocol

@@ -64,8 +64,9 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict]:
         opened = backend if backend is not None else await asyncio.to_thread(open_backend, settings)
-        pool = StreamPool(opened, streams=settings.streams, max_queue=settings.max_queue,
-                          retry_after_s=settings.retry_after_s)
+        pool = StreamPool(
+            opened, streams=settings.streams, max_queue=settings.max_queue, retry_after_s=settings.retry_after_s
+        )
         await pool.start()
         if settings.warm_up:  # the compare endpoint's compiled pass, before ready (seconds when not cached)
             await asyncio.to_thread(warm_up_compare)
@@ -82,8 +83,13 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             app.state.grpc_port = grpc_server.port
         app.state.drain = partial(_drain, pool, grpc_server)  # called on SIGTERM, before uvicorn stops serving
         metrics.bind(lambda: pool.queue_depth, lambda: pool.in_flight)
-        log.info("moegrad %s ready: backend=%s device=%s streams=%d", __version__, opened.name, opened.device,
-                 settings.streams)
+        log.info(
+            "moegrad %s ready: backend=%s device=%s streams=%d",
+            __version__,
+            opened.name,
+            opened.device,
+            settings.streams,
+        )
         try:
             yield {"settings": settings, "dataplane": dataplane, "metrics": metrics}
         finally:

@@ -49,10 +49,11 @@ _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
 def _answer(status: int, detail: str) -> bytes:
-    body = json.dumps({"type": "about:blank", "title": _REASONS[status], "status": status,
-                       "detail": detail}).encode()
-    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/problem+json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    body = json.dumps({"type": "about:blank", "title": _REASONS[status], "status": status, "detail": detail}).encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/problem+json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode("ascii") + body
 
 
@@ -115,10 +116,15 @@ class _GuardedProtocol(HttpToolsProtocol):
         """The head passed max_header_bytes with this chunk: True when the head ends within the limit
         (the rest of the chunk is body), else answer 431 and return False."""
         end = data.find(b"\r\n\r\n")
-        if end >= 0 and self._head_bytes - len(data) + end + 4 <= self.max_header_bytes:
+        head = self._head_bytes
+        assert head is not None  # called only while a head is being read
+        if end >= 0 and head - len(data) + end + 4 <= self.max_header_bytes:
             return True
-        self._refuse(431, f"the request's header is over the limit of {self.max_header_bytes} bytes "
-                          "(max_header_bytes); send a shorter header")
+        self._refuse(
+            431,
+            f"the request's header is over the limit of {self.max_header_bytes} bytes "
+            "(max_header_bytes); send a shorter header",
+        )
         return False
 
     def on_headers_complete(self) -> None:
@@ -164,8 +170,12 @@ class _GuardedProtocol(HttpToolsProtocol):
     def _next_head(self) -> None:
         # Once the request is answered and its body is all in (an early answer's unread body is
         # parsed and dropped by uvicorn), the next request's head starts; its timer at its first byte.
-        if self._message_done and self.cycle is not None and self.cycle.response_complete \
-                and not self.transport.is_closing():
+        if (
+            self._message_done
+            and self.cycle is not None
+            and self.cycle.response_complete
+            and not self.transport.is_closing()
+        ):
             self._head_bytes = 0
 
     def _head_late(self) -> None:
@@ -173,14 +183,20 @@ class _GuardedProtocol(HttpToolsProtocol):
         if self._head_bytes is None or self.transport.is_closing():
             return
         if self._head_bytes == 0 and self.cycle is None:
-            log.warning("%s: closed a connection that sent nothing within %g s (header_timeout_s)",
-                        self._peer(), self.header_timeout_s)
+            log.warning(
+                "%s: closed a connection that sent nothing within %g s (header_timeout_s)",
+                self._peer(),
+                self.header_timeout_s,
+            )
             self.transport.close()
             return
         if self._head_bytes == 0:  # an idle keep-alive connection: uvicorn's idle timeout closes it
             return
-        self._refuse(408, f"the request's header did not arrive within {self.header_timeout_s:g} s "
-                          "(header_timeout_s); send it at once")
+        self._refuse(
+            408,
+            f"the request's header did not arrive within {self.header_timeout_s:g} s "
+            "(header_timeout_s); send it at once",
+        )
 
     def _refuse(self, status: int, detail: str) -> None:
         log.warning("%s: %d %s", self._peer(), status, detail)
@@ -220,7 +236,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
 
-def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[HttpToolsProtocol]:
+def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[_GuardedProtocol]:
     """The protocol class to pass as uvicorn's ``http``.
 
     Args:
@@ -228,5 +244,8 @@ def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[
             in bytes; a longer one is answered 431.
         header_timeout_s: longest a request head may take to arrive, in seconds; then 408.
     """
-    return type("GuardedHttpToolsProtocol", (_GuardedProtocol,),
-                {"max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s})
+    return type(
+        "GuardedHttpToolsProtocol",
+        (_GuardedProtocol,),
+        {"max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s},
+    )

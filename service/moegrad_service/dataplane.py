@@ -41,8 +41,16 @@ from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
-__all__ = ["ClientDisconnected", "CompareOutcome", "Comparison", "DataPlane", "Duration", "GradOutcome",
-           "InferenceStatistics", "MemoryBudget"]
+__all__ = [
+    "ClientDisconnected",
+    "CompareOutcome",
+    "Comparison",
+    "DataPlane",
+    "Duration",
+    "GradOutcome",
+    "InferenceStatistics",
+    "MemoryBudget",
+]
 
 T = TypeVar("T")
 #: The fewest grad calls a batch hands to one worker at once (fewer only when the batch has fewer).
@@ -90,13 +98,17 @@ class MemoryBudget:
             DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
         """
         if nbytes > self.limit_bytes:
-            raise PayloadTooLarge(f"the request needs {nbytes} bytes, over the service's whole in-flight budget of "
-                                  f"{self.limit_bytes} bytes (max_inflight_bytes); send smaller calls")
+            raise PayloadTooLarge(
+                f"the request needs {nbytes} bytes, over the service's whole in-flight budget of "
+                f"{self.limit_bytes} bytes (max_inflight_bytes); send smaller calls"
+            )
         limit = self.limit_bytes if nbytes <= self.SMALL_BYTES else self._large_limit
         with self._lock:
             if self._held + nbytes > limit:
-                raise DeviceBusy(f"the service holds {self._held} of its {self.limit_bytes} in-flight bytes; "
-                                 f"retry later", retry_after_s=self.retry_after_s)
+                raise DeviceBusy(
+                    f"the service holds {self._held} of its {self.limit_bytes} in-flight bytes; retry later",
+                    retry_after_s=self.retry_after_s,
+                )
             self._held += nbytes
 
     def release(self, nbytes: int) -> None:
@@ -142,8 +154,13 @@ class Comparison:
     return_grad_x: bool
 
     @classmethod
-    def checked(cls, call: MoeInitRoutingV2GradCall, candidate: np.ndarray | None,
-                standards: Sequence[str] | None, return_grad_x: bool) -> Comparison:
+    def checked(
+        cls,
+        call: MoeInitRoutingV2GradCall,
+        candidate: np.ndarray | None,
+        standards: Sequence[str] | None,
+        return_grad_x: bool,
+    ) -> Comparison:
         """A comparison whose candidate and standards are checked before anything runs.
 
         Raises:
@@ -282,12 +299,17 @@ class DataPlane:
             raise InvalidArgument(
                 f"order={named!r}: {device} is an SoC whose order of adds moegrad does not know; leave order "
                 "unnamed (the reply then says order 'unknown'), or call a server with backend=reference for an "
-                "emulated order", aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+                "emulated order",
+                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+                field="order",
+            )
         if named != self.device_order:
             raise InvalidArgument(
                 f"order={named!r}: {device} computes {self.device_order!r}; leave order unnamed or name "
                 f"{self.device_order!r}, or call a server with backend=reference for the {named!r} emulation",
-                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+                field="order",
+            )
 
     @property
     def answer_order(self) -> str | None:
@@ -297,9 +319,14 @@ class DataPlane:
 
     # --- calls ---------------------------------------------------------------------------------
 
-    async def infer(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float,
-                    disconnected: Callable[[], Awaitable[object]] | None = None,
-                    received_s: float | None = None) -> GradOutcome:
+    async def infer(
+        self,
+        call: MoeInitRoutingV2GradCall,
+        *,
+        timeout_s: float,
+        disconnected: Callable[[], Awaitable[object]] | None = None,
+        received_s: float | None = None,
+    ) -> GradOutcome:
         """grad_x for a validated call: an empty one (N = 0 or H = 0) is answered at once, the rest
         run on the pool. Every call is counted in :attr:`statistics`.
 
@@ -352,8 +379,9 @@ class DataPlane:
     def _outcome(self, call: MoeInitRoutingV2GradCall, grad_x: np.ndarray, timings: Timings) -> GradOutcome:
         return GradOutcome(grad_x, timings, self.backend_name, self.answer_order or call.order, self.device)
 
-    async def compare(self, comparison: Comparison, *, timeout_s: float,
-                      disconnected: Callable[[], Awaitable[object]] | None = None) -> CompareOutcome:
+    async def compare(
+        self, comparison: Comparison, *, timeout_s: float, disconnected: Callable[[], Awaitable[object]] | None = None
+    ) -> CompareOutcome:
         """Run the call, then judge the candidate against its result and the float64 golden (on a
         worker thread: CPU work in float64).
 
@@ -364,8 +392,9 @@ class DataPlane:
         report, golden_s, compare_s = await asyncio.to_thread(_judge, comparison, grad.grad_x)
         return CompareOutcome(grad, report, golden_s, compare_s)
 
-    async def infer_batch(self, items: Sequence[MoeInitRoutingV2GradCall | Comparison | BaseException], *,
-                          timeout_s: float) -> list[GradOutcome | CompareOutcome | BaseException]:
+    async def infer_batch(
+        self, items: Sequence[MoeInitRoutingV2GradCall | Comparison | BaseException], *, timeout_s: float
+    ) -> list[GradOutcome | CompareOutcome | BaseException]:
         """Run a batch of independent calls and comparisons; answer each in order, alone.
 
         The grad calls run on the pool in one chunk per worker (:meth:`StreamPool.run_many`: one
@@ -394,16 +423,20 @@ class DataPlane:
                 comparisons.append((index, item))
             elif isinstance(item, MoeInitRoutingV2GradCall):
                 if item.num_tokens == 0 or item.hidden_size == 0:
-                    answers[index] = self._outcome(item, np.zeros((item.num_tokens, item.hidden_size),
-                                                                  dtype=item.grad_expanded_x.dtype), Timings(0.0, 0.0))
+                    answers[index] = self._outcome(
+                        item,
+                        np.zeros((item.num_tokens, item.hidden_size), dtype=item.grad_expanded_x.dtype),
+                        Timings(0.0, 0.0),
+                    )
                 else:
                     grads.append((index, item))
 
         async def run_chunk(chunk: list[tuple[int, MoeInitRoutingV2GradCall]]) -> None:
             entered = time.perf_counter()
             try:
-                outcomes, timings = await self.pool.run_many([call for _, call in chunk],
-                                                             timeout_s=max(deadline - loop.time(), 1e-6))
+                outcomes, timings = await self.pool.run_many(
+                    [call for _, call in chunk], timeout_s=max(deadline - loop.time(), 1e-6)
+                )
             except MoegradError as exc:  # the whole chunk was refused or timed out: each call says so
                 for index, _ in chunk:
                     answers[index] = exc
@@ -431,9 +464,10 @@ class DataPlane:
         # Grad calls go to the pool in chunks, one queue entry each, as many chunks as workers (at
         # least BATCH_CHUNK_CALLS calls a chunk, fewer when there are fewer calls).
         size = max(BATCH_CHUNK_CALLS, -(-len(grads) // self.settings.streams))
-        chunks = [grads[start:start + size] for start in range(0, len(grads), size)]
-        await asyncio.gather(*(run_chunk(chunk) for chunk in chunks),
-                             *(run_comparison(index, item) for index, item in comparisons))
+        chunks = [grads[start : start + size] for start in range(0, len(grads), size)]
+        await asyncio.gather(
+            *(run_chunk(chunk) for chunk in chunks), *(run_comparison(index, item) for index, item in comparisons)
+        )
         return answers
 
     # --- health and metadata ---------------------------------------------------------------------
@@ -450,8 +484,9 @@ class DataPlane:
         try:
             await asyncio.wait_for(asyncio.to_thread(pool.backend.check_health), HEALTH_CHECK_TIMEOUT_S)
         except TimeoutError:
-            raise DeviceBusy(f"the backend's health check took over {HEALTH_CHECK_TIMEOUT_S} s",
-                             retry_after_s=pool.retry_after_s) from None
+            raise DeviceBusy(
+                f"the backend's health check took over {HEALTH_CHECK_TIMEOUT_S} s", retry_after_s=pool.retry_after_s
+            ) from None
         except DeviceFault as exc:
             raise DeviceBusy(f"the backend is unhealthy: {exc}", retry_after_s=pool.retry_after_s) from None
 
@@ -478,8 +513,7 @@ def _judge(comparison: Comparison, device_result: np.ndarray) -> tuple[Compariso
     """The report, and the seconds it took: the golden is computed within the comparison (one
     compiled pass with the metrics), so its own share is 0."""
     started = time.perf_counter()
-    report = compare(comparison.call, comparison.candidate, device_result=device_result,
-                     standards=comparison.standards)
+    report = compare(comparison.call, comparison.candidate, device_result=device_result, standards=comparison.standards)
     return report, 0.0, time.perf_counter() - started
 
 

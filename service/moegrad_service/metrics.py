@@ -21,17 +21,34 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.success = Counter("moegrad_inference_request_success", "Calls answered with a result.",
-                               ["endpoint"], registry=r)
-        self.failure = Counter("moegrad_inference_request_failure", "Calls answered with an error, by reason.",
-                               ["endpoint", "reason"], registry=r)
-        self.request_duration = Histogram("moegrad_inference_request_duration_seconds",
-                                          "Whole call: body read to reply built.", ["endpoint"], buckets=_SECONDS,
-                                          registry=r)
-        self.queue_duration = Histogram("moegrad_inference_queue_duration_seconds",
-                                        "Time admitted calls waited for a worker.", buckets=_SECONDS, registry=r)
-        self.compute_duration = Histogram("moegrad_inference_compute_duration_seconds",
-                                          "Time a worker spent computing a call.", buckets=_SECONDS, registry=r)
+        self.success = Counter(
+            "moegrad_inference_request_success", "Calls answered with a result.", ["endpoint"], registry=r
+        )
+        self.failure = Counter(
+            "moegrad_inference_request_failure",
+            "Calls answered with an error, by reason.",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "moegrad_inference_request_duration_seconds",
+            "Whole call: body read to reply built.",
+            ["endpoint"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.queue_duration = Histogram(
+            "moegrad_inference_queue_duration_seconds",
+            "Time admitted calls waited for a worker.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.compute_duration = Histogram(
+            "moegrad_inference_compute_duration_seconds",
+            "Time a worker spent computing a call.",
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.bytes_in = Counter("moegrad_inference_request_bytes", "Request body bytes read.", registry=r)
         self.bytes_out = Counter("moegrad_inference_response_bytes", "Response body bytes sent.", registry=r)
         self.pending = Gauge("moegrad_inference_pending_request_count", "Calls queued for a worker.", registry=r)

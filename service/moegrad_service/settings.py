@@ -28,62 +28,100 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="interface to bind (0.0.0.0 in a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     grpc_port: int | None = Field(
-        None, ge=0, le=65535, description="TCP port of protocol v2 over gRPC (on host, with the same tokens and TLS); "
-                                          "unset: no gRPC; 0: a free port")
+        None,
+        ge=0,
+        le=65535,
+        description="TCP port of protocol v2 over gRPC (on host, with the same tokens and TLS); "
+        "unset: no gRPC; 0: a free port",
+    )
     backend: Literal["auto", "reference", "ascend"] = Field(
-        "auto", description="auto: ascend when CANN and a device are present, else reference (the NumPy emulation)")
+        "auto", description="auto: ascend when CANN and a device are present, else reference (the NumPy emulation)"
+    )
     device_id: int = Field(0, ge=0, description="the NPU to use, an index among ASCEND_RT_VISIBLE_DEVICES")
     streams: int = Field(2, ge=1, le=64, description="worker threads, each owning one device stream (or CPU slot)")
     max_queue: int = Field(64, ge=1, description="calls waiting for a worker beyond which new calls get 503")
-    max_body_bytes: int = Field(2 << 30, ge=1024,
-                                description="largest request body in bytes, checked before it is read")
+    max_body_bytes: int = Field(
+        2 << 30, ge=1024, description="largest request body in bytes, checked before it is read"
+    )
     max_elements: int = Field(1 << 31, ge=1, description="largest element count of one tensor")
     max_inflight_bytes: int = Field(
-        default_factory=lambda: memory_limit_bytes() // 4, ge=1024,
+        default_factory=lambda: memory_limit_bytes() // 4,
+        ge=1024,
         description="request body bytes that admitted requests may hold at once (being read, queued, running "
-                    "or answered); a body that does not fit now is answered 503 + Retry-After before it is read "
-                    "(default: a quarter of the memory limit, the cgroup's or the machine's)")
-    idle_timeout_s: int = Field(5, ge=1, description="how long an idle keep-alive connection stays open, "
-                                                    "in whole seconds")
-    max_connections: int = Field(1000, ge=1, description="connections and requests served at once; beyond it new "
-                                                         "requests are answered 503 (uvicorn's limit_concurrency)")
-    max_header_bytes: int = Field(64 << 10, ge=1024, description="longest request head (request line and "
-                                                             "headers) in bytes; a longer one is answered 431")
-    header_timeout_s: float = Field(10.0, gt=0, description="longest a request head may take to arrive, in "
-                                                           "seconds; then 408 (a connection that sends nothing "
-                                                           "is closed)")
+        "or answered); a body that does not fit now is answered 503 + Retry-After before it is read "
+        "(default: a quarter of the memory limit, the cgroup's or the machine's)",
+    )
+    idle_timeout_s: int = Field(
+        5, ge=1, description="how long an idle keep-alive connection stays open, in whole seconds"
+    )
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        description="connections and requests served at once; beyond it new "
+        "requests are answered 503 (uvicorn's limit_concurrency)",
+    )
+    max_header_bytes: int = Field(
+        64 << 10,
+        ge=1024,
+        description="longest request head (request line and headers) in bytes; a longer one is answered 431",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="longest a request head may take to arrive, in "
+        "seconds; then 408 (a connection that sends nothing "
+        "is closed)",
+    )
     body_timeout_s: float = Field(
-        60.0, gt=0, description="longest a request body may take to arrive, in seconds; then 408")
+        60.0, gt=0, description="longest a request body may take to arrive, in seconds; then 408"
+    )
     request_timeout_s: float = Field(
-        60.0, gt=0, description="longest a call may wait and run, in seconds; X-Request-Timeout may only shorten it")
+        60.0, gt=0, description="longest a call may wait and run, in seconds; X-Request-Timeout may only shorten it"
+    )
     order: Order = Field(
-        "ascend910b", description="accumulation order of calls that name none: ascend910b (Atlas A2/A3), ascend950 "
-                                  "(Ascend 950PR/950DT; ascend950@2025-12 an earlier kernel revision) or sequential")
+        "ascend910b",
+        description="accumulation order of calls that name none: ascend910b (Atlas A2/A3), ascend950 "
+        "(Ascend 950PR/950DT; ascend950@2025-12 an earlier kernel revision) or sequential",
+    )
     ascend950_ub_size_bytes: int = Field(
-        UB_SIZE_BYTES, ge=32, description="unified-buffer size in bytes the reference backend's ascend950 orders "
-                                            "tile for (Ascend 950PR/950DT: 253952); it decides the order of adds")
+        UB_SIZE_BYTES,
+        ge=32,
+        description="unified-buffer size in bytes the reference backend's ascend950 orders "
+        "tile for (Ascend 950PR/950DT: 253952); it decides the order of adds",
+    )
     ascend950_vector_core_count: int = Field(
-        VECTOR_CORE_COUNT, ge=1, description="vector (AIV) core count the reference backend's ascend950 orders "
-                                             "tile for (Ascend 950PR/950DT: 64); it decides the order of adds")
+        VECTOR_CORE_COUNT,
+        ge=1,
+        description="vector (AIV) core count the reference backend's ascend950 orders "
+        "tile for (Ascend 950PR/950DT: 64); it decides the order of adds",
+    )
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After that a 503 advertises, in seconds")
     shutdown_grace_s: float = Field(30.0, ge=0, description="how long shutdown waits for admitted calls, in seconds")
     shutdown_drain_s: float = Field(
-        5.0, ge=0, description="after SIGTERM, how long the server keeps its port open answering every new call "
-                               "503 + Connection: close (readiness 503) before it stops listening, in seconds")
+        5.0,
+        ge=0,
+        description="after SIGTERM, how long the server keeps its port open answering every new call "
+        "503 + Connection: close (readiness 503) before it stops listening, in seconds",
+    )
     auth_tokens: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="accepted bearer tokens, comma separated; none = no authentication")
+        default_factory=list, description="accepted bearer tokens, comma separated; none = no authentication"
+    )
     auth_tokens_file: Path | None = Field(None, description="file with one accepted bearer token per line")
     metrics_public: bool = Field(False, description="serve /metrics without a token even when authentication is on")
     tls_certfile: Path | None = Field(None, description="PEM certificate; with tls_keyfile, serve HTTPS")
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile")
     warm_up: bool = Field(
-        True, description="compile the reference kernel before reporting ready (about 30 s with a cold numba "
-                          "cache); off: the first call of each dtype waits for it instead")
+        True,
+        description="compile the reference kernel before reporting ready (about 30 s with a cold numba "
+        "cache); off: the first call of each dtype waits for it instead",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     ascend_home_path: Path | None = Field(
-        None, validation_alias=AliasChoices("ascend_home_path", "MOEGRAD_ASCEND_HOME_PATH", "ASCEND_HOME_PATH"),
+        None,
+        validation_alias=AliasChoices("ascend_home_path", "MOEGRAD_ASCEND_HOME_PATH", "ASCEND_HOME_PATH"),
         description="CANN install whose lib64 holds the libraries "
-                    "(default: CANN's ASCEND_HOME_PATH, else the loader path)")
+        "(default: CANN's ASCEND_HOME_PATH, else the loader path)",
+    )
 
     @field_validator("auth_tokens", mode="before")
     @classmethod
@@ -91,8 +129,10 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             tokens = [token.strip() for token in value.split(",") if token.strip()]
             if value.strip() and not tokens:  # e.g. "," : configured, yet no token -> fail closed
-                raise ValueError("auth_tokens is set but holds no token; give at least one, or unset it "
-                                 "to run without authentication")
+                raise ValueError(
+                    "auth_tokens is set but holds no token; give at least one, or unset it "
+                    "to run without authentication"
+                )
             return tokens
         return value
 

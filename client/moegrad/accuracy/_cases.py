@@ -38,8 +38,15 @@ from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
 
 __all__ = [
-    "SUMMARY_COLUMNS", "CaseResult", "CaseStatus", "compare_cases", "compare_in_process", "find_cases", "load_case",
-    "save_case", "write_summary",
+    "SUMMARY_COLUMNS",
+    "CaseResult",
+    "CaseStatus",
+    "compare_cases",
+    "compare_in_process",
+    "find_cases",
+    "load_case",
+    "save_case",
+    "write_summary",
 ]
 
 CaseStatus = Literal["pass", "warning", "fail", "invalid", "error"]
@@ -75,17 +82,31 @@ def _array(value: np.ndarray) -> np.ndarray:
     return value
 
 
-def save_case(path: str | os.PathLike[str], *, grad_expanded_x: np.ndarray, expanded_row_idx: np.ndarray, top_k: int,
-              candidate: np.ndarray, drop_pad_mode: int = 0, active_num: int = 0, order: str | None = None,
-              allow_duplicate_indices: bool = False) -> None:
+def save_case(
+    path: str | os.PathLike[str],
+    *,
+    grad_expanded_x: np.ndarray,
+    expanded_row_idx: np.ndarray,
+    top_k: int,
+    candidate: np.ndarray,
+    drop_pad_mode: int = 0,
+    active_num: int = 0,
+    order: str | None = None,
+    allow_duplicate_indices: bool = False,
+) -> None:
     """Write one case file (an uncompressed ``.npz``; bfloat16 is stored as ``|V2``, see :func:`load_case`).
 
     Raises:
         OSError: the file cannot be written.
     """
-    fields: dict[str, Any] = {"grad_expanded_x": grad_expanded_x, "expanded_row_idx": expanded_row_idx,
-                              "candidate": candidate, "top_k": np.int64(top_k),
-                              "drop_pad_mode": np.int64(drop_pad_mode), "active_num": np.int64(active_num)}
+    fields: dict[str, Any] = {
+        "grad_expanded_x": grad_expanded_x,
+        "expanded_row_idx": expanded_row_idx,
+        "candidate": candidate,
+        "top_k": np.int64(top_k),
+        "drop_pad_mode": np.int64(drop_pad_mode),
+        "active_num": np.int64(active_num),
+    }
     if order is not None:
         fields["order"] = np.str_(order)
     if allow_duplicate_indices:
@@ -117,15 +138,18 @@ def load_case(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]
             raise ValueError(f"{os.fspath(path)}: unknown key {unknown[0]!r}; a case holds {', '.join(sorted(_KNOWN))}")
         missing = [name for name in (*_TENSORS, "top_k") if name not in archive.files]
         if missing:
-            raise ValueError(f"{os.fspath(path)}: missing {missing[0]!r} (a case holds grad_expanded_x, "
-                             "expanded_row_idx, candidate and top_k)")
+            raise ValueError(
+                f"{os.fspath(path)}: missing {missing[0]!r} (a case holds grad_expanded_x, "
+                "expanded_row_idx, candidate and top_k)"
+            )
         fields: dict[str, Any] = {name: _array(archive[name]) for name in _TENSORS}
         for name in _INTEGERS:
             if name in archive.files:
                 value = archive[name]
                 if value.shape != () or value.dtype.kind not in "iu":
-                    raise ValueError(f"{os.fspath(path)}: {name} must be a 0-d integer, "
-                                     f"got {value.dtype} {list(value.shape)}")
+                    raise ValueError(
+                        f"{os.fspath(path)}: {name} must be a 0-d integer, got {value.dtype} {list(value.shape)}"
+                    )
                 fields[name] = int(value)
         if "order" in archive.files:
             order = archive["order"]
@@ -185,10 +209,15 @@ BATCH_CASES = 64
 BATCH_BYTES = 32 << 20
 
 
-def compare_cases(cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
-                  compare_one: CompareOne | None = None, *, compare_batch: CompareBatch | None = None,
-                  progress: bool | None = None, progress_stream: TextIO | None = None,
-                  on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+def compare_cases(
+    cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
+    compare_one: CompareOne | None = None,
+    *,
+    compare_batch: CompareBatch | None = None,
+    progress: bool | None = None,
+    progress_stream: TextIO | None = None,
+    on_result: Callable[[CaseResult], None] | None = None,
+) -> list[CaseResult]:
     """Judge every case, and never stop on a bad one.
 
     Args:
@@ -285,6 +314,7 @@ def _classified(name: str, path: str | None, outcome: ComparisonReport | Excepti
 def compare_in_process(standards: Iterable[str] | str | None = None, require_exact: bool = False) -> CompareOne:
     """A ``compare_one`` for :func:`compare_cases` that judges each case in this process (:func:`compare`),
     against the bit-exact emulation, and records its :class:`ReportContext`."""
+
     def one(name: str, fields: Mapping[str, Any], candidate: np.ndarray) -> ComparisonReport:
         call = MoeInitRoutingV2GradCall(**fields)
         report = compare(call, candidate, standards=standards, require_exact=require_exact)
@@ -308,9 +338,21 @@ def _badness(result: CaseResult) -> tuple[int, float]:
 
 #: Columns of the summary CSV: msprobe's result-comparison names first, then moegrad's own.
 SUMMARY_COLUMNS: tuple[str, ...] = (
-    "API Name", "DEVICE Dtype", "Shape", "比对结果", "比对算法", "均方根误差比值", "相对误差最大值比值",
+    "API Name",
+    "DEVICE Dtype",
+    "Shape",
+    "比对结果",
+    "比对算法",
+    "均方根误差比值",
+    "相对误差最大值比值",
     "相对误差平均值比值",
-    "小值域错误比值", "二进制一致错误率", "Message", "moegrad_status", "bit_exact", "bitwise_mismatches", "worst_row",
+    "小值域错误比值",
+    "二进制一致错误率",
+    "Message",
+    "moegrad_status",
+    "bit_exact",
+    "bitwise_mismatches",
+    "worst_row",
     "file",
 )
 
@@ -322,30 +364,40 @@ def _cell(value: float) -> str:
 def _summary_row(result: CaseResult) -> dict[str, str]:
     r = result.report
     row = dict.fromkeys(SUMMARY_COLUMNS, "")
-    row.update({"API Name": result.name, "比对结果": MSPROBE_STATUS[result.status], "moegrad_status": result.status,
-                "file": result.path or ""})
+    row.update(
+        {
+            "API Name": result.name,
+            "比对结果": MSPROBE_STATUS[result.status],
+            "moegrad_status": result.status,
+            "file": result.path or "",
+        }
+    )
     if r is None:
         row["Message"] = result.error or ""
         return row
     exact = r.exact
-    row.update({
-        "DEVICE Dtype": r.candidate_dtype, "Shape": str(tuple(r.shape)),
-        "比对算法": "+".join(v.standard for v in r.verdicts),
-        "均方根误差比值": _cell(_ratio(r, "rmse_ratio")),
-        "相对误差最大值比值": _cell(_ratio(r, "max_relative_error_ratio")),
-        "相对误差平均值比值": _cell(_ratio(r, "mean_relative_error_ratio")),
-        "小值域错误比值": _cell(_ratio(r, "small_value_error_ratio")),
-        "二进制一致错误率": "" if exact is None else _cell(exact.share),
-        "Message": "; ".join(c.describe() for v in r.verdicts for c in v.criteria if c.status != "pass"),
-        "bit_exact": "" if exact is None else str(exact.bit_exact).lower(),
-        "bitwise_mismatches": "" if exact is None else str(exact.mismatched),
-        "worst_row": "" if r.candidate_vs_golden.worst is None else str(r.candidate_vs_golden.worst.row),
-    })
+    row.update(
+        {
+            "DEVICE Dtype": r.candidate_dtype,
+            "Shape": str(tuple(r.shape)),
+            "比对算法": "+".join(v.standard for v in r.verdicts),
+            "均方根误差比值": _cell(_ratio(r, "rmse_ratio")),
+            "相对误差最大值比值": _cell(_ratio(r, "max_relative_error_ratio")),
+            "相对误差平均值比值": _cell(_ratio(r, "mean_relative_error_ratio")),
+            "小值域错误比值": _cell(_ratio(r, "small_value_error_ratio")),
+            "二进制一致错误率": "" if exact is None else _cell(exact.share),
+            "Message": "; ".join(c.describe() for v in r.verdicts for c in v.criteria if c.status != "pass"),
+            "bit_exact": "" if exact is None else str(exact.bit_exact).lower(),
+            "bitwise_mismatches": "" if exact is None else str(exact.mismatched),
+            "worst_row": "" if r.candidate_vs_golden.worst is None else str(r.candidate_vs_golden.worst.row),
+        }
+    )
     return row
 
 
-def write_summary(results: Iterable[CaseResult], csv_path: str | os.PathLike[str],
-                  markdown_path: str | os.PathLike[str] | None = None) -> list[CaseResult]:
+def write_summary(
+    results: Iterable[CaseResult], csv_path: str | os.PathLike[str], markdown_path: str | os.PathLike[str] | None = None
+) -> list[CaseResult]:
     """Write one row per case, the worst first: invalid/error, fail, warning, pass; then by RMSE ratio.
 
     Args:
@@ -367,13 +419,19 @@ def write_summary(results: Iterable[CaseResult], csv_path: str | os.PathLike[str
         writer.writerows(rows)
     if markdown_path is not None:
         counts = {status: sum(1 for r in ordered if r.status == status) for status in _CASE_SEVERITY}
-        lines = ["# moegrad accuracy summary", "",
-                 f"{len(ordered)} cases: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n), "",
-                 "| case | status | bit-exact | rmse ratio | worst row | message |", "|---|---|---|---|---|---|"]
+        lines = [
+            "# moegrad accuracy summary",
+            "",
+            f"{len(ordered)} cases: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n),
+            "",
+            "| case | status | bit-exact | rmse ratio | worst row | message |",
+            "|---|---|---|---|---|---|",
+        ]
         for row in rows:
             message = row["Message"].replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {row['API Name']} | {row['moegrad_status']} | {row['bit_exact'] or '-'} | "
-                         f"{row['均方根误差比值'] or '-'} | {row['worst_row'] or '-'} | {message} |")
+            lines.append(
+                f"| {row['API Name']} | {row['moegrad_status']} | {row['bit_exact'] or '-'} | "
+                f"{row['均方根误差比值'] or '-'} | {row['worst_row'] or '-'} | {message} |"
+            )
         Path(markdown_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return ordered
-

@@ -44,8 +44,14 @@ from moegrad.accuracy._results import (
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY, STANDARDS, THRESHOLDS, Criterion, Status
 
 __all__ = [
-    "check_compare_arguments", "compare", "compare_arrays", "rejudge", "report_context", "skipped_rows",
-    "summand_magnitude", "with_context",
+    "check_compare_arguments",
+    "compare",
+    "compare_arrays",
+    "rejudge",
+    "report_context",
+    "skipped_rows",
+    "summand_magnitude",
+    "with_context",
 ]
 
 _FUSED = "auto"  # compare()'s path: "auto" (the compiled pass when numba imports) or "numpy"
@@ -88,11 +94,17 @@ _MEASURES: Mapping[str, _Measure] = {
     "max_relative_error": lambda cg, dg, cd, zr: (cg.max_relative_error, cg.normal_count),
     "rmse_ratio": lambda cg, dg, cd, zr: (_ratio(cg.rmse, dg.rmse), cg.finite_count),
     "mean_relative_error_ratio": lambda cg, dg, cd, zr: (
-        _ratio(cg.mean_relative_error, dg.mean_relative_error), cg.normal_count),
+        _ratio(cg.mean_relative_error, dg.mean_relative_error),
+        cg.normal_count,
+    ),
     "max_relative_error_ratio": lambda cg, dg, cd, zr: (
-        _ratio(cg.max_relative_error, dg.max_relative_error), cg.normal_count),
+        _ratio(cg.max_relative_error, dg.max_relative_error),
+        cg.normal_count,
+    ),
     "small_value_error_ratio": lambda cg, dg, cd, zr: (
-        _ratio(cg.small_value_error_rate, dg.small_value_error_rate), cg.small_count),
+        _ratio(cg.small_value_error_rate, dg.small_value_error_rate),
+        cg.small_count,
+    ),
     "error_imbalance_excess": lambda cg, dg, cd, zr: (_imbalance_excess(cg, dg), cg.nonzero_error_count),
     "max_accumulative_error": lambda cg, dg, cd, zr: (cg.max_accumulative_error, cg.finite_count),
     "special_value_mismatches": lambda cg, dg, cd, zr: (_specials(cg), cg.count),
@@ -100,7 +112,10 @@ _MEASURES: Mapping[str, _Measure] = {
     "zero_row_mismatches": lambda cg, dg, cd, zr: (zr.mismatched_elements, zr.rows),
 }
 _OPS: Mapping[str, Callable[[float, float], bool]] = {
-    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
 }
 
 
@@ -111,8 +126,9 @@ def _status(criterion: Criterion, value: float, samples: int) -> tuple[Status, b
     return criterion.on_miss, assessed
 
 
-def _judge(standard: str, dtype: str, cg: Metrics, dg: Metrics, cd: Metrics, zr: ZeroRowCheck,
-           dd: Metrics, dzr: ZeroRowCheck) -> StandardVerdict:
+def _judge(
+    standard: str, dtype: str, cg: Metrics, dg: Metrics, cd: Metrics, zr: ZeroRowCheck, dd: Metrics, dzr: ZeroRowCheck
+) -> StandardVerdict:
     """One standard's verdict of the candidate; each criterion also judged with the device in its place
     (``dd``: the device against itself, ``dzr``: the device's zero rows)."""
     results: list[CriterionResult] = []
@@ -123,11 +139,25 @@ def _judge(standard: str, dtype: str, cg: Metrics, dg: Metrics, cd: Metrics, zr:
         value, device_value = float(value), float(device_value)
         status, assessed = _status(criterion, value, samples)
         device_statuses.append(_status(criterion, device_value, device_samples)[0])
-        results.append(CriterionResult(measure=criterion.measure, status=status, value=value, op=criterion.op,
-                                       limit=float(criterion.limit), assessed=assessed, samples=int(samples),
-                                       samples_needed=criterion.min_samples, device_value=device_value))
-    return StandardVerdict(standard=standard, status=_worst(r.status for r in results), criteria=tuple(results),
-                           device_status=_worst(device_statuses))
+        results.append(
+            CriterionResult(
+                measure=criterion.measure,
+                status=status,
+                value=value,
+                op=criterion.op,
+                limit=float(criterion.limit),
+                assessed=assessed,
+                samples=int(samples),
+                samples_needed=criterion.min_samples,
+                device_value=device_value,
+            )
+        )
+    return StandardVerdict(
+        standard=standard,
+        status=_worst(r.status for r in results),
+        criteria=tuple(results),
+        device_status=_worst(device_statuses),
+    )
 
 
 def _worst(statuses: Iterable[Status]) -> Status:
@@ -162,8 +192,12 @@ def _zero_rows(candidate: np.ndarray, rows: np.ndarray) -> ZeroRowCheck:
     bad = ~((block == 0) & ~np.signbit(block))
     bad_rows = np.flatnonzero(bad.any(axis=1))
     first = int(np.flatnonzero(rows)[bad_rows[0]]) if bad_rows.size else None
-    return ZeroRowCheck(rows=int(np.count_nonzero(rows)), mismatched_rows=int(bad_rows.size),
-                        mismatched_elements=int(np.count_nonzero(bad)), first_mismatched_row=first)
+    return ZeroRowCheck(
+        rows=int(np.count_nonzero(rows)),
+        mismatched_rows=int(bad_rows.size),
+        mismatched_elements=int(np.count_nonzero(bad)),
+        first_mismatched_row=first,
+    )
 
 
 def _candidate_dtype(candidate: np.ndarray) -> str:
@@ -174,18 +208,26 @@ def _candidate_dtype(candidate: np.ndarray) -> str:
 
 def _check_candidate(candidate: Any, shape: tuple[int, int], dtype: str) -> np.ndarray:
     if not isinstance(candidate, np.ndarray):
-        raise InvalidArgument(f"candidate must be a numpy.ndarray, got {type(candidate).__name__}",
-                              aclnn_status=_INVALID, field="candidate")
+        raise InvalidArgument(
+            f"candidate must be a numpy.ndarray, got {type(candidate).__name__}",
+            aclnn_status=_INVALID,
+            field="candidate",
+        )
     name = dtype_name(candidate.dtype)
     allowed = (dtype,) if dtype == "float32" else (dtype, "float32")
     if name not in allowed:
-        raise InvalidArgument(f"candidate.dtype={candidate.dtype} must be {' or '.join(allowed)} "
-                              f"(grad_expanded_x's dtype{'' if dtype == 'float32' else ', or float32'})",
-                              aclnn_status=_INVALID, field="candidate")
+        raise InvalidArgument(
+            f"candidate.dtype={candidate.dtype} must be {' or '.join(allowed)} "
+            f"(grad_expanded_x's dtype{'' if dtype == 'float32' else ', or float32'})",
+            aclnn_status=_INVALID,
+            field="candidate",
+        )
     if candidate.shape != shape:
-        raise InvalidArgument(f"candidate has shape {list(candidate.shape)}; "
-                              f"grad_x of this call is {list(shape)} [N, H]",
-                              aclnn_status=_INVALID, field="candidate")
+        raise InvalidArgument(
+            f"candidate has shape {list(candidate.shape)}; grad_x of this call is {list(shape)} [N, H]",
+            aclnn_status=_INVALID,
+            field="candidate",
+        )
     return candidate
 
 
@@ -195,16 +237,21 @@ def _check_standards(standards: Iterable[str] | str | None) -> tuple[str, ...]:
     names = (standards,) if isinstance(standards, str) else tuple(standards)
     unknown = [name for name in names if name not in STANDARDS]
     if unknown:
-        raise InvalidArgument(f"unknown standard {unknown[0]!r}; the standards are {', '.join(STANDARDS)}",
-                              aclnn_status=_INVALID, field="standards")
+        raise InvalidArgument(
+            f"unknown standard {unknown[0]!r}; the standards are {', '.join(STANDARDS)}",
+            aclnn_status=_INVALID,
+            field="standards",
+        )
     if not names:
-        raise InvalidArgument(f"no standard requested; choose from {', '.join(STANDARDS)}",
-                              aclnn_status=_INVALID, field="standards")
+        raise InvalidArgument(
+            f"no standard requested; choose from {', '.join(STANDARDS)}", aclnn_status=_INVALID, field="standards"
+        )
     return tuple(name for name in STANDARDS if name in names)
 
 
-def check_compare_arguments(call: MoeInitRoutingV2GradCall, candidate: Any,
-                            standards: Iterable[str] | str | None = None) -> tuple[str, ...]:
+def check_compare_arguments(
+    call: MoeInitRoutingV2GradCall, candidate: Any, standards: Iterable[str] | str | None = None
+) -> tuple[str, ...]:
     """Check a comparison's arguments without computing anything (a service runs this before its device).
 
     Args:
@@ -225,15 +272,24 @@ def check_compare_arguments(call: MoeInitRoutingV2GradCall, candidate: Any,
     if not isinstance(call, MoeInitRoutingV2GradCall):
         raise TypeError(f"call must be a MoeInitRoutingV2GradCall, got {type(call).__name__}")
     if candidate is None:
-        raise InvalidArgument("candidate is missing: send the implementation's grad_x [N, H]",
-                              aclnn_status=_NULLPTR, field="candidate")
+        raise InvalidArgument(
+            "candidate is missing: send the implementation's grad_x [N, H]", aclnn_status=_NULLPTR, field="candidate"
+        )
     _check_candidate(candidate, (call.num_tokens, call.hidden_size), call.dtype_name)
     return _check_standards(standards)
 
 
-def compare_arrays(candidate: np.ndarray, device_result: np.ndarray, golden: np.ndarray, *, dtype: str | None = None,
-                   magnitude: np.ndarray | None = None, zero_rows: np.ndarray | None = None,
-                   standards: Iterable[str] | str | None = None, require_exact: bool = False) -> ComparisonReport:
+def compare_arrays(
+    candidate: np.ndarray,
+    device_result: np.ndarray,
+    golden: np.ndarray,
+    *,
+    dtype: str | None = None,
+    magnitude: np.ndarray | None = None,
+    zero_rows: np.ndarray | None = None,
+    standards: Iterable[str] | str | None = None,
+    require_exact: bool = False,
+) -> ComparisonReport:
     """Judge a candidate gradX given the device's result and the golden (no operator call needed).
 
     Args:
@@ -272,13 +328,26 @@ def compare_arrays(candidate: np.ndarray, device_result: np.ndarray, golden: np.
         raise ValueError(f"zero_rows must be a bool array of shape [{shape[0]}], got {rows.dtype} {list(rows.shape)}")
 
     if not isinstance(require_exact, bool):
-        raise InvalidArgument(f"require_exact must be a bool, got {type(require_exact).__name__}",
-                              aclnn_status=_INVALID, field="require_exact")
+        raise InvalidArgument(
+            f"require_exact must be a bool, got {type(require_exact).__name__}",
+            aclnn_status=_INVALID,
+            field="require_exact",
+        )
     cg = metrics(candidate, golden, dtype=dtype, magnitude=magnitude)
     dg = metrics(device_result, golden, dtype=dtype, magnitude=magnitude)
     cd = metrics(candidate, device_result, golden, dtype=dtype, magnitude=magnitude)
-    return _report(dtype, _candidate_dtype(candidate), shape, names, require_exact, cg, dg, cd,
-                   _zero_rows(candidate, rows), _zero_rows(device_result, rows))
+    return _report(
+        dtype,
+        _candidate_dtype(candidate),
+        shape,
+        names,
+        require_exact,
+        cg,
+        dg,
+        cd,
+        _zero_rows(candidate, rows),
+        _zero_rows(device_result, rows),
+    )
 
 
 def _self_metrics(dg: Metrics) -> Metrics:
@@ -286,24 +355,51 @@ def _self_metrics(dg: Metrics) -> Metrics:
     return dataclasses.replace(dg, bitwise_equal_count=dg.count, bitwise_equal_share=1.0 if dg.count else math.nan)
 
 
-def _report(dtype: str, candidate_dtype: str, shape: tuple[int, int], names: tuple[str, ...], require_exact: bool,
-            cg: Metrics, dg: Metrics, cd: Metrics, zr: ZeroRowCheck, dzr: ZeroRowCheck,
-            context: ReportContext | None = None) -> ComparisonReport:
+def _report(
+    dtype: str,
+    candidate_dtype: str,
+    shape: tuple[int, int],
+    names: tuple[str, ...],
+    require_exact: bool,
+    cg: Metrics,
+    dg: Metrics,
+    cd: Metrics,
+    zr: ZeroRowCheck,
+    dzr: ZeroRowCheck,
+    context: ReportContext | None = None,
+) -> ComparisonReport:
     dd = _self_metrics(dg)
     verdicts = tuple(_judge(name, dtype, cg, dg, cd, zr, dd, dzr) for name in names)
     mismatched = cd.count - cd.bitwise_equal_count
-    exact = ExactMatch(bit_exact=mismatched == 0, mismatched=mismatched, count=cd.count,
-                       share=mismatched / cd.count if cd.count else 0.0, required=require_exact)
+    exact = ExactMatch(
+        bit_exact=mismatched == 0,
+        mismatched=mismatched,
+        count=cd.count,
+        share=mismatched / cd.count if cd.count else 0.0,
+        required=require_exact,
+    )
     verdict = _worst(v.status for v in verdicts)
     if require_exact and not exact.bit_exact:
         verdict = "fail"
-    return ComparisonReport(dtype=dtype, candidate_dtype=candidate_dtype, shape=shape, verdict=verdict,
-                            verdicts=verdicts, candidate_vs_golden=cg, device_vs_golden=dg, candidate_vs_device=cd,
-                            zero_rows=zr, exact=exact, device_zero_rows=dzr, context=context)
+    return ComparisonReport(
+        dtype=dtype,
+        candidate_dtype=candidate_dtype,
+        shape=shape,
+        verdict=verdict,
+        verdicts=verdicts,
+        candidate_vs_golden=cg,
+        device_vs_golden=dg,
+        candidate_vs_device=cd,
+        zero_rows=zr,
+        exact=exact,
+        device_zero_rows=dzr,
+        context=context,
+    )
 
 
-def rejudge(report: ComparisonReport, *, standards: Iterable[str] | str | None = None,
-            require_exact: bool | None = None) -> ComparisonReport:
+def rejudge(
+    report: ComparisonReport, *, standards: Iterable[str] | str | None = None, require_exact: bool | None = None
+) -> ComparisonReport:
     """Judge a report's stored metrics again (a report read back from JSON, or with other standards).
 
     The verdicts are a pure function of the three comparisons and the zero rows, so a saved report
@@ -326,8 +422,19 @@ def rejudge(report: ComparisonReport, *, standards: Iterable[str] | str | None =
     else:
         required = require_exact
     device_rows = report.zero_rows if report.device_zero_rows is None else report.device_zero_rows
-    return _report(report.dtype, report.candidate_dtype, report.shape, names, required, report.candidate_vs_golden,
-                   report.device_vs_golden, report.candidate_vs_device, report.zero_rows, device_rows, report.context)
+    return _report(
+        report.dtype,
+        report.candidate_dtype,
+        report.shape,
+        names,
+        required,
+        report.candidate_vs_golden,
+        report.device_vs_golden,
+        report.candidate_vs_device,
+        report.zero_rows,
+        device_rows,
+        report.context,
+    )
 
 
 def summand_magnitude(call: MoeInitRoutingV2GradCall) -> np.ndarray:
@@ -343,9 +450,15 @@ def summand_magnitude(call: MoeInitRoutingV2GradCall) -> np.ndarray:
     return moe_init_routing_v2_grad_golden(absolute)
 
 
-def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_result: np.ndarray | None = None,
-            golden: np.ndarray | None = None, standards: Iterable[str] | str | None = None,
-            require_exact: bool = False) -> ComparisonReport:
+def compare(
+    call: MoeInitRoutingV2GradCall,
+    candidate: np.ndarray,
+    *,
+    device_result: np.ndarray | None = None,
+    golden: np.ndarray | None = None,
+    standards: Iterable[str] | str | None = None,
+    require_exact: bool = False,
+) -> ComparisonReport:
     """Judge a candidate implementation's gradX for one validated operator call.
 
     Relative errors are taken against the magnitude of each output's summands
@@ -376,8 +489,9 @@ def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_res
     shape = (call.num_tokens, call.hidden_size)
     for name, given in (("device_result", device_result), ("golden", golden)):
         if given is not None and getattr(given, "shape", None) != shape:
-            raise ValueError(f"{name} has shape {list(getattr(given, 'shape', ()))}; "
-                             f"grad_x of this call is {list(shape)}")
+            raise ValueError(
+                f"{name} has shape {list(getattr(given, 'shape', ()))}; grad_x of this call is {list(shape)}"
+            )
     if device_result is None:
         device_result = moe_init_routing_v2_grad(call)
     if _FUSED != "numpy" and isinstance(require_exact, bool):
@@ -387,12 +501,28 @@ def compare(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, device_res
         fused = fused_metrics(call, candidate, device_result, golden)
         if fused is not None:
             rows = skipped_rows(call)
-            return _report(call.dtype_name, _candidate_dtype(candidate), shape, _check_standards(standards),
-                           require_exact, *fused, _zero_rows(candidate, rows), _zero_rows(device_result, rows))
+            return _report(
+                call.dtype_name,
+                _candidate_dtype(candidate),
+                shape,
+                _check_standards(standards),
+                require_exact,
+                *fused,
+                _zero_rows(candidate, rows),
+                _zero_rows(device_result, rows),
+            )
     if golden is None:
         golden = moe_init_routing_v2_grad_golden(call)
-    return compare_arrays(candidate, device_result, golden, dtype=call.dtype_name, magnitude=summand_magnitude(call),
-                          zero_rows=skipped_rows(call), standards=standards, require_exact=require_exact)
+    return compare_arrays(
+        candidate,
+        device_result,
+        golden,
+        dtype=call.dtype_name,
+        magnitude=summand_magnitude(call),
+        zero_rows=skipped_rows(call),
+        standards=standards,
+        require_exact=require_exact,
+    )
 
 
 _PRODUCT_LINES = {"ascend910b": "Atlas A2/A3", "sequential": "sequential golden (no device)"}
@@ -405,9 +535,17 @@ def _sha256(array: np.ndarray) -> str:
     return hashlib.sha256(data.data.cast("B")).hexdigest()
 
 
-def report_context(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, backend: str = "in-process",
-                   device: str | None = None, server_url: str | None = None, order: str | None = None,
-                   case: str | None = None, created: str | None = None) -> ReportContext:
+def report_context(
+    call: MoeInitRoutingV2GradCall,
+    candidate: np.ndarray,
+    *,
+    backend: str = "in-process",
+    device: str | None = None,
+    server_url: str | None = None,
+    order: str | None = None,
+    case: str | None = None,
+    created: str | None = None,
+) -> ReportContext:
     """The record that makes a saved report reproducible: the call, SHA-256 of its inputs, who answered, when.
 
     Args:
@@ -423,17 +561,27 @@ def report_context(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, *, bac
     Returns:
         A :class:`ReportContext` (attach it with :func:`with_context`).
     """
-    tensors = {"grad_expanded_x": call.grad_expanded_x, "expanded_row_idx": call.expanded_row_idx,
-               "candidate": np.asarray(candidate)}
+    tensors = {
+        "grad_expanded_x": call.grad_expanded_x,
+        "expanded_row_idx": call.expanded_row_idx,
+        "candidate": np.asarray(candidate),
+    }
     used = call.order if order is None else order
     return ReportContext(
         operator="aclnnMoeInitRoutingV2Grad",
         shapes={name: tuple(int(n) for n in t.shape) for name, t in tensors.items()},
-        dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
+        dtypes={name: dtype_name(t.dtype) or str(t.dtype) for name, t in tensors.items()},
         sha256={name: _sha256(t) for name, t in tensors.items()},
-        top_k=call.top_k, drop_pad_mode=call.drop_pad_mode, active_num=call.active_num, order=used,
-        product_line=_PRODUCT_LINES.get(used, used), moegrad_version=__version__, backend=backend, device=device,
-        server_url=server_url, case=case,
+        top_k=call.top_k,
+        drop_pad_mode=call.drop_pad_mode,
+        active_num=call.active_num,
+        order=used,
+        product_line=_PRODUCT_LINES.get(used, used),
+        moegrad_version=__version__,
+        backend=backend,
+        device=device,
+        server_url=server_url,
+        case=case,
         created=created or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
 

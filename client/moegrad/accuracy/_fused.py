@@ -24,9 +24,11 @@ from moegrad.accuracy._standards import DTYPE_LIMITS
 
 __all__ = ["available", "fused_metrics", "warm_up_compare"]
 
-_VIEWS: dict[np.dtype, np.dtype] = {np.dtype(np.float32): np.dtype(np.float32),
-                                    np.dtype(np.float16): np.dtype(np.int16),
-                                    np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16)}
+_VIEWS: dict[np.dtype, np.dtype] = {
+    np.dtype(np.float32): np.dtype(np.float32),
+    np.dtype(np.float16): np.dtype(np.int16),
+    np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16),
+}
 # |x| at or above which a finite float64 rounds to inf in the format (half the top ULP above the maximum).
 _OVERFLOW_AT = {"float32": 2.0**128 - 2.0**103, "float16": 65520.0, "bfloat16": 2.0**128 - 2.0**119}
 _CHUNK_ELEMENTS = 1 << 16  # output elements per task of the pool
@@ -65,15 +67,23 @@ def warm_up_compare() -> bool:
             x = np.ones((2, 1), dtype=dtype)
             call = MoeInitRoutingV2GradCall(grad_expanded_x=x, expanded_row_idx=np.arange(2, dtype=np.int32), top_k=2)
             fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype))
-            fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype),
-                          np.ones((1, 1)))
+            fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype), np.ones((1, 1)))
     return True
 
 
 def _params(dtype: str, actual: str) -> np.ndarray:
     limits, actual_limits = DTYPE_LIMITS[dtype], DTYPE_LIMITS[actual]
-    return np.array([limits.small_value, limits.small_value_atol, limits.accumulative_small_value,
-                     actual_limits.mantissa_bits, actual_limits.min_exponent, _OVERFLOW_AT[actual]], dtype=np.float64)
+    return np.array(
+        [
+            limits.small_value,
+            limits.small_value_atol,
+            limits.accumulative_small_value,
+            actual_limits.mantissa_bits,
+            actual_limits.min_exponent,
+            _OVERFLOW_AT[actual],
+        ],
+        dtype=np.float64,
+    )
 
 
 def _view(array: np.ndarray) -> np.ndarray | None:
@@ -83,8 +93,9 @@ def _view(array: np.ndarray) -> np.ndarray | None:
     return array.view(view)
 
 
-def fused_metrics(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, device_result: np.ndarray,
-                  golden: np.ndarray | None = None) -> tuple[Metrics, Metrics, Metrics] | None:
+def fused_metrics(
+    call: MoeInitRoutingV2GradCall, candidate: np.ndarray, device_result: np.ndarray, golden: np.ndarray | None = None
+) -> tuple[Metrics, Metrics, Metrics] | None:
     """candidate vs golden, device vs golden, candidate vs device, relative to the summands' magnitude.
 
     Returns None when this path cannot take the inputs (numba missing, a byte-swapped or strided
@@ -111,8 +122,21 @@ def fused_metrics(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, device_
     golden_in = golden if has_golden else np.zeros((1, 1), dtype=np.float64)
 
     def run(start: int, stop: int) -> None:
-        jit.compare_rows(rows, index, mode, call.active_num, views[0], views[1], golden_in, has_golden, start, stop,
-                         p_cand, p_dev, acc)
+        jit.compare_rows(
+            rows,
+            index,
+            mode,
+            call.active_num,
+            views[0],
+            views[1],
+            golden_in,
+            has_golden,
+            start,
+            stop,
+            p_cand,
+            p_dev,
+            acc,
+        )
 
     from moegrad import _reference  # the shared pool of the reference kernels
 
@@ -120,13 +144,22 @@ def fused_metrics(call: MoeInitRoutingV2GradCall, candidate: np.ndarray, device_
     totals = acc.sum(axis=0)
     maxima = acc.max(axis=0)
     actual = (candidate_dtype, dtype, candidate_dtype)
-    cand_gold, dev_gold, cand_dev = (_metrics(jit, acc[:, k], totals[k], maxima[k], dtype, actual[k], tokens * hidden,
-                                              hidden) for k in range(3))
+    cand_gold, dev_gold, cand_dev = (
+        _metrics(jit, acc[:, k], totals[k], maxima[k], dtype, actual[k], tokens * hidden, hidden) for k in range(3)
+    )
     return cand_gold, dev_gold, cand_dev
 
 
-def _metrics(jit: ModuleType, per_row: np.ndarray, total: np.ndarray, maximum: np.ndarray, dtype: str, actual: str,
-             count: int, hidden: int) -> Metrics:
+def _metrics(
+    jit: ModuleType,
+    per_row: np.ndarray,
+    total: np.ndarray,
+    maximum: np.ndarray,
+    dtype: str,
+    actual: str,
+    count: int,
+    hidden: int,
+) -> Metrics:
     def share(part: float, whole: float) -> float:
         return part / whole if whole else math.nan
 
@@ -153,26 +186,43 @@ def _metrics(jit: ModuleType, per_row: np.ndarray, total: np.ndarray, maximum: n
     if bad.max() > 0:
         row = int(np.argmax(bad))  # the first row holding the largest: np.argmax's flat order
         a, e, g = (float(per_row[row, slot]) for slot in (jit.BAD_A, jit.BAD_E, jit.BAD_G))
-        worst = WorstElement(row=row, column=int(per_row[row, jit.BAD_COL]), actual=a, expected=e, golden=g,
-                             abs_error=float(abs(a - e)))
+        worst = WorstElement(
+            row=row, column=int(per_row[row, jit.BAD_COL]), actual=a, expected=e, golden=g, abs_error=float(abs(a - e))
+        )
     small_errors = int(total[jit.SMALL_ERR])
     return Metrics(
-        dtype=dtype, actual_dtype=actual, relative_to="magnitude", count=count, finite_count=n, normal_count=normal,
-        small_count=small, max_abs_error=largest(jit.MAX_ABS, jit.FINITE),
-        mean_abs_error=share(float(total[jit.SUM_ABS]), n), rmse=math.sqrt(share(float(total[jit.SUM_SQ]), n)),
+        dtype=dtype,
+        actual_dtype=actual,
+        relative_to="magnitude",
+        count=count,
+        finite_count=n,
+        normal_count=normal,
+        small_count=small,
+        max_abs_error=largest(jit.MAX_ABS, jit.FINITE),
+        mean_abs_error=share(float(total[jit.SUM_ABS]), n),
+        rmse=math.sqrt(share(float(total[jit.SUM_SQ]), n)),
         max_relative_error=largest(jit.MAX_REL, jit.NORMAL),
         mean_relative_error=share(float(total[jit.SUM_REL]), normal),
-        small_value_error_count=small_errors, small_value_error_rate=share(small_errors, small),
+        small_value_error_count=small_errors,
+        small_value_error_rate=share(small_errors, small),
         max_small_value_abs_error=largest(jit.MAX_SMALL, jit.SMALL),
-        max_accumulative_error=largest(jit.MAX_ACC, jit.FINITE), cosine_similarity=cosine,
-        bitwise_equal_count=int(total[jit.EQUAL]), bitwise_equal_share=share(int(total[jit.EQUAL]), count),
-        max_ulp_error=largest(jit.MAX_ULP, jit.FINITE), mean_ulp_error=share(float(total[jit.SUM_ULP]), n),
+        max_accumulative_error=largest(jit.MAX_ACC, jit.FINITE),
+        cosine_similarity=cosine,
+        bitwise_equal_count=int(total[jit.EQUAL]),
+        bitwise_equal_share=share(int(total[jit.EQUAL]), count),
+        max_ulp_error=largest(jit.MAX_ULP, jit.FINITE),
+        mean_ulp_error=share(float(total[jit.SUM_ULP]), n),
         ulp_error_above_1_share=share(int(total[jit.ULP_GT1]), n),
         hundredth_share=share(int(total[jit.WITHIN_2]) + matched, count),
         thousandth_share=share(int(total[jit.WITHIN_3]) + matched, count),
         ten_thousandth_share=share(int(total[jit.WITHIN_4]) + matched, count),
-        nan_mismatch_count=int(total[jit.NAN_MISMATCH]), inf_mismatch_count=int(total[jit.INF_MISMATCH]),
-        positive_error_share=share(up, n), negative_error_share=share(down, n), toward_zero_share=share(toward, n),
-        away_from_zero_share=share(away, n), nonzero_error_count=nonzero,
-        error_imbalance=max(abs(up - down), abs(away - toward)) / nonzero if nonzero else math.nan, worst=worst,
+        nan_mismatch_count=int(total[jit.NAN_MISMATCH]),
+        inf_mismatch_count=int(total[jit.INF_MISMATCH]),
+        positive_error_share=share(up, n),
+        negative_error_share=share(down, n),
+        toward_zero_share=share(toward, n),
+        away_from_zero_share=share(away, n),
+        nonzero_error_count=nonzero,
+        error_imbalance=max(abs(up - down), abs(away - toward)) / nonzero if nonzero else math.nan,
+        worst=worst,
     )

@@ -56,8 +56,14 @@ def _ulp(golden: np.ndarray, limits: DtypeLimits) -> np.ndarray:
     return np.ldexp(1.0, (e - limits.mantissa_bits).astype(np.int32))
 
 
-def metrics(actual: np.ndarray, expected: np.ndarray, golden: np.ndarray | None = None, *,
-            dtype: str | None = None, magnitude: np.ndarray | None = None) -> Metrics:
+def metrics(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    golden: np.ndarray | None = None,
+    *,
+    dtype: str | None = None,
+    magnitude: np.ndarray | None = None,
+) -> Metrics:
     """Error statistics of ``actual`` against ``expected``, with relative errors and ULPs taken at ``golden``.
 
     Args:
@@ -86,9 +92,10 @@ def metrics(actual: np.ndarray, expected: np.ndarray, golden: np.ndarray | None 
     if magnitude is not None:
         magnitude = float_array(magnitude, "magnitude", ("float64",))
     if not actual.shape == expected.shape == golden.shape == (actual.shape if magnitude is None else magnitude.shape):
-        raise ValueError(f"shapes differ: actual {list(actual.shape)}, expected {list(expected.shape)}, "
-                         f"golden {list(golden.shape)}"
-                         + ("" if magnitude is None else f", magnitude {list(magnitude.shape)}"))
+        raise ValueError(
+            f"shapes differ: actual {list(actual.shape)}, expected {list(expected.shape)}, "
+            f"golden {list(golden.shape)}" + ("" if magnitude is None else f", magnitude {list(magnitude.shape)}")
+        )
     actual_dtype = dtype_name(actual.dtype)
     assert actual_dtype is not None, "float_array checked that actual's dtype is one of GRAD_DTYPES"
     dtype = actual_dtype if dtype is None else dtype
@@ -98,8 +105,14 @@ def metrics(actual: np.ndarray, expected: np.ndarray, golden: np.ndarray | None 
         return _metrics(actual, expected, golden, magnitude, dtype, actual_dtype)
 
 
-def _metrics(actual: np.ndarray, expected: np.ndarray, golden: np.ndarray, magnitude: np.ndarray | None, dtype: str,
-             actual_dtype: str) -> Metrics:
+def _metrics(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    golden: np.ndarray,
+    magnitude: np.ndarray | None,
+    dtype: str,
+    actual_dtype: str,
+) -> Metrics:
     limits, ulp_limits = DTYPE_LIMITS[dtype], DTYPE_LIMITS[actual_dtype]
     count, width = actual.size, actual.shape[1]
     a = actual.astype(np.float64).ravel()
@@ -155,9 +168,14 @@ def _metrics(actual: np.ndarray, expected: np.ndarray, golden: np.ndarray, magni
     worst = None
     if count and badness.max() > 0:
         index = int(np.argmax(badness))
-        worst = WorstElement(row=index // width, column=index % width, actual=float(a[index]),
-                             expected=float(e[index]), golden=float(g[index]),
-                             abs_error=float(abs(a[index] - e[index])))
+        worst = WorstElement(
+            row=index // width,
+            column=index % width,
+            actual=float(a[index]),
+            expected=float(e[index]),
+            golden=float(g[index]),
+            abs_error=float(abs(a[index] - e[index])),
+        )
 
     small_errors = int(np.count_nonzero(small_abs > limits.small_value_atol))
     return Metrics(
@@ -196,5 +214,3 @@ def _metrics(actual: np.ndarray, expected: np.ndarray, golden: np.ndarray, magni
         error_imbalance=imbalance,
         worst=worst,
     )
-
-

@@ -36,9 +36,18 @@ from moegrad.accuracy._results import ComparisonReport, CriterionResult, Metrics
 from moegrad.accuracy._standards import DTYPE_LIMITS, SEVERITY, THRESHOLDS
 
 __all__ = [
-    "MSPROBE_DETAIL_COLUMNS", "MSPROBE_STATUS", "csv_rows", "exactness_line", "format_report", "markdown_report",
-    "read_json_report", "relative_errors",
-    "write_csv_report", "write_histogram", "write_json_report", "write_markdown_report",
+    "MSPROBE_DETAIL_COLUMNS",
+    "MSPROBE_STATUS",
+    "csv_rows",
+    "exactness_line",
+    "format_report",
+    "markdown_report",
+    "read_json_report",
+    "relative_errors",
+    "write_csv_report",
+    "write_histogram",
+    "write_json_report",
+    "write_markdown_report",
 ]
 
 _COMPARISONS = ("candidate_vs_golden", "device_vs_golden", "candidate_vs_device")
@@ -46,11 +55,18 @@ _COMPARISONS = ("candidate_vs_golden", "device_vs_golden", "candidate_vs_device"
 # special values and the zero rows have their own lines below the tables).
 _SHARED = frozenset({"special_value_mismatches", "special_value_mismatch_excess", "zero_row_mismatches"})
 _KEY_METRICS = (
-    "max_abs_error", "mean_abs_error", "rmse", "max_relative_error", "mean_relative_error", "max_ulp_error",
-    "bitwise_equal_share", "thousandth_share", "cosine_similarity", "error_imbalance",
+    "max_abs_error",
+    "mean_abs_error",
+    "rmse",
+    "max_relative_error",
+    "mean_relative_error",
+    "max_ulp_error",
+    "bitwise_equal_share",
+    "thousandth_share",
+    "cosine_similarity",
+    "error_imbalance",
 )
-_VERDICT_MEANS = {"pass": "every standard passed", "warning": "passed; a standard warned",
-                  "fail": "a standard failed"}
+_VERDICT_MEANS = {"pass": "every standard passed", "warning": "passed; a standard warned", "fail": "a standard failed"}
 _Table = tuple[str, Sequence[str], Sequence[Sequence[str]]]  # title, headers, rows (a cell may hold lines)
 
 
@@ -84,8 +100,10 @@ def _metric_row(name: str, comparisons: Sequence[Metrics]) -> list[str]:
 
 def _sections(report: ComparisonReport) -> list[_Table]:
     comparisons = [getattr(report, name) for name in _COMPARISONS]
-    standards = [(v.standard, _shown(v.status), _shown(v.device_status), "\n".join(_deciding(v.criteria, v.status)))
-                 for v in report.verdicts]
+    standards = [
+        (v.standard, _shown(v.status), _shown(v.device_status), "\n".join(_deciding(v.criteria, v.status)))
+        for v in report.verdicts
+    ]
     metrics = [_metric_row(name, comparisons) for name in _KEY_METRICS]
     metrics.append(["nan / inf mismatches", *(f"{m.nan_mismatch_count} / {m.inf_mismatch_count}" for m in comparisons)])
     worst = []
@@ -94,8 +112,17 @@ def _sections(report: ComparisonReport) -> list[_Table]:
         if w is None:
             worst.append([name, "-", "-", "-", "-", "-", "none: every element equal"])
         else:
-            worst.append([name, str(w.row), str(w.column), _value(w.actual), _value(w.expected), _value(w.golden),
-                          _number(w.abs_error)])
+            worst.append(
+                [
+                    name,
+                    str(w.row),
+                    str(w.column),
+                    _value(w.actual),
+                    _value(w.expected),
+                    _value(w.golden),
+                    _number(w.abs_error),
+                ]
+            )
     tables: list[_Table] = []
     if report.context is not None:
         tables.append(("call", ("field", "value"), _context_rows(report.context)))
@@ -123,8 +150,11 @@ def _summary(report: ComparisonReport, source: str | None) -> list[str]:
     means = _VERDICT_MEANS[report.verdict]
     if report.exact is not None and report.exact.required and not report.exact.bit_exact:
         means = "exactness was required and the candidate is not bit-exact"
-    lines = [f"verdict: {report.verdict.upper()} ({means})",
-             f"grad_x [{n}, {h}] {report.dtype}; candidate {report.candidate_dtype}", exactness_line(report)]
+    lines = [
+        f"verdict: {report.verdict.upper()} ({means})",
+        f"grad_x [{n}, {h}] {report.dtype}; candidate {report.candidate_dtype}",
+        exactness_line(report),
+    ]
     if source:
         lines.append(f"device result: {source}")
     return lines
@@ -134,11 +164,14 @@ def _context_rows(context: ReportContext) -> list[list[str]]:
     rows = [["operator", context.operator]]
     for name in context.shapes:
         rows.append([name, f"{context.dtypes[name]} {list(context.shapes[name])}, sha256 {context.sha256[name]}"])
-    rows += [["top_k, drop_pad_mode, active_num", f"{context.top_k}, {context.drop_pad_mode}, {context.active_num}"],
-             ["order (product line)", f"{context.order} ({context.product_line})"],
-             ["backend, device", f"{context.backend}, {context.device or '-'}"],
-             ["server", context.server_url or "in-process"],
-             ["moegrad", context.moegrad_version], ["created", context.created]]
+    rows += [
+        ["top_k, drop_pad_mode, active_num", f"{context.top_k}, {context.drop_pad_mode}, {context.active_num}"],
+        ["order (product line)", f"{context.order} ({context.product_line})"],
+        ["backend, device", f"{context.backend}, {context.device or '-'}"],
+        ["server", context.server_url or "in-process"],
+        ["moegrad", context.moegrad_version],
+        ["created", context.created],
+    ]
     if context.case:
         rows.insert(0, ["case", context.case])
     return rows
@@ -149,15 +182,19 @@ def _zero_rows_line(report: ComparisonReport) -> str:
     if z.rows == 0:
         return "zero rows: none (no row has every slot skipped)"
     first = "" if z.first_mismatched_row is None else f", first row {z.first_mismatched_row}"
-    return (f"zero rows: {z.rows} must be +0.0 (every slot skipped); {z.mismatched_rows} mismatched rows, "
-            f"{z.mismatched_elements} mismatched elements{first}")
+    return (
+        f"zero rows: {z.rows} must be +0.0 (every slot skipped); {z.mismatched_rows} mismatched rows, "
+        f"{z.mismatched_elements} mismatched elements{first}"
+    )
 
 
 def _text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     split = [[cell.split("\n") for cell in row] for row in rows]
     widths = [max([len(headers[i])] + [len(line) for row in split for line in row[i]]) for i in range(len(headers))]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
-           "  ".join("-" * w for w in widths)]
+    out = [
+        "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
+        "  ".join("-" * w for w in widths),
+    ]
     for row in split:
         for k in range(max(len(cell) for cell in row)):
             cells = ((cell[k] if k < len(cell) else "").ljust(w) for cell, w in zip(row, widths, strict=False))
@@ -183,8 +220,13 @@ def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")
 
 
-def markdown_report(report: ComparisonReport, *, source: str | None = None, histogram: str | None = None,
-                    histogram_note: str | None = None) -> str:
+def markdown_report(
+    report: ComparisonReport,
+    *,
+    source: str | None = None,
+    histogram: str | None = None,
+    histogram_note: str | None = None,
+) -> str:
     """The report as a markdown document: the tables of :func:`format_report` and the histogram.
 
     Args:
@@ -197,8 +239,7 @@ def markdown_report(report: ComparisonReport, *, source: str | None = None, hist
     lines += [f"- {line}" for line in _summary(report, source)]
     lines.append("- definitions and thresholds: docs/accuracy.md of moegrad")
     for title, headers, rows in _sections(report):
-        lines += ["", f"## {title.capitalize()}", "",
-                  "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        lines += ["", f"## {title.capitalize()}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(_md_cell(cell) for cell in row) + " |" for row in rows]
     lines += ["", "## Zero rows", "", _zero_rows_line(report), "", "## Relative errors of the candidate", ""]
     if histogram is not None:
@@ -227,20 +268,28 @@ def relative_errors(call: MoeInitRoutingV2GradCall, values: np.ndarray, *, signe
     """
     golden = moe_init_routing_v2_grad_golden(call)
     scale = summand_magnitude(call)
-    return _relative(np.asarray(values).astype(np.float64), golden, scale, DTYPE_LIMITS[call.dtype_name].small_value,
-                     signed)
+    return _relative(
+        np.asarray(values).astype(np.float64), golden, scale, DTYPE_LIMITS[call.dtype_name].small_value, signed
+    )
 
 
-def _relative(values: np.ndarray, golden: np.ndarray, scale: np.ndarray, small_value: float,
-              signed: bool) -> np.ndarray:
+def _relative(
+    values: np.ndarray, golden: np.ndarray, scale: np.ndarray, small_value: float, signed: bool
+) -> np.ndarray:
     keep = np.isfinite(values) & np.isfinite(golden) & np.isfinite(scale) & (scale >= small_value)
     if signed:
         return (np.abs(values[keep]) - np.abs(golden[keep])) / scale[keep]
     return np.abs(values[keep] - golden[keep]) / scale[keep]
 
 
-def write_histogram(path: str | os.PathLike[str], errors: np.ndarray, *, dtype: str,
-                    device_errors: np.ndarray | None = None, report: ComparisonReport | None = None) -> None:
+def write_histogram(
+    path: str | os.PathLike[str],
+    errors: np.ndarray,
+    *,
+    dtype: str,
+    device_errors: np.ndarray | None = None,
+    report: ComparisonReport | None = None,
+) -> None:
     """Draw the error distributions to a PNG: the candidate's and the device's, on the same axes, and the balance.
 
     Left: log-scale histograms of relative errors (:func:`relative_errors`), the candidate's filled,
@@ -273,16 +322,33 @@ def write_histogram(path: str | os.PathLike[str], errors: np.ndarray, *, dtype: 
         bins = np.logspace(low, max(high, low + 1), 10 * max(high - low, 1) + 1)
         for (label, values, color), style in zip(series, ("stepfilled", "step"), strict=False):  # 1 or 2 series
             nonzero = values[values > 0]
-            axes.hist(nonzero, bins=bins, color=color, histtype=style, alpha=0.6 if style == "stepfilled" else 1.0,
-                      linewidth=1.5, label=f"{label}: {values.size - nonzero.size} exact of {values.size}")
+            axes.hist(
+                nonzero,
+                bins=bins,
+                color=color,
+                histtype=style,
+                alpha=0.6 if style == "stepfilled" else 1.0,
+                linewidth=1.5,
+                label=f"{label}: {values.size - nonzero.size} exact of {values.size}",
+            )
         axes.set_xscale("log")
         for criterion, style in zip(THRESHOLDS[("threshold", dtype)][:2], ("--", ":"), strict=False):
-            axes.axvline(criterion.limit, color="tab:red", linestyle=style,
-                         label=f"threshold: {criterion.measure} {criterion.op} {criterion.limit:.3g}")
+            axes.axvline(
+                criterion.limit,
+                color="tab:red",
+                linestyle=style,
+                label=f"threshold: {criterion.measure} {criterion.op} {criterion.limit:.3g}",
+            )
         axes.legend(loc="upper left", fontsize="small")
     else:
-        axes.text(0.5, 0.5, "no element differs from the golden" if errors.size else "no element judged relatively",
-                  ha="center", va="center", transform=axes.transAxes)
+        axes.text(
+            0.5,
+            0.5,
+            "no element differs from the golden" if errors.size else "no element judged relatively",
+            ha="center",
+            va="center",
+            transform=axes.transAxes,
+        )
     axes.set_xlabel("relative error |x - golden| / sum |summands|")
     axes.set_ylabel("elements")
     axes.set_title(f"{dtype}: error distributions against the float64 golden")
@@ -294,22 +360,38 @@ def write_histogram(path: str | os.PathLike[str], errors: np.ndarray, *, dtype: 
 def _balance_panel(axes: Any, report: ComparisonReport) -> None:
     labels = ("shrinks |x|", "grows |x|", "below golden", "above golden")
     width = 0.38
-    for offset, (name, metric, color) in enumerate((("candidate", report.candidate_vs_golden, "tab:blue"),
-                                                    ("device", report.device_vs_golden, "tab:gray"))):
-        shares = [metric.toward_zero_share, metric.away_from_zero_share, metric.negative_error_share,
-                  metric.positive_error_share]
+    for offset, (name, metric, color) in enumerate(
+        (("candidate", report.candidate_vs_golden, "tab:blue"), ("device", report.device_vs_golden, "tab:gray"))
+    ):
+        shares = [
+            metric.toward_zero_share,
+            metric.away_from_zero_share,
+            metric.negative_error_share,
+            metric.positive_error_share,
+        ]
         xs = [i + (offset - 0.5) * width for i in range(len(labels))]
-        axes.bar(xs, [0.0 if math.isnan(v) else v for v in shares], width=width, color=color,
-                 label=f"{name}: imbalance {_number(metric.error_imbalance, 3)}")
+        axes.bar(
+            xs,
+            [0.0 if math.isnan(v) else v for v in shares],
+            width=width,
+            color=color,
+            label=f"{name}: imbalance {_number(metric.error_imbalance, 3)}",
+        )
     axes.set_xticks(range(len(labels)), labels)
     axes.set_ylabel("share of finite elements")
     axes.set_title("error balance (unbiased rounding: the pairs are equal)")
     axes.legend(loc="upper right", fontsize="small")
 
 
-def write_markdown_report(path: str | os.PathLike[str], report: ComparisonReport, call: MoeInitRoutingV2GradCall,
-                          candidate: np.ndarray, *, source: str | None = None,
-                          device_result: np.ndarray | None = None) -> Path | None:
+def write_markdown_report(
+    path: str | os.PathLike[str],
+    report: ComparisonReport,
+    call: MoeInitRoutingV2GradCall,
+    candidate: np.ndarray,
+    *,
+    source: str | None = None,
+    device_result: np.ndarray | None = None,
+) -> Path | None:
     """Write :func:`markdown_report` to ``path`` and the plot beside it (``out.md`` -> ``out.png``).
 
     Args:
@@ -340,13 +422,23 @@ def write_markdown_report(path: str | os.PathLike[str], report: ComparisonReport
     else:
         golden, scale = moe_init_routing_v2_grad_golden(call), summand_magnitude(call)
         small = DTYPE_LIMITS[call.dtype_name].small_value
-        device_errors = None if device_result is None else _relative(
-            np.asarray(device_result).astype(np.float64), golden, scale, small, False)
-        write_histogram(png, _relative(np.asarray(candidate).astype(np.float64), golden, scale, small, False),
-                        dtype=call.dtype_name, device_errors=device_errors, report=report)
+        device_errors = (
+            None
+            if device_result is None
+            else _relative(np.asarray(device_result).astype(np.float64), golden, scale, small, False)
+        )
+        write_histogram(
+            png,
+            _relative(np.asarray(candidate).astype(np.float64), golden, scale, small, False),
+            dtype=call.dtype_name,
+            device_errors=device_errors,
+            report=report,
+        )
         written, note = png, None
-    markdown.write_text(markdown_report(report, source=source, histogram=None if written is None else png.name,
-                                        histogram_note=note), encoding="utf-8")
+    markdown.write_text(
+        markdown_report(report, source=source, histogram=None if written is None else png.name, histogram_note=note),
+        encoding="utf-8",
+    )
     return written
 
 
@@ -378,10 +470,29 @@ def read_json_report(path: str | os.PathLike[str]) -> ComparisonReport:
 #: The columns of msprobe's accuracy-checking details table (``accuracy_checking_details_*.csv``), in
 #: its order, followed by moegrad's own (docs/accuracy.md, "CSV columns").
 MSPROBE_DETAIL_COLUMNS: tuple[str, ...] = (
-    "API Name", "Bench Dtype", "DEVICE Dtype", "Shape", "余弦相似度", "最大绝对误差", "双百指标", "双千指标",
-    "双万指标", "二进制一致错误率", "误差均衡性", "均方根误差", "小值域错误占比", "相对误差最大值", "相对误差平均值",
-    "inf/nan错误率", "相对误差错误率", "绝对误差错误率", "ULP误差最大值", "ULP误差平均值", "ULP误差大于阈值占比",
-    "Status", "Message",
+    "API Name",
+    "Bench Dtype",
+    "DEVICE Dtype",
+    "Shape",
+    "余弦相似度",
+    "最大绝对误差",
+    "双百指标",
+    "双千指标",
+    "双万指标",
+    "二进制一致错误率",
+    "误差均衡性",
+    "均方根误差",
+    "小值域错误占比",
+    "相对误差最大值",
+    "相对误差平均值",
+    "inf/nan错误率",
+    "相对误差错误率",
+    "绝对误差错误率",
+    "ULP误差最大值",
+    "ULP误差平均值",
+    "ULP误差大于阈值占比",
+    "Status",
+    "Message",
 )
 _MOEGRAD_COLUMNS = ("moegrad_status", "bit_exact", "bitwise_mismatches", "worst_row", "worst_column", "standards")
 #: moegrad's status -> the word msprobe writes in its Status column.
@@ -412,34 +523,54 @@ def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
         if SEVERITY[v.device_status] > SEVERITY[device_status]:
             device_status = v.device_status
     rows = []
-    for role, metric, status in (("candidate", report.candidate_vs_golden, report.verdict),
-                                 ("device", report.device_vs_golden, device_status)):
+    for role, metric, status in (
+        ("candidate", report.candidate_vs_golden, report.verdict),
+        ("device", report.device_vs_golden, device_status),
+    ):
         is_candidate = role == "candidate"
         mismatched = report.exact.mismatched if report.exact is not None and is_candidate else 0
         share = report.exact.share if report.exact is not None and is_candidate else 0.0
-        messages = ([c.describe() for v in report.verdicts for c in v.criteria if c.status != "pass"]
-                    if is_candidate else [])
+        messages = (
+            [c.describe() for v in report.verdicts for c in v.criteria if c.status != "pass"] if is_candidate else []
+        )
         worst = metric.worst
-        rows.append({
-            "API Name": f"{name}.{role}", "Bench Dtype": "float64", "DEVICE Dtype": metric.actual_dtype,
-            "Shape": str(tuple(report.shape)), "余弦相似度": _cell(metric.cosine_similarity),
-            "最大绝对误差": _cell(metric.max_abs_error), "双百指标": _cell(metric.hundredth_share),
-            "双千指标": _cell(metric.thousandth_share), "双万指标": _cell(metric.ten_thousandth_share),
-            "二进制一致错误率": _cell(share), "误差均衡性": _cell(metric.error_imbalance),
-            "均方根误差": _cell(metric.rmse),
-            "小值域错误占比": _cell(metric.small_value_error_rate), "相对误差最大值": _cell(metric.max_relative_error),
-            "相对误差平均值": _cell(metric.mean_relative_error),
-            "inf/nan错误率": _cell((metric.nan_mismatch_count + metric.inf_mismatch_count) / metric.count
-                                 if metric.count else math.nan),
-            "相对误差错误率": "", "绝对误差错误率": "", "ULP误差最大值": _cell(metric.max_ulp_error),
-            "ULP误差平均值": _cell(metric.mean_ulp_error),
-            "ULP误差大于阈值占比": "" if metric.actual_dtype == "float32" else _cell(metric.ulp_error_above_1_share),
-            "Status": MSPROBE_STATUS[status], "Message": "; ".join(messages),
-            "moegrad_status": status, "bit_exact": "" if report.exact is None else str(mismatched == 0).lower(),
-            "bitwise_mismatches": str(mismatched), "worst_row": "" if worst is None else str(worst.row),
-            "worst_column": "" if worst is None else str(worst.column),
-            "standards": "+".join(v.standard for v in report.verdicts),
-        })
+        rows.append(
+            {
+                "API Name": f"{name}.{role}",
+                "Bench Dtype": "float64",
+                "DEVICE Dtype": metric.actual_dtype,
+                "Shape": str(tuple(report.shape)),
+                "余弦相似度": _cell(metric.cosine_similarity),
+                "最大绝对误差": _cell(metric.max_abs_error),
+                "双百指标": _cell(metric.hundredth_share),
+                "双千指标": _cell(metric.thousandth_share),
+                "双万指标": _cell(metric.ten_thousandth_share),
+                "二进制一致错误率": _cell(share),
+                "误差均衡性": _cell(metric.error_imbalance),
+                "均方根误差": _cell(metric.rmse),
+                "小值域错误占比": _cell(metric.small_value_error_rate),
+                "相对误差最大值": _cell(metric.max_relative_error),
+                "相对误差平均值": _cell(metric.mean_relative_error),
+                "inf/nan错误率": _cell(
+                    (metric.nan_mismatch_count + metric.inf_mismatch_count) / metric.count if metric.count else math.nan
+                ),
+                "相对误差错误率": "",
+                "绝对误差错误率": "",
+                "ULP误差最大值": _cell(metric.max_ulp_error),
+                "ULP误差平均值": _cell(metric.mean_ulp_error),
+                "ULP误差大于阈值占比": ""
+                if metric.actual_dtype == "float32"
+                else _cell(metric.ulp_error_above_1_share),
+                "Status": MSPROBE_STATUS[status],
+                "Message": "; ".join(messages),
+                "moegrad_status": status,
+                "bit_exact": "" if report.exact is None else str(mismatched == 0).lower(),
+                "bitwise_mismatches": str(mismatched),
+                "worst_row": "" if worst is None else str(worst.row),
+                "worst_column": "" if worst is None else str(worst.column),
+                "standards": "+".join(v.standard for v in report.verdicts),
+            }
+        )
     return rows
 
 

@@ -22,7 +22,13 @@ from pydantic import BeforeValidator, PlainSerializer, Strict, TypeAdapter
 from moegrad.accuracy._standards import Op, Status
 
 __all__ = [
-    "ComparisonReport", "CriterionResult", "ExactMatch", "Metrics", "ReportContext", "StandardVerdict", "WorstElement",
+    "ComparisonReport",
+    "CriterionResult",
+    "ExactMatch",
+    "Metrics",
+    "ReportContext",
+    "StandardVerdict",
+    "WorstElement",
     "ZeroRowCheck",
 ]
 
@@ -359,5 +365,3 @@ class ComparisonReport(_Serializable):
             if verdict.standard == standard:
                 return verdict
         raise KeyError(f"standard {standard!r} is not in this report ({', '.join(v.standard for v in self.verdicts)})")
-
-

@@ -51,14 +51,31 @@ class DtypeLimits:
 
 
 #: Metric constants per dtype name (sources in docs/accuracy.md).
-DTYPE_LIMITS: Mapping[str, DtypeLimits] = types.MappingProxyType({
-    "float16": DtypeLimits(mantissa_bits=10, min_exponent=-14, small_value=2.0**-10, small_value_atol=2.0**-16,
-                           accumulative_small_value=1.0),
-    "bfloat16": DtypeLimits(mantissa_bits=7, min_exponent=-126, small_value=2.0**-10, small_value_atol=2.0**-16,
-                            accumulative_small_value=1.0),
-    "float32": DtypeLimits(mantissa_bits=23, min_exponent=-126, small_value=2.0**-20, small_value_atol=2.0**-30,
-                           accumulative_small_value=1.0),
-})
+DTYPE_LIMITS: Mapping[str, DtypeLimits] = types.MappingProxyType(
+    {
+        "float16": DtypeLimits(
+            mantissa_bits=10,
+            min_exponent=-14,
+            small_value=2.0**-10,
+            small_value_atol=2.0**-16,
+            accumulative_small_value=1.0,
+        ),
+        "bfloat16": DtypeLimits(
+            mantissa_bits=7,
+            min_exponent=-126,
+            small_value=2.0**-10,
+            small_value_atol=2.0**-16,
+            accumulative_small_value=1.0,
+        ),
+        "float32": DtypeLimits(
+            mantissa_bits=23,
+            min_exponent=-126,
+            small_value=2.0**-20,
+            small_value_atol=2.0**-30,
+            accumulative_small_value=1.0,
+        ),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -87,13 +104,21 @@ _ZERO_ROWS = Criterion("zero_row_mismatches", "<=", 0)
 
 
 def _dual_thousandth(required: tuple[str, float], passing: tuple[str, float]) -> tuple[Criterion, ...]:
-    return (Criterion(required[0], ">", required[1]), Criterion(passing[0], ">", passing[1], on_miss="warning"),
-            _SPECIAL, _ZERO_ROWS)
+    return (
+        Criterion(required[0], ">", required[1]),
+        Criterion(passing[0], ">", passing[1], on_miss="warning"),
+        _SPECIAL,
+        _ZERO_ROWS,
+    )
 
 
 def _threshold(t: float) -> tuple[Criterion, ...]:
-    return (Criterion("mean_relative_error", "<", t), Criterion("max_relative_error", "<", 10 * t), _SPECIAL,
-            _ZERO_ROWS)
+    return (
+        Criterion("mean_relative_error", "<", t),
+        Criterion("max_relative_error", "<", 10 * t),
+        _SPECIAL,
+        _ZERO_ROWS,
+    )
 
 
 _BENCHMARK = (
@@ -114,20 +139,22 @@ def _accumulative(bound: float) -> tuple[Criterion, ...]:
 _BITWISE = (Criterion("bitwise_mismatches", "<=", 0), _ZERO_ROWS)
 
 #: Every standard's criteria per (standard, dtype name): the one table of thresholds.
-THRESHOLDS: Mapping[tuple[str, str], tuple[Criterion, ...]] = types.MappingProxyType({
-    ("bitwise", "float16"): _BITWISE,
-    ("bitwise", "bfloat16"): _BITWISE,
-    ("bitwise", "float32"): _BITWISE,
-    ("dual_thousandth", "float16"): _dual_thousandth(("hundredth_share", 0.99), ("thousandth_share", 0.999)),
-    ("dual_thousandth", "bfloat16"): _dual_thousandth(("hundredth_share", 0.99), ("thousandth_share", 0.999)),
-    ("dual_thousandth", "float32"): _dual_thousandth(("thousandth_share", 0.999), ("ten_thousandth_share", 0.9999)),
-    ("threshold", "float16"): _threshold(2.0**-10),
-    ("threshold", "bfloat16"): _threshold(2.0**-7),
-    ("threshold", "float32"): _threshold(2.0**-13),
-    ("benchmark", "float16"): _BENCHMARK,
-    ("benchmark", "bfloat16"): _BENCHMARK,
-    ("benchmark", "float32"): _BENCHMARK,
-    ("accumulative", "float16"): _accumulative(2.0**-8),
-    ("accumulative", "bfloat16"): _accumulative(2.0**-7),
-    ("accumulative", "float32"): _accumulative(2.0**-11),
-})
+THRESHOLDS: Mapping[tuple[str, str], tuple[Criterion, ...]] = types.MappingProxyType(
+    {
+        ("bitwise", "float16"): _BITWISE,
+        ("bitwise", "bfloat16"): _BITWISE,
+        ("bitwise", "float32"): _BITWISE,
+        ("dual_thousandth", "float16"): _dual_thousandth(("hundredth_share", 0.99), ("thousandth_share", 0.999)),
+        ("dual_thousandth", "bfloat16"): _dual_thousandth(("hundredth_share", 0.99), ("thousandth_share", 0.999)),
+        ("dual_thousandth", "float32"): _dual_thousandth(("thousandth_share", 0.999), ("ten_thousandth_share", 0.9999)),
+        ("threshold", "float16"): _threshold(2.0**-10),
+        ("threshold", "bfloat16"): _threshold(2.0**-7),
+        ("threshold", "float32"): _threshold(2.0**-13),
+        ("benchmark", "float16"): _BENCHMARK,
+        ("benchmark", "bfloat16"): _BENCHMARK,
+        ("benchmark", "float32"): _BENCHMARK,
+        ("accumulative", "float16"): _accumulative(2.0**-8),
+        ("accumulative", "bfloat16"): _accumulative(2.0**-7),
+        ("accumulative", "float32"): _accumulative(2.0**-11),
+    }
+)

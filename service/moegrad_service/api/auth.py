@@ -26,8 +26,18 @@ from moegrad_service.settings import Settings
 __all__ = ["OPEN_PATHS", "AuthMiddleware", "Authenticator", "load_tokens"]
 
 #: Paths that never require a token (probes and the API description).
-OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready",
-                        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset(
+    {
+        "/health/live",
+        "/health/ready",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/openapi.json",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+    }
+)
 
 
 def load_tokens(settings: Settings) -> list[bytes]:
@@ -40,11 +50,16 @@ def load_tokens(settings: Settings) -> list[bytes]:
     """
     tokens = [secret.get_secret_value() for secret in settings.auth_tokens]
     if settings.auth_tokens_file is not None:
-        from_file = [line.strip() for line in settings.auth_tokens_file.read_text(encoding="utf-8").splitlines()
-                     if line.strip() and not line.strip().startswith("#")]
+        from_file = [
+            line.strip()
+            for line in settings.auth_tokens_file.read_text(encoding="utf-8").splitlines()
+            if line.strip() and not line.strip().startswith("#")
+        ]
         if not from_file:
-            raise ValueError(f"auth_tokens_file {settings.auth_tokens_file} holds no token (blank lines and # "
-                             "comments only); add one token per line, or unset it to run without authentication")
+            raise ValueError(
+                f"auth_tokens_file {settings.auth_tokens_file} holds no token (blank lines and # "
+                "comments only); add one token per line, or unset it to run without authentication"
+            )
         tokens.extend(from_file)
     return [hashlib.sha256(token.encode()).digest() for token in tokens]
 
@@ -88,7 +103,7 @@ def _route_path(scope: Scope) -> str:
     """The path the app routes on: the request's path less the ``root_path`` it is served under
     (behind a proxy that strips a prefix, ``/api/health/live`` is the open ``/health/live``)."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 class AuthMiddleware:

@@ -44,8 +44,9 @@ def decode_comparison(document: dict[str, Any], *, max_elements: int, default_or
         InvalidArgument: the call breaks a documented constraint, the candidate is missing (161001)
             or has the wrong dtype or shape, a standard is unknown (161002) (422).
     """
-    call = MoeInitRoutingV2GradCall.from_wire(document, max_elements=max_elements, default_order=default_order,
-                                              extra_fields=COMPARE_FIELDS)
+    call = MoeInitRoutingV2GradCall.from_wire(
+        document, max_elements=max_elements, default_order=default_order, extra_fields=COMPARE_FIELDS
+    )
     raw = document.get("candidate")
     candidate = None if raw is None else decode_tensor(raw, "candidate", max_elements=max_elements)
     standards = document.get("standards")
@@ -53,8 +54,9 @@ def decode_comparison(document: dict[str, Any], *, max_elements: int, default_or
         raise MalformedRequest("standards must be a list of standard names (strings)", field="standards")
     return_grad_x = document.get("return_grad_x", False)
     if not isinstance(return_grad_x, bool):
-        raise MalformedRequest(f"return_grad_x must be a bool, got {type(return_grad_x).__name__}",
-                               field="return_grad_x")
+        raise MalformedRequest(
+            f"return_grad_x must be a bool, got {type(return_grad_x).__name__}", field="return_grad_x"
+        )
     return Comparison.checked(call, candidate, standards, return_grad_x)
 
 
@@ -64,15 +66,24 @@ async def compare_candidate(request: Request) -> Response:
     dataplane, metrics = dataplane_of(request), metrics_of(request)
     timeout_s = request_timeout(request)
     dataplane.check_order(document.get("order"))
-    comparison = await run_in_threadpool(decode_comparison, document, max_elements=settings_of(request).max_elements,
-                                         default_order=dataplane.default_order)
+    comparison = await run_in_threadpool(
+        decode_comparison,
+        document,
+        max_elements=settings_of(request).max_elements,
+        default_order=dataplane.default_order,
+    )
     outcome = await dataplane.compare(comparison, timeout_s=timeout_s, disconnected=partial(disconnected, request))
     measured = timings_ms(started, outcome.grad.timings)
     reply = {
         "report": outcome.report.to_dict(),
         **reply_document(outcome.grad),
-        "timings_ms": {"queue": measured["queue"], "compute": measured["compute"], "golden": outcome.golden_s * 1e3,
-                       "compare": outcome.compare_s * 1e3, "total": measured["total"]},
+        "timings_ms": {
+            "queue": measured["queue"],
+            "compute": measured["compute"],
+            "golden": outcome.golden_s * 1e3,
+            "compare": outcome.compare_s * 1e3,
+            "total": measured["total"],
+        },
     }
     if comparison.return_grad_x:
         reply["grad_x"] = encode_tensor(outcome.grad.grad_x)
@@ -81,9 +92,16 @@ async def compare_candidate(request: Request) -> Response:
     return response
 
 
-routes = [EndpointRoute(COMPARE_PATH, compare_candidate, operation=msgpack_operation(
-    "Judge a candidate grad_x against the device's result and a float64 golden",
-    "msgpack map: the fields of POST /v1/moe_init_routing_v2_grad plus candidate (tensor [N, H], the call's "
-    "dtype or float32), optional standards (list of names) and return_grad_x (bool) (docs/protocol.md)",
-    "msgpack map with report, backend, order, device, timings_ms and, when asked for, grad_x "
-    "(docs/protocol.md, docs/accuracy.md)"))]
+routes = [
+    EndpointRoute(
+        COMPARE_PATH,
+        compare_candidate,
+        operation=msgpack_operation(
+            "Judge a candidate grad_x against the device's result and a float64 golden",
+            "msgpack map: the fields of POST /v1/moe_init_routing_v2_grad plus candidate (tensor [N, H], the call's "
+            "dtype or float32), optional standards (list of names) and return_grad_x (bool) (docs/protocol.md)",
+            "msgpack map with report, backend, order, device, timings_ms and, when asked for, grad_x "
+            "(docs/protocol.md, docs/accuracy.md)",
+        ),
+    )
+]

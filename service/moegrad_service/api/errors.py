@@ -96,8 +96,7 @@ class ErrorAnswer:
 ERRORS: dict[type[BaseException], ErrorAnswer] = {
     NotFound: ErrorAnswer(404, "Not found", "not_found", 404, "NOT_FOUND"),
     InvalidArgument: ErrorAnswer(422, "Invalid argument", "invalid_argument", 400, "INVALID_ARGUMENT"),
-    UnsupportedMediaType: ErrorAnswer(415, "Unsupported media type", "unsupported_media_type", 415,
-                                      "INVALID_ARGUMENT"),
+    UnsupportedMediaType: ErrorAnswer(415, "Unsupported media type", "unsupported_media_type", 415, "INVALID_ARGUMENT"),
     RequestTimeout: ErrorAnswer(408, "Request timeout", "body_timeout", 408, "DEADLINE_EXCEEDED"),
     PayloadTooLarge: ErrorAnswer(413, "Payload too large", "payload_too_large", 413, "RESOURCE_EXHAUSTED"),
     MalformedRequest: ErrorAnswer(400, "Malformed request", "malformed_request", 400, "INVALID_ARGUMENT"),
@@ -156,7 +155,7 @@ def protocol_of(scope: Scope) -> str:
     """``"v2"`` for a request under ``/v2`` (less the ``root_path`` it is served under), else ``"v1"``."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root):
-        path = path[len(root):]
+        path = path[len(root) :]
     return "v2" if path == "/v2" or path.startswith("/v2/") else "v1"
 
 
@@ -208,8 +207,9 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         field = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "header"))
-        return error_response(request, MalformedRequest(f"{field or 'request'}: {first.get('msg')}",
-                                                        field=field or None))
+        return error_response(
+            request, MalformedRequest(f"{field or 'request'}: {first.get('msg')}", field=field or None)
+        )
 
     for kind in (MoegradError, ClientDisconnect, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, on_error)

@@ -17,8 +17,11 @@ async def live() -> dict[str, str]:
     return {"status": "live"}
 
 
-@router.get("/health/ready", summary="The backend is healthy and the pool admits calls",
-            responses={503: {"description": "not ready (problem+json)"}})
+@router.get(
+    "/health/ready",
+    summary="The backend is healthy and the pool admits calls",
+    responses={503: {"description": "not ready (problem+json)"}},
+)
 async def ready(request: Request) -> dict[str, str | None]:
     dataplane = dataplane_of(request)
     await dataplane.check_ready()

@@ -93,8 +93,9 @@ def metrics_of(request: Request) -> Metrics:
     return request.state.metrics
 
 
-async def read_body(request: Request, limit: int, media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES, *,
-                    lead: int = 0) -> bytearray | memoryview:
+async def read_body(
+    request: Request, limit: int, media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES, *, lead: int = 0
+) -> bytearray | memoryview:
     """The request body, admitted before it is read.
 
     Refused before reading: 415 when the media type is not in ``media_types``; 413 when
@@ -112,7 +113,8 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
         media_type = media_type_of(request)
         if media_type not in media_types:
             raise UnsupportedMediaType(
-                f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}")
+                f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}"
+            )
     dataplane = dataplane_of(request)
     declared = request.headers.get("content-length")
     expected = None
@@ -129,12 +131,15 @@ async def read_body(request: Request, limit: int, media_types: frozenset[str] | 
         async with asyncio.timeout(settings_of(request).body_timeout_s):
             return await _receive(request, dataplane, limit, expected, lead)
     except TimeoutError:
-        raise RequestTimeout(f"the body did not arrive within {settings_of(request).body_timeout_s:g} s "
-                             "(body_timeout_s); send it at once, or in smaller calls") from None
+        raise RequestTimeout(
+            f"the body did not arrive within {settings_of(request).body_timeout_s:g} s "
+            "(body_timeout_s); send it at once, or in smaller calls"
+        ) from None
 
 
-async def _receive(request: Request, dataplane: DataPlane, limit: int, expected: int | None,
-                   lead: int) -> bytearray | memoryview:
+async def _receive(
+    request: Request, dataplane: DataPlane, limit: int, expected: int | None, lead: int
+) -> bytearray | memoryview:
     if expected is not None:
         return await _receive_declared(request, expected, lead)
     # Without a Content-Length the body grows as bytes arrive (each chunk reserved from the budget first).
@@ -221,7 +226,7 @@ async def _receive_declared(request: Request, expected: int, lead: int) -> memor
         request.scope["state"]["receive_buffer"] = buffer  # given back once the answer is sent
     else:
         buffer = np.empty(lead + expected, dtype=np.uint8)
-    view = buffer.data[:lead + expected]
+    view = buffer.data[: lead + expected]
     filled = lead
     if lead:
         buffer[:lead] = 0
@@ -325,6 +330,7 @@ def request_timeout(request: Request) -> float:
     except ValueError:
         value = math.nan
     if not (value > 0 and math.isfinite(value)):
-        raise MalformedRequest(f"X-Request-Timeout {raw!r} must be a positive number of seconds",
-                               field="X-Request-Timeout")
+        raise MalformedRequest(
+            f"X-Request-Timeout {raw!r} must be a positive number of seconds", field="X-Request-Timeout"
+        )
     return min(value, settings.request_timeout_s)

@@ -53,6 +53,11 @@ class RequestLogMiddleware:
             if log.isEnabledFor(logging.INFO):
                 log.info(
                     "request_id=%s method=%s path=%s status=%d bytes_in=%d bytes_out=%d duration_ms=%.3f",
-                    request_id, scope["method"], scope["path"], seen["status"] or 500, seen["in"], seen["out"],
+                    request_id,
+                    scope["method"],
+                    scope["path"],
+                    seen["status"] or 500,
+                    seen["in"],
+                    seen["out"],
                     (time.perf_counter() - start) * 1e3,
                 )

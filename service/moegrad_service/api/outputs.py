@@ -29,19 +29,35 @@ class PartsResponse(Response):
         headers: more headers (Content-Length is set from the parts).
     """
 
-    def __init__(self, parts: Sequence[bytes | memoryview], media_type: str, *, status_code: int = 200,
-                 headers: dict[str, str] | None = None) -> None:
-        self.parts = [memoryview(part).cast("B") if isinstance(part, memoryview) and part.format != "B" else part
-                      for part in parts]
+    def __init__(
+        self,
+        parts: Sequence[bytes | memoryview],
+        media_type: str,
+        *,
+        status_code: int = 200,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.parts = [
+            memoryview(part).cast("B") if isinstance(part, memoryview) and part.format != "B" else part
+            for part in parts
+        ]
         self.length = sum(len(part) for part in self.parts)
-        super().__init__(b"", status_code=status_code, media_type=media_type,
-                         headers={**(headers or {}), "content-length": str(self.length)})
+        super().__init__(
+            b"",
+            status_code=status_code,
+            media_type=media_type,
+            headers={**(headers or {}), "content-length": str(self.length)},
+        )
         self.body = b""  # what is sent is self.parts; nothing reads a joined body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        pieces = [part[start:start + SEND_SLICE_BYTES] for part in self.parts if len(part)
-                  for start in range(0, len(part), SEND_SLICE_BYTES)]
+        pieces = [
+            part[start : start + SEND_SLICE_BYTES]
+            for part in self.parts
+            if len(part)
+            for start in range(0, len(part), SEND_SLICE_BYTES)
+        ]
         for index, piece in enumerate(pieces):
             await send({"type": "http.response.body", "body": piece, "more_body": index + 1 < len(pieces)})
         if not pieces:

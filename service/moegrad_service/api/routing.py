@@ -82,8 +82,11 @@ def msgpack_operation(summary: str, request: str, reply: str) -> dict[str, Any]:
     """An OpenAPI operation whose body and 200 reply are msgpack maps (described in words)."""
     return {
         "summary": summary,
-        "requestBody": {"required": True, "description": request,
-                        "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}}},
+        "requestBody": {
+            "required": True,
+            "description": request,
+            "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
+        },
         "responses": {"200": {"content": {MSGPACK: {}}, "description": reply}},
     }
 

@@ -46,8 +46,17 @@ from moegrad_service.dataplane import CompareOutcome, Comparison, DataPlane, Gra
 from moegrad_service.engine import Timings
 from moegrad_service.metrics import Metrics
 
-__all__ = ["BATCH_PATH", "GRAD_PATH", "msgpack_response", "problem_document", "reply_document", "reply_response",
-           "router", "routes", "timings_ms"]
+__all__ = [
+    "BATCH_PATH",
+    "GRAD_PATH",
+    "msgpack_response",
+    "problem_document",
+    "reply_document",
+    "reply_response",
+    "router",
+    "routes",
+    "timings_ms",
+]
 
 router = APIRouter()
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
@@ -74,8 +83,11 @@ def reply_response(request: Request, document: dict[str, Any], metrics: Metrics)
 
 def timings_ms(started: float, timings: Timings) -> dict[str, float]:
     """The reply's ``timings_ms``: queue, compute and total (since the request arrived), in ms."""
-    return {"queue": timings.queue_s * 1e3, "compute": timings.compute_s * 1e3,
-            "total": (time.perf_counter() - started) * 1e3}
+    return {
+        "queue": timings.queue_s * 1e3,
+        "compute": timings.compute_s * 1e3,
+        "total": (time.perf_counter() - started) * 1e3,
+    }
 
 
 def reply_document(outcome: GradOutcome) -> dict[str, Any]:
@@ -86,10 +98,14 @@ def reply_document(outcome: GradOutcome) -> dict[str, Any]:
 async def moe_init_routing_v2_grad(request: Request) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     call = await read_call(request)
-    outcome = await dataplane_of(request).infer(call, timeout_s=request_timeout(request),
-                                                disconnected=partial(disconnected, request), received_s=started)
-    reply = {"grad_x": encode_tensor(outcome.grad_x), **reply_document(outcome),
-             "timings_ms": timings_ms(started, outcome.timings)}
+    outcome = await dataplane_of(request).infer(
+        call, timeout_s=request_timeout(request), disconnected=partial(disconnected, request), received_s=started
+    )
+    reply = {
+        "grad_x": encode_tensor(outcome.grad_x),
+        **reply_document(outcome),
+        "timings_ms": timings_ms(started, outcome.timings),
+    }
     metrics = metrics_of(request)
     response = reply_response(request, reply, metrics)
     metrics.succeeded(GRAD_PATH, started)
@@ -101,17 +117,24 @@ def problem_document(exc: BaseException) -> dict[str, Any]:
     application/problem+json (status, title, detail, field, aclnn_status, aclnn_name)."""
     answer = answer_for(exc)
     status = getattr(exc, "aclnn_status", None)
-    return {"type": "about:blank", "title": answer.title, "status": answer.status,
-            "detail": getattr(exc, "message", None) or message_of(exc), "field": getattr(exc, "field", None),
-            "aclnn_status": status, "aclnn_name": None if status is None else AclnnStatus.name_of(status)}
+    return {
+        "type": "about:blank",
+        "title": answer.title,
+        "status": answer.status,
+        "detail": getattr(exc, "message", None) or message_of(exc),
+        "field": getattr(exc, "field", None),
+        "aclnn_status": status,
+        "aclnn_name": None if status is None else AclnnStatus.name_of(status),
+    }
 
 
 #: The fields a batch item may carry besides a call's: ``op`` ("grad", the default, or "compare").
 _OPS = ("grad", "compare")
 
 
-def decode_batch_items(items: list[dict[str, Any] | MalformedRequest], dataplane: DataPlane, *,
-                       max_elements: int) -> list[MoeInitRoutingV2GradCall | Comparison | BaseException]:
+def decode_batch_items(
+    items: list[dict[str, Any] | MalformedRequest], dataplane: DataPlane, *, max_elements: int
+) -> list[MoeInitRoutingV2GradCall | Comparison | BaseException]:
     """Each batch item as a validated call or comparison, or the error that item alone earns (as the
     single-call endpoints would answer it: the same field, rule and aclnn code)."""
     from moegrad_service.api.compare import decode_comparison  # compare imports this module
@@ -125,34 +148,48 @@ def decode_batch_items(items: list[dict[str, Any] | MalformedRequest], dataplane
         try:
             op = item.pop("op", "grad")
             if op not in _OPS:
-                raise MalformedRequest(f"op={op!r} is not one of {list(_OPS)}; leave it out for a grad call",
-                                       field="op")
+                raise MalformedRequest(
+                    f"op={op!r} is not one of {list(_OPS)}; leave it out for a grad call", field="op"
+                )
             dataplane.check_order(item.get("order"))
             if op == "compare":
                 decoded.append(decode_comparison(item, max_elements=max_elements, default_order=default_order))
             else:
-                decoded.append(MoeInitRoutingV2GradCall.from_wire(item, max_elements=max_elements,
-                                                                  default_order=default_order))
+                decoded.append(
+                    MoeInitRoutingV2GradCall.from_wire(item, max_elements=max_elements, default_order=default_order)
+                )
         except MoegradError as exc:
             decoded.append(exc)
     return decoded
 
 
-def batch_reply(items: list[MoeInitRoutingV2GradCall | Comparison | BaseException],
-                answers: list[GradOutcome | CompareOutcome | BaseException]) -> list[dict[str, Any]]:
+def batch_reply(
+    items: list[MoeInitRoutingV2GradCall | Comparison | BaseException],
+    answers: list[GradOutcome | CompareOutcome | BaseException],
+) -> list[dict[str, Any]]:
     """One reply map per answer: a grad call's (grad_x, backend, order, device, timings_ms), a
     comparison's (report, ..., grad_x when asked), or ``{"problem": {...}}``."""
     results: list[dict[str, Any]] = []
     for item, answer in zip(items, answers, strict=True):
         if isinstance(answer, GradOutcome):
-            results.append({"grad_x": encode_tensor(answer.grad_x), **reply_document(answer),
-                            "timings_ms": {"queue": answer.timings.queue_s * 1e3,
-                                           "compute": answer.timings.compute_s * 1e3}})
+            results.append(
+                {
+                    "grad_x": encode_tensor(answer.grad_x),
+                    **reply_document(answer),
+                    "timings_ms": {"queue": answer.timings.queue_s * 1e3, "compute": answer.timings.compute_s * 1e3},
+                }
+            )
         elif isinstance(answer, CompareOutcome):
-            result = {"report": answer.report.to_dict(), **reply_document(answer.grad),
-                      "timings_ms": {"queue": answer.grad.timings.queue_s * 1e3,
-                                     "compute": answer.grad.timings.compute_s * 1e3,
-                                     "golden": answer.golden_s * 1e3, "compare": answer.compare_s * 1e3}}
+            result = {
+                "report": answer.report.to_dict(),
+                **reply_document(answer.grad),
+                "timings_ms": {
+                    "queue": answer.grad.timings.queue_s * 1e3,
+                    "compute": answer.grad.timings.compute_s * 1e3,
+                    "golden": answer.golden_s * 1e3,
+                    "compare": answer.compare_s * 1e3,
+                },
+            }
             if isinstance(item, Comparison) and item.return_grad_x:
                 result["grad_x"] = encode_tensor(answer.grad.grad_x)
             results.append(result)
@@ -180,16 +217,28 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
     return response
 
 
-routes = [EndpointRoute(GRAD_PATH, moe_init_routing_v2_grad, operation=msgpack_operation(
-    "Run aclnnMoeInitRoutingV2Grad: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]",
-    "msgpack map: grad_expanded_x, expanded_row_idx (tensors), top_k, drop_pad_mode, active_num, "
-    "optional order and allow_duplicate_indices (docs/protocol.md)",
-    "msgpack map with grad_x (docs/protocol.md)")),
-          EndpointRoute(BATCH_PATH, moe_init_routing_v2_grad_batch, operation=msgpack_operation(
-    "Run many independent calls (and comparisons) in one request, each answered on its own, in order",
-    "msgpack array of call maps, each as the body of POST /v1/moe_init_routing_v2_grad, optionally with "
-    "op='compare' and the compare fields (docs/protocol.md, Batches)",
-    "msgpack map: results (one map per call: its reply, or problem) and timings_ms (docs/protocol.md)"))]
+routes = [
+    EndpointRoute(
+        GRAD_PATH,
+        moe_init_routing_v2_grad,
+        operation=msgpack_operation(
+            "Run aclnnMoeInitRoutingV2Grad: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]",
+            "msgpack map: grad_expanded_x, expanded_row_idx (tensors), top_k, drop_pad_mode, active_num, "
+            "optional order and allow_duplicate_indices (docs/protocol.md)",
+            "msgpack map with grad_x (docs/protocol.md)",
+        ),
+    ),
+    EndpointRoute(
+        BATCH_PATH,
+        moe_init_routing_v2_grad_batch,
+        operation=msgpack_operation(
+            "Run many independent calls (and comparisons) in one request, each answered on its own, in order",
+            "msgpack array of call maps, each as the body of POST /v1/moe_init_routing_v2_grad, optionally with "
+            "op='compare' and the compare fields (docs/protocol.md, Batches)",
+            "msgpack map: results (one map per call: its reply, or problem) and timings_ms (docs/protocol.md)",
+        ),
+    ),
+]
 
 
 @router.get("/v1/info", summary="Version, backend, device and limits of this service")

@@ -36,5 +36,8 @@ def open_backend(settings: Settings) -> Backend:
 
 
 def _reference_backend(settings: Settings) -> ReferenceBackend:
-    return ReferenceBackend(warm_up=settings.warm_up, ub_size_bytes=settings.ascend950_ub_size_bytes,
-                            vector_core_count=settings.ascend950_vector_core_count)
+    return ReferenceBackend(
+        warm_up=settings.warm_up,
+        ub_size_bytes=settings.ascend950_ub_size_bytes,
+        vector_core_count=settings.ascend950_vector_core_count,
+    )

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -47,6 +47,8 @@ class _Calls:
     """Several calls run as one job (:meth:`StreamPool.run_many`)."""
 
     calls: tuple[MoeInitRoutingV2GradCall, ...]
+
+
 #: How long past its deadline a running call may take before its worker is written off and replaced.
 #: A backend that honours ``timeout_s`` itself (the ascend one does) answers well within it.
 ABANDON_GRACE_S = 2.0
@@ -138,8 +140,9 @@ class StreamPool:
         errors = [e for e in results if e is not None]
         if errors:
             await self.close(grace_s=0)
-            raise DeviceFault(f"could not open {len(errors)} of {self.streams} backend workers: "
-                              f"{errors[0]}") from errors[0]
+            raise DeviceFault(
+                f"could not open {len(errors)} of {self.streams} backend workers: {errors[0]}"
+            ) from errors[0]
         self._admitting = True
 
     def _spawn(self, index: int, timeout_s: float) -> BaseException | None:
@@ -168,8 +171,9 @@ class StreamPool:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
         except TimeoutError:
-            log.warning("shutdown grace of %.1f s passed with %d queued, %d running", grace_s, self._queued,
-                        self._running)
+            log.warning(
+                "shutdown grace of %.1f s passed with %d queued, %d running", grace_s, self._queued, self._running
+            )
         self._closing.set()  # a worker waiting for its capacity stops waiting
         with self._lock:
             threads = list(self._threads)
@@ -205,8 +209,10 @@ class StreamPool:
         if not self._admitting:
             return "the service is starting or shutting down"
         if not self._capable:
-            return (f"none of the {self.streams} backend workers can run calls now (each is replaced or "
-                    "recovers on its own)")
+            return (
+                f"none of the {self.streams} backend workers can run calls now (each is replaced or "
+                "recovers on its own)"
+            )
         return None
 
     @property
@@ -244,10 +250,14 @@ class StreamPool:
             if not self._admitting:
                 raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=self.retry_after_s)
             if not self._capable:
-                raise DeviceBusy(self.not_ready_reason, retry_after_s=self.retry_after_s)
+                raise DeviceBusy(
+                    self.not_ready_reason or "the service has no worker that can run calls",
+                    retry_after_s=self.retry_after_s,
+                )
             if self._queued >= self.max_queue:
-                raise DeviceBusy(f"the queue is full ({self.max_queue} calls waiting)",
-                                 retry_after_s=self.retry_after_s)
+                raise DeviceBusy(
+                    f"the queue is full ({self.max_queue} calls waiting)", retry_after_s=self.retry_after_s
+                )
             self._queued += 1
             self._pending.add(job)
             self._idle.clear()
@@ -264,11 +274,17 @@ class StreamPool:
         finally:
             if timer is not None:
                 timer.cancel()
-        return result, Timings(queue_s=(job.started or job.enqueued) - job.enqueued,
-                               compute_s=(job.finished or job.enqueued) - (job.started or job.enqueued))
+        return result, Timings(
+            queue_s=(job.started or job.enqueued) - job.enqueued,
+            compute_s=(job.finished or job.enqueued) - (job.started or job.enqueued),
+        )
 
-    async def run_many(self, calls: Sequence[MoeInitRoutingV2GradCall], *, timeout_s: float | None,
-                       ) -> tuple[list[tuple[np.ndarray | None, BaseException | None]], Timings]:
+    async def run_many(
+        self,
+        calls: Sequence[MoeInitRoutingV2GradCall],
+        *,
+        timeout_s: float | None,
+    ) -> tuple[list[tuple[np.ndarray | None, BaseException | None]], Timings]:
         """Run validated, non-empty calls one after another on the next free worker, as one queue entry.
 
         For many small calls (a batch): one hand-off to a worker thread for all of them, instead of
@@ -281,7 +297,8 @@ class StreamPool:
             The errors of :meth:`run` that concern the whole run: DeviceBusy (not admitting, queue
             full) and DeadlineExceeded (the deadline passed before the run finished).
         """
-        return await self.run(_Calls(tuple(calls)), timeout_s=timeout_s)  # type: ignore[arg-type]
+        outcomes, timings = await self.run(_Calls(tuple(calls)), timeout_s=timeout_s)  # type: ignore[arg-type]
+        return cast(list[tuple[np.ndarray | None, BaseException | None]], outcomes), timings
 
     def _expire(self, job: _Job, timeout_s: float) -> None:
         """The call's deadline passed (on the loop): drop it if still queued, else give up on it."""
@@ -289,12 +306,14 @@ class StreamPool:
             return
         if job.transition("queued", "cancelled"):
             self._dequeued(job)
-            job.future.set_exception(DeadlineExceeded(
-                f"the deadline of {timeout_s:.3f} s passed while the call was queued; it was not run"))
+            job.future.set_exception(
+                DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed while the call was queued; it was not run")
+            )
         elif job.state == "running":
             job.loop.call_later(ABANDON_GRACE_S, self._abandon, job)
-            job.future.set_exception(DeadlineExceeded(
-                f"the deadline of {timeout_s:.3f} s passed while the call was running"))
+            job.future.set_exception(
+                DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed while the call was running")
+            )
         # else it is done: its outcome is already on its way to the future
 
     def _dequeued(self, job: _Job) -> None:
@@ -373,8 +392,9 @@ class StreamPool:
             return True
         with self._lock:
             self._capable.discard(index)
-        log.error("backend worker %d cannot run calls now; %d of %d workers can", index, len(self._capable),
-                  self.streams)
+        log.error(
+            "backend worker %d cannot run calls now; %d of %d workers can", index, len(self._capable), self.streams
+        )
         while not self._closing.wait(CAPACITY_POLL_S):
             if self._accepts(worker):
                 with self._lock:
@@ -401,8 +421,9 @@ class StreamPool:
         return StreamPool._execute_one(worker, job.call, job.deadline)
 
     @staticmethod
-    def _execute_one(worker, call: MoeInitRoutingV2GradCall,
-                     deadline: float | None) -> tuple[np.ndarray | None, BaseException | None]:
+    def _execute_one(
+        worker, call: MoeInitRoutingV2GradCall, deadline: float | None
+    ) -> tuple[np.ndarray | None, BaseException | None]:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return None, DeadlineExceeded("the deadline passed while the call was queued; it was not run")

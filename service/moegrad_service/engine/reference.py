@@ -31,8 +31,14 @@ class ReferenceBackend:
     name = "reference"
     device: str | None = None
 
-    def __init__(self, *, warm_up: bool = True, fault_hook: FaultHook | None = None,
-                 ub_size_bytes: int = UB_SIZE_BYTES, vector_core_count: int = VECTOR_CORE_COUNT) -> None:
+    def __init__(
+        self,
+        *,
+        warm_up: bool = True,
+        fault_hook: FaultHook | None = None,
+        ub_size_bytes: int = UB_SIZE_BYTES,
+        vector_core_count: int = VECTOR_CORE_COUNT,
+    ) -> None:
         self.warm_up = warm_up
         self.fault_hook = fault_hook
         self.ub_size_bytes = ub_size_bytes
@@ -58,8 +64,9 @@ class _ReferenceWorker:
     def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> np.ndarray:
         if self._backend.fault_hook is not None:
             self._backend.fault_hook(call, timeout_s)
-        return moe_init_routing_v2_grad(call, ub_size_bytes=self._backend.ub_size_bytes,
-                                        vector_core_count=self._backend.vector_core_count)
+        return moe_init_routing_v2_grad(
+            call, ub_size_bytes=self._backend.ub_size_bytes, vector_core_count=self._backend.vector_core_count
+        )
 
     def close(self) -> None:
         pass

@@ -32,9 +32,13 @@ __all__ = ["InferRequest", "decode_infer_request", "encode_infer_response"]
 #: Each datatype's typed-contents field of ``InferTensorContents`` (FP16 and BF16 have none).
 _CONTENTS_FIELDS: Mapping[str, str] = {
     "BOOL": "bool_contents",
-    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
     "INT64": "int64_contents",
-    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
     "UINT64": "uint64_contents",
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
@@ -64,17 +68,21 @@ def _parameter(value: service_pb2.InferParameter, where: str) -> Any:
     """An InferParameter's value (bool, int, str or float)."""
     choice = value.WhichOneof("parameter_choice")
     if choice is None:
-        raise MalformedRequest(f"{where} has no value; set one of bool_param, int64_param, string_param, "
-                               f"double_param, uint64_param", field=where)
+        raise MalformedRequest(
+            f"{where} has no value; set one of bool_param, int64_param, string_param, double_param, uint64_param",
+            field=where,
+        )
     return getattr(value, choice)
 
 
-def _parameters(parameters: Mapping[str, service_pb2.InferParameter], allowed: frozenset[str],
-                where: str) -> dict[str, Any]:
+def _parameters(
+    parameters: Mapping[str, service_pb2.InferParameter], allowed: frozenset[str], where: str
+) -> dict[str, Any]:
     unknown = sorted(set(parameters) - allowed)
     if unknown:
-        raise MalformedRequest(f"{where} has an unknown field {unknown[0]!r}; the fields are {sorted(allowed)}",
-                               field=where)
+        raise MalformedRequest(
+            f"{where} has an unknown field {unknown[0]!r}; the fields are {sorted(allowed)}", field=where
+        )
     return {key: _parameter(value, f"{where}.{key}") for key, value in parameters.items()}
 
 
@@ -83,66 +91,87 @@ def _typed(tensor: service_pb2.ModelInferRequest.InferInputTensor, datatype: str
     name = tensor.name
     field = _CONTENTS_FIELDS.get(datatype)
     if field is None:
-        raise MalformedRequest(f"{name} is {datatype}, which has no typed contents in the protocol: send it in "
-                               f"raw_input_contents", field=name)
+        raise MalformedRequest(
+            f"{name} is {datatype}, which has no typed contents in the protocol: send it in raw_input_contents",
+            field=name,
+        )
     used = [f.name for f, _ in tensor.contents.ListFields()]
     others = sorted(set(used) - {field})
     if others:
-        raise MalformedRequest(f"{name} is {datatype} but its contents are in {others[0]}; {datatype} goes in "
-                               f"{field}", field=name)
+        raise MalformedRequest(
+            f"{name} is {datatype} but its contents are in {others[0]}; {datatype} goes in {field}", field=name
+        )
     values = getattr(tensor.contents, field)
     if len(values) != count:
-        raise MalformedRequest(f"{name}.contents.{field} has {len(values)} elements but shape "
-                               f"{list(tensor.shape)} needs {count}; send one value per element", field=name)
+        raise MalformedRequest(
+            f"{name}.contents.{field} has {len(values)} elements but shape "
+            f"{list(tensor.shape)} needs {count}; send one value per element",
+            field=name,
+        )
     dtype = DATATYPES[datatype]
     if dtype.kind in "iu":
         wide = np.array(values, dtype=np.int64 if dtype.kind == "i" else np.uint64)
         info = np.iinfo(dtype)
         if wide.size and (wide.min() < info.min or wide.max() > info.max):
-            raise MalformedRequest(f"{name}.contents.{field} holds a value out of {datatype} range; send values "
-                                   f"that fit {datatype}", field=name)
+            raise MalformedRequest(
+                f"{name}.contents.{field} holds a value out of {datatype} range; send values that fit {datatype}",
+                field=name,
+            )
         return wide.astype(dtype)
     return np.array(values, dtype=dtype)
 
 
-def _raw(tensor: service_pb2.ModelInferRequest.InferInputTensor, datatype: str, count: int,
-         raw: bytes, position: int) -> np.ndarray:
+def _raw(
+    tensor: service_pb2.ModelInferRequest.InferInputTensor, datatype: str, count: int, raw: bytes, position: int
+) -> np.ndarray:
     name, dtype = tensor.name, DATATYPES[datatype]
     if tensor.HasField("contents"):
         raise MalformedRequest(f"{name} has both contents and raw_input_contents[{position}]; send one", field=name)
     if len(raw) != count * dtype.itemsize:
-        raise MalformedRequest(f"raw_input_contents[{position}] has {len(raw)} bytes but {name}'s shape "
-                               f"{list(tensor.shape)} of {datatype} needs {count * dtype.itemsize}; send prod(shape) "
-                               f"elements, little-endian, row-major", field=name)
+        raise MalformedRequest(
+            f"raw_input_contents[{position}] has {len(raw)} bytes but {name}'s shape "
+            f"{list(tensor.shape)} of {datatype} needs {count * dtype.itemsize}; send prod(shape) "
+            f"elements, little-endian, row-major",
+            field=name,
+        )
     return np.require(np.frombuffer(raw, dtype=dtype), requirements="A")  # copied only when misaligned
 
 
 def _decode_inputs(request: service_pb2.ModelInferRequest, max_elements: int) -> dict[str, np.ndarray]:
     raw = list(request.raw_input_contents)  # each read of a bytes field copies it: read each once
     if raw and len(raw) != len(request.inputs):
-        raise MalformedRequest(f"raw_input_contents has {len(raw)} entries but there are {len(request.inputs)} "
-                               f"inputs; give one per input, in the order of inputs, or none",
-                               field="raw_input_contents")
+        raise MalformedRequest(
+            f"raw_input_contents has {len(raw)} entries but there are {len(request.inputs)} "
+            f"inputs; give one per input, in the order of inputs, or none",
+            field="raw_input_contents",
+        )
     tensors: dict[str, np.ndarray] = {}
     for position, tensor in enumerate(request.inputs):
         name = tensor.name
         if name not in INPUTS:
-            raise MalformedRequest(f"inputs[{position}].name={name!r} is not an input of {MODEL_NAME}; "
-                                   f"the inputs are {', '.join(INPUTS)}", field="inputs")
+            raise MalformedRequest(
+                f"inputs[{position}].name={name!r} is not an input of {MODEL_NAME}; the inputs are {', '.join(INPUTS)}",
+                field="inputs",
+            )
         if name in tensors:
             raise MalformedRequest(f"input {name} is given twice", field=name)
         shape = list(tensor.shape)
         if len(shape) > MAX_RANK or not all(d >= 0 for d in shape):
-            raise MalformedRequest(f"{name}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers",
-                                   field=name)
+            raise MalformedRequest(
+                f"{name}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers", field=name
+            )
         datatype = tensor.datatype
         if datatype not in DATATYPES:
-            raise MalformedRequest(f"{name}.datatype={datatype!r} is not supported; "
-                                   f"{name} is {'FP16, BF16 or FP32' if name == INPUTS[0] else 'INT32'}", field=name)
+            raise MalformedRequest(
+                f"{name}.datatype={datatype!r} is not supported; "
+                f"{name} is {'FP16, BF16 or FP32' if name == INPUTS[0] else 'INT32'}",
+                field=name,
+            )
         count = math.prod(shape)
         if count > max_elements:
-            raise PayloadTooLarge(f"{name}.shape={shape} has {count} elements, over the limit of {max_elements}",
-                                  field=name)
+            raise PayloadTooLarge(
+                f"{name}.shape={shape} has {count} elements, over the limit of {max_elements}", field=name
+            )
         _parameters(tensor.parameters, frozenset(), f"{name}.parameters")
         flat = _raw(tensor, datatype, count, raw[position], position) if raw else _typed(tensor, datatype, count)
         try:
@@ -156,16 +185,19 @@ def _check_outputs(request: service_pb2.ModelInferRequest) -> None:
     seen = False
     for position, output in enumerate(request.outputs):
         if output.name != OUTPUT:
-            raise MalformedRequest(f"outputs[{position}].name={output.name!r} is not an output of {MODEL_NAME}; "
-                                   f"the output is {OUTPUT}", field="outputs")
+            raise MalformedRequest(
+                f"outputs[{position}].name={output.name!r} is not an output of {MODEL_NAME}; the output is {OUTPUT}",
+                field="outputs",
+            )
         if seen:
             raise MalformedRequest(f"output {OUTPUT} is requested twice", field="outputs")
         seen = True
         _parameters(output.parameters, frozenset({"binary_data"}), f"{OUTPUT}.parameters")
 
 
-def decode_infer_request(request: service_pb2.ModelInferRequest, *, max_elements: int,
-                         default_order: str) -> InferRequest:
+def decode_infer_request(
+    request: service_pb2.ModelInferRequest, *, max_elements: int, default_order: str
+) -> InferRequest:
     """Decode and validate a ModelInfer request (CPU work: callers run big ones on a thread). The
     model name and version are the servicer's to check.
 
@@ -190,8 +222,9 @@ def decode_infer_request(request: service_pb2.ModelInferRequest, *, max_elements
     if "timeout" in parameters:
         micros = parameters["timeout"]
         if isinstance(micros, bool) or not isinstance(micros, int) or micros <= 0:
-            raise MalformedRequest(f"parameters.timeout={micros!r} must be a positive number of microseconds",
-                                   field="timeout")
+            raise MalformedRequest(
+                f"parameters.timeout={micros!r} must be a positive number of microseconds", field="timeout"
+            )
         timeout_s = min(micros, 2**53) / 1e6  # the server caps it at request_timeout_s anyway
     return InferRequest(call=call, id=request.id, timeout_s=timeout_s, named_order=parameters.get("order"))
 

@@ -68,10 +68,17 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, authenticator: Authenticator) -> None:
         self._authenticator = authenticator
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
-        authorization = next((value for key, value in details.invocation_metadata or ()
-                              if key == "authorization" and isinstance(value, str)), "")
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        authorization = next(
+            (
+                value
+                for key, value in details.invocation_metadata or ()
+                if key == "authorization" and isinstance(value, str)
+            ),
+            "",
+        )
         try:
             self._authenticator.check(OPEN_METHODS.get(details.method, details.method), authorization)
         except Unauthorized as exc:
@@ -87,8 +94,11 @@ def _refusal(exc: BaseException, method: str) -> grpc.RpcMethodHandler:
         await context.abort(code, details)
 
     if method in _STREAMING_RESPONSES:
-        return grpc.stream_stream_rpc_method_handler(refuse) if "Stream" in method else \
-            grpc.unary_stream_rpc_method_handler(refuse)
+        return (
+            grpc.stream_stream_rpc_method_handler(refuse)
+            if "Stream" in method
+            else grpc.unary_stream_rpc_method_handler(refuse)
+        )
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
@@ -107,8 +117,9 @@ class GrpcServer:
         self.port = port
 
     @classmethod
-    async def start(cls, settings: Settings, dataplane: DataPlane, metrics: Metrics,
-                    authenticator: Authenticator) -> GrpcServer:
+    async def start(
+        cls, settings: Settings, dataplane: DataPlane, metrics: Metrics, authenticator: Authenticator
+    ) -> GrpcServer:
         """Bind ``settings.host``:``settings.grpc_port`` (0: a free port) and start serving.
 
         Raises:
@@ -120,8 +131,11 @@ class GrpcServer:
         server = grpc.aio.server(
             interceptors=[_TokenInterceptor(authenticator)] if authenticator.enabled else [],
             maximum_concurrent_rpcs=settings.max_connections,  # beyond it: RESOURCE_EXHAUSTED at once
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
-                     ("grpc.so_reuseport", 0)],  # a port in use is an error, not a second listener
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.so_reuseport", 0),
+            ],  # a port in use is an error, not a second listener
         )
         server.add_generic_rpc_handlers((method_handlers(InferenceServicer(dataplane, metrics)),))
         health_servicer = _ReadinessHealth(dataplane)
@@ -129,7 +143,8 @@ class GrpcServer:
         address = _address(settings.host, settings.grpc_port)
         if settings.tls_certfile is not None and settings.tls_keyfile is not None:
             credentials = grpc.ssl_server_credentials(
-                [(settings.tls_keyfile.read_bytes(), settings.tls_certfile.read_bytes())])
+                [(settings.tls_keyfile.read_bytes(), settings.tls_certfile.read_bytes())]
+            )
             port = server.add_secure_port(address, credentials)
         else:
             port = server.add_insecure_port(address)
@@ -138,13 +153,15 @@ class GrpcServer:
         await server.start()
         for service in ("", SERVICE):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("gRPC (%s) listening on %s", "TLS" if settings.tls_certfile else "plaintext",
-                 _address(settings.host, port))
+        log.info(
+            "gRPC (%s) listening on %s", "TLS" if settings.tls_certfile else "plaintext", _address(settings.host, port)
+        )
         return cls(server, health_servicer, port)
 
     def drain(self) -> None:
         """Turn every health status NOT_SERVING (callable from a signal handler); new calls are
         refused by the dataplane (UNAVAILABLE) while admitted ones finish."""
+
         def start_draining() -> None:
             if self._draining is None:
                 self._draining = self._loop.create_task(self._health.enter_graceful_shutdown())

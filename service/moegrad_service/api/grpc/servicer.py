@@ -47,8 +47,17 @@ log = logging.getLogger("moegrad_service.api")
 #: The full name of the service (the prefix of every method path).
 SERVICE = "inference.GRPCInferenceService"
 _DESCRIPTOR = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-_SERVED = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
-           "ModelConfig", "ModelStatistics", "RepositoryIndex")
+_SERVED = (
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelInfer",
+    "ModelConfig",
+    "ModelStatistics",
+    "RepositoryIndex",
+)
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
@@ -66,8 +75,10 @@ def _parse(request_type: Any, raw: bytes) -> Any:
     try:
         return request_type.FromString(raw)
     except DecodeError as exc:
-        raise MalformedRequest(f"the request is not a valid {request_type.DESCRIPTOR.full_name} message ({exc}); "
-                               f"send one serialized from the protocol's service definition") from None
+        raise MalformedRequest(
+            f"the request is not a valid {request_type.DESCRIPTOR.full_name} message ({exc}); "
+            f"send one serialized from the protocol's service definition"
+        ) from None
 
 
 def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
@@ -202,8 +213,9 @@ class InferenceServicer:
         remaining = context.time_remaining()  # the client's deadline, if it set one
         if remaining is not None:
             timeout_s = min(timeout_s, max(remaining, 0.0))
-        decode = functools.partial(decode_infer_request, request, max_elements=settings.max_elements,
-                                   default_order=dataplane.default_order)
+        decode = functools.partial(
+            decode_infer_request, request, max_elements=settings.max_elements, default_order=dataplane.default_order
+        )
         decoded = await run_in_threadpool(decode) if _declared_bytes(request) > INLINE_DECODE_BYTES else decode()
         dataplane.check_order(decoded.named_order)
         if decoded.timeout_s is not None:

@@ -117,8 +117,9 @@ def _object(value: Any, where: str) -> dict[str, Any]:
 def _keys(document: dict[str, Any], allowed: frozenset[str], where: str) -> None:
     unknown = sorted(set(document) - allowed)
     if unknown:
-        raise MalformedRequest(f"{where} has an unknown field {unknown[0]!r}; the fields are {sorted(allowed)}",
-                               field=where)
+        raise MalformedRequest(
+            f"{where} has an unknown field {unknown[0]!r}; the fields are {sorted(allowed)}", field=where
+        )
 
 
 def _flag(value: Any, where: str) -> bool:
@@ -148,8 +149,9 @@ def _split(body: bytearray | memoryview, header_length: str | None) -> tuple[byt
     if size is None:
         raise MalformedRequest(f"{HEADER_LENGTH} {brief(header_length)} is not a byte count", field=HEADER_LENGTH)
     if size > len(body):
-        raise MalformedRequest(f"{HEADER_LENGTH} {brief(header_length)} is larger than the {len(body)}-byte body",
-                               field=HEADER_LENGTH)
+        raise MalformedRequest(
+            f"{HEADER_LENGTH} {brief(header_length)} is larger than the {len(body)}-byte body", field=HEADER_LENGTH
+        )
     return bytes(memoryview(body)[:size]), memoryview(body)[size:]
 
 
@@ -205,8 +207,11 @@ def _from_json(data: Any, name: str, datatype: str, shape: list[int]) -> np.ndar
     """Convert JSON data; element types and ranges are checked, a wrong one is a 400 naming it."""
     where = f"{name}.data"
     if datatype in BINARY_ONLY:
-        raise MalformedRequest(f"{name} is {datatype}, which has no JSON form: send it as binary tensor data "
-                               f"(parameters.binary_data_size and {HEADER_LENGTH})", field=name)
+        raise MalformedRequest(
+            f"{name} is {datatype}, which has no JSON form: send it as binary tensor data "
+            f"(parameters.binary_data_size and {HEADER_LENGTH})",
+            field=name,
+        )
     count = math.prod(shape)
     flat = _flatten(data, where, count)
     if len(flat) != count:
@@ -249,21 +254,28 @@ def _decode_inputs(inputs: Any, binary: memoryview, max_elements: int) -> dict[s
         _keys(tensor, _INPUT_KEYS, f"inputs[{position}]")
         name = tensor.get("name")
         if name not in INPUTS:
-            raise MalformedRequest(f"inputs[{position}].name={name!r} is not an input of {MODEL_NAME}; "
-                                   f"the inputs are {', '.join(INPUTS)}", field="inputs")
+            raise MalformedRequest(
+                f"inputs[{position}].name={name!r} is not an input of {MODEL_NAME}; the inputs are {', '.join(INPUTS)}",
+                field="inputs",
+            )
         if name in tensors:
             raise MalformedRequest(f"input {name} is given twice", field=name)
         shape, datatype = tensor.get("shape"), tensor.get("datatype")
         if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(d) is int and d >= 0 for d in shape):
-            raise MalformedRequest(f"{name}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers",
-                                   field=name)
+            raise MalformedRequest(
+                f"{name}.shape={shape!r} must be a list of at most {MAX_RANK} non-negative integers", field=name
+            )
         if not isinstance(datatype, str) or datatype not in DATATYPES:
-            raise MalformedRequest(f"{name}.datatype={brief(datatype)} is not supported; "
-                                   f"{name} is {'FP16, BF16 or FP32' if name == INPUTS[0] else 'INT32'}", field=name)
+            raise MalformedRequest(
+                f"{name}.datatype={brief(datatype)} is not supported; "
+                f"{name} is {'FP16, BF16 or FP32' if name == INPUTS[0] else 'INT32'}",
+                field=name,
+            )
         count = math.prod(shape)
         if count > max_elements:
-            raise PayloadTooLarge(f"{name}.shape={shape} has {count} elements, over the limit of {max_elements}",
-                                  field=name)
+            raise PayloadTooLarge(
+                f"{name}.shape={shape} has {count} elements, over the limit of {max_elements}", field=name
+            )
         parameters = _object(tensor.get("parameters", {}), f"{name}.parameters")
         _keys(parameters, frozenset({"binary_data_size"}), f"{name}.parameters")
         if "binary_data_size" not in parameters:
@@ -276,17 +288,22 @@ def _decode_inputs(inputs: Any, binary: memoryview, max_elements: int) -> dict[s
         size = _count(parameters["binary_data_size"], f"{name}.parameters.binary_data_size")
         dtype = DATATYPES[datatype]
         if size != count * dtype.itemsize:
-            raise MalformedRequest(f"{name}.parameters.binary_data_size={size} but shape {shape} of {datatype} "
-                                   f"needs {count * dtype.itemsize} bytes", field=name)
+            raise MalformedRequest(
+                f"{name}.parameters.binary_data_size={size} but shape {shape} of {datatype} "
+                f"needs {count * dtype.itemsize} bytes",
+                field=name,
+            )
         if offset + size > len(binary):
             missing = f"no {HEADER_LENGTH} header" if not binary else f"the binary data has {len(binary)} bytes"
             raise MalformedRequest(f"{name} needs binary bytes [{offset}, {offset + size}) but {missing}", field=name)
-        array = _shaped(np.frombuffer(binary[offset:offset + size], dtype=dtype), shape, name)
+        array = _shaped(np.frombuffer(binary[offset : offset + size], dtype=dtype), shape, name)
         tensors[name] = np.require(array, requirements="A")  # copied only when its offset is misaligned
         offset += size
     if offset != len(binary):
-        raise MalformedRequest(f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size total "
-                               f"of {offset}", field=HEADER_LENGTH)
+        raise MalformedRequest(
+            f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size total of {offset}",
+            field=HEADER_LENGTH,
+        )
     return tensors
 
 
@@ -301,8 +318,11 @@ def _binary_output(outputs: Any, default: bool) -> bool:
         output = _object(raw, f"outputs[{position}]")
         _keys(output, _OUTPUT_KEYS, f"outputs[{position}]")
         if output.get("name") != OUTPUT:
-            raise MalformedRequest(f"outputs[{position}].name={output.get('name')!r} is not an output of {MODEL_NAME}; "
-                                   f"the output is {OUTPUT}", field="outputs")
+            raise MalformedRequest(
+                f"outputs[{position}].name={output.get('name')!r} is not an output of {MODEL_NAME}; "
+                f"the output is {OUTPUT}",
+                field="outputs",
+            )
         if seen:
             raise MalformedRequest(f"output {OUTPUT} is requested twice", field="outputs")
         seen = True
@@ -313,8 +333,9 @@ def _binary_output(outputs: Any, default: bool) -> bool:
     return binary
 
 
-def decode_infer_request(body: bytearray | memoryview, header_length: str | None, *, max_elements: int,
-                         default_order: str) -> InferRequest:
+def decode_infer_request(
+    body: bytearray | memoryview, header_length: str | None, *, max_elements: int, default_order: str
+) -> InferRequest:
     """Decode and validate an inference request body (CPU work: callers run big ones on a thread).
 
     Args:
@@ -340,20 +361,26 @@ def decode_infer_request(body: bytearray | memoryview, header_length: str | None
     fields: dict[str, Any] = {name: parameters[name] for name in ATTRIBUTES if name in parameters}
     fields.setdefault("order", default_order)
     call = MoeInitRoutingV2GradCall(**tensors, **fields)
-    binary_output = _binary_output(document.get("outputs"), _flag(parameters.get("binary_data_output", False),
-                                                                  "parameters.binary_data_output"))
+    binary_output = _binary_output(
+        document.get("outputs"), _flag(parameters.get("binary_data_output", False), "parameters.binary_data_output")
+    )
     if not binary_output and _DATATYPE_NAMES[call.grad_expanded_x.dtype] in BINARY_ONLY:
-        raise MalformedRequest(f"{OUTPUT} is BF16, which has no JSON form: request it as binary data "
-                               f"(outputs[].parameters.binary_data or parameters.binary_data_output)", field="outputs")
+        raise MalformedRequest(
+            f"{OUTPUT} is BF16, which has no JSON form: request it as binary data "
+            f"(outputs[].parameters.binary_data or parameters.binary_data_output)",
+            field="outputs",
+        )
     timeout_s = None
     if "timeout" in parameters:
         micros = parameters["timeout"]
         if isinstance(micros, bool) or not isinstance(micros, int) or micros <= 0:
-            raise MalformedRequest(f"parameters.timeout={micros!r} must be a positive number of microseconds",
-                                   field="timeout")
+            raise MalformedRequest(
+                f"parameters.timeout={micros!r} must be a positive number of microseconds", field="timeout"
+            )
         timeout_s = min(micros, 2**53) / 1e6  # the server caps it at request_timeout_s anyway
-    return InferRequest(call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s,
-                        named_order=parameters.get("order"))
+    return InferRequest(
+        call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s, named_order=parameters.get("order")
+    )
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -377,5 +404,6 @@ def encode_infer_response(grad_x: np.ndarray, request: InferRequest, reply_param
     if not request.binary_output:
         return Response(header, media_type="application/json")
     # header and grad_x's bytes are sent as they are, not joined (a join copies grad_x once more)
-    return PartsResponse([header, raw.view(np.uint8).data], "application/octet-stream",
-                         headers={HEADER_LENGTH: str(len(header))})
+    return PartsResponse(
+        [header, raw.view(np.uint8).data], "application/octet-stream", headers={HEADER_LENGTH: str(len(header))}
+    )

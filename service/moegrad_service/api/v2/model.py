@@ -67,7 +67,7 @@ def _parameters(dataplane: DataPlane) -> dict[str, str]:
         "grad_x_datatype": "the datatype of grad_expanded_x",
         "binary_only_datatypes": ",".join(sorted(BINARY_ONLY)),
         "request_parameters": "top_k (int, required), drop_pad_mode (int, default 0), active_num (int, default 0), "
-                              f"order ({'|'.join(ORDERS)}), allow_duplicate_indices (bool, default false)",
+        f"order ({'|'.join(ORDERS)}), allow_duplicate_indices (bool, default false)",
         "default_order": dataplane.default_order,
     }
     if dataplane.device is not None:
@@ -81,8 +81,10 @@ def model_metadata(dataplane: DataPlane) -> dict[str, Any]:
         "name": MODEL_NAME,
         "versions": [MODEL_VERSION],
         "platform": f"moegrad_{dataplane.backend_name}",
-        **{kind: [{"name": name, "datatype": datatype, "shape": shape} for name, datatype, shape in tensors]
-           for kind, tensors in _TENSORS.items()},
+        **{
+            kind: [{"name": name, "datatype": datatype, "shape": shape} for name, datatype, shape in tensors]
+            for kind, tensors in _TENSORS.items()
+        },
         "parameters": _parameters(dataplane),
     }
 
@@ -91,6 +93,7 @@ def model_config(dataplane: DataPlane) -> dict[str, Any]:
     """The model configuration (Triton's ``ModelConfig``): no batching (``max_batch_size`` 0, so
     ``dims`` are the whole shapes), the one version, the tensors, and the metadata's parameters as
     ``{"string_value": ...}``."""
+
     def tensor(name: str, datatype: str, dims: list[int]) -> dict[str, Any]:
         return {"name": name, "data_type": f"TYPE_{datatype}", "dims": dims}
 
@@ -102,8 +105,13 @@ def model_config(dataplane: DataPlane) -> dict[str, Any]:
         "max_batch_size": 0,
         "input": [tensor(*spec) for spec in _TENSORS["inputs"]],
         "output": [tensor(*spec) for spec in _TENSORS["outputs"]],
-        "instance_group": [{"name": MODEL_NAME, "count": dataplane.settings.streams,
-                            "kind": "KIND_CPU" if dataplane.device is None else "KIND_MODEL"}],
+        "instance_group": [
+            {
+                "name": MODEL_NAME,
+                "count": dataplane.settings.streams,
+                "kind": "KIND_CPU" if dataplane.device is None else "KIND_MODEL",
+            }
+        ],
         "parameters": {key: {"string_value": value} for key, value in _parameters(dataplane).items()},
     }
 
@@ -118,18 +126,24 @@ def model_statistics(dataplane: DataPlane) -> dict[str, Any]:
     ``last_inference`` in milliseconds since the epoch. There is no response cache: its hit and miss
     counts are 0."""
     stats = dataplane.statistics
-    inference_stats = {name: _duration(getattr(stats, name)) for name in
-                       ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")}
+    inference_stats = {
+        name: _duration(getattr(stats, name))
+        for name in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+    }
     inference_stats |= {"cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}}
-    return {"model_stats": [{
-        "name": MODEL_NAME,
-        "version": MODEL_VERSION,
-        "last_inference": stats.last_inference_ms,
-        "inference_count": stats.inference_count,
-        "execution_count": stats.execution_count,
-        "inference_stats": inference_stats,
-        "batch_stats": [],
-    }]}
+    return {
+        "model_stats": [
+            {
+                "name": MODEL_NAME,
+                "version": MODEL_VERSION,
+                "last_inference": stats.last_inference_ms,
+                "inference_count": stats.inference_count,
+                "execution_count": stats.execution_count,
+                "inference_stats": inference_stats,
+                "batch_stats": [],
+            }
+        ]
+    }
 
 
 def repository_index(ready: bool) -> list[dict[str, str]]:

@@ -64,8 +64,12 @@ router = APIRouter()
 INLINE_JSON_BYTES = 64 << 10
 
 #: The versioned routes read model_version from the path (one handler serves both forms); declared for OpenAPI.
-_VERSION_PARAMETER = {"name": "model_version", "in": "path", "required": True,
-                      "schema": {"type": "string", "enum": [MODEL_VERSION]}}
+_VERSION_PARAMETER = {
+    "name": "model_version",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "enum": [MODEL_VERSION]},
+}
 _MODEL_PARAMETER = {"name": "model_name", "in": "path", "required": True, "schema": {"type": "string"}}
 INFER_PATHS = ("/v2/models/{model_name}/infer", "/v2/models/{model_name}/versions/{model_version}/infer")
 
@@ -96,24 +100,33 @@ async def all_statistics(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v2/models/{model_name}", summary="v2 model metadata")
-@router.get("/v2/models/{model_name}/versions/{model_version}", summary="v2 model metadata (a version)",
-            openapi_extra={"parameters": [_VERSION_PARAMETER]})
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}",
+    summary="v2 model metadata (a version)",
+    openapi_extra={"parameters": [_VERSION_PARAMETER]},
+)
 async def get_model_metadata(request: Request, model_name: str) -> dict[str, Any]:
     _check_model(request)
     return model_metadata(dataplane_of(request))
 
 
 @router.get("/v2/models/{model_name}/config", summary="v2 model configuration (Triton's ModelConfig)")
-@router.get("/v2/models/{model_name}/versions/{model_version}/config", summary="v2 model configuration (a version)",
-            openapi_extra={"parameters": [_VERSION_PARAMETER]})
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}/config",
+    summary="v2 model configuration (a version)",
+    openapi_extra={"parameters": [_VERSION_PARAMETER]},
+)
 async def get_model_config(request: Request, model_name: str) -> dict[str, Any]:
     _check_model(request)
     return model_config(dataplane_of(request))
 
 
 @router.get("/v2/models/{model_name}/stats", summary="v2 model statistics (Triton's schema, nanoseconds)")
-@router.get("/v2/models/{model_name}/versions/{model_version}/stats", summary="v2 model statistics (a version)",
-            openapi_extra={"parameters": [_VERSION_PARAMETER]})
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}/stats",
+    summary="v2 model statistics (a version)",
+    openapi_extra={"parameters": [_VERSION_PARAMETER]},
+)
 async def get_model_statistics(request: Request, model_name: str) -> dict[str, Any]:
     _check_model(request)
     return model_statistics(dataplane_of(request))
@@ -140,8 +153,10 @@ def parse_repository_request(body: bytes) -> dict[str, Any]:
     except ValueError as exc:
         raise MalformedRequest(f"the repository index request is not valid JSON ({exc})") from None
     if not isinstance(document, dict) or set(document) - {"repository_name", "ready"}:
-        raise MalformedRequest("the repository index request must be a JSON object with only repository_name "
-                               "and ready", field="repository index")
+        raise MalformedRequest(
+            "the repository index request must be a JSON object with only repository_name and ready",
+            field="repository index",
+        )
     if not isinstance(document.get("ready", False), bool):
         raise MalformedRequest(f"ready={document['ready']!r} must be true or false", field="ready")
     if not isinstance(document.get("repository_name", ""), str):
@@ -150,8 +165,11 @@ def parse_repository_request(body: bytes) -> dict[str, Any]:
 
 
 @router.get("/v2/models/{model_name}/ready", summary="v2 model readiness")
-@router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="v2 model readiness (a version)",
-            openapi_extra={"parameters": [_VERSION_PARAMETER]})
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}/ready",
+    summary="v2 model readiness (a version)",
+    openapi_extra={"parameters": [_VERSION_PARAMETER]},
+)
 async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
     _check_model(request)
     await dataplane_of(request).check_ready()
@@ -165,20 +183,27 @@ async def infer(request: Request) -> Response:
     timeout_s = request_timeout(request)
     coding = request.headers.get("content-encoding", "identity").strip().lower()
     if coding != "identity":
-        raise MalformedRequest(f"Content-Encoding {coding!r} is not supported; send the body uncompressed",
-                               field="Content-Encoding")
+        raise MalformedRequest(
+            f"Content-Encoding {coding!r} is not supported; send the body uncompressed", field="Content-Encoding"
+        )
     header_length = request.headers.get(HEADER_LENGTH)
     # tritonclient sends no Content-Type; the binary tensor data is read in place 16-byte aligned (no copy)
     body = await read_body(request, settings.max_body_bytes, media_types=None, lead=binary_lead(header_length))
     metrics.bytes_in.inc(len(body))
-    decode = partial(decode_infer_request, body, header_length,
-                     max_elements=settings.max_elements, default_order=dataplane.default_order)
+    decode = partial(
+        decode_infer_request,
+        body,
+        header_length,
+        max_elements=settings.max_elements,
+        default_order=dataplane.default_order,
+    )
     decoded = await run_in_threadpool(decode) if len(body) > INLINE_JSON_BYTES else decode()
     dataplane.check_order(decoded.named_order)
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
-    outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request),
-                                    received_s=started)
+    outcome = await dataplane.infer(
+        decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request), received_s=started
+    )
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
     response = await run_in_threadpool(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
     metrics.bytes_out.inc(response.length if isinstance(response, PartsResponse) else len(response.body))
@@ -187,9 +212,12 @@ async def infer(request: Request) -> Response:
 
 
 def _reply_parameters(outcome: GradOutcome) -> dict[str, Any]:
-    parameters: dict[str, Any] = {"backend": outcome.backend, "order": outcome.order,
-                                  "queue_ms": outcome.timings.queue_s * 1e3,
-                                  "compute_ms": outcome.timings.compute_s * 1e3}
+    parameters: dict[str, Any] = {
+        "backend": outcome.backend,
+        "order": outcome.order,
+        "queue_ms": outcome.timings.queue_s * 1e3,
+        "compute_ms": outcome.timings.compute_s * 1e3,
+    }
     if outcome.device is not None:
         parameters["device"] = outcome.device
     return parameters
@@ -198,13 +226,18 @@ def _reply_parameters(outcome: GradOutcome) -> dict[str, Any]:
 def _infer_operation(path: str) -> dict[str, Any]:
     versioned = "{model_version}" in path
     return {
-        "summary": "v2 inference (a version)" if versioned else
-                   "v2 inference: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]",
+        "summary": "v2 inference (a version)"
+        if versioned
+        else "v2 inference: grad_x[i] = sum_t grad_expanded_x[expanded_row_idx[i*K+t]]",
         "parameters": [_MODEL_PARAMETER, *([_VERSION_PARAMETER] if versioned else [])],
         "description": "The body is the inference request: JSON, or JSON followed by binary tensor data whose "
-                       f"JSON part's length is in {HEADER_LENGTH} (docs/protocol.md, Protocol v2).",
-        "responses": {"200": {"description": "the inference response",
-                              "content": {"application/json": {}, "application/octet-stream": {}}}},
+        f"JSON part's length is in {HEADER_LENGTH} (docs/protocol.md, Protocol v2).",
+        "responses": {
+            "200": {
+                "description": "the inference response",
+                "content": {"application/json": {}, "application/octet-stream": {}},
+            }
+        },
     }
 
 

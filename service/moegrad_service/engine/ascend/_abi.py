@@ -30,23 +30,30 @@ from moegrad import AclnnStatus, DeviceFault
 ACL_DATA_TYPES: Mapping[str, int] = {"float32": 0, "float16": 1, "int32": 3, "bfloat16": 27}
 
 # Enum values and error codes, from the CANN headers named beside each.
-ACL_FORMAT_ND = 2                      # acl/acl_base.h, aclFormat
-ACL_MEM_MALLOC_HUGE_FIRST = 0          # acl/acl_rt.h, aclrtMemMallocPolicy
-ACL_MEMCPY_HOST_TO_DEVICE = 1          # acl/acl_rt.h, aclrtMemcpyKind
+ACL_FORMAT_ND = 2  # acl/acl_base.h, aclFormat
+ACL_MEM_MALLOC_HUGE_FIRST = 0  # acl/acl_rt.h, aclrtMemMallocPolicy
+ACL_MEMCPY_HOST_TO_DEVICE = 1  # acl/acl_rt.h, aclrtMemcpyKind
 ACL_MEMCPY_DEVICE_TO_HOST = 2
-ACL_HBM_MEM = 1                        # acl/acl_rt.h, aclrtMemAttr
-ACL_ERROR_REPEAT_INITIALIZE = 100002   # acl/acl_base.h
+ACL_HBM_MEM = 1  # acl/acl_rt.h, aclrtMemAttr
+ACL_ERROR_REPEAT_INITIALIZE = 100002  # acl/acl_base.h
 ACL_ERROR_REPEAT_FINALIZE = 100037
 ACL_ERROR_RT_STREAM_SYNC_TIMEOUT = 507046  # acl/error_codes/rt_error_codes.h
-ACL_STREAM_STATUS_COMPLETE = 0         # acl/acl_rt.h, aclrtStreamStatus
+ACL_STREAM_STATUS_COMPLETE = 0  # acl/acl_rt.h, aclrtStreamStatus
 ACL_STREAM_STATUS_NOT_READY = 1
 _ACL_ERROR_NAMES = {
-    100000: "ACL_ERROR_INVALID_PARAM", 100001: "ACL_ERROR_UNINITIALIZE", 107000: "ACL_ERROR_RT_PARAM_INVALID",
-    107001: "ACL_ERROR_RT_INVALID_DEVICEID", 107002: "ACL_ERROR_RT_CONTEXT_NULL",
-    107003: "ACL_ERROR_RT_STREAM_CONTEXT", 207001: "ACL_ERROR_RT_MEMORY_ALLOCATION",
-    207002: "ACL_ERROR_RT_MEMORY_FREE", 507000: "ACL_ERROR_RT_INTERNAL_ERROR",
-    507015: "ACL_ERROR_RT_AICORE_EXCEPTION", 507035: "ACL_ERROR_RT_VECTOR_CORE_EXCEPTION",
-    507046: "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT", 507899: "ACL_ERROR_RT_DRV_INTERNAL_ERROR",
+    100000: "ACL_ERROR_INVALID_PARAM",
+    100001: "ACL_ERROR_UNINITIALIZE",
+    107000: "ACL_ERROR_RT_PARAM_INVALID",
+    107001: "ACL_ERROR_RT_INVALID_DEVICEID",
+    107002: "ACL_ERROR_RT_CONTEXT_NULL",
+    107003: "ACL_ERROR_RT_STREAM_CONTEXT",
+    207001: "ACL_ERROR_RT_MEMORY_ALLOCATION",
+    207002: "ACL_ERROR_RT_MEMORY_FREE",
+    507000: "ACL_ERROR_RT_INTERNAL_ERROR",
+    507015: "ACL_ERROR_RT_AICORE_EXCEPTION",
+    507035: "ACL_ERROR_RT_VECTOR_CORE_EXCEPTION",
+    507046: "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT",
+    507899: "ACL_ERROR_RT_DRV_INTERNAL_ERROR",
 }  # aclnn codes are named by the client's one table, moegrad.AclnnStatus
 
 SET_ENV_HINT = (
@@ -102,12 +109,22 @@ PROTOTYPES: tuple[tuple[str, str, object, tuple, bool], ...] = (
     ("aclrtFree", "runtime", _STATUS, (_PTR,), True),
     ("aclrtMemcpy", "runtime", _STATUS, (_PTR, _c.c_size_t, _PTR, _c.c_size_t, _c.c_int), True),
     ("aclrtGetMemInfo", "runtime", _STATUS, (_c.c_int, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t)), True),
-    ("aclCreateTensor", "tensor", _PTR,
-     (_I64P, _c.c_uint64, _c.c_int, _I64P, _c.c_int64, _c.c_int, _I64P, _c.c_uint64, _PTR), True),
+    (
+        "aclCreateTensor",
+        "tensor",
+        _PTR,
+        (_I64P, _c.c_uint64, _c.c_int, _I64P, _c.c_int64, _c.c_int, _I64P, _c.c_uint64, _PTR),
+        True,
+    ),
     ("aclDestroyTensor", "tensor", _STATUS, (_PTR,), True),
     ("aclDestroyAclOpExecutor", "tensor", _STATUS, (_PTR,), False),
-    ("aclnnMoeInitRoutingV2GradGetWorkspaceSize", "op", _STATUS,
-     (_PTR, _PTR, _c.c_int64, _c.c_int64, _c.c_int64, _PTR, _c.POINTER(_c.c_uint64), _c.POINTER(_PTR)), True),
+    (
+        "aclnnMoeInitRoutingV2GradGetWorkspaceSize",
+        "op",
+        _STATUS,
+        (_PTR, _PTR, _c.c_int64, _c.c_int64, _c.c_int64, _PTR, _c.POINTER(_c.c_uint64), _c.POINTER(_PTR)),
+        True,
+    ),
     ("aclnnMoeInitRoutingV2Grad", "op", _STATUS, (_PTR, _c.c_uint64, _PTR, _PTR), True),
 )
 
@@ -128,8 +145,9 @@ def _open_library(names: tuple[str, ...], home: Path | None) -> tuple[ctypes.CDL
             return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL), name
         except OSError:
             tried.append(f"{name} on the loader path (LD_LIBRARY_PATH, ld.so.cache)")
-    raise CannUnavailable(f"the CANN library {' or '.join(names)} was not found (tried {'; '.join(tried)}). "
-                          f"{SET_ENV_HINT}")
+    raise CannUnavailable(
+        f"the CANN library {' or '.join(names)} was not found (tried {'; '.join(tried)}). {SET_ENV_HINT}"
+    )
 
 
 def _vendor_order(vendors: Path) -> list[str]:
@@ -188,9 +206,11 @@ def _open_operator(home: Path | None) -> tuple[ctypes.CDLL, str]:
             return library, candidate
         _close(library)
         tried.append(f"{candidate} (loads, but lacks the operator)")
-    raise CannUnavailable(f"{OPERATOR_SYMBOLS[0]} is not exported by any operator library (tried "
-                          f"{'; '.join(tried)}): this CANN is incomplete or too old for aclnnMoeInitRoutingV2Grad "
-                          f"(CANN 8.0 or later; from 8.3 the operator is in libopapi_transformer.so). {SET_ENV_HINT}")
+    raise CannUnavailable(
+        f"{OPERATOR_SYMBOLS[0]} is not exported by any operator library (tried "
+        f"{'; '.join(tried)}): this CANN is incomplete or too old for aclnnMoeInitRoutingV2Grad "
+        f"(CANN 8.0 or later; from 8.3 the operator is in libopapi_transformer.so). {SET_ENV_HINT}"
+    )
 
 
 class Cann:
@@ -202,6 +222,7 @@ class Cann:
     """
 
     if TYPE_CHECKING:
+
         def __getattr__(self, symbol: str) -> Any:  # the prototyped functions, set per PROTOTYPES
             ...
 
@@ -223,9 +244,10 @@ class Cann:
                 function = library[symbol]
             except AttributeError:
                 if required:
-                    raise CannUnavailable(f"{symbol} is not exported by {path}: this CANN is incomplete or too "
-                                          f"old for aclnnMoeInitRoutingV2Grad (CANN 8.0 or later). {SET_ENV_HINT}"
-                                          ) from None
+                    raise CannUnavailable(
+                        f"{symbol} is not exported by {path}: this CANN is incomplete or too "
+                        f"old for aclnnMoeInitRoutingV2Grad (CANN 8.0 or later). {SET_ENV_HINT}"
+                    ) from None
                 function = None
             else:
                 function.restype = restype

@@ -57,21 +57,24 @@ def order_of_soc(soc_name: str | None) -> str | None:
     if not soc_name:
         return None
     return next((order for prefix, order in SOC_ORDERS if soc_name.startswith(prefix)), None)
+
+
 #: Retired (timed-out, maybe still running) streams a worker tolerates before it refuses new calls.
 MAX_RETIRED_STREAMS = 4
 
 #: Phase-one codes that answer the call's input: the documented checks (161001 null tensor, 161002
 #: dtype, 561002 attributes and shapes). moegrad validates inputs before phase one, so any other
 #: code is the installation's or the runtime's: a DeviceFault (HTTP 500), never a 422.
-CALLER_STATUSES = frozenset({AclnnStatus.ACLNN_ERR_PARAM_NULLPTR, AclnnStatus.ACLNN_ERR_PARAM_INVALID,
-                             AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR})
+CALLER_STATUSES = frozenset(
+    {AclnnStatus.ACLNN_ERR_PARAM_NULLPTR, AclnnStatus.ACLNN_ERR_PARAM_INVALID, AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR}
+)
 #: What a phase-one code other than :data:`CALLER_STATUSES` most likely means, and what to do.
 PHASE_ONE_HINTS = {
     361001: "a runtime call inside the operator failed; check the device with npu-smi and the plog",
     561003: "no kernel binary of the operator for this SoC was found: install the operator package "
-            "(ops-transformer) built for this CANN and SoC, and check ASCEND_OPP_PATH",
+    "(ops-transformer) built for this CANN and SoC, and check ASCEND_OPP_PATH",
     561103: "an internal null pointer; on the 2026 entry point this code also answers shape and attribute "
-            "errors (561002 on CANN 8.x), which moegrad's own validation answers before the device",
+    "errors (561002 on CANN 8.x), which moegrad's own validation answers before the device",
     561107: "ASCEND_OPP_PATH is not set in this process: source CANN's set_env.sh before starting the service",
     561108: "the operator's kernel description (JSON) under ASCEND_OPP_PATH could not be loaded",
     561112: "the operator's binary kernel package was not found under ASCEND_OPP_PATH: install it",
@@ -123,8 +126,14 @@ class AscendBackend:
 
     name = "ascend"
 
-    def __init__(self, *, device_id: int = 0, ascend_home_path: str | Path | None = None,
-                 cache_bytes_per_stream: int = 1 << 30, drain_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        device_id: int = 0,
+        ascend_home_path: str | Path | None = None,
+        cache_bytes_per_stream: int = 1 << 30,
+        drain_timeout_s: float = 10.0,
+    ) -> None:
         self.device_id = int(device_id)
         self.cache_bytes_per_stream = cache_bytes_per_stream
         self.drain_timeout_s = drain_timeout_s
@@ -142,9 +151,11 @@ class AscendBackend:
             count = ctypes.c_uint32(0)
             self._device.check("aclrtGetDeviceCount", self._api.aclrtGetDeviceCount(ctypes.byref(count)))
             if not 0 <= self.device_id < count.value:
-                raise CannUnavailable(f"NPU {self.device_id} is not visible to this process: CANN reports "
-                                      f"{count.value} device(s). Check /dev/davinci*, the container's device "
-                                      "mounts and ASCEND_RT_VISIBLE_DEVICES.")
+                raise CannUnavailable(
+                    f"NPU {self.device_id} is not visible to this process: CANN reports "
+                    f"{count.value} device(s). Check /dev/davinci*, the container's device "
+                    "mounts and ASCEND_RT_VISIBLE_DEVICES."
+                )
             self._device.ensure()
             soc = self._api.soc_name()
             self.soc_name = soc
@@ -154,8 +165,12 @@ class AscendBackend:
             undo.pop_all()
         self.order = order_of_soc(soc)
         if self.order is None:
-            log.warning("%s is not an SoC whose order of adds moegrad knows (%s): its results are served with the "
-                        "order unknown", self.device, ", ".join(prefix + "*" for prefix, _ in SOC_ORDERS))
+            log.warning(
+                "%s is not an SoC whose order of adds moegrad knows (%s): its results are served with the "
+                "order unknown",
+                self.device,
+                ", ".join(prefix + "*" for prefix, _ in SOC_ORDERS),
+            )
 
     def __repr__(self) -> str:
         return f"AscendBackend(device={self.device!r}, closed={self._closed})"
@@ -173,23 +188,33 @@ class AscendBackend:
                 pointer = device.malloc(aligned(array.nbytes))
                 cleanup.callback(device.free, pointer)
                 pointers.append(pointer)
-            for array, pointer in zip((_PROBE_GRAD, _PROBE_IDX), pointers, strict=False):
-                device.check("aclrtMemcpy (host to device)", self._api.aclrtMemcpy(
-                    pointer, aligned(array.nbytes), array.ctypes.data, array.nbytes, ACL_MEMCPY_HOST_TO_DEVICE))
+            for probe, pointer in zip((_PROBE_GRAD, _PROBE_IDX), pointers, strict=False):
+                device.check(
+                    "aclrtMemcpy (host to device)",
+                    self._api.aclrtMemcpy(
+                        pointer, aligned(probe.nbytes), probe.ctypes.data, probe.nbytes, ACL_MEMCPY_HOST_TO_DEVICE
+                    ),
+                )
             tensors = []
-            for shape, acl_type, pointer in (((4, 2), ACL_DATA_TYPES["float32"], pointers[0]),
-                                             ((4,), ACL_DATA_TYPES["int32"], pointers[1]),
-                                             ((2, 2), ACL_DATA_TYPES["float32"], pointers[2])):
+            for shape, acl_type, pointer in (
+                ((4, 2), ACL_DATA_TYPES["float32"], pointers[0]),
+                ((4,), ACL_DATA_TYPES["int32"], pointers[1]),
+                ((2, 2), ACL_DATA_TYPES["float32"], pointers[2]),
+            ):
                 tensors.append(device.create_tensor(shape, acl_type, pointer))
                 cleanup.callback(device.destroy_tensor, tensors[-1])
             workspace_size, executor = ctypes.c_uint64(0), ctypes.c_void_p()
             status = self._api.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
-                tensors[0], tensors[1], 2, 0, 0, tensors[2], ctypes.byref(workspace_size), ctypes.byref(executor))
+                tensors[0], tensors[1], 2, 0, 0, tensors[2], ctypes.byref(workspace_size), ctypes.byref(executor)
+            )
             if status:
                 error = phase_one_error(status, self._api.recent_error(), self.device)
-                raise CannUnavailable(f"{self.device} cannot run aclnnMoeInitRoutingV2Grad: the documentation's "
-                                      f"example fails at startup: {error}. {SET_ENV_HINT}",
-                                      aclnn_status=status, device_message=getattr(error, "device_message", None))
+                raise CannUnavailable(
+                    f"{self.device} cannot run aclnnMoeInitRoutingV2Grad: the documentation's "
+                    f"example fails at startup: {error}. {SET_ENV_HINT}",
+                    aclnn_status=status,
+                    device_message=getattr(error, "device_message", None),
+                )
             device.discard_executor(executor.value)
 
     # --- the protocol ------------------------------------------------------------------------------
@@ -210,8 +235,9 @@ class AscendBackend:
             raise DeviceFault("the ascend backend is closed")
         self._device.ensure()
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        self._device.check("aclrtGetMemInfo",
-                           self._api.aclrtGetMemInfo(ACL_HBM_MEM, ctypes.byref(free), ctypes.byref(total)))
+        self._device.check(
+            "aclrtGetMemInfo", self._api.aclrtGetMemInfo(ACL_HBM_MEM, ctypes.byref(free), ctypes.byref(total))
+        )
         if total.value == 0:
             raise DeviceFault(f"{self.device} reports no HBM")
 
@@ -240,9 +266,13 @@ class AscendBackend:
                 self._device.release_retired(retired)
                 continue
             forced = self._device.force_destroy_stream(retired.stream)
-            log.error("closing %s: a kernel that missed its deadline is still running; its stream was %s and its "
-                      "%d buffers are left to aclrtResetDevice", self.device,
-                      "destroyed by force" if forced else "left too", len(retired.pointers))
+            log.error(
+                "closing %s: a kernel that missed its deadline is still running; its stream was %s and its "
+                "%d buffers are left to aclrtResetDevice",
+                self.device,
+                "destroyed by force" if forced else "left too",
+                len(retired.pointers),
+            )
         self._device.reset_all()
         acl_release(self._api)
 
@@ -270,17 +300,22 @@ def _check_opp_path(ascend_home_path: str | Path | None) -> None:
     guess = None if ascend_home_path is None else Path(ascend_home_path) / "opp"
     suggestion = f" (for this install: export ASCEND_OPP_PATH={guess})" if guess is not None and guess.is_dir() else ""
     problem = "is not set" if not opp else f"={opp} is not a directory"
-    raise CannUnavailable(f"ASCEND_OPP_PATH {problem}: CANN's operator library finds the kernels of "
-                          f"aclnnMoeInitRoutingV2Grad through it, so every call would fail (561107){suggestion}. "
-                          f"{SET_ENV_HINT}")
+    raise CannUnavailable(
+        f"ASCEND_OPP_PATH {problem}: CANN's operator library finds the kernels of "
+        f"aclnnMoeInitRoutingV2Grad through it, so every call would fail (561107){suggestion}. "
+        f"{SET_ENV_HINT}"
+    )
 
 
 def _attribute(call: MoeInitRoutingV2GradCall, name: str) -> int:
     try:
         return operator.index(getattr(call, name))
     except TypeError:
-        raise InvalidArgument(f"{name}={getattr(call, name)!r} must be an integer",
-                              aclnn_status=AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR, field=name) from None
+        raise InvalidArgument(
+            f"{name}={getattr(call, name)!r} must be an integer",
+            aclnn_status=AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR,
+            field=name,
+        ) from None
 
 
 class _AscendWorker:
@@ -335,10 +370,13 @@ class _AscendWorker:
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the deadline passed before the call reached the NPU")
         if call.order not in DEVICE_ORDERS:  # "sequential" is a CPU golden no device computes
-            raise InvalidArgument(f"order={call.order!r}: {backend.device} computes in the device's own order "
-                                  f"({backend.order or 'unknown for this SoC'}); the {call.order!r} golden is only "
-                                  "served by the reference backend",
-                                  aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order")
+            raise InvalidArgument(
+                f"order={call.order!r}: {backend.device} computes in the device's own order "
+                f"({backend.order or 'unknown for this SoC'}); the {call.order!r} golden is only "
+                "served by the reference backend",
+                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+                field="order",
+            )
         top_k, drop_pad_mode, active_num = (_attribute(call, n) for n in ("top_k", "drop_pad_mode", "active_num"))
         grad = idx = None
         grad_type = idx_type = 0
@@ -353,8 +391,10 @@ class _AscendWorker:
         device.ensure()
         self._poll_retired()
         if len(self._retired) >= MAX_RETIRED_STREAMS:
-            raise DeviceFault(f"{len(self._retired)} kernels that missed their deadline are still running on "
-                              f"{backend.device}; this worker takes no more calls until they finish")
+            raise DeviceFault(
+                f"{len(self._retired)} kernels that missed their deadline are still running on "
+                f"{backend.device}; this worker takes no more calls until they finish"
+            )
         if self._stream is None:  # replacing a timed-out stream failed last time
             self._stream = device.create_stream()
         lease = Lease()
@@ -365,12 +405,21 @@ class _AscendWorker:
                 pointer = None if array is None else self._upload(array, lease)
                 handles.append(None if array is None else self._tensor(array.shape, acl_type, pointer, cleanup))
             out_pointer = self._acquire(result.nbytes, lease) if result.nbytes else None
-            out = self._tensor(result.shape, ACL_DATA_TYPES[dtype_name(result.dtype)], out_pointer, cleanup)
+            result_type = dtype_name(result.dtype)
+            assert result_type is not None  # the result has the call's validated wire dtype
+            out = self._tensor(result.shape, ACL_DATA_TYPES[result_type], out_pointer, cleanup)
 
             workspace_size, executor = ctypes.c_uint64(0), ctypes.c_void_p()
             status = self._api.aclnnMoeInitRoutingV2GradGetWorkspaceSize(
-                handles[0], handles[1], top_k, drop_pad_mode, active_num, out,
-                ctypes.byref(workspace_size), ctypes.byref(executor))
+                handles[0],
+                handles[1],
+                top_k,
+                drop_pad_mode,
+                active_num,
+                out,
+                ctypes.byref(workspace_size),
+                ctypes.byref(executor),
+            )
             if status:
                 raise phase_one_error(status, self._api.recent_error(), backend.device)
             with contextlib.ExitStack() as unlaunched:  # an executor that never runs is destroyed
@@ -387,8 +436,10 @@ class _AscendWorker:
                 message = self._api.recent_error()
                 self._retire(lease)
                 budget = "no deadline" if timeout_s is None else f"{timeout_s:.3f} s"
-                raise DeadlineExceeded(f"{backend.device} did not finish within the deadline ({budget}); "
-                                       "the stream was replaced" + (f" ({message})" if message else ""))
+                raise DeadlineExceeded(
+                    f"{backend.device} did not finish within the deadline ({budget}); "
+                    "the stream was replaced" + (f" ({message})" if message else "")
+                )
             if status:
                 fault = device.fault("aclrtSynchronizeStreamWithTimeout", status)
                 if device.is_idle(self._stream):  # the kernel ended in error: next call on a fresh stream
@@ -397,8 +448,12 @@ class _AscendWorker:
                     self._retire(lease)
                 raise fault
             if result.nbytes:
-                device.check("aclrtMemcpy (device to host)", self._api.aclrtMemcpy(
-                    result.ctypes.data, result.nbytes, out_pointer, result.nbytes, ACL_MEMCPY_DEVICE_TO_HOST))
+                device.check(
+                    "aclrtMemcpy (device to host)",
+                    self._api.aclrtMemcpy(
+                        result.ctypes.data, result.nbytes, out_pointer, result.nbytes, ACL_MEMCPY_DEVICE_TO_HOST
+                    ),
+                )
             return result
 
     def accepts_calls(self) -> bool:
@@ -445,8 +500,9 @@ class _AscendWorker:
             self._closed = True
             with backend._lock:
                 backend._workers.discard(self)
-            log.error("worker %d is still running a call; its stream and buffers are left to aclrtResetDevice",
-                      self.index)
+            log.error(
+                "worker %d is still running a call; its stream and buffers are left to aclrtResetDevice", self.index
+            )
             return
         try:
             self._release_all(deadline)
@@ -511,12 +567,15 @@ class _AscendWorker:
         if array.nbytes == 0:
             return None
         pointer = self._acquire(array.nbytes, lease)
-        self._device.check("aclrtMemcpy (host to device)", self._api.aclrtMemcpy(
-            pointer, aligned(array.nbytes), array.ctypes.data, array.nbytes, ACL_MEMCPY_HOST_TO_DEVICE))
+        self._device.check(
+            "aclrtMemcpy (host to device)",
+            self._api.aclrtMemcpy(
+                pointer, aligned(array.nbytes), array.ctypes.data, array.nbytes, ACL_MEMCPY_HOST_TO_DEVICE
+            ),
+        )
         return pointer
 
-    def _tensor(self, shape: tuple[int, ...], acl_type: int, pointer: int | None,
-                cleanup: contextlib.ExitStack) -> int:
+    def _tensor(self, shape: tuple[int, ...], acl_type: int, pointer: int | None, cleanup: contextlib.ExitStack) -> int:
         """aclCreateTensor (ND, contiguous); destroyed when ``cleanup`` unwinds."""
         tensor = self._device.create_tensor(shape, acl_type, pointer)
         cleanup.callback(self._device.destroy_tensor, tensor)
@@ -539,13 +598,14 @@ class _AscendWorker:
 
     def _settle(self, deadline: float | None, lease: Lease) -> None:
         """After a failed launch: wait for whatever it queued; retire the stream if it does not finish in time."""
-        if not self._device.wait_idle(self._stream, left(deadline)):
+        if self._stream is not None and not self._device.wait_idle(self._stream, left(deadline)):
             self._retire(lease)
 
     def _retire(self, lease: Lease) -> None:
         """Set the current stream aside with the buffers its kernel may still use; continue on a new stream."""
         lease.retired = True
         pointers = [pointer for _, pointer in lease.blocks] + self._take_workspace()
+        assert self._stream is not None  # a call that launched had a stream
         self._retired.append(Retired(self._stream, pointers))
         self._stream = None
         try:
@@ -555,7 +615,8 @@ class _AscendWorker:
 
     def _replace_stream(self) -> None:
         old, self._stream = self._stream, None
-        self._device.destroy_stream(old)
+        if old is not None:  # None: an earlier replacement failed; nothing to destroy
+            self._device.destroy_stream(old)
         try:
             self._stream = self._device.create_stream()
         except DeviceFault:

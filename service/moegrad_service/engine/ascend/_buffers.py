@@ -26,13 +26,18 @@ def host_array(array: object, field_name: str) -> tuple[np.ndarray, int]:
         InvalidArgument: not an ndarray, or a dtype outside :data:`ACL_DATA_TYPES` (161002).
     """
     if not isinstance(array, np.ndarray):
-        raise InvalidArgument(f"{field_name} must be a numpy.ndarray, got {type(array).__name__}",
-                              aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field=field_name)
+        raise InvalidArgument(
+            f"{field_name} must be a numpy.ndarray, got {type(array).__name__}",
+            aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+            field=field_name,
+        )
     name = dtype_name(array.dtype)
     if name is None:
-        raise InvalidArgument(f"{field_name}.dtype={array.dtype} has no aclDataType in this binding "
-                              f"(one of {', '.join(ACL_DATA_TYPES)})",
-                              aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field=field_name)
+        raise InvalidArgument(
+            f"{field_name}.dtype={array.dtype} has no aclDataType in this binding (one of {', '.join(ACL_DATA_TYPES)})",
+            aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+            field=field_name,
+        )
     return np.ascontiguousarray(array, dtype=DTYPES[name]), ACL_DATA_TYPES[name]
 
 

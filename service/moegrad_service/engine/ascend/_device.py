@@ -43,6 +43,7 @@ from moegrad_service.engine.ascend._buffers import Retired
 
 log = logging.getLogger("moegrad_service.engine.ascend")
 
+
 def acl_acquire(api: Cann) -> None:
     """One ``aclInit`` reference for a backend (a repeated aclInit, 100002, counts as one too).
 
@@ -52,15 +53,20 @@ def acl_acquire(api: Cann) -> None:
     status = api.aclInit(None)
     if status not in (0, ACL_ERROR_REPEAT_INITIALIZE):
         message = api.recent_error()
-        raise DeviceFault(f"aclInit failed with {code_name(status)}" + (f": {message}" if message else ""),
-                          aclnn_status=status, device_message=message)
+        raise DeviceFault(
+            f"aclInit failed with {code_name(status)}" + (f": {message}" if message else ""),
+            aclnn_status=status,
+            device_message=message,
+        )
 
 
 def acl_release(api: Cann) -> None:
     """Give back the reference of :func:`acl_acquire` (``aclFinalizeReference``; nothing on older runtimes)."""
     if api.aclFinalizeReference is None:
-        log.info("this CANN has no aclFinalizeReference: ACL stays initialised (aclFinalize would end it for "
-                 "every ACL user of the process)")
+        log.info(
+            "this CANN has no aclFinalizeReference: ACL stays initialised (aclFinalize would end it for "
+            "every ACL user of the process)"
+        )
         return
     left_refs = ctypes.c_uint64(0)
     status = api.aclFinalizeReference(ctypes.byref(left_refs))
@@ -192,12 +198,17 @@ class Device:
         status = ctypes.c_int(-1)
         code = self.api.aclrtStreamQuery(stream, ctypes.byref(status))
         if code:
-            log.warning("aclrtStreamQuery failed with %s: %s; the stream is kept as busy", code_name(code),
-                        self.api.recent_error())
+            log.warning(
+                "aclrtStreamQuery failed with %s: %s; the stream is kept as busy",
+                code_name(code),
+                self.api.recent_error(),
+            )
             return False
         if status.value not in (ACL_STREAM_STATUS_COMPLETE, ACL_STREAM_STATUS_NOT_READY):
-            log.warning("aclrtStreamQuery reported status %d, which this binding cannot read; the stream is kept "
-                        "as busy", status.value)
+            log.warning(
+                "aclrtStreamQuery reported status %d, which this binding cannot read; the stream is kept as busy",
+                status.value,
+            )
         return status.value == ACL_STREAM_STATUS_COMPLETE
 
     def wait_idle(self, stream: int, timeout_s: float | None) -> bool:
@@ -229,8 +240,9 @@ class Device:
             DeviceFault: the runtime refused (207001 when out of device memory).
         """
         pointer = ctypes.c_void_p()
-        self.check(f"aclrtMalloc ({size} bytes)",
-                   self.api.aclrtMalloc(ctypes.byref(pointer), size, ACL_MEM_MALLOC_HUGE_FIRST))
+        self.check(
+            f"aclrtMalloc ({size} bytes)", self.api.aclrtMalloc(ctypes.byref(pointer), size, ACL_MEM_MALLOC_HUGE_FIRST)
+        )
         assert pointer.value is not None  # check() raised unless the runtime filled it in
         return pointer.value
 
@@ -240,7 +252,7 @@ class Device:
         """aclCreateTensor: ND, contiguous strides in elements, offset 0, storage shape = view shape."""
         rank = len(shape)
         dims = (ctypes.c_int64 * rank)(*shape)
-        strides = (ctypes.c_int64 * rank)(*(math.prod(shape[d + 1:]) for d in range(rank)))
+        strides = (ctypes.c_int64 * rank)(*(math.prod(shape[d + 1 :]) for d in range(rank)))
         tensor = self.api.aclCreateTensor(dims, rank, acl_type, strides, 0, ACL_FORMAT_ND, dims, rank, pointer)
         if not tensor:
             message = self.api.recent_error()
