@@ -1,4 +1,4 @@
-"""Client and AsyncClient: call a moegrad service over HTTP (wire protocol v1, DESIGN.md section 5).
+"""Client and AsyncClient: call a moegrad service over HTTP (wire protocol v1, docs/protocol.md).
 
 Both clients share one sans-I/O core, :class:`_ClientCore`. For each call the core runs a *flow*: a
 generator that yields what it wants done and is sent back what happened:
@@ -449,8 +449,8 @@ class _ClientCore:
         """The msgpack body of a call, and the validated call when there is one (to check the reply against).
 
         A :class:`MoeInitRoutingV2GradCall` is sent as it is (its ``order`` only when it was set
-        explicitly, else the server's default applies). A mapping is a wire document (DESIGN.md
-        section 5): it is validated with :meth:`MoeInitRoutingV2GradCall.from_wire` when
+        explicitly, else the server's default applies). A mapping is a wire document (docs/protocol.md,
+        "The call"): it is validated with :meth:`MoeInitRoutingV2GradCall.from_wire` when
         ``validate`` is on, and sent as given either way.
         """
         if isinstance(call, MoeInitRoutingV2GradCall):
@@ -940,7 +940,7 @@ class _ClientCore:
 # The I/O shells
 # --------------------------------------------------------------------------------------------------
 
-_CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, DESIGN.md section 5).
+_CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, docs/protocol.md).
 
     Args:
         base_url: the service's root URL, e.g. ``"http://127.0.0.1:8000"`` (a path prefix is kept).
@@ -1083,7 +1083,7 @@ class Client(_ClientBase):
         """gradX of aclnnMoeInitRoutingV2Grad, computed by the service.
 
         ``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]`` (documentation,
-        "Function"; skip rules and order in DESIGN.md section 3).
+        "Function"; skip rules and order in docs/semantics.md).
 
         Args:
             grad_expanded_x: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); float16,
@@ -1129,7 +1129,7 @@ class Client(_ClientBase):
 
         Args:
             call: a :class:`~moegrad.MoeInitRoutingV2GradCall` (its ``order`` is sent only when it
-                was set explicitly), or a wire document (DESIGN.md section 5; validated first when
+                was set explicitly), or a wire document (docs/protocol.md; validated first when
                 ``validate=True``, always sent exactly as given).
             timeout_s: as in :meth:`moe_init_routing_v2_grad`.
 

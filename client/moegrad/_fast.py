@@ -9,7 +9,7 @@ for how the compiled code keeps that).
 
 Why it is faster than the NumPy path: NumPy gathers each slot's rows into a buffer, widens them into
 another and adds that into a bin, so every value crosses the cache hierarchy several times. Here each
-gathered row is read once and widened in registers; the bins' chains of adds (DESIGN.md section 3:
+gathered row is read once and widened in registers; the bins' chains of adds (docs/semantics.md:
 S1-S3 touch one bin at a time) run four bins and two elements each per pass, so a pass reads eight
 rows side by side (a core keeps more loads in flight). For K = 1-3 and 8-15 (B = 1 or 4) the whole
 sum, S4 and the narrowing of grad_x happen in passes that end in grad_x directly, K = 8 in a single
@@ -129,7 +129,7 @@ def _plan(schedule: tuple[tuple[str, int, int], ...]) -> tuple[np.ndarray, int] 
     at -0.0 and adds, so a set of v gives v and a skipped set +0.0, and an add of -0.0 changes no
     bit: the same adds, in the same order, as the schedule. The shape it needs: each bin's first
     step a set or zero, all merges after the last set/add, and the merges the pairwise tree of
-    DESIGN.md section 3 (S4) over B bins (both orders have it).
+    docs/semantics.md (step S4) over B bins (both orders have it).
     """
     merges = [step for step in schedule if step[0] == "merge"]
     head = list(schedule[: len(schedule) - len(merges)])
@@ -187,7 +187,7 @@ def accumulate(
 
     Args:
         rows: [R, H] grad_expanded_x (drop/pad: [E*C, H]); float32, float16 or bfloat16.
-        index: [N*K] int32 expanded_row_idx; a slot outside [0, R) is skipped (DESIGN.md section 3:
+        index: [N*K] int32 expanded_row_idx; a slot outside [0, R) is skipped (docs/semantics.md:
             validation leaves there only -1 in drop/pad mode and >= A in active mode).
         top_k: K.
         schedule: :func:`~moegrad._reference.accumulation_schedule` of K (a tuple).

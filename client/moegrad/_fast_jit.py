@@ -3,7 +3,7 @@
 Importing this module imports numba; :mod:`moegrad._fast` does so lazily, on the first call that can
 use it, and falls back to the NumPy path when numba is missing.
 
-Numerics (DESIGN.md section 3), and how this code keeps them exact:
+Numerics (docs/semantics.md), and how this code keeps them exact:
 
 - The element type travels as a bit view that also names the format: float32 rows as ``float32``,
   float16 rows as ``int16`` words, bfloat16 rows as ``uint16`` words. One specialisation each.

@@ -1,7 +1,7 @@
 """NumPy numerics of aclnnMoeInitRoutingV2Grad: the device's order, Huawei's golden, a float64 golden.
 
 ``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]`` with the skip rules of
-DESIGN.md section 3: an index >= active_num is skipped in active mode, -1 is skipped in drop/pad
+docs/semantics.md: an index >= active_num is skipped in active mode, -1 is skipped in drop/pad
 mode. Rows are widened exactly to float32, every add is float32 round-to-nearest-even, and the
 result is rounded once to the input dtype. What differs between orders is only the order of adds.
 
@@ -56,7 +56,7 @@ _F64 = np.dtype(np.float64)
 
 
 def bin_count(top_k: int) -> int:
-    """B, the number of float32 accumulators the A2/A3 kernel uses for ``top_k`` slots (DESIGN.md section 3)."""
+    """B, the number of float32 accumulators the A2/A3 kernel uses for ``top_k`` slots (docs/semantics.md)."""
     if top_k >= 128:
         return 64
     return 2 ** max(top_k.bit_length() - 2, 0)

@@ -1,4 +1,4 @@
-"""Tensors and bodies on the wire: NumPy arrays <-> msgpack maps (docs/protocol.md, DESIGN.md section 5).
+"""Tensors and bodies on the wire: NumPy arrays <-> msgpack maps (docs/protocol.md).
 
 A tensor travels as the map ``{"dtype": str, "shape": [int, ...], "data": bin}`` where ``data`` is
 the C-order, little-endian bytes of the array. bfloat16 travels as raw 2-byte words
