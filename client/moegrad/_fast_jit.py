@@ -339,7 +339,7 @@ def narrow_bf16(values, out):
 # in the schedule's order; LLVM only vectorises over h.
 
 
-@_inlined
+@njit
 def _pass_4x2(first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
     n = a0.shape[0]
     if first and last:
@@ -364,7 +364,7 @@ def _pass_4x2(first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
             w3[h] = (w3[h] + _widen(a3[h])) + _widen(b3[h])
 
 
-@_inlined
+@njit
 def _pass_1x4(first, last, out, w0, a0, b0, c0, d0):
     n = a0.shape[0]
     if first and last:
@@ -380,7 +380,7 @@ def _pass_1x4(first, last, out, w0, a0, b0, c0, d0):
             w0[h] = (((w0[h] + _widen(a0[h])) + _widen(b0[h])) + _widen(c0[h])) + _widen(d0[h])
 
 
-@_inlined
+@njit
 def _pass_1x2(first, last, out, w0, a0, b0):
     n = a0.shape[0]
     if first and last:
@@ -433,7 +433,7 @@ def _group_layers(chains, first_bin, group):
     return layers
 
 
-@_inlined
+@njit
 def _run_group(rows, aux, index, base, chains, first_bin, group, work, h0, h1, out):
     """Bins first_bin .. first_bin + group - 1 over the tile [h0, h1), reduced into ``out``.
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from moegrad import __version__
-from moegrad.accuracy import warm_up_compare
 from moegrad_service.api import compare, health, v1, v2
 from moegrad_service.api.auth import Authenticator, AuthMiddleware
 from moegrad_service.api.errors import install_error_handlers
@@ -68,8 +67,6 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             opened, streams=settings.streams, max_queue=settings.max_queue, retry_after_s=settings.retry_after_s
         )
         await pool.start()
-        if settings.warm_up:  # the compare endpoint's compiled pass, before ready (seconds when not cached)
-            await asyncio.to_thread(warm_up_compare)
         dataplane = DataPlane(settings, pool, metrics)
         grpc_server = None
         if settings.grpc_port is not None:
