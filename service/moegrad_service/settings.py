@@ -112,7 +112,7 @@ class Settings(BaseSettings):
     tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile")
     warm_up: bool = Field(
         True,
-        description="compile the reference kernel before reporting ready (about 30 s with a cold numba "
+        description="compile the reference kernel before reporting ready (one to two minutes with a cold numba "
         "cache); off: the first call of each dtype waits for it instead",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
