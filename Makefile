@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(BIN)/ruff check client service
 	$(BIN)/ruff format --check client service
 	$(BIN)/mypy
-	$(BIN)/python -c "import moegrad; moegrad.warm_up()"  # compile the kernel once; test servers then load it
+	$(BIN)/python -c "import moegrad, moegrad.accuracy; moegrad.warm_up(); moegrad.accuracy.warm_up_compare()"  # compile once; test servers load the cache
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 serve: $(SERVE_STAMP)
