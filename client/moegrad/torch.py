@@ -179,9 +179,10 @@ def _run_grad(
     service = _service
     if service is not None:
         # Client takes and returns torch tensors (moegrad._tensors); its annotations name the NumPy form
-        result: torch.Tensor = service.moe_init_routing_v2_grad(
+        run_grad: typing.Any = service.moe_init_routing_v2_grad
+        result: torch.Tensor = run_grad(
             grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order=order
-        )  # type: ignore[arg-type,assignment]
+        )
         return result
     grad_x = _grad_numpy(
         to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), top_k, drop_pad_mode, active_num, order=order
