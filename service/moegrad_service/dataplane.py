@@ -64,20 +64,24 @@ class ClientDisconnected(MoegradError):
 
 
 class MemoryBudget:
-    """The request bytes that admitted requests may hold at once, in bytes.
+    """The bytes that admitted requests may hold at once, in bytes.
 
-    A request reserves its body's bytes before they are read (Content-Length) or as they arrive
-    (chunked), and gives them back once its answer is sent. The last eighth of the budget is kept
-    for small reservations (up to SMALL_BYTES each): clients holding large bodies, even slow or
-    stalled ones, cannot keep a small call out. Thread-safe.
+    A request's body holds twice its bytes (:meth:`reserve_body`): the body itself, and as much
+    again for its answer (grad_x and grad_x's encoding, each N x H elements: together the body's
+    size for a dropless call with top_k 2, less for a larger top_k). It is reserved before the body
+    is read (Content-Length) or as it arrives (chunked), and given back once the answer is sent.
+    The last eighth of the budget is kept for small reservations (up to SMALL_BYTES each): clients
+    holding large bodies, even slow or stalled ones, cannot keep a small call out. Thread-safe.
 
     Args:
         limit_bytes: the budget.
         retry_after_s: the retry hint of the DeviceBusy a refusal raises.
     """
 
-    #: A reservation up to this size may use the part of the budget kept for small ones.
-    SMALL_BYTES = 1 << 20
+    #: What a request holds per byte of its body: the body, and as much again for its answer.
+    HOLD_PER_BODY_BYTE = 2
+    #: A reservation up to this size (a body up to 1 MiB) may use the part of the budget kept for small ones.
+    SMALL_BYTES = 2 << 20
 
     def __init__(self, limit_bytes: int, *, retry_after_s: float = 1.0) -> None:
         self.limit_bytes = limit_bytes
@@ -90,19 +94,43 @@ class MemoryBudget:
     def held_bytes(self) -> int:
         return self._held
 
+    def ceiling(self, nbytes: int) -> int:
+        """The most a reservation of ``nbytes`` may find held, itself included: the whole budget for
+        a small one, seven eighths for a larger one."""
+        return self.limit_bytes if nbytes <= self.SMALL_BYTES else self._large_limit
+
+    def reserve_body(self, body_bytes: int) -> int:
+        """Reserve what a body of ``body_bytes`` holds until its answer is sent (HOLD_PER_BODY_BYTE
+        times its size); returns the bytes reserved, to give back with :meth:`release`.
+
+        Raises:
+            PayloadTooLarge: (413) the body could never fit, even with nothing else held.
+            DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
+        """
+        held = body_bytes * self.HOLD_PER_BODY_BYTE
+        if held > self.ceiling(held):
+            raise PayloadTooLarge(
+                f"a body of {body_bytes} bytes holds {held} bytes while it is answered (the body, and as much "
+                f"again for grad_x), over the {self.ceiling(held)} bytes a large call may take of the service's "
+                f"in-flight budget of {self.limit_bytes} bytes (max_inflight_bytes, seven eighths of it); "
+                "send smaller calls"
+            )
+        self.reserve(held)
+        return held
+
     def reserve(self, nbytes: int) -> None:
         """Take ``nbytes`` from the budget.
 
         Raises:
-            PayloadTooLarge: (413) ``nbytes`` is more than the whole budget: it can never fit.
+            PayloadTooLarge: (413) ``nbytes`` could never fit (over :meth:`ceiling`).
             DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
         """
-        if nbytes > self.limit_bytes:
+        limit = self.ceiling(nbytes)
+        if nbytes > limit:
             raise PayloadTooLarge(
-                f"the request needs {nbytes} bytes, over the service's whole in-flight budget of "
-                f"{self.limit_bytes} bytes (max_inflight_bytes); send smaller calls"
+                f"the request needs {nbytes} bytes, over the {limit} a call may take of the service's "
+                f"in-flight budget of {self.limit_bytes} bytes (max_inflight_bytes); send smaller calls"
             )
-        limit = self.limit_bytes if nbytes <= self.SMALL_BYTES else self._large_limit
         with self._lock:
             if self._held + nbytes > limit:
                 raise DeviceBusy(

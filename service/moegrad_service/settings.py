@@ -47,8 +47,9 @@ class Settings(BaseSettings):
     max_inflight_bytes: int = Field(
         default_factory=lambda: memory_limit_bytes() // 4,
         ge=1024,
-        description="request body bytes that admitted requests may hold at once (being read, queued, running "
-        "or answered); a body that does not fit now is answered 503 + Retry-After before it is read "
+        description="bytes that admitted requests may hold at once (being read, queued, running or answered), "
+        "twice each body's size: the body and its answer; a body that does not fit now is answered "
+        "503 + Retry-After before it is read "
         "(default: a quarter of the memory limit, the cgroup's or the machine's)",
     )
     idle_timeout_s: int = Field(

@@ -82,14 +82,25 @@ def test_duplicate_keys_in_v2_json_are_400_naming_the_key(client, document, key)
 
 def test_the_budget_keeps_its_last_eighth_for_small_calls():
     budget = MemoryBudget(64 * MIB)
-    budget.reserve(56 * MIB)  # seven eighths, by large bodies
+    assert budget.reserve_body(28 * MIB) == 56 * MIB  # seven eighths: a large body and its answer
     with pytest.raises(moegrad.DeviceBusy, match="in-flight bytes"):
-        budget.reserve(MIB + 1)  # a large body no longer fits...
-    for _ in range(8):
-        budget.reserve(MIB)  # ...but 8 small calls still do
+        budget.reserve_body(MIB + 1)  # a large body no longer fits...
+    for _ in range(4):
+        budget.reserve_body(MIB)  # ...but 4 small calls (1 MiB, holding 2) still do
     with pytest.raises(moegrad.DeviceBusy):
-        budget.reserve(1)
+        budget.reserve_body(1)
     assert budget.held_bytes == 64 * MIB
+
+
+def test_a_body_that_could_never_fit_is_413_not_503():
+    budget = MemoryBudget(64 * MIB)
+    # 28 MiB + 1 byte holds just over seven eighths (56 MiB), the most a large call may take: retrying cannot help
+    with pytest.raises(moegrad.PayloadTooLarge, match="max_inflight_bytes"):
+        budget.reserve_body(28 * MIB + 1)
+    with pytest.raises(moegrad.PayloadTooLarge, match="max_inflight_bytes"):
+        budget.reserve(56 * MIB + 1)
+    assert budget.held_bytes == 0
+    assert budget.reserve_body(MIB) == 2 * MIB  # a small one may use the whole budget
 
 
 class Crippled(ReferenceBackend):

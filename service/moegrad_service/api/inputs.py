@@ -100,8 +100,9 @@ async def read_body(
 
     Refused before reading: 415 when the media type is not in ``media_types``; 413 when
     Content-Length is over ``limit``; 503 + Retry-After when the pool could not take the call (not
-    ready, queue full) or the body's bytes do not fit the in-flight budget now
-    (``max_inflight_bytes``). A body without Content-Length is counted against both as it arrives.
+    ready, queue full) or what the body holds (twice its bytes: MemoryBudget.reserve_body) does not
+    fit the in-flight budget now (``max_inflight_bytes``). A body without Content-Length is counted
+    against both as it arrives.
     408 when the body takes longer than ``body_timeout_s`` to arrive. The bytes reserved from the
     budget are given back by the route once the answer is sent (api/routing.py).
 
@@ -243,10 +244,11 @@ async def _receive_declared(request: Request, expected: int, lead: int) -> memor
 
 
 def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
-    """Take ``nbytes`` of the in-flight budget for this request (given back by release_reserved)."""
-    dataplane.budget.reserve(nbytes)
+    """Take what ``nbytes`` of body hold of the in-flight budget (MemoryBudget.reserve_body) for this
+    request (given back by release_reserved)."""
+    held = dataplane.budget.reserve_body(nbytes)
     state = request.scope["state"]
-    state["reserved_bytes"] = state.get("reserved_bytes", 0) + nbytes
+    state["reserved_bytes"] = state.get("reserved_bytes", 0) + held
 
 
 def release_reserved(scope: Scope) -> None:

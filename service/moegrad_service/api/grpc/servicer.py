@@ -97,8 +97,7 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
         try:
             if infer:  # admitted as an HTTP body is: the queue and the in-flight byte budget
                 self.dataplane.admit()
-                self.dataplane.budget.reserve(len(raw))
-                reserved = len(raw)
+                reserved = self.dataplane.budget.reserve_body(len(raw))
             if len(raw) > INLINE_DECODE_BYTES:
                 request = await run_in_threadpool(_parse, request_type, raw)
             else:
