@@ -11,7 +11,7 @@ HOST ?=
 PORT ?=
 BACKEND ?=
 
-.PHONY: venv test serve bench clean
+.PHONY: venv test test-all serve bench clean
 
 venv: $(STAMP)
 
@@ -28,12 +28,24 @@ $(SERVE_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[service]'
 	touch $(SERVE_STAMP)
 
+# The kernels compile (numba, into its disk cache, so that every test server loads them) while mypy
+# runs: three processes on the cores. Then two pytest runs: everything not marked serial, two files
+# at a time (pytest-xdist), then the serial tests (timing-sensitive: the attacks) alone.
+# `make test` leaves out the tests marked slow; `make test-all` runs them too.
+PYTEST_LANES := -n 2 --dist loadfile
+
 test: $(STAMP)
 	$(BIN)/ruff check client service
 	$(BIN)/ruff format --check client service
-	$(BIN)/mypy
-	$(BIN)/python -c "import moegrad, moegrad.accuracy; moegrad.warm_up(); moegrad.accuracy.warm_up_compare()"  # compile once; test servers load the cache
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -c "import moegrad; moegrad.warm_up()" & kernel=$$!; \
+	$(BIN)/python -c "import moegrad.accuracy; moegrad.accuracy.warm_up_compare()" & compare=$$!; \
+	$(BIN)/mypy; typed=$$?; wait $$kernel; compiled=$$?; wait $$compare; \
+	[ $$? -eq 0 ] && [ $$compiled -eq 0 ] && [ $$typed -eq 0 ]
+	$(BIN)/python -m pytest -q $(PYTEST_LANES) -m "not serial and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
+
+test-all: test
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 serve: $(SERVE_STAMP)
 	$(BIN)/moegrad-service serve $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(if $(BACKEND),--backend $(BACKEND))

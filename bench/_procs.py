@@ -179,16 +179,17 @@ def _clear_group(pgid: int) -> None:
                 return
 
 
-def moegrad_server(log_dir: Path, *, flags: Sequence[str] = REFERENCE_FLAGS, settings: Mapping[str, object] | None = None,
-                   command: Sequence[str] = SERVE_COMMAND, env: Mapping[str, str] | None = None,
-                   tls_ca: Path | None = None, cwd: Path | None = None, ready_within_s: float = 60.0,
+def moegrad_server(log_dir: Path, *, flags: Sequence[str] = REFERENCE_FLAGS,
+                   settings: Mapping[str, object] | None = None, command: Sequence[str] = SERVE_COMMAND,
+                   env: Mapping[str, str] | None = None, tls_ca: Path | None = None, cwd: Path | None = None, ready_within_s: float = 60.0,
                    stop_within_s: float = 30.0, name: str = "moegrad") -> ServerProcess:
     """Start ``command --host 127.0.0.1 --port PORT *flags`` on a free port and wait until it is ready.
 
     Args:
         log_dir: where ``<name>-<port>.log`` is written.
         flags: the serve flags after host and port.
-        settings: further settings as ``MOEGRAD_<NAME>`` environment variables (``max_body_bytes=4096``).
+        settings: further settings as ``MOEGRAD_<NAME>`` environment variables (``max_body_bytes=4096``);
+            ``shutdown_drain_s`` is 0 unless given here or in ``flags``.
         command: the command before the flags (a test launcher that forwards them, say).
         env: the base environment (default: this process's); its ``MOEGRAD_*`` variables are dropped.
         tls_ca: the CA bundle that signed the server's certificate: the URL is then ``https://``.
@@ -199,6 +200,7 @@ def moegrad_server(log_dir: Path, *, flags: Sequence[str] = REFERENCE_FLAGS, set
         ServerNotReady: as :meth:`ServerProcess.start`, after the port attempts.
     """
     base = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("MOEGRAD_")}
+    base["MOEGRAD_SHUTDOWN_DRAIN_S"] = "0"  # stopped at once (no load balancer to drain from), unless asked for
     base.update({f"MOEGRAD_{key.upper()}": str(value) for key, value in (settings or {}).items()})
     scheme = "https" if tls_ca else "http"
     for attempt in range(1, _PORT_ATTEMPTS + 1):

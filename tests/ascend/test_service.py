@@ -160,7 +160,7 @@ def ascend_server(sim_home, tmp_path):
     # Phase one #1 is the backend's startup check (the documentation's example), so the first
     # client call is phase one #2.
     env.update(MOEGRAD_ASCEND_HOME_PATH=str(sim_home), ASCEND_OPP_PATH=str(sim_home / "opp"), MOEGRAD_STREAMS="2",
-               MOEGRAD_SIM_FAULTS="tiling@2,launch@2")
+               MOEGRAD_SIM_FAULTS="tiling@2,launch@2", MOEGRAD_SHUTDOWN_DRAIN_S="0")
     log = open(tmp_path / "server.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "moegrad_service", "serve", "--host", "127.0.0.1", "--port",
                                 str(port), "--backend", "ascend", "--log-level", "warning"],
@@ -205,7 +205,8 @@ def test_a_worker_with_too_many_hung_kernels_is_lost_capacity_and_shutdown_stays
     # One stream: after 4 kernels that missed their deadline (MAX_RETIRED_STREAMS) the only worker
     # cannot run calls, so the service is not ready and refuses calls with 503 instead of failing them.
     before = sim.counts()
-    with serve(backend="ascend", ascend_home_path=sim_home, streams=1) as client:
+    # shutdown_grace_s bounds closing's wait for the kernel still hung at the end (else 10 s)
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=1, shutdown_grace_s=1) as client:
         for _ in range(4):
             sim.inject("hang", 1, -1)
             assert post(client, example_document(), headers={"x-request-timeout": "0.05"}).status_code == 504

@@ -333,6 +333,7 @@ def _is_user_creation(command: str) -> bool:
     return "useradd" in command or "groupadd" in command
 
 
+@pytest.mark.slow  # two minutes: `make test-all`
 @pytest.mark.timeout(300)  # a fresh venv's install, then numba compiling the kernel before ready
 def test_image_build_installs_and_serves(tmp_path, dockerfile):
     pytest.importorskip("moegrad_service.__main__", reason="the service package (moegrad_service) is not written yet")

@@ -28,6 +28,8 @@ import pytest
 from bench import attack
 from bench._procs import moegrad_server
 
+pytestmark = pytest.mark.serial  # the probes' latency rules need the machine to themselves
+
 SETTINGS = attack.ATTACK_SETTINGS
 BUDGET = int(SETTINGS["max_inflight_bytes"])
 TIMEOUT_S = float(SETTINGS["header_timeout_s"])

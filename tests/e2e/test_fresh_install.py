@@ -29,7 +29,6 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return venv, env
 
 
-@pytest.mark.slow
 def test_the_client_install_has_no_server_packages_and_calls_a_server(fresh_venv, server_url):
     venv, env = fresh_venv
     code = f"""
@@ -52,7 +51,6 @@ print(json.dumps({{"file": moegrad.__file__, "grad_x": grad_x.tolist(),
     assert answer["grad_x"] == [[float(np.float32(0.3))] * 2, [float(np.float32(0.3) + np.float32(0.4))] * 2]
 
 
-@pytest.mark.slow
 def test_the_service_command_says_what_to_install(fresh_venv):
     venv, env = fresh_venv
     result = subprocess.run([str(venv / "bin" / "moegrad-service"), "serve"], capture_output=True, text=True,

@@ -231,7 +231,7 @@ def test_sigterm_answers_the_grpc_calls_in_flight_and_exits_0(launch, tmp_path):
     gate = tmp_path / "gate"
     gate.touch()  # open for the warm-up
     server = launch(hook=["--gate-file", str(gate), "--delay-s", "0.2"],
-                    flags=["--streams", "2", "--shutdown-grace-s", "60"])
+                    flags=["--streams", "2", "--shutdown-grace-s", "60", "--shutdown-drain-s", "1"])
     calls = [routed_call(i, MODES[i % 3], DTYPES[i % 3], hidden=4 + i) for i in range(6)]
 
     def run(call: dict) -> np.ndarray:

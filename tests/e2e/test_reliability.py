@@ -150,7 +150,7 @@ def test_sigterm_answers_all_8_admitted_calls_refuses_new_ones_and_exits_0(launc
     gate = tmp_path / "gate"
     gate.touch()  # open for the warm-up
     server = launch(hook=["--gate-file", str(gate), "--delay-s", "0.3"],
-                    flags=["--streams", "2", "--shutdown-grace-s", "60"])
+                    flags=["--streams", "2", "--shutdown-grace-s", "60", "--shutdown-drain-s", "1"])
     modes = ["dropless", "active", "drop_pad", "dropless"] * 2
     calls = [routed_call(i, mode=modes[i], hidden=4 + i, dtype=[np.float32, np.float16][i % 2]) for i in range(8)]
 

@@ -11,6 +11,10 @@ from moegrad_service.settings import Settings
 __all__ = ["Backend", "BackendWorker", "ReferenceBackend", "StreamPool", "Timings", "open_backend"]
 
 
+#: The most the ascend backend's close waits for kernels still running, in seconds (shutdown_grace_s when smaller).
+DEVICE_DRAIN_MAX_S = 10.0
+
+
 def open_backend(settings: Settings) -> Backend:
     """The backend ``settings.backend`` names: ``reference``, ``ascend``, or ``auto``.
 
@@ -28,7 +32,12 @@ def open_backend(settings: Settings) -> Backend:
     if settings.backend == "auto" and not ascend.ascend_available(settings.ascend_home_path):
         return _reference_backend(settings)
     try:
-        return ascend.AscendBackend(device_id=settings.device_id, ascend_home_path=settings.ascend_home_path)
+        return ascend.AscendBackend(
+            device_id=settings.device_id,
+            ascend_home_path=settings.ascend_home_path,
+            # closing waits for a still-running kernel no longer than shutdown waits for calls
+            drain_timeout_s=min(DEVICE_DRAIN_MAX_S, settings.shutdown_grace_s),
+        )
     except DeviceFault:
         raise
     except Exception as exc:  # a startup failure must read as one sentence
