@@ -66,7 +66,7 @@ class Timings:
 
 @dataclass(eq=False)
 class _Job:
-    call: MoeInitRoutingV2GradCall
+    call: MoeInitRoutingV2GradCall | _Calls | None  # None once settled
     deadline: float | None
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
@@ -85,6 +85,9 @@ class _Job:
             return True
 
     def settle(self, result: np.ndarray | None, error: BaseException | None) -> None:
+        # Let go of the call before its answer is sent: its tensors view the request's receive
+        # buffer, which is reused only once nothing else references it.
+        self.call = None
         self.finished = time.monotonic()
         self.loop.call_soon_threadsafe(self._settle, result, error)
 
@@ -416,9 +419,11 @@ class StreamPool:
 
     @staticmethod
     def _execute(worker, job: _Job) -> tuple[Any, BaseException | None]:
-        if isinstance(job.call, _Calls):  # run_many: each call's own outcome, in order
-            return [StreamPool._execute_one(worker, call, job.deadline) for call in job.call.calls], None
-        return StreamPool._execute_one(worker, job.call, job.deadline)
+        work = job.call
+        assert work is not None  # only a settled job has let go of its call
+        if isinstance(work, _Calls):  # run_many: each call's own outcome, in order
+            return [StreamPool._execute_one(worker, call, job.deadline) for call in work.calls], None
+        return StreamPool._execute_one(worker, work, job.deadline)
 
     @staticmethod
     def _execute_one(
