@@ -29,10 +29,10 @@ $(SERVE_STAMP): pyproject.toml | $(BIN)/python
 	touch $(SERVE_STAMP)
 
 # The kernels compile (numba, into its disk cache, so that every test server loads them) while mypy
-# runs: three processes on the cores. Then two pytest runs: everything not marked serial, two files
+# runs: three processes on the cores. Then two pytest runs: everything not marked serial, three files
 # at a time (pytest-xdist), then the serial tests (timing-sensitive: the attacks) alone.
 # `make test` leaves out the tests marked slow; `make test-all` runs them too.
-PYTEST_LANES := -n 2 --dist loadfile
+PYTEST_LANES := -n 3 --dist loadfile
 
 test: $(STAMP)
 	$(BIN)/ruff check client service
