@@ -19,13 +19,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# --no-compile: Python byte-compiles the modules it imports, when it imports them; compiling every
+# installed file (torch's thousands) up front took a minute of the install (2m22s -> 1m22s here).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[service,dev,plot]' '$(TORCH_TEST_PIN)'
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[service,dev,plot]' '$(TORCH_TEST_PIN)'
 	touch $(STAMP) $(SERVE_STAMP)
 
 # Serving needs only the service extra, not the test toolchain.
 $(SERVE_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[service]'
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[service]'
 	touch $(SERVE_STAMP)
 
 # The kernels compile (numba, into its disk cache, so that every test server loads them) while mypy
