@@ -108,12 +108,14 @@ class MemoryBudget:
             DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
         """
         held = body_bytes * self.HOLD_PER_BODY_BYTE
-        if held > self.ceiling(held):
+        ceiling = self.ceiling(held)
+        if held > ceiling:
+            share = "all" if ceiling == self.limit_bytes else "seven eighths"
             raise PayloadTooLarge(
                 f"a body of {body_bytes} bytes holds {held} bytes while it is answered (the body, and as much "
-                f"again for grad_x), over the {self.ceiling(held)} bytes a large call may take of the service's "
-                f"in-flight budget of {self.limit_bytes} bytes (max_inflight_bytes, seven eighths of it); "
-                "send smaller calls"
+                f"again for grad_x), over the {ceiling} bytes ({share} of the service's in-flight budget of "
+                f"{self.limit_bytes} bytes, max_inflight_bytes) that one call may take; send smaller calls, "
+                "or raise max_inflight_bytes"
             )
         self.reserve(held)
         return held
