@@ -651,12 +651,12 @@ def rss_after_load(server: ServerProcess, probes: Probes, quick: bool, budget: i
     answers: list[Answer] = []
     with watched(server, probes, outcome, budget):
         end = time.monotonic() + seconds
-        # three calls at a time and the probe's: within what the server admits (2 streams + max_queue
+        # two calls at a time and the probe's: one fewer than the server admits (2 streams + max_queue
         # 2), so that the load tests memory, not the queue's 503s (uploads_past_the_queue does that)
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(2) as pool:
             while time.monotonic() < end:
-                batch = [pool.submit(exchange, server.port, head, large, timeout_s=30)]
-                batch += [pool.submit(example_call, server.port) for _ in range(2)]
+                batch = [pool.submit(exchange, server.port, head, large, timeout_s=30),
+                         pool.submit(example_call, server.port)]
                 answers += [f.result() for f in batch]
     outcome.statuses.update(a.status for a in answers if a.status)
     outcome.resets += sum(1 for a in answers if a.error in ("reset", "closed"))
