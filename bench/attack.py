@@ -132,14 +132,8 @@ def exchange(port: int, head: bytes, body: bytes | memoryview = b"", *, chunk: i
                 if time.monotonic() > deadline:
                     return Answer(None, error="timeout", elapsed_s=time.monotonic() - started)
                 readable, writable, _ = select.select([sock], [sock], [], 0.05)
-                if readable:
-                    data = sock.recv(1 << 16)
-                    if not data:
-                        return _finish(received, started, "closed")
-                    received += data
-                    parsed = _parse(bytes(received))
-                    if parsed:
-                        return Answer(*parsed, elapsed_s=time.monotonic() - started)
+                if readable and (answer := _read_some(sock, received, started)):
+                    return answer
                 if writable:
                     try:
                         offset += sock.send(piece[offset:])
@@ -149,14 +143,8 @@ def exchange(port: int, head: bytes, body: bytes | memoryview = b"", *, chunk: i
                 time.sleep(len(piece) / rate_bps)
         while time.monotonic() < deadline:
             readable, _, _ = select.select([sock], [], [], 0.05)
-            if readable:
-                data = sock.recv(1 << 16)
-                if not data:
-                    return _finish(received, started, "closed")
-                received += data
-                parsed = _parse(bytes(received))
-                if parsed:
-                    return Answer(*parsed, elapsed_s=time.monotonic() - started)
+            if readable and (answer := _read_some(sock, received, started)):
+                return answer
         return Answer(None, error="timeout", elapsed_s=time.monotonic() - started)
     except (ConnectionResetError, BrokenPipeError) as exc:
         # The server may have answered and closed while we were still sending: read what came.
@@ -172,6 +160,17 @@ def exchange(port: int, head: bytes, body: bytes | memoryview = b"", *, chunk: i
     finally:
         if own:
             sock.close()
+
+
+def _read_some(sock: socket.socket, received: bytearray, started: float) -> Answer | None:
+    """Read what a readable socket has into ``received``: the answer once it is whole (or the close
+    that ended it), else None."""
+    data = sock.recv(1 << 16)
+    if not data:
+        return _finish(received, started, "closed")
+    received += data
+    parsed = _parse(bytes(received))
+    return Answer(*parsed, elapsed_s=time.monotonic() - started) if parsed else None
 
 
 def _finish(received: bytearray, started: float, error: str) -> Answer:
