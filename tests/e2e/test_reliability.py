@@ -214,6 +214,11 @@ def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_p
     wait_until(lambda: calls_seen(calls_file)[-1:] == ["H=7"], what="the call running")
     assert metric(server, "moegrad_inference_exec_count") == 1
     running.close()
+    disconnected = {"endpoint": GRAD_PATH, "reason": "client_disconnected"}
+    # the gate opens only once the server has seen the close: opened first, the call may finish
+    # before the close is read, and a result that is ready is sent (to nobody), not counted as 499
+    wait_until(lambda: metric(server, "moegrad_inference_request_failure_total", **disconnected) == 2,
+               what="the running call's disconnect counted")
     gate.touch()
     wait_until(lambda: admitted(server) == 0, what="the pool idle again")
     with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
@@ -227,7 +232,6 @@ def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_p
     sock.sendall((f"POST {GRAD_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/msgpack\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: len(body) // 2])
     sock.close()
-    disconnected = {"endpoint": GRAD_PATH, "reason": "client_disconnected"}
     wait_until(lambda: metric(server, "moegrad_inference_request_failure_total", **disconnected) == 3,
                what="three disconnects counted")  # queued, running, mid-upload
     with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
