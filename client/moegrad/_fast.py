@@ -167,8 +167,11 @@ def _aux(view: np.dtype, hidden: int) -> np.ndarray:
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
-    """A read-only view: numba compiles one specialisation per writability, and the service's inputs
-    (views of the request body) are read-only, so every caller passes inputs this way."""
+    """A read-only view (the array itself when it is one already): numba compiles one specialisation
+    per writability, and the service's inputs (views of the request body) are read-only, so every
+    caller passes inputs this way."""
+    if not array.flags.writeable:
+        return array
     view = array.view()
     view.flags.writeable = False
     return view
@@ -214,15 +217,14 @@ def accumulate(
     out_bits = out.view(view)
     flat_index = _read_only(np.ascontiguousarray(index.reshape(-1), dtype=np.int32))
     chunk = max(1, _CHUNK_INPUT_BYTES // max(1, top_k * hidden * rows.itemsize))
-
-    spans = [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
-    taken = itertools.count()  # next() on it is atomic under the GIL: each span is taken once
-
-    def lane(_first: int, _last: int) -> None:  # one per thread: take spans until none is left
-        while (number := next(taken)) < len(spans):
-            jit.run_rows(rows_bits, aux, flat_index, top_k, chains, group, tile, out_bits, *spans[number])
-
-    map_chunks(lane, max(1, min(lanes, len(spans))), 1)
+    _run_spans(
+        jit.run_rows,
+        (rows_bits, aux, flat_index, top_k, chains, group, tile, out_bits),
+        tokens,
+        chunk,
+        map_chunks,
+        lanes,
+    )
     return True
 
 
@@ -265,12 +267,38 @@ def accumulate_950(
     out_bits = out.view(view)
     flat_index = _read_only(np.ascontiguousarray(index.reshape(-1), dtype=np.int32))
     chunk = max(1, _CHUNK_INPUT_BYTES // max(1, top_k * hidden * rows.itemsize))
-    spans = [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
-    taken = itertools.count()
-
-    def lane(_first: int, _last: int) -> None:
-        while (number := next(taken)) < len(spans):
-            jit.run_rows_950(rows_bits, zero, flat_index, top_k, k_chunk, grouped, tile, out_bits, *spans[number])
-
-    map_chunks(lane, max(1, min(lanes, len(spans))), 1)
+    _run_spans(
+        jit.run_rows_950,
+        (rows_bits, zero, flat_index, top_k, k_chunk, grouped, tile, out_bits),
+        tokens,
+        chunk,
+        map_chunks,
+        lanes,
+    )
     return True
+
+
+def _run_spans(
+    kernel: Callable[..., None],
+    args: tuple,
+    tokens: int,
+    chunk: int,
+    map_chunks: Callable[[Callable[[int, int], None], int, int], None],
+    lanes: int,
+) -> None:
+    """``kernel(*args, start, stop)`` over the rows [0, tokens) in spans of ``chunk`` rows.
+
+    One span runs here, on the calling thread (a small call pays no hand-off to the pool); more go
+    to at most ``lanes`` of the pool's threads, each taking spans until none is left.
+    """
+    if tokens <= chunk:
+        kernel(*args, 0, tokens)
+        return
+    spans = [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
+    taken = itertools.count()  # next() on it is atomic under the GIL: each span is taken once
+
+    def lane(_first: int, _last: int) -> None:  # one per thread
+        while (number := next(taken)) < len(spans):
+            kernel(*args, *spans[number])
+
+    map_chunks(lane, min(lanes, len(spans)), 1)

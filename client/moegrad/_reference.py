@@ -34,6 +34,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 
@@ -47,10 +48,15 @@ __all__ = [
     "bin_count",
     "moe_init_routing_v2_grad",
     "moe_init_routing_v2_grad_golden",
+    "moe_init_routing_v2_grad_many",
     "warm_up",
 ]
 
 _CHUNK_BYTES = 2 << 20  # float32 bins of one chunk: small enough to stay in cache
+#: moe_init_routing_v2_grad_many stacks calls of at most this many input bytes (a larger call runs
+#: alone: stacking would copy it for no saving), into stacks of at most _STACK_BYTES.
+_STACK_CALL_BYTES = 1 << 20
+_STACK_BYTES = 16 << 20
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
@@ -137,7 +143,12 @@ _executor_lock = threading.Lock()
 
 
 def _workers() -> int:
-    configured = os.environ.get("MOEGRAD_REFERENCE_THREADS", "").strip()
+    return _workers_for(os.environ.get("MOEGRAD_REFERENCE_THREADS", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _workers_for(configured: str) -> int:  # cached: a small call would otherwise pay a syscall for it
+    configured = configured.strip()
     if configured:
         if not configured.isdigit() or int(configured) < 1:
             raise ValueError(f"MOEGRAD_REFERENCE_THREADS={configured!r} must be a positive integer")
@@ -414,6 +425,103 @@ def moe_init_routing_v2_grad(
     return _accumulate(
         call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk, grouped), out, chunking=(tiling.k_chunk, grouped)
     )
+
+
+def moe_init_routing_v2_grad_many(
+    calls: Sequence[MoeInitRoutingV2GradCall],
+    *,
+    ub_size_bytes: int = UB_SIZE_BYTES,
+    vector_core_count: int = VECTOR_CORE_COUNT,
+) -> list[np.ndarray]:
+    """grad_x of each of many validated calls: bit for bit what :func:`moe_init_routing_v2_grad`
+    gives each one, for a fraction of the per-call cost when the calls are small.
+
+    Every row of grad_x depends only on its own K slots, and the order of its adds only on K and the
+    order (the 950 orders: also on the tiling's k_chunk). So small calls that share the dtype, K, H,
+    the order and its k_chunk are computed as one: their rows stacked, each call's indices shifted
+    past the rows before it, a skipped slot (-1 in drop/pad mode, >= active_num in active mode)
+    marked -1, and the result rows split back. Calls of more than 1 MiB of input run alone.
+
+    Args:
+        calls: validated calls (:class:`MoeInitRoutingV2GradCall`), any modes, dtypes and orders.
+        ub_size_bytes, vector_core_count: as for :func:`moe_init_routing_v2_grad` (950 orders only).
+
+    Returns:
+        One grad_x per call, in order: [N, H], C-contiguous, the call's dtype in native byte order.
+        The grad_x of stacked calls are row ranges of one array.
+
+    Raises:
+        ValueError / TypeError: ``ub_size_bytes`` or ``vector_core_count`` is not a positive integer.
+    """
+    results: list[np.ndarray | None] = [None] * len(calls)
+    stacks: dict[tuple, list[int]] = {}
+    for position, call in enumerate(calls):
+        tokens, hidden = call.num_tokens, call.hidden_size
+        grad = call.grad_expanded_x
+        if tokens == 0 or hidden == 0 or grad.nbytes > _STACK_CALL_BYTES:
+            results[position] = moe_init_routing_v2_grad(
+                call, ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count
+            )
+            continue
+        chunking = None
+        if call.order in ASCEND950_ORDERS:
+            tiling = ascend950_tiling(
+                call.dtype_name,
+                tokens,
+                call.top_k,
+                hidden,
+                ub_size_bytes=ub_size_bytes,
+                vector_core_count=vector_core_count,
+            )
+            chunking = (tiling.k_chunk, ASCEND950_ORDERS[call.order])
+        stacks.setdefault((grad.dtype, call.top_k, hidden, call.order, chunking), []).append(position)
+    for (_, top_k, hidden, order, chunking), positions in stacks.items():
+        start = 0
+        while start < len(positions):  # stacks of at most _STACK_BYTES of input
+            stop, size = start, 0
+            while stop < len(positions) and (stop == start or size < _STACK_BYTES):
+                size += calls[positions[stop]].grad_expanded_x.nbytes
+                stop += 1
+            members = [calls[position] for position in positions[start:stop]]
+            schedule = accumulation_schedule(top_k, order) if chunking is None else ascend950_schedule(top_k, *chunking)
+            stacked = _stacked(members, top_k, hidden, schedule, chunking)
+            for position, grad_x in zip(positions[start:stop], stacked, strict=True):
+                results[position] = grad_x
+            start = stop
+    return cast(list[np.ndarray], results)
+
+
+def _stacked(
+    members: list[MoeInitRoutingV2GradCall],
+    top_k: int,
+    hidden: int,
+    schedule: Sequence[tuple[str, int, int]],
+    chunking: tuple[int, bool] | None,
+) -> list[np.ndarray]:
+    """The members' grad_x, computed as one drop/pad call over their stacked rows (see
+    :func:`moe_init_routing_v2_grad_many`); they share dtype, K, H and schedule."""
+    rows = np.concatenate([member.grad_expanded_x.reshape(-1, hidden) for member in members])
+    row_counts = np.array([member.grad_expanded_x.size // hidden for member in members], dtype=np.int64)
+    slot_counts = np.array([member.expanded_row_idx.shape[0] for member in members], dtype=np.int64)
+    index = np.concatenate([member.expanded_row_idx for member in members]).astype(np.int64)
+    first_row = np.repeat(np.cumsum(row_counts) - row_counts, slot_counts)
+    # each member's own skip rule in one: a valid index is below its own row count (dropless: N*K,
+    # active: A, drop/pad: E*C), and what is skipped (-1, or >= A) is outside [0, rows)
+    skipped = (index < 0) | (index >= np.repeat(row_counts, slot_counts))
+    stacked_index = np.where(skipped, -1, index + first_row).astype(np.int32)
+    stacked = MoeInitRoutingV2GradCall.model_construct(  # valid by construction: the members were validated
+        grad_expanded_x=rows.reshape(-1, 1, hidden),
+        expanded_row_idx=stacked_index,
+        top_k=top_k,
+        drop_pad_mode=1,
+        active_num=0,
+        order=members[0].order,
+        allow_duplicate_indices=True,
+    )
+    out = np.empty((stacked_index.shape[0] // top_k, hidden), dtype=rows.dtype.newbyteorder("="))
+    _accumulate(stacked, _F32, schedule, out, chunking=chunking)
+    bounds = np.cumsum(slot_counts // top_k)[:-1].tolist()
+    return np.split(out, bounds)
 
 
 def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np.ndarray:

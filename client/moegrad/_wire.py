@@ -292,14 +292,20 @@ def decode_body(body: bytes | bytearray | memoryview, limits: StructureLimits | 
 
 
 def _deeper_than(document: dict[str, Any], limit: int) -> bool:
-    """True when containers nest more than ``limit`` deep (the top-level map is depth 1); iterative."""
-    stack: list[tuple[Any, int]] = [(document, 1)]
-    while stack:
-        value, depth = stack.pop()
+    """True when containers nest more than ``limit`` deep (the top-level map is depth 1); iterative,
+    one level of containers at a time (msgpack decodes to exactly dict and list)."""
+    level: list[Any] = [document]
+    depth = 1
+    while level:
         if depth > limit:
             return True
-        children = value.values() if isinstance(value, dict) else value
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        below = []
+        for value in level:
+            for child in value.values() if type(value) is dict else value:
+                if type(child) is dict or type(child) is list:
+                    below.append(child)
+        level = below
+        depth += 1
     return False
 
 
@@ -386,7 +392,7 @@ def decode_batch(
                 )
             elif not all(isinstance(key, str) for key in item):
                 items.append(MalformedRequest(f"batch item {index} has a key that is not a string"))
-            elif _deeper_than(item, MAX_DEPTH):
+            elif seen[0] > MAX_DEPTH and _deeper_than(item, MAX_DEPTH):  # fewer containers cannot nest deeper
                 items.append(MalformedRequest(f"batch item {index} is nested more than {MAX_DEPTH} containers deep"))
             else:
                 items.append(item)

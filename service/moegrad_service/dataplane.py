@@ -219,9 +219,10 @@ class Duration:
     count: int = 0
     ns: int = 0
 
-    def add(self, seconds: float) -> None:
-        self.count += 1
-        self.ns += max(0, round(seconds * 1e9))
+    def add(self, seconds: float, count: int = 1) -> None:
+        """Count ``count`` events that took ``seconds`` each."""
+        self.count += count
+        self.ns += count * max(0, round(seconds * 1e9))
 
 
 @dataclass
@@ -395,15 +396,18 @@ class DataPlane:
         self._count_success(received, entered, computed, timings)
         return outcome
 
-    def _count_success(self, received: float, entered: float, computed: float, timings: Timings) -> None:
+    def _count_success(
+        self, received: float, entered: float, computed: float, timings: Timings, count: int = 1
+    ) -> None:
+        """Count ``count`` successful calls that each took these times (a batch chunk's calls share them)."""
         stats, done = self.statistics, time.perf_counter()
-        stats.success.add(done - received)
-        stats.queue.add(timings.queue_s)
-        stats.compute_input.add(entered - received)
-        stats.compute_infer.add(timings.compute_s)
-        stats.compute_output.add(done - computed)
-        stats.inference_count += 1
-        stats.execution_count += 1
+        stats.success.add(done - received, count)
+        stats.queue.add(timings.queue_s, count)
+        stats.compute_input.add(entered - received, count)
+        stats.compute_infer.add(timings.compute_s, count)
+        stats.compute_output.add(done - computed, count)
+        stats.inference_count += count
+        stats.execution_count += count
         stats.last_inference_ms = time.time_ns() // 1_000_000
 
     def _outcome(self, call: MoeInitRoutingV2GradCall, grad_x: np.ndarray, timings: Timings) -> GradOutcome:
@@ -470,20 +474,24 @@ class DataPlane:
             except MoegradError as exc:  # the whole chunk was refused or timed out: each call says so
                 for index, _ in chunk:
                     answers[index] = exc
-                    self.statistics.fail.add(time.perf_counter() - entered)
+                self.statistics.fail.add(time.perf_counter() - entered, len(chunk))
                 return
             computed = time.perf_counter()
             self.metrics.queue_duration.observe(timings.queue_s)
             self.metrics.compute_duration.observe(timings.compute_s)
             share = Timings(timings.queue_s, timings.compute_s / len(chunk))
+            failed = 0
             for (index, call), (grad_x, error) in zip(chunk, outcomes, strict=True):
                 if error is not None:
                     answers[index] = error
-                    self.statistics.fail.add(computed - entered)
+                    failed += 1
                 else:
                     assert grad_x is not None
                     answers[index] = self._outcome(call, grad_x, share)
-                    self._count_success(entered, entered, computed, share)
+            if failed:
+                self.statistics.fail.add(computed - entered, failed)
+            if failed < len(chunk):
+                self._count_success(entered, entered, computed, share, len(chunk) - failed)
 
         async def run_comparison(index: int, comparison: Comparison) -> None:
             try:

@@ -34,3 +34,53 @@ async def test_the_pool_holds_no_reference_to_a_finished_call():
         assert output() is None, "the pool still holds the finished call's grad_x"
     finally:
         await pool.close(grace_s=5)
+
+
+class _FailingTogether:
+    """A reference slot whose run_many raises (or declines): the pool must run each call alone."""
+
+    def __init__(self, worker, declines: bool) -> None:
+        self._worker, self._declines, self.together = worker, declines, 0
+
+    def run(self, call, *, timeout_s):
+        return self._worker.run(call, timeout_s=timeout_s)
+
+    def run_many(self, calls, *, timeout_s):
+        self.together += 1
+        if self._declines:
+            return None
+        raise RuntimeError("run_many broke")
+
+    def close(self) -> None:
+        self._worker.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("declines", [False, True], ids=["raises", "declines"])
+async def test_a_batch_runs_one_by_one_when_run_many_fails_or_declines(declines):
+    workers = []
+
+    class Backend(ReferenceBackend):
+        def open_worker(self, index):
+            workers.append(_FailingTogether(super().open_worker(index), declines))
+            return workers[-1]
+
+    pool = StreamPool(Backend(warm_up=False), streams=1, max_queue=4)
+    await pool.start()
+    try:
+        calls = [
+            moegrad.MoeInitRoutingV2GradCall(
+                grad_expanded_x=np.full((4, 2), float(n), np.float32),
+                expanded_row_idx=np.arange(4, dtype=np.int32),
+                top_k=2,
+            )
+            for n in (1, 3)
+        ]
+        outcomes, _ = await pool.run_many(calls, timeout_s=30)
+        assert workers[0].together == 1
+        assert [(grad_x.tolist(), error) for grad_x, error in outcomes] == [
+            ([[2.0, 2.0]] * 2, None),
+            ([[6.0, 6.0]] * 2, None),
+        ]
+    finally:
+        await pool.close(grace_s=5)

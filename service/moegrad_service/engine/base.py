@@ -44,6 +44,9 @@ class BackendWorker(Protocol):
 
     # Optional: ``accepts_calls() -> bool``, asked on the worker's own thread before each call and
     # while it cannot: False takes the slot out of the pool's capacity until it answers True again.
+    # Optional: ``run_many(calls, *, timeout_s) -> list[np.ndarray] | None``, a batch's calls at once
+    # (each grad_x as ``run`` gives it), or None to have them run one by one; should it raise, the
+    # pool runs them one by one, so that each call gets its own answer.
 
 
 @runtime_checkable

@@ -422,8 +422,29 @@ class StreamPool:
         work = job.call
         assert work is not None  # only a settled job has let go of its call
         if isinstance(work, _Calls):  # run_many: each call's own outcome, in order
+            together = StreamPool._execute_together(worker, work.calls, job.deadline)
+            if together is not None:
+                return together, None
             return [StreamPool._execute_one(worker, call, job.deadline) for call in work.calls], None
         return StreamPool._execute_one(worker, work, job.deadline)
+
+    @staticmethod
+    def _execute_together(
+        worker, calls: tuple[MoeInitRoutingV2GradCall, ...], deadline: float | None
+    ) -> list[tuple[np.ndarray | None, BaseException | None]] | None:
+        """The calls through the worker's optional ``run_many`` (all of them at once), or None: the
+        worker has none or declines (returns None), or it raised, and each call then runs on its own
+        so that each gets its own answer."""
+        run_many = getattr(worker, "run_many", None)
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if run_many is None or (remaining is not None and remaining <= 0):
+            return None
+        try:
+            results = run_many(calls, timeout_s=remaining)
+        except Exception:
+            log.exception("the backend's run_many failed; running the calls one by one")
+            return None
+        return None if results is None else [(grad_x, None) for grad_x in results]
 
     @staticmethod
     def _execute_one(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 import moegrad
 from moegrad import MoeInitRoutingV2GradCall, moe_init_routing_v2_grad
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad._reference import moe_init_routing_v2_grad_many
 
 __all__ = ["ReferenceBackend"]
 
@@ -66,6 +67,17 @@ class _ReferenceWorker:
             self._backend.fault_hook(call, timeout_s)
         return moe_init_routing_v2_grad(
             call, ub_size_bytes=self._backend.ub_size_bytes, vector_core_count=self._backend.vector_core_count
+        )
+
+    def run_many(
+        self, calls: Sequence[MoeInitRoutingV2GradCall], *, timeout_s: float | None
+    ) -> list[np.ndarray] | None:
+        """grad_x of each call, small ones computed together (``moe_init_routing_v2_grad_many``: the
+        same bits); None when a fault hook is set, so that it sees each call on its own."""
+        if self._backend.fault_hook is not None:
+            return None
+        return moe_init_routing_v2_grad_many(
+            calls, ub_size_bytes=self._backend.ub_size_bytes, vector_core_count=self._backend.vector_core_count
         )
 
     def close(self) -> None:

@@ -1,0 +1,125 @@
+"""Many small calls computed as one (``moe_init_routing_v2_grad_many``), bit for bit each call's own.
+
+Expected values come from the independent slow loops (docs/semantics.md sections 2 and 7.2:
+tests/unit/test_reference.py and tests/unit/test_ascend950.py) and from the documentation's example,
+never from the function under test; both kernel paths (compiled and NumPy) run every case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moegrad import MoeInitRoutingV2GradCall, _reference, ascend950_tiling
+from moegrad._reference import moe_init_routing_v2_grad_many
+from test_ascend950 import slow950
+from test_reference import GRAD_DTYPES, MODES, assert_bitwise_equal, random_call, slow_grad_x
+
+ALL_ORDERS = ["ascend910b", "sequential", "ascend950", "ascend950@2025-12"]
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def path(request, monkeypatch):
+    if request.param == "numba":
+        pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
+    monkeypatch.setattr(_reference, "_KERNEL", request.param)
+    return request.param
+
+
+def slow(call: MoeInitRoutingV2GradCall) -> np.ndarray:
+    """The call's grad_x from the slow loop of its order (the 950's k_chunk from its tiling)."""
+    grad, idx = call.grad_expanded_x, call.expanded_row_idx
+    args = (grad, idx, call.top_k, call.drop_pad_mode, call.active_num)
+    if call.order.startswith("ascend950"):
+        chunk = ascend950_tiling(grad.dtype, call.num_tokens, call.top_k, call.hidden_size).k_chunk
+        return slow950(*args, chunk=chunk, grouped=call.order == "ascend950")
+    return slow_grad_x(*args, order=call.order)
+
+
+def mixed_calls(seed: int, count: int) -> list[MoeInitRoutingV2GradCall]:
+    """Calls of every mode, dtype and order, K and N varied (so also the 950's k_chunk), some sharing
+    a stack and some not; a few strided or byte-swapped."""
+    rng = np.random.default_rng(seed)
+    calls = []
+    for number in range(count):
+        mode = MODES[number % 3]
+        dtype = GRAD_DTYPES[int(rng.integers(3))]
+        top_k = int(rng.choice([1, 2, 3, 5, 8, 130]))
+        tokens = int(rng.integers(2, 6)) if top_k < 100 else 2
+        grad, idx, drop_pad_mode, active_num = random_call(
+            rng, mode, top_k, dtype, tokens, hidden=int(rng.choice([1, 3, 67]))
+        )
+        if number % 7 == 3:
+            grad = np.asfortranarray(grad)
+        elif number % 7 == 5 and dtype != GRAD_DTYPES[1]:  # bfloat16 has no byte-swapped NumPy form
+            grad = grad.astype(grad.dtype.newbyteorder(">"))
+        calls.append(
+            MoeInitRoutingV2GradCall(
+                grad_expanded_x=grad,
+                expanded_row_idx=idx,
+                top_k=top_k,
+                drop_pad_mode=drop_pad_mode,
+                active_num=active_num,
+                order=ALL_ORDERS[int(rng.integers(4))],
+            )
+        )
+    return calls
+
+
+def test_each_result_is_the_slow_loops_bits(path):
+    calls = mixed_calls(1, 60) + mixed_calls(1, 60)  # the same shapes twice: stacks of several members
+    results = moe_init_routing_v2_grad_many(calls)
+    assert len(results) == len(calls)
+    for call, grad_x in zip(calls, results, strict=True):
+        assert grad_x.flags.c_contiguous
+        assert_bitwise_equal(grad_x, slow(call))
+
+
+def test_the_documented_example_in_a_stack():
+    """docs/operator.md's example, three times over with a different call between: [[0.3, 0.3],
+    [0.70000005, 0.70000005]] float32 each time."""
+    grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
+    example = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.array([2, 0, 1, 3], np.int32), top_k=2)
+    other = MoeInitRoutingV2GradCall(
+        grad_expanded_x=np.ones((2, 2), np.float32), expanded_row_idx=np.array([1, 0], np.int32), top_k=2
+    )
+    want = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32).view(np.uint32)
+    results = moe_init_routing_v2_grad_many([example, other, example, example])
+    for grad_x in (results[0], results[2], results[3]):
+        assert (grad_x.view(np.uint32) == want).all()
+    assert (results[1] == np.float32(2.0)).all()
+
+
+def test_empty_large_and_split_stacks_keep_the_bits(monkeypatch, path):
+    monkeypatch.setattr(_reference, "_STACK_CALL_BYTES", 600)  # some calls now run alone
+    monkeypatch.setattr(_reference, "_STACK_BYTES", 1000)  # and the rest in several stacks
+    calls = mixed_calls(2, 40)
+    empty = [
+        MoeInitRoutingV2GradCall(
+            grad_expanded_x=np.zeros((0, 3), np.float32), expanded_row_idx=np.zeros(0, np.int32), top_k=2
+        ),
+        MoeInitRoutingV2GradCall(
+            grad_expanded_x=np.zeros((4, 0), np.float16), expanded_row_idx=np.arange(4, dtype=np.int32), top_k=2
+        ),
+    ]
+    calls[5:5] = empty
+    results = moe_init_routing_v2_grad_many(calls)
+    assert results[5].shape == (0, 3) and results[6].shape == (2, 0) and results[6].dtype == np.float16
+    for call, grad_x in zip(calls, results, strict=True):
+        if call.num_tokens and call.hidden_size:
+            assert_bitwise_equal(grad_x, slow(call))
+
+
+def test_duplicate_indices_allowed_by_a_call_stay_its_own():
+    grad = np.array([[1.0], [2.0], [4.0]], dtype=np.float32)
+    duplicated = MoeInitRoutingV2GradCall(
+        grad_expanded_x=grad,
+        expanded_row_idx=np.array([2, 2, 0], np.int32),
+        top_k=3,
+        drop_pad_mode=0,
+        active_num=3,
+        allow_duplicate_indices=True,
+    )
+    plain = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.array([2, 1, 0], np.int32), top_k=3)
+    results = moe_init_routing_v2_grad_many([duplicated, plain])
+    assert results[0].tolist() == [[9.0]] and results[1].tolist() == [[7.0]]
