@@ -100,14 +100,9 @@ class MoeInitRoutingV2GradCall(BaseModel):
         top_k, mode, active = self._check_attributes()
         self._check_shapes(grad, idx, top_k, mode, active)
         self._check_indices(grad, idx, top_k, mode, active)
-        for name, value in (
-            ("grad_expanded_x", grad),
-            ("expanded_row_idx", idx),
-            ("top_k", top_k),
-            ("drop_pad_mode", mode),
-            ("active_num", active),
-        ):
-            object.__setattr__(self, name, value)
+        for name, value in (("top_k", top_k), ("drop_pad_mode", mode), ("active_num", active)):
+            if value is not getattr(self, name):  # e.g. a numpy integer, kept as the int it is
+                object.__setattr__(self, name, value)
         return self
 
     # Rules 1-2: presence and dtypes.
@@ -139,12 +134,15 @@ class MoeInitRoutingV2GradCall(BaseModel):
         values = []
         for field in _ATTRIBUTES:
             raw = getattr(self, field)
-            try:
-                if isinstance(raw, (bool, np.bool_)):
-                    raise TypeError
-                value = operator.index(raw)
-            except TypeError:
-                raise _fail(_TILING, field, f"{field}={brief(raw)} must be an integer") from None
+            if type(raw) is int:  # the common case (bool is not int's type, so it is refused below)
+                value = raw
+            else:
+                try:
+                    if isinstance(raw, (bool, np.bool_)):
+                        raise TypeError
+                    value = operator.index(raw)
+                except TypeError:
+                    raise _fail(_TILING, field, f"{field}={brief(raw)} must be an integer") from None
             if not _INT64[0] <= value <= _INT64[1]:
                 raise _fail(_TILING, field, f"{field}={value} does not fit the operator's int64_t")
             values.append(value)
@@ -315,7 +313,9 @@ class MoeInitRoutingV2GradCall(BaseModel):
             PayloadTooLarge: a tensor over ``max_elements``.
             InvalidArgument: a documented constraint is broken (HTTP 422, with the aclnn code).
         """
-        unknown = sorted(map(str, set(document) - _WIRE_FIELDS - extra_fields))
+        unknown = (
+            [] if _WIRE_FIELDS.issuperset(document) else sorted(map(str, set(document) - _WIRE_FIELDS - extra_fields))
+        )
         if unknown:
             raise MalformedRequest(
                 f"unknown field {brief(unknown[0])}; the fields are {sorted(_WIRE_FIELDS | extra_fields)}",
