@@ -202,7 +202,7 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
             field=field,
         )
     try:
-        return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+        return np.ndarray(shape, dtype, data)  # a view of the bytes, as np.frombuffer(...).reshape(shape) gives
     except ValueError:  # an empty array with a dimension NumPy cannot represent, e.g. [0, 2**70]
         raise MalformedRequest(f"{field}.shape={shape} is too large for an array", field=field) from None
 
