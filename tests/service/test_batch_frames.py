@@ -94,6 +94,32 @@ def test_a_batch_answers_in_order_with_each_calls_own_bits(client):
             assert (bits_of(result["grad_x"]) == want.view(np.uint32)).all()
 
 
+def test_every_mode_dtype_and_order_in_one_batch_gives_the_single_call_bits(client):
+    """Calls of every mode, dtype and order, several of each shape (the CPU emulation computes such
+    calls of a batch together): each result has the bits the single-call endpoint answers."""
+    import routing
+
+    rng = np.random.default_rng(11)
+    items = []
+    for number in range(36):
+        mode = ("dropless", "active", "drop_pad")[number % 3]
+        dtype = ("float16", "bfloat16", "float32")[number // 3 % 3]
+        order = moegrad.ORDERS[number // 9 % len(moegrad.ORDERS)]
+        r = routing.route(np.random.default_rng(number % 4), 6, 3, 4, mode)
+        grad = rng.standard_normal(r.grad_shape(5)).astype(moegrad.DTYPES[dtype])
+        items.append(example_document(
+            grad_expanded_x={"dtype": dtype, "shape": list(grad.shape), "data": grad.tobytes()},
+            expanded_row_idx={"dtype": "int32", "shape": [r.expanded_row_idx.size],
+                              "data": r.expanded_row_idx.astype("<i4").tobytes()},
+            top_k=r.top_k, drop_pad_mode=r.drop_pad_mode, active_num=r.active_num, order=order))
+    results = results_of(post_batch(client, items * 2))
+    for item, result in zip(items * 2, results, strict=True):
+        alone = post(client, item)
+        assert alone.status_code == 200, alone.text
+        want = msgpack.unpackb(alone.content, raw=False)["grad_x"]
+        assert result["grad_x"] == want
+
+
 def test_empty_calls_and_an_empty_batch(client):
     results = results_of(post_batch(client, [example_document(
         grad_expanded_x={"dtype": "float32", "shape": [0, 2], "data": b""},
