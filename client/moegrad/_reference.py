@@ -520,8 +520,8 @@ def _stacked(
     )
     out = np.empty((stacked_index.shape[0] // top_k, hidden), dtype=rows.dtype.newbyteorder("="))
     _accumulate(stacked, _F32, schedule, out, chunking=chunking)
-    bounds = np.cumsum(slot_counts // top_k)[:-1].tolist()
-    return np.split(out, bounds)
+    bounds = np.cumsum(slot_counts // top_k).tolist()
+    return [out[stop - tokens : stop] for stop, tokens in zip(bounds, (slot_counts // top_k).tolist(), strict=True)]
 
 
 def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np.ndarray:
