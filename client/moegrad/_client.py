@@ -782,7 +782,8 @@ class _ClientCore:
                     kinds.append(("grad", checked, True))
                 documents.append(document)
             except MoegradError as exc:  # a call refused locally (InvalidArgument, MalformedRequest): its own answer
-                documents.append(exc)
+                # without its traceback: through ``documents`` it would be a cycle holding every item's arrays
+                documents.append(exc.with_traceback(None))
                 kinds.append(("grad", None, False))
         return documents, kinds
 
@@ -1267,7 +1268,7 @@ class Client(_ClientBase):
             try:
                 call = MoeInitRoutingV2GradCall(**fields)
             except (InvalidArgument, MalformedRequest, TypeError, ValueError) as exc:
-                outcomes[index] = exc
+                outcomes[index] = exc.with_traceback(None)  # a cycle through ``outcomes`` otherwise
                 continue
             items.append(BatchCompare(call, candidate, standards, False))
             sent.append((index, call))

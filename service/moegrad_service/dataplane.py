@@ -445,7 +445,9 @@ class DataPlane:
         Returns:
             One entry per item, in order: a GradOutcome, a CompareOutcome, or the exception
             (MoegradError: DeviceBusy, DeadlineExceeded, InvalidArgument, DeviceFault ...) that
-            item alone raised.
+            item alone raised, without its traceback: a caught exception kept in a list that its
+            own traceback's frames reach is a reference cycle, which would hold the batch's tensors
+            until the garbage collector next runs (an idle server may not run it for a long time).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -472,6 +474,7 @@ class DataPlane:
                     [call for _, call in chunk], timeout_s=max(deadline - loop.time(), 1e-6)
                 )
             except MoegradError as exc:  # the whole chunk was refused or timed out: each call says so
+                exc.with_traceback(None)  # kept as an answer: see Returns
                 for index, _ in chunk:
                     answers[index] = exc
                 self.statistics.fail.add(time.perf_counter() - entered, len(chunk))
@@ -497,7 +500,7 @@ class DataPlane:
             try:
                 answers[index] = await self.compare(comparison, timeout_s=max(deadline - loop.time(), 1e-6))
             except MoegradError as exc:
-                answers[index] = exc
+                answers[index] = exc.with_traceback(None)
 
         # Grad calls go to the pool in chunks, one queue entry each, as many chunks as workers (at
         # least BATCH_CHUNK_CALLS calls a chunk, fewer when there are fewer calls).

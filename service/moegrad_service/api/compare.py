@@ -13,13 +13,13 @@ from functools import partial
 from typing import Any
 
 from fastapi import Request, Response
-from starlette.concurrency import run_in_threadpool
 
 from moegrad import MalformedRequest, MoeInitRoutingV2GradCall, decode_tensor, encode_tensor
 from moegrad_service.api.inputs import (
     dataplane_of,
     disconnected,
     metrics_of,
+    off_loop,
     read_document,
     request_timeout,
     settings_of,
@@ -66,7 +66,7 @@ async def compare_candidate(request: Request) -> Response:
     dataplane, metrics = dataplane_of(request), metrics_of(request)
     timeout_s = request_timeout(request)
     dataplane.check_order(document.get("order"))
-    comparison = await run_in_threadpool(
+    comparison = await off_loop(
         decode_comparison,
         document,
         max_elements=settings_of(request).max_elements,

@@ -13,7 +13,6 @@ from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from starlette.concurrency import run_in_threadpool
 
 from moegrad import (
     FRAMES_MEDIA_TYPE,
@@ -35,6 +34,7 @@ from moegrad_service.api.inputs import (
     dataplane_of,
     disconnected,
     metrics_of,
+    off_loop,
     read_body,
     read_call,
     request_timeout,
@@ -159,7 +159,9 @@ def decode_batch_items(
                     MoeInitRoutingV2GradCall.from_wire(item, max_elements=max_elements, default_order=default_order)
                 )
         except MoegradError as exc:
-            decoded.append(exc)
+            # without its traceback, whose first frame is this one: through ``decoded`` it would
+            # be a cycle holding every item's tensors until the garbage collector next runs
+            decoded.append(exc.with_traceback(None))
     return decoded
 
 
@@ -209,7 +211,7 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
         items = decode_batch(body, REQUEST_LIMITS, max_calls=MAX_BATCH_CALLS)
         return decode_batch_items(items, dataplane, max_elements=settings.max_elements)
 
-    items = await run_in_threadpool(decode) if len(body) > INLINE_DECODE_BYTES else decode()
+    items = await off_loop(decode) if len(body) > INLINE_DECODE_BYTES else decode()
     answers = await dataplane.infer_batch(items, timeout_s=timeout_s)
     reply = {"results": batch_reply(items, answers), "timings_ms": {"total": (time.perf_counter() - started) * 1e3}}
     response = msgpack_response(reply, metrics)

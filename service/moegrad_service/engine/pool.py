@@ -363,7 +363,8 @@ class StreamPool:
                 if job is _STOP:
                     return
                 if not job.transition("queued", "running"):
-                    continue  # cancelled while queued; already accounted for
+                    job = None  # cancelled while queued, already accounted for: wait holding nothing of it
+                    continue
                 job.started, job.worker = time.monotonic(), index
                 with self._lock:
                     self._queued -= 1
@@ -456,7 +457,7 @@ class StreamPool:
         try:
             return worker.run(call, timeout_s=remaining), None
         except (InvalidArgument, DeadlineExceeded, DeviceFault, DeviceBusy) as exc:
-            return None, exc
+            return None, exc.with_traceback(None)  # an answer: its frames (and the call's tensors) may go
         except MoegradError as exc:
             return None, DeviceFault(str(exc))
         except Exception as exc:  # a backend bug is a device fault, never a crash

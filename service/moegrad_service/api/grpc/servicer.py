@@ -22,13 +22,12 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
-from starlette.concurrency import run_in_threadpool
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from moegrad import DeadlineExceeded, DeviceBusy, MalformedRequest, MoegradError
 from moegrad_service.api.errors import NotFound, answer_for, message_of, shared_headers
 from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response
-from moegrad_service.api.inputs import INLINE_DECODE_BYTES
+from moegrad_service.api.inputs import INLINE_DECODE_BYTES, off_loop
 from moegrad_service.api.v2.codec import INLINE_ENCODE_ELEMENTS
 from moegrad_service.api.v2.model import (
     check_model,
@@ -99,12 +98,12 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
                 self.dataplane.admit()
                 reserved = self.dataplane.budget.reserve_body(len(raw))
             if len(raw) > INLINE_DECODE_BYTES:
-                request = await run_in_threadpool(_parse, request_type, raw)
+                request = await off_loop(_parse, request_type, raw)
             else:
                 request = _parse(request_type, raw)
             reply = await method(self, request, context, started)
             if len(raw) > INLINE_DECODE_BYTES or (infer and _large(reply)):
-                data = await run_in_threadpool(reply.SerializeToString)
+                data = await off_loop(reply.SerializeToString)
             else:
                 data = reply.SerializeToString()
             if infer:
@@ -215,14 +214,14 @@ class InferenceServicer:
         decode = functools.partial(
             decode_infer_request, request, max_elements=settings.max_elements, default_order=dataplane.default_order
         )
-        decoded = await run_in_threadpool(decode) if _declared_bytes(request) > INLINE_DECODE_BYTES else decode()
+        decoded = await off_loop(decode) if _declared_bytes(request) > INLINE_DECODE_BYTES else decode()
         dataplane.check_order(decoded.named_order)
         if decoded.timeout_s is not None:
             timeout_s = min(timeout_s, decoded.timeout_s)
         # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).
         outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, received_s=started)
         if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS:
-            response = await run_in_threadpool(encode_infer_response, outcome, decoded.id)
+            response = await off_loop(encode_infer_response, outcome, decoded.id)
         else:
             response = encode_infer_response(outcome, decoded.id)
         return response

@@ -23,7 +23,6 @@ from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from starlette.concurrency import run_in_threadpool
 
 from moegrad import MalformedRequest
 from moegrad_service.api.errors import NotFound
@@ -31,6 +30,7 @@ from moegrad_service.api.inputs import (
     dataplane_of,
     disconnected,
     metrics_of,
+    off_loop,
     read_body,
     request_timeout,
     settings_of,
@@ -197,7 +197,7 @@ async def infer(request: Request) -> Response:
         max_elements=settings.max_elements,
         default_order=dataplane.default_order,
     )
-    decoded = await run_in_threadpool(decode) if len(body) > INLINE_JSON_BYTES else decode()
+    decoded = await off_loop(decode) if len(body) > INLINE_JSON_BYTES else decode()
     dataplane.check_order(decoded.named_order)
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
@@ -205,7 +205,7 @@ async def infer(request: Request) -> Response:
         decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request), received_s=started
     )
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
-    response = await run_in_threadpool(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
+    response = await off_loop(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()
     metrics.bytes_out.inc(response.length if isinstance(response, PartsResponse) else len(response.body))
     metrics.succeeded(request.scope["route"].path, started)
     return response
