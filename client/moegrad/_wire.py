@@ -237,7 +237,8 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 
 def decode_body(body: bytes | bytearray | memoryview, limits: StructureLimits | None = None) -> dict[str, Any]:
-    """Unpack a msgpack body into a map with string keys.
+    """Unpack a msgpack body into a map with string keys (nested maps are checked where they are
+    read: a tensor map's keys by :func:`decode_tensor`).
 
     Args:
         body: the msgpack bytes.
@@ -277,7 +278,7 @@ def decode_body(body: bytes | bytearray | memoryview, limits: StructureLimits | 
             body,
             raw=False,
             use_list=True,
-            strict_map_key=True,
+            strict_map_key=False,  # a key that is not a string is refused below, as a batch item's is
             max_bin_len=size,
             max_ext_len=0,
             ext_hook=_reject_ext,
@@ -297,6 +298,8 @@ def decode_body(body: bytes | bytearray | memoryview, limits: StructureLimits | 
         raise MalformedRequest(f"body is not a valid msgpack document ({type(exc).__name__}: {reason})") from None
     if not isinstance(document, dict):
         raise MalformedRequest(f"body must be a msgpack map, got {type(document).__name__}")
+    if not all(isinstance(key, str) for key in document):
+        raise MalformedRequest("body has a key that is not a string")
     if _deeper_than(document, MAX_DEPTH):
         raise MalformedRequest(f"body is nested more than {MAX_DEPTH} containers deep")
     return document

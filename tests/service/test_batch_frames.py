@@ -55,6 +55,7 @@ BAD_CALLS = [
     {"grad_expanded_x": {"dtype": "float64", "shape": [4, 2], "data": bytes(64)}},
     {"grad_expanded_x": {"dtype": "float32", "shape": [4, 2], "data": bytes(31)}},
     {"extra": 1},
+    {"grad_expanded_x": {"dtype": "float32", "shape": [4, 2], "data": DOC_GRAD.tobytes(), 1: 2}},  # a key not a string
 ]
 
 
