@@ -168,3 +168,22 @@ def test_a_refused_large_request_frees_its_body_without_the_collector(collector_
         finally:
             tracemalloc.stop()
     assert only_by_the_collector < 1 << 20, f"{only_by_the_collector >> 20} MiB were held by a reference cycle"
+
+
+@pytest.mark.asyncio
+async def test_a_timed_out_call_holds_no_tensor_once_answered(collector_off):
+    from dataplane_cases import open_dataplane
+
+    async with open_dataplane(ReferenceBackend(warm_up=False), streams=1) as dataplane:
+        grad = np.ones((4096, 64), np.float32)
+        call = moegrad.MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.arange(4096, dtype=np.int32),
+                                                top_k=4)
+        with pytest.raises(moegrad.DeadlineExceeded):
+            await dataplane.infer(call, timeout_s=1e-6)
+        tensor = weakref.ref(grad)
+        del grad, call
+        for _ in range(200):  # a call that had started finishes on its worker just after
+            if dataplane.pool.queue_depth == 0 and dataplane.pool.in_flight == 0 and tensor() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert tensor() is None, "a timed-out call's tensors are still referenced"

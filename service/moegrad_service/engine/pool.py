@@ -273,6 +273,12 @@ class StreamPool:
         except asyncio.CancelledError:
             if job.transition("queued", "cancelled"):  # the caller went away before its turn: costs nothing
                 self._dequeued(job)
+            del job  # see below
+            raise
+        except BaseException:
+            # The job's future holds what is raised, and its traceback holds this frame: with the job
+            # still in it, that would be a cycle keeping the call's tensors until the next collection.
+            del job
             raise
         finally:
             if timer is not None:
