@@ -208,22 +208,12 @@ def accumulate(
     if plan is None:
         return False
     chains, group = plan
-    tokens, hidden = out.shape
+    hidden = out.shape[1]
     groups = chains.shape[0] // group
     kept = group + (groups if groups > 1 else 0)  # float32 bins per element of a tile: working + group results
     tile = min(hidden, max(64, _BIN_BYTES // (4 * kept) // 64 * 64))
-    aux = _aux(view, hidden)
-    rows_bits = _read_only(rows.view(view))
-    out_bits = out.view(view)
-    flat_index = _read_only(np.ascontiguousarray(index.reshape(-1), dtype=np.int32))
-    chunk = max(1, _CHUNK_INPUT_BYTES // max(1, top_k * hidden * rows.itemsize))
     _run_spans(
-        jit.run_rows,
-        (rows_bits, aux, flat_index, top_k, chains, group, tile, out_bits),
-        tokens,
-        chunk,
-        map_chunks,
-        lanes,
+        jit.run_rows, view, rows, _aux(view, hidden), index, top_k, (chains, group, tile), out, map_chunks, lanes
     )
     return True
 
@@ -260,37 +250,41 @@ def accumulate_950(
     jit = _load_jit()
     if jit is None:
         return False
-    tokens, hidden = out.shape
-    tile = min(hidden, _TILE_950)
+    hidden = out.shape[1]
     zero = _aux(view, hidden)[:1]  # row 0 of the aux rows: all +0.0
-    rows_bits = _read_only(rows.view(view))
-    out_bits = out.view(view)
-    flat_index = _read_only(np.ascontiguousarray(index.reshape(-1), dtype=np.int32))
-    chunk = max(1, _CHUNK_INPUT_BYTES // max(1, top_k * hidden * rows.itemsize))
-    _run_spans(
-        jit.run_rows_950,
-        (rows_bits, zero, flat_index, top_k, k_chunk, grouped, tile, out_bits),
-        tokens,
-        chunk,
-        map_chunks,
-        lanes,
-    )
+    tile = min(hidden, _TILE_950)
+    _run_spans(jit.run_rows_950, view, rows, zero, index, top_k, (k_chunk, grouped, tile), out, map_chunks, lanes)
     return True
 
 
 def _run_spans(
     kernel: Callable[..., None],
-    args: tuple,
-    tokens: int,
-    chunk: int,
+    view: np.dtype[Any],
+    rows: np.ndarray,
+    aux: np.ndarray,
+    index: np.ndarray,
+    top_k: int,
+    schedule_args: tuple,
+    out: np.ndarray,
     map_chunks: Callable[[Callable[[int, int], None], int, int], None],
     lanes: int,
 ) -> None:
-    """``kernel(*args, start, stop)`` over the rows [0, tokens) in spans of ``chunk`` rows.
+    """``kernel(rows, aux, index, top_k, *schedule_args, out, start, stop)`` in the kernel's bit
+    ``view``, over the rows [0, N) of ``out`` in spans of about _CHUNK_INPUT_BYTES of input.
 
     One span runs here, on the calling thread (a small call pays no hand-off to the pool); more go
     to at most ``lanes`` of the pool's threads, each taking spans until none is left.
     """
+    tokens, hidden = out.shape
+    args = (
+        _read_only(rows.view(view)),
+        aux,
+        _read_only(np.ascontiguousarray(index.reshape(-1), dtype=np.int32)),
+        top_k,
+        *schedule_args,
+        out.view(view),
+    )
+    chunk = max(1, _CHUNK_INPUT_BYTES // max(1, top_k * hidden * rows.itemsize))
     if tokens <= chunk:
         kernel(*args, 0, tokens)
         return

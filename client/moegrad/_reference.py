@@ -476,6 +476,7 @@ def moe_init_routing_v2_grad_many(
             chunking = (tiling.k_chunk, ASCEND950_ORDERS[call.order])
         stacks.setdefault((grad.dtype, call.top_k, hidden, call.order, chunking), []).append(position)
     for (_, top_k, hidden, order, chunking), positions in stacks.items():
+        schedule = accumulation_schedule(top_k, order) if chunking is None else ascend950_schedule(top_k, *chunking)
         start = 0
         while start < len(positions):  # stacks of at most _STACK_BYTES of input
             stop, size = start, 0
@@ -483,7 +484,6 @@ def moe_init_routing_v2_grad_many(
                 size += calls[positions[stop]].grad_expanded_x.nbytes
                 stop += 1
             members = [calls[position] for position in positions[start:stop]]
-            schedule = accumulation_schedule(top_k, order) if chunking is None else ascend950_schedule(top_k, *chunking)
             stacked = _stacked(members, top_k, hidden, schedule, chunking)
             for position, grad_x in zip(positions[start:stop], stacked, strict=True):
                 results[position] = grad_x
