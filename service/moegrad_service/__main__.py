@@ -308,10 +308,10 @@ def _raise_fd_limit(max_connections: int) -> None:
         )
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _same(protocol: asyncio.BaseProtocol) -> asyncio.BaseProtocol:
     """A protocol factory that hands out one protocol already made (for connect_accepted_socket)."""
     return protocol
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -55,3 +55,18 @@ def test_make_serve_passes_only_the_flags_given():
     line = serve_line("PORT=9000")
     assert "--port 9000" in line and "--host" not in line and "--backend" not in line
     assert "--host 0.0.0.0" in serve_line("HOST=0.0.0.0") and "--backend reference" in serve_line("BACKEND=reference")
+
+
+def test_the_main_guard_is_the_modules_last_statement():
+    """``python -m moegrad_service`` runs main() at the guard: anything defined after it does not exist
+    yet while the server runs (a protocol factory placed there made the SIGTERM backlog path raise
+    NameError and exit 1)."""
+    import ast
+    import inspect
+
+    import moegrad_service.__main__ as entry
+
+    body = ast.parse(inspect.getsource(entry)).body
+    guard = body[-1]
+    assert isinstance(guard, ast.If) and "__main__" in ast.unparse(guard.test), ast.unparse(guard)[:80]
+    assert not any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in body[:-1])
