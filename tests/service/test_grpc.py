@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import grpc
 import ml_dtypes
@@ -335,13 +336,21 @@ def test_a_call_whose_client_gives_up_while_queued_never_runs(grpc_service, gate
 def test_full_queue_is_unavailable_with_retry_after(grpc_service, gated_backend, gate):
     from concurrent.futures import ThreadPoolExecutor
 
-    with grpc_service(backend=gated_backend, streams=1, max_queue=1, retry_after_s=3) as (_, target), \
+    with grpc_service(backend=gated_backend, streams=1, max_queue=1, retry_after_s=3) as (http, target), \
             triton.InferenceServerClient(target) as client, ThreadPoolExecutor(2) as pool:
         call = doc_call()
         running = pool.submit(infer, client, call)
         assert gate.started.acquire(timeout=30)  # one call holds the worker
         queued = pool.submit(infer, client, call)
-        with grpc.insecure_channel(target) as channel:  # wait until the second call is queued
+        # wait until the second call holds the queue's one place: a probe sent before it could take
+        # that place instead, wait out its 30 s deadline, and leave the place to the next probe
+        for _ in range(3000):
+            if "moegrad_inference_pending_request_count 1.0" in http.get("/metrics").text:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the second call was never queued")
+        with grpc.insecure_channel(target) as channel:  # the probes now find the queue full
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             for _ in range(500):
                 with pytest.raises(grpc.RpcError) as raised:
