@@ -80,6 +80,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             app.state.grpc_port = grpc_server.port
         app.state.drain = partial(_drain, pool, grpc_server)  # called on SIGTERM, before uvicorn stops serving
         metrics.bind(lambda: pool.queue_depth, lambda: pool.in_flight)
+        metrics.bind_memory(lambda: dataplane.budget.held_bytes, lambda: dataplane.receive_buffers.kept_bytes)
         log.info(
             "moegrad %s ready: backend=%s device=%s streams=%d",
             __version__,

@@ -13,6 +13,14 @@ subclass of that protocol that bounds both, per request:
 Both answers carry ``Connection: close`` and a problem+json body naming the setting. Each refusal
 is logged at warning level with the client's address.
 
+A request body of declared length can also be read straight into the handler's buffer
+(:data:`BODY_INTO`, an ASGI scope extension): the protocol hands the socket to a
+:class:`asyncio.BufferedProtocol` that the event loop fills with ``recv_into`` until the body is
+all in, then takes the socket back with a fresh parser for the next request. Through uvicorn's
+own path every body byte is copied five times after the kernel's copy (the loop's read buffer into
+a ``bytes``, the parser's ``on_body`` slice, the cycle's bytearray, ``receive()``'s ``bytes``, the
+handler's buffer), 256 KiB at a time.
+
 Every close of a connection whose request is not all in -- these two answers, and any answer the
 application gives before reading the whole body (413, 415, 503 ...), which it sends with
 ``Connection: close`` -- is *lingering*: the write side is shut, what the client still sends is read
@@ -30,10 +38,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
+import httptools
+from starlette.requests import ClientDisconnect
+from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["LINGER_BYTES", "LINGER_S", "guarded_protocol"]
+__all__ = ["BODY_INTO", "LINGER_BYTES", "LINGER_S", "guarded_protocol"]
 
 log = logging.getLogger("moegrad_service.connections")
 
@@ -46,6 +58,14 @@ LINGER_PACE_S = 0.05
 #: on its way (answered 503 + Connection: close) before it is closed, in seconds.
 SHUTDOWN_IDLE_S = 0.5
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+#: The scope extension (``scope["extensions"][BODY_INTO]``) of a plain-TCP request with a body:
+#: ``await body_into(scope, view)`` reads the whole body, whose Content-Length is ``len(view)``,
+#: into ``view``. It returns False, having read nothing, when the body is not this connection's
+#: to give (the handler already received part of it, or it is not the request being parsed):
+#: read it with ``receive()`` then. Raises starlette's ClientDisconnect when the client goes.
+BODY_INTO = "moegrad.body_into"
+#: Bytes discarded at a time by a body sink whose handler stopped waiting.
+_SCRATCH_BYTES = 256 << 10
 
 
 def _answer(status: int, detail: str) -> bytes:
@@ -97,12 +117,7 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
-            self._lingering += len(data)
-            if self._lingering > LINGER_BYTES:
-                self._raw_transport.close()
-            else:  # paced: what is only being thrown away must not crowd out the requests being served
-                self._raw_transport.pause_reading()
-                self.loop.call_later(LINGER_PACE_S, self._resume_lingering)
+            self._discarded(len(data))
             return
         if self._head_bytes is not None:
             if self._head_bytes == 0 and self._head_timer is None:  # the first byte of a keep-alive request
@@ -127,12 +142,64 @@ class _GuardedProtocol(HttpToolsProtocol):
         )
         return False
 
+    def _discarded(self, nbytes: int) -> None:
+        """``nbytes`` more arrived on a lingering connection and were thrown away."""
+        self._lingering += nbytes
+        if self._lingering > LINGER_BYTES:
+            self._raw_transport.close()
+        else:  # paced: what is only being thrown away must not crowd out the requests being served
+            self._raw_transport.pause_reading()
+            self.loop.call_later(LINGER_PACE_S, self._resume_lingering)
+
     def on_headers_complete(self) -> None:
         self._head_bytes = None
         self._cancel_head_timer()
         super().on_headers_complete()
-        if self.draining and self.cycle is not None:
+        if self.cycle is None or self.cycle.scope is not self.scope:
+            return  # an upgrade: no cycle of this request
+        if self.draining:
             self.cycle.keep_alive = False
+        if self.scheme == "http":  # under TLS the bytes are decrypted into a buffer anyway
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+            extensions[BODY_INTO] = self._body_into
+
+    async def _body_into(self, scope: Scope, view: memoryview) -> bool:
+        """See :data:`BODY_INTO`."""
+        cycle = self.cycle
+        if (
+            cycle is None
+            or cycle.scope is not scope
+            or self._message_done
+            or self._lingering
+            or self._lost
+            or cycle.disconnected
+            or len(cycle.body) >= len(view)  # all in already (or more than declared: refused later)
+        ):
+            return False
+        if cycle.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            cycle.waiting_for_100_continue = False
+        filled = len(cycle.body)  # what the parser has already passed on of the body
+        view[:filled] = cycle.body
+        cycle.body = bytearray()
+        sink = _BodySink(self, view, filled)
+        self._raw_transport.set_protocol(sink)
+        self.flow.resume_reading()
+        try:
+            await sink.done
+        finally:
+            sink.abandon()  # the handler stopped waiting (a timeout): the rest is read and thrown away
+        return True
+
+    def _body_read(self) -> None:
+        """The sink has read the whole body: the socket is the parser's again, for the next request."""
+        self._raw_transport.set_protocol(self)
+        self.parser = httptools.HttpRequestParser(self)  # the old one still counts the body's bytes
+        try:  # as uvicorn sets up its parser (an answer to the first of pipelined requests)
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # httptools < 0.6.3
+            pass
+        self.on_message_complete()
 
     def drain(self) -> None:
         """The server is draining: the request in progress, if any, is answered with Connection: close
@@ -234,6 +301,62 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+
+
+class _BodySink(asyncio.BufferedProtocol):
+    """The connection's protocol while one request body is read into ``view`` from ``filled`` on.
+
+    The event loop reads the socket straight into the view (``recv_into``), never past the body's
+    end, so a pipelined next request stays in the socket for the parser. Once abandoned (the
+    handler stopped waiting), the rest of the body is read into a scratch buffer and discarded,
+    counted as lingering when the connection lingers. Everything else the transport reports goes
+    to the HTTP protocol.
+    """
+
+    def __init__(self, protocol: _GuardedProtocol, view: memoryview, filled: int) -> None:
+        self._protocol = protocol
+        self._view: memoryview | None = view
+        self._filled = filled
+        self._left = len(view) - filled
+        self._scratch: memoryview | None = None
+        self.done: asyncio.Future[None] = protocol.loop.create_future()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._view is not None:
+            return self._view[self._filled :]
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        return self._scratch[: self._left]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._left -= nbytes
+        if self._view is not None:
+            self._filled += nbytes
+        elif self._protocol._lingering:
+            self._protocol._discarded(nbytes)
+        if self._left == 0:
+            self._view = None
+            self._protocol._body_read()
+            if not self.done.done():
+                self.done.set_result(None)
+
+    def abandon(self) -> None:
+        self._view = None  # the handler's buffer is the handler's again
+
+    def eof_received(self) -> None:
+        self._protocol.eof_received()  # uvicorn's: None, so the transport closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._view = None
+        if not self.done.done():
+            self.done.set_exception(ClientDisconnect())
+        self._protocol.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._protocol.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._protocol.resume_writing()
 
 
 def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[_GuardedProtocol]:

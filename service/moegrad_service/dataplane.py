@@ -37,6 +37,7 @@ from moegrad import (
     check_compare_arguments,
     compare,
 )
+from moegrad_service.buffers import ReceiveBuffers
 from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -71,7 +72,9 @@ class MemoryBudget:
     size for a dropless call with top_k 2, less for a larger top_k). It is reserved before the body
     is read (Content-Length) or as it arrives (chunked), and given back once the answer is sent.
     The last eighth of the budget is kept for small reservations (up to SMALL_BYTES each): clients
-    holding large bodies, even slow or stalled ones, cannot keep a small call out. Thread-safe.
+    holding large bodies, even slow or stalled ones, cannot keep a small call out. Spare room may
+    hold buffers kept for reuse (:meth:`hold_spare`, moegrad_service.buffers); a reservation that
+    finds no room has ``reclaim`` give them up first. Thread-safe.
 
     Args:
         limit_bytes: the budget.
@@ -89,6 +92,8 @@ class MemoryBudget:
         self.retry_after_s = retry_after_s
         self._held = 0
         self._lock = threading.Lock()
+        #: ``reclaim(nbytes) -> bytes released``: gives up buffers held with hold_spare.
+        self.reclaim: Callable[[int], int] | None = None
 
     @property
     def held_bytes(self) -> int:
@@ -133,16 +138,29 @@ class MemoryBudget:
                 f"the request needs {nbytes} bytes, over the {limit} a call may take of the service's "
                 f"in-flight budget of {self.limit_bytes} bytes (max_inflight_bytes); send smaller calls"
             )
-        with self._lock:
-            if self._held + nbytes > limit:
+        for first in (True, False):
+            with self._lock:
+                if self._held + nbytes <= limit:
+                    self._held += nbytes
+                    return
+                shortfall, held = self._held + nbytes - limit, self._held
+            if not (first and self.reclaim is not None and self.reclaim(shortfall)):
                 raise DeviceBusy(
-                    f"the service holds {self._held} of its {self.limit_bytes} in-flight bytes; retry later",
+                    f"the service holds {held} of its {self.limit_bytes} in-flight bytes; retry later",
                     retry_after_s=self.retry_after_s,
                 )
+
+    def hold_spare(self, nbytes: int) -> bool:
+        """Take ``nbytes`` for a kept buffer if they fit now within seven eighths of the budget
+        (never the part kept for small calls); False, taking nothing, when they do not."""
+        with self._lock:
+            if self._held + nbytes > self._large_limit:
+                return False
             self._held += nbytes
+            return True
 
     def release(self, nbytes: int) -> None:
-        """Give back ``nbytes`` taken by :meth:`reserve`."""
+        """Give back ``nbytes`` taken by :meth:`reserve` or :meth:`hold_spare`."""
         with self._lock:
             self._held -= nbytes
 
@@ -273,6 +291,7 @@ class DataPlane:
         self.metrics = metrics
         self.statistics = InferenceStatistics()
         self.budget = MemoryBudget(settings.max_inflight_bytes, retry_after_s=settings.retry_after_s)
+        self.receive_buffers = ReceiveBuffers(self.budget, keep_s=settings.receive_keep_s)
 
     def admit(self) -> None:
         """Refuse a call now, before its body is read, when the pool could not take it anyway.

@@ -53,6 +53,16 @@ class Metrics:
         self.bytes_out = Counter("moegrad_inference_response_bytes", "Response body bytes sent.", registry=r)
         self.pending = Gauge("moegrad_inference_pending_request_count", "Calls queued for a worker.", registry=r)
         self.in_flight = Gauge("moegrad_inference_exec_count", "Calls running on a worker now.", registry=r)
+        self.held_bytes = Gauge(
+            "moegrad_inflight_bytes",
+            "Bytes of the in-flight budget (max_inflight_bytes) held now: admitted requests and kept receive buffers.",
+            registry=r,
+        )
+        self.kept_bytes = Gauge(
+            "moegrad_receive_buffer_kept_bytes",
+            "Bytes of receive buffers kept for the next body of their size (receive_keep_s).",
+            registry=r,
+        )
 
     def succeeded(self, endpoint: str, started: float) -> None:
         """Count a call answered with a result on ``endpoint`` (a route's path) and observe its whole
@@ -61,6 +71,11 @@ class Metrics:
         self.request_duration.labels(endpoint=endpoint).observe(time.perf_counter() - started)
 
     def bind(self, queue_depth: Callable[[], float], in_flight: Callable[[], float]) -> None:
-        """Read the two gauges from the live pool at scrape time."""
+        """Read the pool's two gauges from the live pool at scrape time."""
         self.pending.set_function(queue_depth)
         self.in_flight.set_function(in_flight)
+
+    def bind_memory(self, held_bytes: Callable[[], float], kept_bytes: Callable[[], float]) -> None:
+        """Read the in-flight budget's two gauges from the live dataplane at scrape time."""
+        self.held_bytes.set_function(held_bytes)
+        self.kept_bytes.set_function(kept_bytes)

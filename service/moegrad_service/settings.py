@@ -52,6 +52,13 @@ class Settings(BaseSettings):
         "503 + Retry-After before it is read "
         "(default: a quarter of the memory limit, the cgroup's or the machine's)",
     )
+    receive_keep_s: float = Field(
+        10.0,
+        ge=0,
+        description="how long the buffer a large body (1 MiB or more) was read into is kept, unused, for "
+        "the next body of its size, in seconds; kept buffers count against max_inflight_bytes and are "
+        "given up when a request needs the room (0: never kept)",
+    )
     idle_timeout_s: int = Field(
         5, ge=1, description="how long an idle keep-alive connection stays open, in whole seconds"
     )

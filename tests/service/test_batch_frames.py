@@ -323,11 +323,17 @@ def test_a_v2_binary_reply_sent_from_its_parts_has_the_header_then_grad_x(client
     assert (np.frombuffer(response.content[length:], np.uint32).reshape(2, 2) == EXAMPLE_BITS).all()
 
 
+def gauge(client, name: str) -> float:
+    line = next(line for line in client.get("/metrics").text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[1])
+
+
 def test_a_receive_buffer_is_reused_only_when_nothing_views_it(client):
     """A large body's buffer is kept once its call is answered and taken by the next body of its size;
     the second call's bits are its own (nothing of the first survives), and a buffer that an array
     still views is never kept."""
-    from moegrad_service.api.inputs import RECEIVE_BUFFERS, ReceiveBuffers
+    from moegrad_service.buffers import ReceiveBuffers
+    from moegrad_service.dataplane import MemoryBudget
 
     results = []
     for seed in (1, 2):
@@ -338,12 +344,12 @@ def test_a_receive_buffer_is_reused_only_when_nothing_views_it(client):
         response = client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document),
                                headers={"content-type": FRAMES})
         assert response.status_code == 200
-        assert RECEIVE_BUFFERS.kept_bytes >= grad.nbytes
+        assert gauge(client, "moegrad_receive_buffer_kept_bytes") >= grad.nbytes
         want = grad[idx[0::2]] + grad[idx[1::2]]  # K=2: one float32 add per element
         results.append((grad_x_of(response), want))
     for got, want in results:
         assert (got.view(np.uint32) == want.view(np.uint32)).all()
-    buffers = ReceiveBuffers(8 << 20)
+    buffers = ReceiveBuffers(MemoryBudget(64 << 20), keep_s=10)
     buffer = buffers.take(2 << 20)
     alive = np.frombuffer(memoryview(buffer)[:64], np.uint8)
     buffers.give(buffer, references=1)

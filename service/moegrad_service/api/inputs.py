@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import mmap
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,6 +31,8 @@ from moegrad import (
     decode_frames,
 )
 from moegrad_service.api.errors import RequestTimeout, UnsupportedMediaType
+from moegrad_service.buffers import REUSE_MIN_BYTES
+from moegrad_service.connections import BODY_INTO
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -40,9 +40,7 @@ from moegrad_service.settings import Settings
 __all__ = [
     "INLINE_DECODE_BYTES",
     "MSGPACK_MEDIA_TYPES",
-    "RECEIVE_BUFFERS",
     "V1_MEDIA_TYPES",
-    "ReceiveBuffers",
     "byte_count",
     "dataplane_of",
     "disconnected",
@@ -176,76 +174,11 @@ async def _receive(
     return memoryview(body)[lead:] if lead else body
 
 
-class ReceiveBuffers:
-    """Receive buffers kept for reuse once their request is answered: their pages are already
-    resident, so the next body of that size is copied into them without a page fault per 4 KiB.
-
-    At most ``keep_bytes`` are kept (bodies larger than that are never kept: a large idle server
-    gives its memory back). A buffer is kept only when nothing else references it any more (no
-    array of the finished call still views it). Used on the event loop only.
-
-    Args:
-        keep_bytes: the most bytes of buffers kept.
-    """
-
-    def __init__(self, keep_bytes: int) -> None:
-        self.keep_bytes = keep_bytes
-        self._kept: list[np.ndarray] = []
-
-    @property
-    def kept_bytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self._kept)
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least ``nbytes`` (at most twice that, when a kept one fits), else a new one."""
-        for index, buffer in enumerate(self._kept):
-            if nbytes <= buffer.nbytes <= 2 * nbytes:
-                return self._kept.pop(index)
-        # A fresh mapping, untouched: pages become resident as bytes arrive, so a client that declares
-        # much and sends little pins only what it sent.
-        return _fresh_buffer(nbytes)
-
-    def give(self, buffer: np.ndarray, references: int) -> None:
-        """Keep ``buffer`` if it fits and the caller's ``references`` are the only ones left."""
-        # getrefcount counts its own argument and this parameter besides the caller's references
-        if sys.getrefcount(buffer) - 2 > references or buffer.nbytes < RECEIVE_REUSE_MIN_BYTES:
-            return
-        if buffer.nbytes > self.keep_bytes:
-            return
-        while self._kept and self.kept_bytes + buffer.nbytes > self.keep_bytes:
-            self._kept.pop(0)
-        self._kept.append(buffer)
-
-
-#: Fresh buffers of at least this many bytes are mapped with transparent huge pages where the
-#: kernel offers them (``madvise``): one fault per 2 MiB instead of per 4 KiB as the body arrives.
-HUGE_PAGE_MIN_BYTES = 16 << 20
-
-
-def _fresh_buffer(nbytes: int) -> np.ndarray:
-    """An untouched byte buffer: an anonymous mapping advised for huge pages when large, else numpy.empty."""
-    if nbytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without THP: ordinary pages
-            pass
-        return np.frombuffer(mapping, dtype=np.uint8)  # unmapped when the last view goes
-    return np.empty(nbytes, dtype=np.uint8)
-
-
-#: Bodies of at least this many bytes are read into reusable buffers (smaller ones cost no page faults).
-RECEIVE_REUSE_MIN_BYTES = 1 << 20
-#: The most bytes of receive buffers an idle server keeps for reuse.
-RECEIVE_KEEP_BYTES = 64 << 20
-RECEIVE_BUFFERS = ReceiveBuffers(RECEIVE_KEEP_BYTES)
-
-
 async def _receive_declared(request: Request, expected: int, lead: int) -> memoryview:
     # The declared length is already reserved from the in-flight budget, so the buffer is taken
     # whole and each chunk is copied once, in place.
-    if lead + expected >= RECEIVE_REUSE_MIN_BYTES:
-        buffer = RECEIVE_BUFFERS.take(lead + expected)
+    if lead + expected >= REUSE_MIN_BYTES:
+        buffer = dataplane_of(request).receive_buffers.take(lead + expected)
         request.scope["state"]["receive_buffer"] = buffer  # given back once the answer is sent
     else:
         buffer = np.empty(lead + expected, dtype=np.uint8)
@@ -253,6 +186,11 @@ async def _receive_declared(request: Request, expected: int, lead: int) -> memor
     filled = lead
     if lead:
         buffer[:lead] = 0
+    body_into = request.scope.get("extensions", {}).get(BODY_INTO)
+    if body_into is not None and expected and await body_into(request.scope, view[lead:]):
+        request.scope["state"]["body_complete"] = True
+        request.scope["state"]["bytes_in"] = expected  # not seen by receive(): for the access log
+        return view[lead:]
     async for chunk in request.stream():
         end = filled + len(chunk)
         if end - lead > expected:
@@ -282,7 +220,7 @@ def release_reserved(scope: Scope) -> None:
         state["dataplane"].budget.release(reserved)
     buffer = state.pop("receive_buffer", None)
     if buffer is not None:
-        RECEIVE_BUFFERS.give(buffer, references=1)
+        state["dataplane"].receive_buffers.give(buffer, references=1)
         del buffer
 
 
@@ -304,7 +242,7 @@ async def read_document(request: Request) -> dict[str, Any]:
     del body
     buffer = request.scope["state"].pop("receive_buffer", None)
     if buffer is not None:
-        RECEIVE_BUFFERS.give(buffer, references=1)
+        dataplane_of(request).receive_buffers.give(buffer, references=1)
         del buffer
     return document
 

@@ -57,7 +57,7 @@ class RequestLogMiddleware:
                     scope["method"],
                     scope["path"],
                     seen["status"] or 500,
-                    seen["in"],
+                    seen["in"] + state.get("bytes_in", 0),
                     seen["out"],
                     (time.perf_counter() - start) * 1e3,
                 )

@@ -1,0 +1,140 @@
+"""Receive buffers: request bodies are read into buffers that finished calls leave behind.
+
+A buffer over glibc's mmap threshold is a fresh mapping: every 4 KiB page of it faults, and is
+zeroed, as the body arrives. A DeepSeek-V3 body (448 MiB) costs about as much in page faults as
+the loopback copy of its bytes (measured in bench/RESULTS.md). :class:`ReceiveBuffers` keeps the
+buffers of answered calls, pages resident, for the next body of their size.
+
+What is kept is part of the in-flight budget (:class:`~moegrad_service.dataplane.MemoryBudget`),
+held as a request's bytes are: a buffer is kept only while the budget has room for it beside what
+requests hold, a reservation that finds no room gives up kept buffers first, and a kept buffer
+unused for ``keep_s`` seconds is given up, so that an idle server returns its memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from moegrad_service.dataplane import MemoryBudget
+
+__all__ = ["HUGE_PAGE_MIN_BYTES", "REUSE_MIN_BYTES", "ReceiveBuffers", "fresh_buffer"]
+
+#: Bodies of at least this many bytes are read into reusable buffers (smaller ones cost no page faults).
+REUSE_MIN_BYTES = 1 << 20
+#: Fresh buffers of at least this many bytes are mapped with transparent huge pages where the
+#: kernel offers them (``madvise``): one fault per 2 MiB instead of per 4 KiB as the body arrives.
+HUGE_PAGE_MIN_BYTES = 16 << 20
+
+
+def fresh_buffer(nbytes: int) -> np.ndarray:
+    """An untouched byte buffer of ``nbytes`` (uint8): an anonymous mapping advised for huge pages
+    when large (unmapped when its last view goes), else ``numpy.empty``. Pages become resident as
+    they are written, so a client that declares much and sends little pins only what it sent."""
+    if nbytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without THP: ordinary pages
+            pass
+        return np.frombuffer(mapping, dtype=np.uint8)
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+class ReceiveBuffers:
+    """Buffers of answered calls' bodies, kept inside the in-flight budget for the next body of their size.
+
+    A kept buffer is taken by a body of at least half its size. At most ``max_kept`` are kept
+    (the oldest goes first). Thread-safe: the HTTP side takes and gives on the event loop, a
+    reservation on any thread may :meth:`reclaim`.
+
+    Args:
+        budget: the in-flight budget the kept bytes are held in; its ``reclaim`` is set to this
+            pool's :meth:`reclaim`.
+        keep_s: how long a buffer is kept unused, in seconds (0: never kept).
+        max_kept: the most buffers kept at once.
+    """
+
+    def __init__(self, budget: MemoryBudget, *, keep_s: float, max_kept: int = 4) -> None:
+        self.budget = budget
+        self.keep_s = keep_s
+        self.max_kept = max_kept
+        self._kept: list[tuple[np.ndarray, float]] = []  # oldest first, with when each was kept
+        self._lock = threading.Lock()
+        self._timer: asyncio.TimerHandle | None = None
+        budget.reclaim = self.reclaim
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(buffer.nbytes for buffer, _ in self._kept)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` (uint8): a kept one of at most twice that when there is
+        one (its bytes leave the budget: the caller's reservation covers them now), else a fresh one."""
+        with self._lock:
+            for index, (buffer, _) in enumerate(self._kept):
+                if nbytes <= buffer.nbytes <= 2 * nbytes:
+                    del self._kept[index]
+                    self.budget.release(buffer.nbytes)
+                    return buffer
+        return fresh_buffer(nbytes)
+
+    def give(self, buffer: np.ndarray, references: int) -> None:
+        """Keep ``buffer`` if nothing but the caller's ``references`` holds it (no array of the
+        finished call still views it), it is at least REUSE_MIN_BYTES, and the budget has room for it."""
+        # getrefcount counts its own argument and this parameter besides the caller's references
+        if sys.getrefcount(buffer) - 2 > references or buffer.nbytes < REUSE_MIN_BYTES or self.keep_s <= 0:
+            return
+        if not self.budget.hold_spare(buffer.nbytes):
+            return
+        dropped = []
+        with self._lock:
+            self._kept.append((buffer, time.monotonic()))
+            while len(self._kept) > self.max_kept:
+                dropped.append(self._kept.pop(0)[0])
+        for old in dropped:
+            self.budget.release(old.nbytes)
+        self._schedule_trim()
+
+    def reclaim(self, nbytes: int) -> int:
+        """Give up kept buffers, oldest first, until ``nbytes`` are free or none is left; returns
+        the bytes given back to the budget."""
+        freed = 0
+        with self._lock:
+            while self._kept and freed < nbytes:
+                freed += self._kept.pop(0)[0].nbytes
+        if freed:
+            self.budget.release(freed)
+        return freed
+
+    def trim(self) -> None:
+        """Give up the buffers kept unused for ``keep_s`` seconds or more."""
+        self._timer = None
+        stale_before = time.monotonic() - self.keep_s
+        freed = 0
+        with self._lock:
+            while self._kept and self._kept[0][1] <= stale_before:
+                freed += self._kept.pop(0)[0].nbytes
+            left = bool(self._kept)
+        if freed:
+            self.budget.release(freed)
+        if left:
+            self._schedule_trim()
+
+    def _schedule_trim(self) -> None:
+        if self._timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # given back off the event loop: trimmed at the next give on it
+            return
+        oldest = self._kept[0][1] if self._kept else time.monotonic()
+        self._timer = loop.call_later(max(0.0, oldest + self.keep_s - time.monotonic()) + 0.01, self.trim)

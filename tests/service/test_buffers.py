@@ -1,0 +1,123 @@
+"""Receive buffers kept inside the in-flight budget (moegrad_service.buffers, MemoryBudget).
+
+The rules (docs/operations.md, "Limits"): a kept buffer's bytes are held in the budget; a buffer is
+kept only when the budget has room for it outside the part kept for small calls; a reservation
+that finds no room gives up kept buffers, oldest first, before it is refused; a buffer unused for
+receive_keep_s seconds is given up; a kept buffer is taken by a body of at least half its size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import moegrad
+from moegrad_service.buffers import ReceiveBuffers
+from moegrad_service.dataplane import MemoryBudget
+
+MiB = 1 << 20
+
+
+def kept(size: int) -> np.ndarray:
+    buffer = np.empty(size, dtype=np.uint8)
+    buffer[:] = 1  # resident
+    return buffer
+
+
+def test_a_kept_buffer_is_held_in_the_budget_and_taken_back_by_a_body_of_its_size():
+    budget = MemoryBudget(64 * MiB)
+    buffers = ReceiveBuffers(budget, keep_s=60)
+    buffer = kept(8 * MiB)
+    buffers.give(buffer, references=1)
+    assert budget.held_bytes == 8 * MiB and buffers.kept_bytes == 8 * MiB
+    assert buffers.take(9 * MiB) is not buffer  # too small for 9 MiB: a fresh one
+    assert buffers.take(3 * MiB) is not buffer  # more than twice 3 MiB: not this one
+    assert buffers.take(5 * MiB) is buffer
+    assert budget.held_bytes == 0 and buffers.kept_bytes == 0
+
+
+def test_a_reservation_gives_up_kept_buffers_oldest_first_before_it_is_refused():
+    budget = MemoryBudget(32 * MiB)  # seven eighths: 28 MiB for large reservations
+    buffers = ReceiveBuffers(budget, keep_s=60)
+    first, second, third = kept(8 * MiB), kept(8 * MiB), kept(8 * MiB)
+    buffers.give(first, references=1)
+    buffers.give(second, references=1)
+    buffers.give(third, references=1)
+    assert budget.held_bytes == 24 * MiB
+    assert budget.reserve_body(4 * MiB) == 8 * MiB  # 24 + 8 > 28: the oldest kept buffer goes
+    assert budget.held_bytes == 24 * MiB and buffers.kept_bytes == 16 * MiB
+    assert buffers.take(8 * MiB) is second
+    budget.release(8 * MiB)
+    with pytest.raises(moegrad.PayloadTooLarge):
+        budget.reserve_body(16 * MiB)  # 32 MiB: more than a call may ever take; nothing is given up
+    assert buffers.kept_bytes == 8 * MiB
+    budget.reserve(20 * MiB)  # 8 kept + 20 = 28: fits beside the kept buffer
+    with pytest.raises(moegrad.DeviceBusy):
+        budget.reserve(9 * MiB)  # gives up the last kept buffer, and still does not fit
+    assert buffers.kept_bytes == 0 and budget.held_bytes == 20 * MiB
+
+
+def test_a_buffer_is_kept_only_where_the_budget_has_room_and_never_in_the_small_calls_part():
+    budget = MemoryBudget(32 * MiB)
+    buffers = ReceiveBuffers(budget, keep_s=60)
+    budget.reserve(24 * MiB)
+    buffers.give(kept(8 * MiB), references=1)  # 24 + 8 > 28
+    assert buffers.kept_bytes == 0 and budget.held_bytes == 24 * MiB
+    buffers.give(kept(4 * MiB), references=1)  # 24 + 4 = 28
+    assert buffers.kept_bytes == 4 * MiB
+
+
+def test_small_viewed_and_unkept_buffers():
+    budget = MemoryBudget(64 * MiB)
+    buffers = ReceiveBuffers(budget, keep_s=60, max_kept=2)
+    buffers.give(kept(MiB - 1), references=1)  # under a MiB: never kept
+    buffer = kept(2 * MiB)
+    view = buffer[:10]  # an array of the finished call still views it
+    buffers.give(buffer, references=1)
+    assert buffers.kept_bytes == 0
+    del view
+    for size in (2, 3, 4):
+        buffers.give(kept(size * MiB), references=1)
+    assert buffers.kept_bytes == 7 * MiB == budget.held_bytes  # at most two: the oldest went
+    never = ReceiveBuffers(MemoryBudget(64 * MiB), keep_s=0)
+    never.give(kept(2 * MiB), references=1)
+    assert never.kept_bytes == 0 and never.budget.held_bytes == 0
+
+
+def test_a_buffer_unused_for_keep_s_is_given_up():
+    async def main():
+        budget = MemoryBudget(64 * MiB)
+        buffers = ReceiveBuffers(budget, keep_s=0.1)
+        buffers.give(kept(2 * MiB), references=1)
+        await asyncio.sleep(0.05)
+        buffers.give(kept(4 * MiB), references=1)
+        assert buffers.kept_bytes == 6 * MiB
+        await asyncio.sleep(0.09)  # the first is 0.14 s old, the second 0.09 s
+        assert buffers.kept_bytes == 4 * MiB
+        await asyncio.sleep(0.1)
+        assert buffers.kept_bytes == 0 and budget.held_bytes == 0
+
+    asyncio.run(main())
+
+
+def test_an_idle_service_gives_its_kept_buffers_up(serve):
+    from test_batch_frames import FRAMES, example_document, frames_body, gauge, random_call
+
+    with serve(receive_keep_s=0.3) as client:
+        grad, idx, k = random_call(np.float32, n=8192, k=2, h=64, seed=3)  # 4 MiB
+        document = example_document(
+            grad_expanded_x={"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
+            expanded_row_idx={"dtype": "int32", "shape": list(idx.shape), "data": idx.tobytes()}, top_k=k)
+        response = client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document),
+                               headers={"content-type": FRAMES})
+        assert response.status_code == 200
+        assert gauge(client, "moegrad_receive_buffer_kept_bytes") >= grad.nbytes
+        assert gauge(client, "moegrad_inflight_bytes") == gauge(client, "moegrad_receive_buffer_kept_bytes")
+        deadline = time.monotonic() + 5
+        while gauge(client, "moegrad_receive_buffer_kept_bytes") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gauge(client, "moegrad_receive_buffer_kept_bytes") == 0
+        assert gauge(client, "moegrad_inflight_bytes") == 0
