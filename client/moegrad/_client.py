@@ -72,6 +72,7 @@ from moegrad._errors import (
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import to_numpy, to_torch
+from moegrad._transport import async_http_transport, http_transport
 from moegrad._version import __version__
 from moegrad._wire import (
     FRAMES_MEDIA_TYPE,
@@ -1036,7 +1037,7 @@ class Client(_ClientBase):
         )
         if transport is not None and not isinstance(transport, httpx.BaseTransport):
             raise TypeError(f"transport must be an httpx.BaseTransport, got {type(transport).__name__}")
-        self._http = httpx.Client(transport=transport, verify=self._verify)
+        self._http = httpx.Client(transport=transport or http_transport(self._verify))
 
     def _drive(self, flow: Flow[T]) -> T:
         outcome: httpx.Response | httpx.HTTPError | None = None
@@ -1346,7 +1347,7 @@ class AsyncClient(_ClientBase):
         )
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
             raise TypeError(f"transport must be an httpx.AsyncBaseTransport, got {type(transport).__name__}")
-        self._http = httpx.AsyncClient(transport=transport, verify=self._verify)
+        self._http = httpx.AsyncClient(transport=transport or async_http_transport(self._verify))
 
     async def _drive(self, flow: Flow[T]) -> T:
         outcome: httpx.Response | httpx.HTTPError | None = None

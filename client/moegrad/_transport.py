@@ -1,0 +1,163 @@
+"""The clients' default httpx transports: httpx's own, over a network backend that moves large bodies in fewer steps.
+
+httpcore reads a response 64 KiB at a time, and each read goes through h11's buffer and a Python
+generator on its way to the caller: a 16 MiB grad_x is 256 reads. Its sync stream also sends a
+partially sent chunk's rest as a fresh ``bytes`` (``buffer[n:]``), so a 1 MiB chunk that the socket
+takes in four sends is copied three more times. The backend here wraps httpcore's own (socket
+handling, timeouts, TLS and their exceptions stay httpcore's): reads ask for up to READ_BYTES, and
+writes step through a ``memoryview`` of the chunk.
+
+:func:`http_transport` and :func:`async_http_transport` build ``httpx.HTTPTransport`` /
+``httpx.AsyncHTTPTransport`` as httpx's clients build their default one (the same TLS context,
+limits and HTTP/1.1), with the connection pool over this backend.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import typing
+
+import httpcore
+import httpx
+
+__all__ = ["READ_BYTES", "async_http_transport", "http_transport"]
+
+#: The most bytes one read of a response asks for.
+READ_BYTES = 1 << 20
+_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)  # httpx's defaults
+
+Verify = ssl.SSLContext | str | bool
+
+
+class _Stream(httpcore.NetworkStream):
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+        sock = stream.get_extra_info("socket")
+        # plain TCP only: under TLS the socket is the TLS object's, written through it
+        self._sock = sock if isinstance(sock, socket.socket) and stream.get_extra_info("ssl_object") is None else None
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max(max_bytes, READ_BYTES), timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if self._sock is None:
+            self._stream.write(buffer, timeout)
+            return
+        view = memoryview(buffer)
+        try:
+            while view:
+                self._sock.settimeout(timeout)
+                view = view[self._sock.send(view) :]
+        except TimeoutError as exc:  # socket.timeout: as httpcore's stream maps it
+            raise httpcore.WriteTimeout(exc) from exc
+        except OSError as exc:
+            raise httpcore.WriteError(exc) from exc
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        return _Stream(self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> typing.Any:
+        return self._stream.get_extra_info(info)
+
+
+class _Backend(httpcore.NetworkBackend):
+    def __init__(self) -> None:
+        self._backend = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: typing.Iterable[typing.Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        return _Stream(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: typing.Iterable[typing.Any] | None = None
+    ) -> httpcore.NetworkStream:
+        return _Stream(self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+class _AsyncStream(httpcore.AsyncNetworkStream):
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self._stream.read(max(max_bytes, READ_BYTES), timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        await self._stream.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.AsyncNetworkStream:
+        return _AsyncStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> typing.Any:
+        return self._stream.get_extra_info(info)
+
+
+class _AsyncBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self) -> None:
+        self._backend = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: typing.Iterable[typing.Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return _AsyncStream(await self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: typing.Iterable[typing.Any] | None = None
+    ) -> httpcore.AsyncNetworkStream:
+        return _AsyncStream(await self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+def http_transport(verify: Verify) -> httpx.HTTPTransport:
+    """httpx's default transport for ``verify`` (True, a CA bundle path, False or an SSLContext),
+    its connection pool over the large-read backend."""
+    context = httpx.create_ssl_context(verify=verify)  # honours SSL_CERT_FILE / SSL_CERT_DIR, as httpx's clients do
+    transport = httpx.HTTPTransport(verify=context)
+    transport._pool = httpcore.ConnectionPool(
+        ssl_context=context,
+        max_connections=_LIMITS.max_connections,
+        max_keepalive_connections=_LIMITS.max_keepalive_connections,
+        keepalive_expiry=_LIMITS.keepalive_expiry,
+        network_backend=_Backend(),
+    )
+    return transport
+
+
+def async_http_transport(verify: Verify) -> httpx.AsyncHTTPTransport:
+    """:func:`http_transport` for ``httpx.AsyncClient`` (asyncio or trio, through AnyIO)."""
+    context = httpx.create_ssl_context(verify=verify)
+    transport = httpx.AsyncHTTPTransport(verify=context)
+    transport._pool = httpcore.AsyncConnectionPool(
+        ssl_context=context,
+        max_connections=_LIMITS.max_connections,
+        max_keepalive_connections=_LIMITS.max_keepalive_connections,
+        keepalive_expiry=_LIMITS.keepalive_expiry,
+        network_backend=_AsyncBackend(),
+    )
+    return transport
