@@ -78,14 +78,19 @@ class ReceiveBuffers:
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of at least ``nbytes`` (uint8): a kept one of at most twice that when there is
-        one (its bytes leave the budget: the caller's reservation covers them now), else a fresh one."""
+        one (its bytes leave the budget: the caller's reservation covers them now), else a fresh one.
+
+        A fresh one is rounded up to a granule of 1/16 to 1/8 of its size (2 MiB at least), so that
+        bodies of nearly the same size (one call in msgpack, frames or v2 form) share a kept buffer;
+        pages past the body are never written, so never resident."""
         with self._lock:
             for index, (buffer, _) in enumerate(self._kept):
                 if nbytes <= buffer.nbytes <= 2 * nbytes:
                     del self._kept[index]
                     self.budget.release(buffer.nbytes)
                     return buffer
-        return fresh_buffer(nbytes)
+        granule = max(2 << 20, 1 << max(0, nbytes.bit_length() - 4))
+        return fresh_buffer(-(-nbytes // granule) * granule)
 
     def give(self, buffer: np.ndarray, references: int) -> None:
         """Keep ``buffer`` if nothing but the caller's ``references`` holds it (no array of the
@@ -136,5 +141,6 @@ class ReceiveBuffers:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # given back off the event loop: trimmed at the next give on it
             return
-        oldest = self._kept[0][1] if self._kept else time.monotonic()
+        with self._lock:
+            oldest = self._kept[0][1] if self._kept else time.monotonic()
         self._timer = loop.call_later(max(0.0, oldest + self.keep_s - time.monotonic()) + 0.01, self.trim)

@@ -121,3 +121,16 @@ def test_an_idle_service_gives_its_kept_buffers_up(serve):
             time.sleep(0.05)
         assert gauge(client, "moegrad_receive_buffer_kept_bytes") == 0
         assert gauge(client, "moegrad_inflight_bytes") == 0
+
+
+def test_bodies_of_nearly_the_same_size_share_a_buffer():
+    """A fresh buffer is rounded up (a granule of 1/16 to 1/8 of its size): the same call in its
+    msgpack, frames and v2 forms (a few hundred bytes apart) reuses one buffer."""
+    budget = MemoryBudget(4 << 30)
+    buffers = ReceiveBuffers(budget, keep_s=60)
+    first = buffers.take(448 * MiB + 100)
+    assert 448 * MiB + 100 <= first.nbytes <= (448 + 448 // 8) * MiB
+    buffers.give(first, references=1)
+    assert buffers.take(448 * MiB + 5000) is first
+    small = buffers.take(3 * MiB + 1)
+    assert small.nbytes == 4 * MiB  # 2 MiB granules below 32 MiB
