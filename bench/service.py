@@ -1248,14 +1248,9 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
         "service": _service_section(results, mode, machine_line, command, small, large, peer_venv, peer_note,
                                     peer_startup_s),
         "memory": _memory_section(results, mode, machine_line, command, large),
-        "wire": "\n".join([
-            "## Large calls at wire speed, and batches", "",
-            f"Machine: {machine_line}. Command: {command}; SL as well: `python -m bench.service wire` "
-            f"({'quick mode skips SL' if quick else 'full mode includes SL'}). One server (reference backend, "
-            f"2 streams); rounds interleaved ({wire_rounds}), medians; each path's reply checked bitwise "
-            "against the in-process result. The floor is raw TCP on loopback moving the same request and "
-            "reply bytes between pre-touched buffers; the raw callers send prebuilt requests and receive "
-            "into pre-touched buffers the same way.", "", wire_tables]),
+        "wire": wire_section(wire_tables, wire_rounds, machine_line,
+                             f"{command}; SL as well: `python -m bench.service wire --write` "
+                             f"({'quick mode skips SL' if quick else 'full mode includes SL'})"),
     }
     if write:
         for name, body in sections.items():
@@ -1264,6 +1259,19 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
 
 
 # --- reporting --------------------------------------------------------------------------------
+
+
+def wire_section(wire_tables: str, rounds: dict[str, int], machine_line: str, command: str) -> str:
+    """The "wire" section of bench/RESULTS.md around :func:`wire_speed`'s tables."""
+    return "\n".join([
+        "## Large calls at wire speed, and batches", "",
+        f"Machine: {machine_line}. Command: {command}. One server (reference backend, "
+        f"2 streams); rounds interleaved ({rounds}), medians; each path's reply checked bitwise "
+        "against the in-process result. The floor is raw TCP on loopback moving the same request and "
+        "reply bytes between pre-touched buffers; the raw callers send prebuilt requests and receive "
+        "into pre-touched buffers the same way. Targets: raw -> v1 frames and raw -> v2 at most 1.5x the "
+        "floor, `Client` -> v1 at most 2x (v1 msgpack copies every tensor out of the body as it decodes; "
+        "frames are v1's zero-copy form).", "", wire_tables])
 
 
 def _service_section(r: dict, mode: Mode, machine_line: str, command: str, small: Payload, large: Payload,
@@ -1524,6 +1532,7 @@ def _cli(argv: list[str] | None = None) -> int:
     wire.add_argument("--s2-rounds", type=int, default=5)
     wire.add_argument("--sl-rounds", type=int, default=2, help="0 skips SL (~2 GB of RAM per process)")
     wire.add_argument("--batch-rounds", type=int, default=3)
+    wire.add_argument("--write", action="store_true", help="also write the tables to bench/RESULTS.md (section 'wire')")
     load = sub.add_parser("load", help="(internal) the load-generating process")
     load.add_argument("--client", choices=["moegrad", "moegrad-threads", "raw", "triton"], required=True)
     load.add_argument("--url", required=True)
@@ -1547,8 +1556,13 @@ def _cli(argv: list[str] | None = None) -> int:
                                     args.warmup_s))
         return 0
     if args.command == "wire":
-        print(wire_speed(s2_rounds=args.s2_rounds, sl_rounds=args.sl_rounds, batch_rounds=args.batch_rounds,
-                         server_pythonpath=args.server_pythonpath))
+        rounds = {"s2_rounds": args.s2_rounds, "sl_rounds": args.sl_rounds, "batch_rounds": args.batch_rounds}
+        tables = wire_speed(**rounds, server_pythonpath=args.server_pythonpath)
+        print(tables)
+        if args.write:
+            command = (f"`python -m bench.service wire --s2-rounds {args.s2_rounds} --sl-rounds {args.sl_rounds} "
+                       f"--batch-rounds {args.batch_rounds} --write`")
+            write_section("wire", wire_section(tables, rounds, machine(), command))
         return 0
     sections = main(quick=args.quick, write=True, server_pythonpath=args.server_pythonpath)
     for body in sections.values():

@@ -84,7 +84,7 @@ class _LingeringTransport:
         self._transport, self._protocol = transport, protocol
 
     def close(self) -> None:
-        if self._protocol._body_unread():
+        if self._protocol._body_unread() or self._protocol._unparsed:
             self._protocol._linger()
         else:
             self._transport.close()
@@ -108,6 +108,8 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._head_bytes: int | None = 0  # bytes of the current request head so far; None: head complete
         self._lingering = 0  # > 0: answered early, discarding what the client still sends
         self._message_done = True  # the parser has seen the whole of the current request (body too)
+        self._deferred: bytes | str | None = None  # a refusal waiting for the answer before it to be sent
+        self._unparsed = False  # answered 400: the bytes after the bad ones are never parsed
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout_s, self._head_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -186,9 +188,13 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._raw_transport.set_protocol(sink)
         self.flow.resume_reading()
         try:
-            await sink.done
+            complete = await sink.done
         finally:
             sink.abandon()  # the handler stopped waiting (a timeout): the rest is read and thrown away
+        if not complete:
+            # raised here, not kept in the future: a stored exception's traceback would hold this
+            # frame, whose sink holds the future (a cycle keeping the body's buffer until a collection)
+            raise ClientDisconnect()
         return True
 
     def _body_read(self) -> None:
@@ -232,18 +238,40 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._next_head()
+        deferred, self._deferred = self._deferred, None
+        if isinstance(deferred, bytes):  # a pipelined head refused while the request before it was answered
+            self.transport.write(deferred)
+            self._linger()
+        elif isinstance(deferred, str):  # bytes that are no request, after one being answered
+            self.send_400_response(deferred)
+        else:
+            self._next_head()
 
     def _next_head(self) -> None:
-        # Once the request is answered and its body is all in (an early answer's unread body is
-        # parsed and dropped by uvicorn), the next request's head starts; its timer at its first byte.
-        if (
-            self._message_done
-            and self.cycle is not None
-            and self.cycle.response_complete
-            and not self.transport.is_closing()
-        ):
+        # Once a request's body is all in (an early answer's unread body is parsed and dropped by
+        # uvicorn), what follows is the next request's head, pipelined or after the answer: its size
+        # is counted, and its time from its first byte.
+        if self._message_done and self._head_bytes is None and not self.transport.is_closing():
             self._head_bytes = 0
+
+    def _answering(self) -> bool:
+        """A request before the bytes being parsed is still being answered: its body is all in, or
+        the parser has begun another message (whose head is not complete: it has no cycle yet)."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return False
+        return self._message_done or cycle.scope is not self.scope
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are no HTTP request; after the answer of a request still
+        being answered, not instead of it (reading stops until then)."""
+        if self._answering():
+            if self._deferred is None:
+                self._deferred = msg
+            self._raw_transport.pause_reading()
+            return
+        self._unparsed = True  # what the client still sends is unread: the close lingers
+        super().send_400_response(msg)
 
     def _head_late(self) -> None:
         self._head_timer = None
@@ -269,6 +297,10 @@ class _GuardedProtocol(HttpToolsProtocol):
         log.warning("%s: %d %s", self._peer(), status, detail)
         self._cancel_head_timer()
         self._head_bytes = None
+        if self._answering():  # a pipelined head: refused once the request before it is answered
+            self._deferred = _answer(status, detail)
+            self._raw_transport.pause_reading()
+            return
         self.transport.write(_answer(status, detail))
         self._linger()
 
@@ -319,7 +351,8 @@ class _BodySink(asyncio.BufferedProtocol):
         self._filled = filled
         self._left = len(view) - filled
         self._scratch: memoryview | None = None
-        self.done: asyncio.Future[None] = protocol.loop.create_future()
+        #: True once the body is all in, False when the connection was lost first.
+        self.done: asyncio.Future[bool] = protocol.loop.create_future()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._view is not None:
@@ -338,7 +371,7 @@ class _BodySink(asyncio.BufferedProtocol):
             self._view = None
             self._protocol._body_read()
             if not self.done.done():
-                self.done.set_result(None)
+                self.done.set_result(True)
 
     def abandon(self) -> None:
         self._view = None  # the handler's buffer is the handler's again
@@ -349,7 +382,7 @@ class _BodySink(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._view = None
         if not self.done.done():
-            self.done.set_exception(ClientDisconnect())
+            self.done.set_result(False)
         self._protocol.connection_lost(exc)
 
     def pause_writing(self) -> None:

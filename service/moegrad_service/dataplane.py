@@ -104,35 +104,41 @@ class MemoryBudget:
         a small one, seven eighths for a larger one."""
         return self.limit_bytes if nbytes <= self.SMALL_BYTES else self._large_limit
 
-    def reserve_body(self, body_bytes: int) -> int:
+    def reserve_body(self, body_bytes: int, *, so_far: int = 0) -> int:
         """Reserve what a body of ``body_bytes`` holds until its answer is sent (HOLD_PER_BODY_BYTE
         times its size); returns the bytes reserved, to give back with :meth:`release`.
+
+        ``so_far``: the bytes of the same body already reserved (a body without Content-Length is
+        reserved chunk by chunk as it arrives); the limits apply to the whole body so far, so a
+        chunked body is as large a call as a declared one of its size.
 
         Raises:
             PayloadTooLarge: (413) the body could never fit, even with nothing else held.
             DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
         """
         held = body_bytes * self.HOLD_PER_BODY_BYTE
-        ceiling = self.ceiling(held)
-        if held > ceiling:
+        whole = (so_far + body_bytes) * self.HOLD_PER_BODY_BYTE
+        ceiling = self.ceiling(whole)
+        if whole > ceiling:
             share = "all" if ceiling == self.limit_bytes else "seven eighths"
             raise PayloadTooLarge(
-                f"a body of {body_bytes} bytes holds {held} bytes while it is answered (the body, and as much "
-                f"again for grad_x), over the {ceiling} bytes ({share} of the service's in-flight budget of "
+                f"a body of {so_far + body_bytes} bytes holds {whole} bytes while it is answered (the body, and "
+                f"as much again for grad_x), over the {ceiling} bytes ({share} of the service's in-flight budget of "
                 f"{self.limit_bytes} bytes, max_inflight_bytes) that one call may take; send smaller calls, "
                 "or raise max_inflight_bytes"
             )
-        self.reserve(held)
+        self.reserve(held, whole=whole)
         return held
 
-    def reserve(self, nbytes: int) -> None:
-        """Take ``nbytes`` from the budget.
+    def reserve(self, nbytes: int, *, whole: int | None = None) -> None:
+        """Take ``nbytes`` from the budget; ``whole``: what the request holds with them (the share of
+        the budget it may take, :meth:`ceiling`, is decided by that), ``nbytes`` when None.
 
         Raises:
             PayloadTooLarge: (413) ``nbytes`` could never fit (over :meth:`ceiling`).
             DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
         """
-        limit = self.ceiling(nbytes)
+        limit = self.ceiling(nbytes if whole is None else whole)
         if nbytes > limit:
             raise PayloadTooLarge(
                 f"the request needs {nbytes} bytes, over the {limit} a call may take of the service's "

@@ -8,6 +8,7 @@ budget 413, both before the body is read; a body slower than body_timeout_s is 4
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -85,3 +86,35 @@ def test_the_server_still_serves_after_the_refusals(server_factory):
     with connect(url) as sock:
         sock.sendall(head(url, len(document)) + document)
         assert answer(sock, within_s=10)[0] == 200
+
+
+def test_stalled_chunked_uploads_leave_small_calls_their_eighth(server_factory):
+    """Chunked uploads are reserved as they arrive, each piece counted with the body so far (a piece
+    alone is a small call's size): three that stall after 8 MiB hold 48 of a 64 MiB budget, a fourth
+    is 503 once it would pass seven eighths (56 MiB), and a small call is still answered. Counted
+    piece by piece, the fourth would have taken the last eighth, and the small call been 503."""
+    url = server_factory(max_inflight_bytes=64 << 20, max_body_bytes=64 << 20)
+    host = url.removeprefix("http://")
+    chunked = (f"POST {GRAD_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/msgpack\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n").encode()
+    mib_chunk = b"100000\r\n" + b"\x00" * (1 << 20) + b"\r\n"
+    uploads = [connect(url) for _ in range(4)]
+    try:
+        for sock in uploads[:3]:
+            sock.sendall(chunked + mib_chunk * 8)
+        time.sleep(1.0)
+        fourth = uploads[3]
+        fourth.sendall(chunked)
+        with contextlib.suppress(OSError):  # the 503 may close the connection while it still sends
+            for _ in range(8):
+                fourth.sendall(mib_chunk)
+        status, headers, _ = answer(fourth, 10)
+        assert status == 503 and "retry-after" in headers
+        with connect(url) as small:
+            body = pack(example_document())
+            small.sendall(head(url, len(body)) + body)
+            status, _, _ = answer(small, 10)
+        assert status == 200
+    finally:
+        for sock in uploads:
+            sock.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 from fastapi.testclient import TestClient
@@ -43,3 +44,12 @@ def gate():
 @pytest.fixture
 def gated_backend(gate):
     return ReferenceBackend(fault_hook=gate)
+
+
+@pytest.fixture
+def collector_off():
+    """The garbage collector off for the test: only reference counts free anything."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()

@@ -103,6 +103,24 @@ def test_a_body_that_could_never_fit_is_413_not_503():
     assert budget.reserve_body(MIB) == 2 * MIB  # a small one may use the whole budget
 
 
+def test_a_chunked_body_is_as_large_a_call_as_a_declared_one_of_its_size():
+    """Chunks of at most 1 MiB are each a small call's size, but the limits apply to the body so far:
+    chunked uploads cannot take the eighth kept for small calls, nor pass the 413 size of one call."""
+    budget = MemoryBudget(64 * MIB)
+    so_far = 0
+    while so_far < 28 * MIB:  # 28 MiB in 1 MiB chunks: seven eighths, as a declared 28 MiB body
+        budget.reserve_body(MIB, so_far=so_far)
+        so_far += MIB
+    with pytest.raises(moegrad.PayloadTooLarge, match="a body of 30408704 bytes holds 60817408"):
+        budget.reserve_body(MIB, so_far=28 * MIB)  # the 29th MiB: over what one call may take
+    budget.reserve_body(MIB, so_far=0)  # a second chunked upload's first MiB: a small call's size
+    with pytest.raises(moegrad.DeviceBusy, match="in-flight bytes"):
+        budget.reserve_body(MIB, so_far=MIB)  # its second: a large call's, over seven eighths now
+    for _ in range(3):
+        budget.reserve_body(MIB)  # small calls still fit in the last eighth
+    assert budget.held_bytes == 64 * MIB
+
+
 class Crippled(ReferenceBackend):
     """A reference backend whose workers say they cannot run calls while ``broken`` is set."""
 

@@ -273,3 +273,120 @@ def test_the_body_is_exact_wherever_the_heads_packet_ends(offset):
         assert answers(transport) == [b"HTTP/1.1 200 OK " + hashlib.sha256(body).hexdigest().encode()]
 
     asyncio.run(main())
+
+
+def test_a_client_gone_mid_body_leaves_no_reference_to_the_buffer(collector_off):
+    """With the garbage collector off, only reference counts free anything: the handler's buffer
+    must be gone once its handler has returned (an exception kept in the sink's future would hold
+    the frame that holds the buffer, in a cycle)."""
+    import weakref
+
+    import numpy as np
+
+    refs = []
+
+    async def app(scope, receive, send):
+        buffer = np.empty(int(dict(scope["headers"])[b"content-length"]), dtype=np.uint8)
+        refs.append(weakref.ref(buffer))
+        try:
+            await scope["extensions"][BODY_INTO](scope, buffer.data)
+        except ClientDisconnect:
+            return
+
+    async def main():
+        config = uvicorn.Config(app, lifespan="off", log_config=None)
+        protocol = guarded_protocol(max_header_bytes=64 << 10, header_timeout_s=10.0)(
+            config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop())
+        transport = FakeTransport()
+        transport.protocol = protocol
+        protocol.connection_made(transport)
+        head, body = request(body_of(100_000, 9))
+        protocol.data_received(head + body[:10])
+        await settle()
+        feed_sink(transport, body[10:5000], step=1000)
+        transport.protocol.connection_lost(None)
+        await settle()
+
+    asyncio.run(main())
+    assert refs and refs[0]() is None
+
+
+class GatedHandler:
+    """Answers 200 "ok" to each request once ``gate`` is set (the body, if any, left unread)."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.gate.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def connect_gated(app, *, header_timeout_s: float = 10.0):
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    protocol = guarded_protocol(max_header_bytes=64 << 10, header_timeout_s=header_timeout_s)(
+        config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    transport.protocol = protocol
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+def statuses(transport: FakeTransport) -> list[bytes]:
+    import re
+
+    return re.findall(rb"HTTP/1\.1 (\d{3}) ", bytes(transport.written))
+
+
+PIPELINED = [
+    # a pipelined head past max_header_bytes, sent while the request before it is answered
+    ("oversized head", b"GET /next HTTP/1.1\r\nX-Big: ", [b"a" * (16 << 10)] * 6, 0.0, b"431"),
+    # a pipelined head that stops coming (header_timeout_s 0.1 s)
+    ("late head", b"GET /next HTTP/1.1\r\nX-Slow: ", [b"a"], 0.3, b"408"),
+    # bytes that are no request after a request
+    ("garbage", b"\x00\x01 not http\r\n\r\n", [], 0.0, b"400"),
+]
+
+
+@pytest.mark.parametrize(("case", "start", "more", "wait_s", "refusal"), PIPELINED, ids=[c[0] for c in PIPELINED])
+def test_a_bad_pipelined_request_is_refused_after_the_answer_before_it(case, start, more, wait_s, refusal):
+    """The request before it gets its answer, then the refusal, then the connection lingers and
+    closes; nothing more of the bad request is parsed meanwhile (reading stops)."""
+    async def main():
+        app = GatedHandler()
+        protocol, transport = connect_gated(app, header_timeout_s=0.1)
+        protocol.data_received(b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc")
+        await settle()
+        protocol.data_received(start)
+        for piece in more:
+            protocol.data_received(piece)
+        await asyncio.sleep(wait_s)
+        await settle()
+        assert transport.written == b"" and not transport.reading  # refused, but not before the answer
+        app.gate.set()
+        await settle()
+        assert statuses(transport) == [b"200", refusal]
+        assert bytes(transport.written).index(b"ok") < bytes(transport.written).index(b"HTTP/1.1 " + refusal)
+        assert protocol._lingering  # the close lingers: what the client still sends is read and dropped
+
+    asyncio.run(main())
+
+
+def test_a_pipelined_head_after_a_sink_read_body_is_bounded():
+    async def main():
+        app = Handler()
+        protocol, transport = connect(app)
+        head, body = request(body_of(200_000, 11))
+        protocol.data_received(head + body[:10])
+        await settle()
+        feed_sink(transport, body[10:], step=50_000)
+        await settle()
+        assert app.outcomes == ["direct"]
+        protocol.data_received(b"GET /next HTTP/1.1\r\nX-Big: ")
+        for _ in range(6):
+            protocol.data_received(b"a" * (16 << 10))
+        await settle()
+        assert statuses(transport) == [b"200", b"431"]
+
+    asyncio.run(main())

@@ -92,14 +92,6 @@ async def test_a_batch_runs_one_by_one_when_run_many_fails_or_declines(declines)
 # server may not do for a long time (each such batch of 160 MiB kept about 360 MiB). These tests run
 # with the collector off, so only reference counts can free anything.
 
-@pytest.fixture
-def collector_off():
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
-
-
 def test_a_refused_batch_item_holds_no_tensor_of_its_neighbours(collector_off):
     from types import SimpleNamespace
 

@@ -206,8 +206,9 @@ async def _receive_declared(request: Request, expected: int, lead: int) -> memor
 def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
     """Take what ``nbytes`` of body hold of the in-flight budget (MemoryBudget.reserve_body) for this
     request (given back by release_reserved)."""
-    held = dataplane.budget.reserve_body(nbytes)
     state = request.scope["state"]
+    so_far = state.get("reserved_bytes", 0) // dataplane.budget.HOLD_PER_BODY_BYTE
+    held = dataplane.budget.reserve_body(nbytes, so_far=so_far)
     state["reserved_bytes"] = state.get("reserved_bytes", 0) + held
 
 
