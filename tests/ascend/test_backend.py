@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
@@ -457,6 +458,28 @@ def test_close_shuts_down_workers_left_open(sim, sim_home):
     worker.close()  # a late close is harmless
     with pytest.raises(DeviceFault, match="closed"):
         backend.check_health()
+
+
+def test_the_backend_closing_waits_for_a_worker_closing_itself(sim, sim_home):
+    """The pool gives its worker threads a bounded join, then closes the backend from another
+    thread: a worker still closing itself then (waiting out a hung kernel's stream) must finish
+    before the device is reset, or its last stream calls meet a thread with no context and its
+    aclrtResetDevice one reference too many (what a loaded CI machine once showed)."""
+    start = sim.counts()
+    backend = AscendBackend(ascend_home_path=sim_home, drain_timeout_s=0.5)
+    worker = WorkerThread(backend, 0)
+    sim.inject("hang", 1, -1)
+    with pytest.raises(DeadlineExceeded):
+        worker.run(doc_call(), timeout_s=0.02)
+    closing = threading.Thread(target=worker.close)
+    closing.start()  # waits up to 0.5 s for the hung kernel's stream, on the worker's own thread
+    time.sleep(0.2)
+    backend.close()  # from this thread, while the worker is still closing
+    closing.join(5)
+    end = sim.counts()
+    assert delta(start, end, "violations", "context_errors") == {"violations": 0, "context_errors": 0}
+    assert end["allocations"] == end["streams"] == end["device_refs"] == end["initialized"] == 0
+    sim.release_hung()
 
 
 def test_the_simulator_catches_a_thread_that_never_set_the_device(backend, sim):

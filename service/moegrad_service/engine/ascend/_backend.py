@@ -489,14 +489,17 @@ class _AscendWorker:
         finish; after that its resources are left to ``aclrtResetDevice``. Streams still busy at the
         deadline are handed to the backend, which destroys them by force.
         """
-        if self._closed:
-            return
         backend = self._backend
         if deadline is None:
             deadline = time.monotonic() + backend.drain_timeout_s
         timeout = left(deadline)
         assert timeout is not None  # deadline is set just above, so left() gives seconds
+        # _busy is held while a call runs and while the worker releases its resources: the backend
+        # closing from another thread waits here for a worker that is closing itself (else it would
+        # reset the device under the worker's last stream calls)
         if not self._busy.acquire(timeout=timeout):
+            if self._closed:
+                return
             self._closed = True
             with backend._lock:
                 backend._workers.discard(self)
@@ -505,15 +508,22 @@ class _AscendWorker:
             )
             return
         try:
-            self._release_all(deadline)
+            if not self._closed:
+                self._release_all(deadline)
         finally:
             self._busy.release()
 
     def _release_all(self, deadline: float) -> None:
         self._closed = True
+        backend = self._backend
+        try:
+            self._release_streams(deadline)
+        finally:  # only now: until here the backend's close waits for this worker (see _shutdown)
+            with backend._lock:
+                backend._workers.discard(self)
+
+    def _release_streams(self, deadline: float) -> None:
         backend, device = self._backend, self._device
-        with backend._lock:
-            backend._workers.discard(self)
         leftover = []
         if self._stream is not None and not device.wait_idle(self._stream, left(deadline)):
             leftover.append(Retired(self._stream, self._cache.drain() + self._take_workspace()))

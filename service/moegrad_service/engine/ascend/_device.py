@@ -107,27 +107,33 @@ class Device:
         self._lock = threading.Lock()
         self._tls = threading.local()
         self._refs = 0
+        #: Bumped by reset_all: a thread's aclrtSetDevice of an earlier generation is already balanced.
+        self._generation = 0
 
     # --- the per-thread context ----------------------------------------------------------------------
 
     def ensure(self) -> bool:
         """aclrtSetDevice on this thread unless it already did; True when this call set it."""
-        if getattr(self._tls, "device_set", False):
+        if getattr(self._tls, "device_set", False) and self._tls.generation == self._generation:
             return False
         self.check("aclrtSetDevice", self.api.aclrtSetDevice(self.device_id))
         self._tls.device_set = True
         with self._lock:
             self._refs += 1
+            self._tls.generation = self._generation
         return True
 
     def reset_thread(self) -> None:
-        """Balance this thread's aclrtSetDevice (a worker that set the device, at its close)."""
+        """Balance this thread's aclrtSetDevice (a worker that set the device, at its close); nothing
+        when :meth:`reset_all` has balanced it already (the backend closed first, from its thread)."""
         if not getattr(self._tls, "device_set", False):
             return
         self._tls.device_set = False
-        with self._lock:
+        with self._lock:  # held through the reset: reset_all cannot count this reference in between
+            if self._tls.generation != self._generation:
+                return
             self._refs -= 1
-        status = self.api.aclrtResetDevice(self.device_id)
+            status = self.api.aclrtResetDevice(self.device_id)
         if status:
             log.error("aclrtResetDevice failed with %s: %s", code_name(status), self.api.recent_error())
 
@@ -135,9 +141,10 @@ class Device:
         """Balance every aclrtSetDevice this device made (any thread's), from this thread."""
         with self._lock:
             refs, self._refs = self._refs, 0
+            self._generation += 1
+            statuses = [self.api.aclrtResetDevice(self.device_id) for _ in range(refs)]
         self._tls.device_set = False
-        for _ in range(refs):
-            status = self.api.aclrtResetDevice(self.device_id)
+        for status in statuses:
             if status:
                 log.error("aclrtResetDevice failed with %s: %s", code_name(status), self.api.recent_error())
 
