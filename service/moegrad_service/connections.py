@@ -121,6 +121,9 @@ class _GuardedProtocol(HttpToolsProtocol):
         if self._lingering:
             self._discarded(len(data))
             return
+        if self._deferred is not None:  # refused, once the answers before it are sent: read no further
+            self._raw_transport.pause_reading()
+            return
         if self._head_bytes is not None:
             if self._head_bytes == 0 and self._head_timer is None:  # the first byte of a keep-alive request
                 self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
@@ -237,15 +240,18 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._next_head()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # starts the next pipelined request, if one is waiting
+        if self._deferred is None:
+            self._next_head()
+            return
+        if self.pipeline or self._answering():
+            return  # the refusal waits for every answer before it
         deferred, self._deferred = self._deferred, None
-        if isinstance(deferred, bytes):  # a pipelined head refused while the request before it was answered
+        if isinstance(deferred, bytes):  # a pipelined head refused while the requests before it were answered
             self.transport.write(deferred)
             self._linger()
-        elif isinstance(deferred, str):  # bytes that are no request, after one being answered
+        else:  # bytes that are no request, after requests being answered
             self.send_400_response(deferred)
-        else:
-            self._next_head()
 
     def _next_head(self) -> None:
         # Once a request's body is all in (an early answer's unread body is parsed and dropped by

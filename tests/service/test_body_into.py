@@ -390,3 +390,22 @@ def test_a_pipelined_head_after_a_sink_read_body_is_bounded():
         assert statuses(transport) == [b"200", b"431"]
 
     asyncio.run(main())
+
+
+def test_bytes_that_are_no_request_after_two_pipelined_requests_wait_for_both_answers():
+    async def main():
+        app = GatedHandler()
+        protocol, transport = connect_gated(app)
+        first = b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc"
+        second = b"POST /second HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nde"
+        protocol.data_received(first + second)
+        await settle()
+        protocol.data_received(b"\x00\x01 not http\r\n\r\n")
+        await settle()
+        assert transport.written == b""
+        app.gate.set()
+        for _ in range(5):
+            await settle()
+        assert statuses(transport) == [b"200", b"200", b"400"]
+
+    asyncio.run(main())
