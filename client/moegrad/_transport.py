@@ -139,13 +139,7 @@ def http_transport(verify: Verify) -> httpx.HTTPTransport:
     its connection pool over the large-read backend."""
     context = httpx.create_ssl_context(verify=verify)  # honours SSL_CERT_FILE / SSL_CERT_DIR, as httpx's clients do
     transport = httpx.HTTPTransport(verify=context)
-    transport._pool = httpcore.ConnectionPool(
-        ssl_context=context,
-        max_connections=_LIMITS.max_connections,
-        max_keepalive_connections=_LIMITS.max_keepalive_connections,
-        keepalive_expiry=_LIMITS.keepalive_expiry,
-        network_backend=_Backend(),
-    )
+    transport._pool = httpcore.ConnectionPool(network_backend=_Backend(), **_pool_options(context))
     return transport
 
 
@@ -153,11 +147,15 @@ def async_http_transport(verify: Verify) -> httpx.AsyncHTTPTransport:
     """:func:`http_transport` for ``httpx.AsyncClient`` (asyncio or trio, through AnyIO)."""
     context = httpx.create_ssl_context(verify=verify)
     transport = httpx.AsyncHTTPTransport(verify=context)
-    transport._pool = httpcore.AsyncConnectionPool(
-        ssl_context=context,
-        max_connections=_LIMITS.max_connections,
-        max_keepalive_connections=_LIMITS.max_keepalive_connections,
-        keepalive_expiry=_LIMITS.keepalive_expiry,
-        network_backend=_AsyncBackend(),
-    )
+    transport._pool = httpcore.AsyncConnectionPool(network_backend=_AsyncBackend(), **_pool_options(context))
     return transport
+
+
+def _pool_options(context: ssl.SSLContext) -> dict[str, typing.Any]:
+    """The connection pool's settings as httpx's default transport sets them."""
+    return {
+        "ssl_context": context,
+        "max_connections": _LIMITS.max_connections,
+        "max_keepalive_connections": _LIMITS.max_keepalive_connections,
+        "keepalive_expiry": _LIMITS.keepalive_expiry,
+    }

@@ -323,6 +323,14 @@ def test_a_v2_binary_reply_sent_from_its_parts_has_the_header_then_grad_x(client
     assert (np.frombuffer(response.content[length:], np.uint32).reshape(2, 2) == EXAMPLE_BITS).all()
 
 
+def post_frames_call(client, grad: np.ndarray, idx: np.ndarray, top_k: int):
+    """POST a float32 call as a frames body to the v1 grad route; the response."""
+    document = example_document(
+        grad_expanded_x={"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
+        expanded_row_idx={"dtype": "int32", "shape": list(idx.shape), "data": idx.tobytes()}, top_k=top_k)
+    return client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document), headers={"content-type": FRAMES})
+
+
 def gauge(client, name: str) -> float:
     line = next(line for line in client.get("/metrics").text.splitlines() if line.startswith(name + " "))
     return float(line.split()[1])
@@ -338,11 +346,7 @@ def test_a_receive_buffer_is_reused_only_when_nothing_views_it(client):
     results = []
     for seed in (1, 2):
         grad, idx, k = random_call(np.float32, n=8192, k=2, h=32, seed=seed)  # 2 MiB
-        document = example_document(
-            grad_expanded_x={"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
-            expanded_row_idx={"dtype": "int32", "shape": list(idx.shape), "data": idx.tobytes()}, top_k=k)
-        response = client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document),
-                               headers={"content-type": FRAMES})
+        response = post_frames_call(client, grad, idx, k)
         assert response.status_code == 200
         assert gauge(client, "moegrad_receive_buffer_kept_bytes") >= grad.nbytes
         want = grad[idx[0::2]] + grad[idx[1::2]]  # K=2: one float32 add per element

@@ -131,9 +131,9 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def connect(app: Handler) -> tuple[object, FakeTransport]:
+def connect(app, *, header_timeout_s: float = 10.0) -> tuple[object, FakeTransport]:
     config = uvicorn.Config(app, lifespan="off", log_config=None)
-    protocol_class = guarded_protocol(max_header_bytes=64 << 10, header_timeout_s=10.0)
+    protocol_class = guarded_protocol(max_header_bytes=64 << 10, header_timeout_s=header_timeout_s)
     protocol = protocol_class(config=config, server_state=ServerState(), app_state={},
                               _loop=asyncio.get_running_loop())
     transport = FakeTransport()
@@ -294,12 +294,7 @@ def test_a_client_gone_mid_body_leaves_no_reference_to_the_buffer(collector_off)
             return
 
     async def main():
-        config = uvicorn.Config(app, lifespan="off", log_config=None)
-        protocol = guarded_protocol(max_header_bytes=64 << 10, header_timeout_s=10.0)(
-            config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop())
-        transport = FakeTransport()
-        transport.protocol = protocol
-        protocol.connection_made(transport)
+        protocol, transport = connect(app)
         head, body = request(body_of(100_000, 9))
         protocol.data_received(head + body[:10])
         await settle()
@@ -321,16 +316,6 @@ class GatedHandler:
         await self.gate.wait()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
-
-
-def connect_gated(app, *, header_timeout_s: float = 10.0):
-    config = uvicorn.Config(app, lifespan="off", log_config=None)
-    protocol = guarded_protocol(max_header_bytes=64 << 10, header_timeout_s=header_timeout_s)(
-        config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop())
-    transport = FakeTransport()
-    transport.protocol = protocol
-    protocol.connection_made(transport)
-    return protocol, transport
 
 
 def statuses(transport: FakeTransport) -> list[bytes]:
@@ -355,7 +340,7 @@ def test_a_bad_pipelined_request_is_refused_after_the_answer_before_it(case, sta
     closes; nothing more of the bad request is parsed meanwhile (reading stops)."""
     async def main():
         app = GatedHandler()
-        protocol, transport = connect_gated(app, header_timeout_s=0.1)
+        protocol, transport = connect(app, header_timeout_s=0.1)
         protocol.data_received(b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc")
         await settle()
         protocol.data_received(start)
@@ -395,7 +380,7 @@ def test_a_pipelined_head_after_a_sink_read_body_is_bounded():
 def test_bytes_that_are_no_request_after_two_pipelined_requests_wait_for_both_answers():
     async def main():
         app = GatedHandler()
-        protocol, transport = connect_gated(app)
+        protocol, transport = connect(app)
         first = b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc"
         second = b"POST /second HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nde"
         protocol.data_received(first + second)

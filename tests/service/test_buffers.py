@@ -104,15 +104,11 @@ def test_a_buffer_unused_for_keep_s_is_given_up():
 
 
 def test_an_idle_service_gives_its_kept_buffers_up(serve):
-    from test_batch_frames import FRAMES, example_document, frames_body, gauge, random_call
+    from test_batch_frames import gauge, post_frames_call, random_call
 
     with serve(receive_keep_s=0.3) as client:
         grad, idx, k = random_call(np.float32, n=8192, k=2, h=64, seed=3)  # 4 MiB
-        document = example_document(
-            grad_expanded_x={"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
-            expanded_row_idx={"dtype": "int32", "shape": list(idx.shape), "data": idx.tobytes()}, top_k=k)
-        response = client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document),
-                               headers={"content-type": FRAMES})
+        response = post_frames_call(client, grad, idx, k)
         assert response.status_code == 200
         assert gauge(client, "moegrad_receive_buffer_kept_bytes") >= grad.nbytes
         assert gauge(client, "moegrad_inflight_bytes") == gauge(client, "moegrad_receive_buffer_kept_bytes")
