@@ -86,8 +86,8 @@ def _compiled(function):
 
 
 def _inlined(function):
-    """njit, inlined into its callers at numba's level: the row slices the passes take then cost no
-    reference counting (on the benchmark machine a call per pass cost more than the pass at small H)."""
+    """njit, inlined into its callers at numba's level: a helper that takes arrays then costs no call
+    (a call passes each array as a struct of seven fields and takes and drops a reference to it)."""
     return njit(inline="always")(function)
 
 
@@ -96,27 +96,50 @@ _PREFETCH_SLOTS = 32  # slots read ahead: tokens ahead = ceil(32 / K), so that m
 
 
 @intrinsic
-def _prefetch(typingctx, array, row, column):
-    """Hint the cache line of ``array[row, column]`` (2-D, C-contiguous) into the caches; no load, no fault."""
-    if not isinstance(array, types.Array) or array.ndim != 2:
+def _data(typingctx, array):
+    """A pointer to the first element of a C-contiguous array; no reference is taken.
+
+    The caller keeps the array alive while the pointer is used: the kernels take their pointers in
+    a function whose caller holds the arrays. ``p[i]`` reads and writes element i of the array (in
+    C order); nothing checks i.
+    """
+    if not isinstance(array, types.Array) or array.layout != "C":
         return None
 
     def codegen(context, builder, signature, args):
-        arraytype = signature.args[0]
-        view = context.make_array(arraytype)(context, builder, args[0])
-        row_value = context.cast(builder, args[1], signature.args[1], types.intp)
-        column_value = context.cast(builder, args[2], signature.args[2], types.intp)
-        pointer = cgutils.get_item_pointer(
-            context, builder, arraytype, view, [row_value, column_value], wraparound=False
-        )
+        return context.make_array(signature.args[0])(context, builder, args[0]).data
+
+    return types.CPointer(array.dtype)(array), codegen
+
+
+@intrinsic
+def _offset(typingctx, pointer, count):
+    """``pointer`` moved on by ``count`` elements (an integer); unchecked."""
+    if not isinstance(pointer, types.CPointer) or not isinstance(count, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        step = context.cast(builder, args[1], signature.args[1], types.intp)
+        return builder.gep(args[0], [step])
+
+    return pointer(pointer, count), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, pointer):
+    """Hint the cache line at ``pointer`` into the caches; no load, no fault."""
+    if not isinstance(pointer, types.CPointer):
+        return None
+
+    def codegen(context, builder, signature, args):
         bytes_pointer = ir.IntType(8).as_pointer()
         function_type = ir.FunctionType(ir.VoidType(), [bytes_pointer, _I32, _I32, _I32])
         function = cgutils.get_or_insert_function(builder.module, function_type, "llvm.prefetch.p0")
         # read (0), high locality (3), data cache (1)
-        builder.call(function, [builder.bitcast(pointer, bytes_pointer), _i32(0), _i32(3), _i32(1)])
+        builder.call(function, [builder.bitcast(args[0], bytes_pointer), _i32(0), _i32(3), _i32(1)])
         return context.get_dummy_value()
 
-    return types.void(array, row, column), codegen
+    return types.void(pointer), codegen
 
 
 def _i32(value: int) -> ir.Constant:
@@ -331,17 +354,23 @@ def narrow_bf16(values, out):
 
 # Passes over one tile of H. Each reads several rows at once, one stream each: a core keeps more
 # loads in flight that way (on the benchmark machine one pass over 8 rows read memory about twice as
-# fast as 8 passes over one row). _pass_GxM runs G bins side by side, M chain elements each. With
-# ``first`` and ``last`` it needs no bins: -0.0 + x is x, so the chain starts at its first element;
-# otherwise the bins hold the chain so far (filled with -0.0 before the first pass). ``last`` reduces
-# the G bins by S4's levels inside the group and writes the result to ``out``, narrowed when ``out``
-# is a bit view of grad_x, as is when it is a float32 row of group results. Every add is written out
-# in the schedule's order; LLVM only vectorises over h.
+# fast as 8 passes over one row). _pass_GxM runs G bins side by side, M chain elements each, over
+# ``n`` elements. With ``first`` and ``last`` it needs no bins: -0.0 + x is x, so the chain starts at
+# its first element; otherwise the bins hold the chain so far (filled with -0.0 before the first
+# pass). ``last`` reduces the G bins by S4's levels inside the group and writes the result to ``out``,
+# narrowed when ``out`` points into grad_x's bit view, as is when it points at a float32 row of group
+# results. Every add is written out in the schedule's order; LLVM only vectorises over h.
+#
+# Inside the row loop, everything travels as pointers (``_data``, ``_offset``) and integers, never as
+# arrays: numba takes and drops a reference (an atomic add, out of line) for each array slice and
+# each array a helper receives, and at small H that cost more than the row's arithmetic (W5: 480 ->
+# 220 ns per row on one thread). The kernels' entry points allocate their float32 bins and hand
+# them, with the caller's arrays, to a loop function (``_run_rows``, ``_run_rows_950``) that takes
+# its pointers once: the arrays outlive every pointer into them.
 
 
 @njit
-def _pass_4x2(first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
-    n = a0.shape[0]
+def _pass_4x2(n, first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
     if first and last:
         for h in range(n):
             v0 = _widen(a0[h]) + _widen(b0[h])
@@ -365,8 +394,7 @@ def _pass_4x2(first, last, out, w0, w1, w2, w3, a0, b0, a1, b1, a2, b2, a3, b3):
 
 
 @njit
-def _pass_1x4(first, last, out, w0, a0, b0, c0, d0):
-    n = a0.shape[0]
+def _pass_1x4(n, first, last, out, w0, a0, b0, c0, d0):
     if first and last:
         for h in range(n):
             v0 = ((_widen(a0[h]) + _widen(b0[h])) + _widen(c0[h])) + _widen(d0[h])
@@ -381,8 +409,7 @@ def _pass_1x4(first, last, out, w0, a0, b0, c0, d0):
 
 
 @njit
-def _pass_1x2(first, last, out, w0, a0, b0):
-    n = a0.shape[0]
+def _pass_1x2(n, first, last, out, w0, a0, b0):
     if first and last:
         for h in range(n):
             v0 = _widen(a0[h]) + _widen(b0[h])
@@ -396,30 +423,72 @@ def _pass_1x2(first, last, out, w0, a0, b0):
             w0[h] = (w0[h] + _widen(a0[h])) + _widen(b0[h])
 
 
-@_inlined
-def _add_bin(target, other):
-    for h in range(target.shape[0]):
+@njit
+def _add_bin(n, target, other):
+    for h in range(n):
         target[h] = target[h] + other[h]
 
 
-@_inlined
-def _store(total, segment):
-    for h in range(total.shape[0]):
-        segment[h] = _narrow(total[h], segment)
+@njit
+def _store(n, total, out):
+    for h in range(n):
+        out[h] = _narrow(total[h], out)
+
+
+@njit
+def _fill(n, target, value):
+    for h in range(n):
+        target[h] = value
 
 
 @_inlined
-def _row(rows, aux, index, base, chains, chain, layer, h0, h1):
-    """The slice [h0, h1) of the row a chain element reads; a skipped slot or a pad reads aux."""
-    slot = chains[chain, layer, 0]
+def _prefetch_token(rows, nrows, hidden, index, lookahead, token):
+    """Prefetch the first bytes of each row token ``token`` reads (nothing past the last token).
+
+    ``lookahead`` is (N*K, K, elements per cache line, elements to prefetch of each row).
+    """
+    nslots, top_k, line, lead = lookahead
+    if token * top_k + top_k <= nslots:
+        for t in range(top_k):
+            r = index[token * top_k + t]
+            if 0 <= r < nrows:
+                for h in range(0, lead, line):
+                    _prefetch(_offset(rows, r * hidden + h))
+
+
+def _lookahead(rows, index, top_k):
+    """_prefetch_token's constants for a call, and how many tokens ahead to prefetch."""
+    raise NotImplementedError  # only called from compiled code
+
+
+@overload(_lookahead)
+def _lookahead_overload(rows, index, top_k):
+    itemsize = rows.dtype.bitwidth // 8
+    line, lead = 64 // itemsize, _PREFETCH_BYTES // itemsize
+
+    def lookahead(rows, index, top_k):
+        return (index.shape[0], top_k, line, min(rows.shape[1], lead)), max(1, -(-_PREFETCH_SLOTS // top_k))
+
+    return lookahead
+
+
+@_inlined
+def _row(source, base, chain, layer, h0):
+    """Where the tile at h0 of the row a chain element reads starts; a skipped slot or a pad reads aux.
+
+    ``source`` is (rows, R, H, aux, index, chains, L) as pointers and counts.
+    """
+    rows, nrows, hidden, aux, index, chains, length = source
+    entry = (chain * length + layer) * 2
+    slot = chains[entry]
     if slot >= 0:
         r = index[base + slot]
-        if 0 <= r < rows.shape[0]:
-            return rows[r, h0:h1]
-    return aux[chains[chain, layer, 1], h0:h1]
+        if 0 <= r < nrows:
+            return _offset(rows, r * hidden + h0)
+    return _offset(aux, chains[entry + 1] * hidden + h0)
 
 
-@_inlined
+@njit
 def _group_layers(chains, first_bin, group):
     """The group's chain length without the pairs of pads all its bins end with (adding -0.0 changes
     no bit, so those passes can go): at least 2, even."""
@@ -433,21 +502,22 @@ def _group_layers(chains, first_bin, group):
     return layers
 
 
-@njit
-def _run_group(rows, aux, index, base, chains, first_bin, group, work, h0, h1, out):
-    """Bins first_bin .. first_bin + group - 1 over the tile [h0, h1), reduced into ``out``.
+@_inlined
+def _run_group(source, base, first_bin, group, layers, work, tile, h0, width, out):
+    """Bins first_bin .. first_bin + group - 1 over the tile of ``width`` at h0, reduced into ``out``.
 
-    ``group`` is 4 or 1; the chains have an even length L (the plan pads them with -0.0).
+    ``group`` is 4 or 1; ``layers`` the group's chain length (even); ``work`` the group's float32
+    bins, ``tile`` apart; ``out`` a pointer.
     """
-    layers = _group_layers(chains, first_bin, group)
-    width = h1 - h0
     layer = 0
     if group == 4:
-        w0, w1, w2, w3 = work[0, :width], work[1, :width], work[2, :width], work[3, :width]
+        w0, w1, w2, w3 = work, _offset(work, tile), _offset(work, 2 * tile), _offset(work, 3 * tile)
         if layers > 2:
-            work[:, :width] = -0.0
+            for w in (w0, w1, w2, w3):
+                _fill(width, w, np.float32(-0.0))
         while layer < layers:
             _pass_4x2(
+                width,
                 layer == 0,
                 layer + 2 == layers,
                 out,
@@ -455,54 +525,42 @@ def _run_group(rows, aux, index, base, chains, first_bin, group, work, h0, h1, o
                 w1,
                 w2,
                 w3,
-                _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin + 1, layer, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin + 1, layer + 1, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin + 2, layer, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin + 2, layer + 1, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin + 3, layer, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin + 3, layer + 1, h0, h1),
+                _row(source, base, first_bin, layer, h0),
+                _row(source, base, first_bin, layer + 1, h0),
+                _row(source, base, first_bin + 1, layer, h0),
+                _row(source, base, first_bin + 1, layer + 1, h0),
+                _row(source, base, first_bin + 2, layer, h0),
+                _row(source, base, first_bin + 2, layer + 1, h0),
+                _row(source, base, first_bin + 3, layer, h0),
+                _row(source, base, first_bin + 3, layer + 1, h0),
             )
             layer += 2
     else:
-        w0 = work[0, :width]
         if layers > 4:
-            w0[:] = -0.0
+            _fill(width, work, np.float32(-0.0))
         while layer + 4 <= layers:
             _pass_1x4(
+                width,
                 layer == 0,
                 layer + 4 == layers,
                 out,
-                w0,
-                _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin, layer + 2, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin, layer + 3, h0, h1),
+                work,
+                _row(source, base, first_bin, layer, h0),
+                _row(source, base, first_bin, layer + 1, h0),
+                _row(source, base, first_bin, layer + 2, h0),
+                _row(source, base, first_bin, layer + 3, h0),
             )
             layer += 4
         if layer < layers:
             _pass_1x2(
+                width,
                 layer == 0,
                 True,
                 out,
-                w0,
-                _row(rows, aux, index, base, chains, first_bin, layer, h0, h1),
-                _row(rows, aux, index, base, chains, first_bin, layer + 1, h0, h1),
+                work,
+                _row(source, base, first_bin, layer, h0),
+                _row(source, base, first_bin, layer + 1, h0),
             )
-
-
-@_inlined
-def _prefetch_token(rows, index, top_k, token):
-    """Prefetch the first bytes of each row token ``token`` reads (nothing past the last token)."""
-    if token * top_k + top_k <= index.shape[0]:
-        line = 64 // rows.itemsize
-        lead = min(rows.shape[1], _PREFETCH_BYTES // rows.itemsize)
-        for t in range(top_k):
-            r = index[token * top_k + t]
-            if 0 <= r < rows.shape[0]:
-                for h in range(0, lead, line):
-                    _prefetch(rows, r, h)
 
 
 @_compiled
@@ -520,38 +578,53 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
         index: [N*K] int32. A slot whose index is outside [0, R) is skipped (validation leaves only
             the mode's skips there: -1 in drop/pad mode, >= A in active mode).
         top_k: K.
-        chains: [B, L, 2] int32: bin b's L elements, in order: (slot or -1, the aux row read when the
-            slot is -1 or skipped: 0 = +0.0 for a set, 1 = -0.0 for an add or a pad).
+        chains: [B, L, 2] int32, C-contiguous: bin b's L elements, in order: (slot or -1, the aux
+            row read when the slot is -1 or skipped: 0 = +0.0 for a set, 1 = -0.0 for an add or a pad).
         group: 4, or 1 when B < 4 (B a power of two); L is even.
         tile: elements of H per pass.
         out: [N, H] C-contiguous, the type of ``rows``.
-        start, stop: the rows of ``out`` to compute.
+        start, stop: the rows of ``out`` to compute, 0 <= start <= stop <= N (not checked).
     """
-    hidden = rows.shape[1]
     ngroups = chains.shape[0] // group
     work = np.empty((group, tile), dtype=np.float32)
     results = np.empty((ngroups, tile), dtype=np.float32)
-    zero = start - start  # the first bin, typed as g * group is (a literal 0 would compile another version)
-    ahead = max(1, -(-_PREFETCH_SLOTS // top_k))
+    layers = np.empty(ngroups, dtype=np.intp)
+    for g in range(ngroups):
+        layers[g] = _group_layers(chains, g * group, group)
+    _run_rows(rows, aux, index, top_k, chains, group, work, results, layers, out, start, stop)
+
+
+@njit
+def _run_rows(rows, aux, index, top_k, chains, group, work, results, layers, out, start, stop):
+    """run_rows' loop; ``work`` [group, tile] and ``results`` [groups, tile] float32 bins, ``layers``
+    [groups] each group's chain length. The caller holds every array while this runs."""
+    nrows, hidden = rows.shape
+    tile = work.shape[1]
+    ngroups = results.shape[0]
+    rows_at, index_at, out_at = _data(rows), _data(index), _data(out)
+    source = (rows_at, nrows, hidden, _data(aux), index_at, _data(chains), chains.shape[1])
+    work_at, results_at, layers_at = _data(work), _data(results), _data(layers)
+    lookahead, ahead = _lookahead(rows, index, top_k)
     for i in range(start, min(stop, start + ahead)):
-        _prefetch_token(rows, index, top_k, i)
+        _prefetch_token(rows_at, nrows, hidden, index_at, lookahead, i)
     for i in range(start, stop):
-        _prefetch_token(rows, index, top_k, i + ahead)
+        _prefetch_token(rows_at, nrows, hidden, index_at, lookahead, i + ahead)
         base = i * top_k
         for h0 in range(0, hidden, tile):
-            h1 = min(hidden, h0 + tile)
-            width = h1 - h0
+            width = min(hidden, h0 + tile) - h0
+            target = _offset(out_at, i * hidden + h0)
             if ngroups == 1:
-                _run_group(rows, aux, index, base, chains, zero, group, work, h0, h1, out[i, h0:h1])
+                _run_group(source, base, 0, group, layers_at[0], work_at, tile, h0, width, target)
                 continue
             for g in range(ngroups):
-                _run_group(rows, aux, index, base, chains, g * group, group, work, h0, h1, results[g, :width])
+                bins = _offset(results_at, g * tile)
+                _run_group(source, base, g * group, group, layers_at[g], work_at, tile, h0, width, bins)
             stride = 1
             while stride < ngroups:  # S4's remaining levels, over the group results
                 for j in range(stride, ngroups, 2 * stride):
-                    _add_bin(results[j - stride, :width], results[j, :width])
+                    _add_bin(width, _offset(results_at, (j - stride) * tile), _offset(results_at, j * tile))
                 stride *= 2
-            _store(results[0, :width], out[i, h0:h1])
+            _store(width, results_at, target)
 
 
 # The Ascend 950 order (moegrad._ascend950): one float32 accumulator per element from +0.0; groups of
@@ -559,29 +632,33 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
 
 
 @_inlined
-def _slot(rows, zero, index, position, h0, h1):
-    """The slice [h0, h1) of the row slot ``position`` reads; a skipped slot reads the +0.0 row."""
+def _slot(source, position, h0):
+    """Where the tile at h0 of the row slot ``position`` reads starts; a skipped slot reads the +0.0 row.
+
+    ``source`` is (rows, R, H, zero, index) as pointers and counts.
+    """
+    rows, nrows, hidden, zero, index = source
     r = index[position]
-    if 0 <= r < rows.shape[0]:
-        return rows[r, h0:h1]
-    return zero[0, h0:h1]
+    if 0 <= r < nrows:
+        return _offset(rows, r * hidden + h0)
+    return _offset(zero, h0)
 
 
-@_inlined
-def _add_group(total, a, b, c, d):
-    for h in range(total.shape[0]):
+@njit
+def _add_group(n, total, a, b, c, d):
+    for h in range(n):
         total[h] = total[h] + ((_widen(a[h]) + _widen(b[h])) + (_widen(c[h]) + _widen(d[h])))
 
 
-@_inlined
-def _add_chain(total, a, b, c, d):
-    for h in range(total.shape[0]):
+@njit
+def _add_chain(n, total, a, b, c, d):
+    for h in range(n):
         total[h] = (((total[h] + _widen(a[h])) + _widen(b[h])) + _widen(c[h])) + _widen(d[h])
 
 
-@_inlined
-def _add_one(total, a):
-    for h in range(total.shape[0]):
+@njit
+def _add_one(n, total, a):
+    for h in range(n):
         total[h] = total[h] + _widen(a[h])
 
 
@@ -598,36 +675,43 @@ def run_rows_950(rows, zero, index, top_k, k_chunk, grouped, tile, out, start, s
         grouped: True for groups of four, False for a plain chain (the 2025-12 revision).
         tile: elements of H per pass.
         out: [N, H] C-contiguous, the type of ``rows``.
-        start, stop: the rows of ``out`` to compute.
+        start, stop: the rows of ``out`` to compute, 0 <= start <= stop <= N (not checked).
     """
-    hidden = rows.shape[1]
-    work = np.empty(tile, dtype=np.float32)
-    ahead = max(1, -(-_PREFETCH_SLOTS // top_k))
+    _run_rows_950(rows, zero, index, top_k, k_chunk, grouped, np.empty(tile, dtype=np.float32), out, start, stop)
+
+
+@njit
+def _run_rows_950(rows, zero, index, top_k, k_chunk, grouped, work, out, start, stop):
+    """run_rows_950's loop; ``work`` [tile] the float32 accumulator. The caller holds every array."""
+    nrows, hidden = rows.shape
+    tile = work.shape[0]
+    rows_at, index_at, out_at, total = _data(rows), _data(index), _data(out), _data(work)
+    source = (rows_at, nrows, hidden, _data(zero), index_at)
+    lookahead, ahead = _lookahead(rows, index, top_k)
     for i in range(start, min(stop, start + ahead)):
-        _prefetch_token(rows, index, top_k, i)
+        _prefetch_token(rows_at, nrows, hidden, index_at, lookahead, i)
     for i in range(start, stop):
-        _prefetch_token(rows, index, top_k, i + ahead)
+        _prefetch_token(rows_at, nrows, hidden, index_at, lookahead, i + ahead)
         base = i * top_k
         for h0 in range(0, hidden, tile):
-            h1 = min(hidden, h0 + tile)
-            total = work[: h1 - h0]
-            total[:] = 0.0
+            width = min(hidden, h0 + tile) - h0
+            _fill(width, total, np.float32(0.0))
             first = 0
             while first < top_k:
                 last = min(first + k_chunk, top_k)
                 t = first
                 while t + 4 <= last:
-                    a = _slot(rows, zero, index, base + t, h0, h1)
-                    b = _slot(rows, zero, index, base + t + 1, h0, h1)
-                    c = _slot(rows, zero, index, base + t + 2, h0, h1)
-                    d = _slot(rows, zero, index, base + t + 3, h0, h1)
+                    a = _slot(source, base + t, h0)
+                    b = _slot(source, base + t + 1, h0)
+                    c = _slot(source, base + t + 2, h0)
+                    d = _slot(source, base + t + 3, h0)
                     if grouped:
-                        _add_group(total, a, b, c, d)
+                        _add_group(width, total, a, b, c, d)
                     else:
-                        _add_chain(total, a, b, c, d)
+                        _add_chain(width, total, a, b, c, d)
                     t += 4
                 while t < last:
-                    _add_one(total, _slot(rows, zero, index, base + t, h0, h1))
+                    _add_one(width, total, _slot(source, base + t, h0))
                     t += 1
                 first = last
-            _store(total, out[i, h0:h1])
+            _store(width, total, _offset(out_at, i * hidden + h0))
