@@ -922,10 +922,13 @@ WIRE_PATHS = ("raw -> v1 msgpack", "raw -> v1 frames", "raw -> v2 binary", "Clie
 
 
 def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str, Any]:
-    """Interleaved rounds: the floor, then each path once, per round; each reply checked bitwise once.
+    """Interleaved rounds of the floor and then each path once, each reply checked bitwise once.
 
-    Also the server's peak RSS growth per call (VmHWM after a reset, minus VmRSS before) and its
-    RSS one second after the call.
+    First ``rounds`` back to back (each call right after the one before, as a caller's loop makes
+    them), then ``rounds`` with 0.3 s of idle before each call (the floor's too), which also take
+    the server's peak RSS growth per call (VmHWM after a reset, minus VmRSS before) and its RSS one
+    second after the call. An idle 2-core VM wakes slower: both the floor and the paths take longer
+    after the pause, the paths more (they wake more threads).
     """
     from moegrad import Client
 
@@ -936,10 +939,19 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
                "Client -> v1 (auto: frames)": Client(url, retries=0, timeout_s=300.0)}
     args = (payload.grad_expanded_x, payload.expanded_row_idx, payload.top_k)
     times: dict[str, list[float]] = {name: [] for name in ("floor", *WIRE_PATHS)}
+    idle_times: dict[str, list[float]] = {name: [] for name in ("floor", *WIRE_PATHS)}
     growth: dict[str, list[float]] = {name: [] for name in WIRE_PATHS}
     after: dict[str, list[float]] = {name: [] for name in WIRE_PATHS}
     calls: dict[str, Callable[[], Any]] = {**raws, **{name: (lambda c=c: c.moe_init_routing_v2_grad(*args))
                                                       for name, c in clients.items()}}
+
+    def timed(name: str, call: Callable[[], Any]) -> float:
+        if name in raws:
+            raws[name].connect()
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+
     try:
         floor.round_trip_s()
         for name, raw in raws.items():  # warm-up and the bitwise check, outside the timing
@@ -950,14 +962,15 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
         for _ in range(rounds):
             times["floor"].append(floor.round_trip_s())
             for name, call in calls.items():
+                times[name].append(timed(name, call))
+        for _ in range(rounds):
+            time.sleep(0.3)
+            idle_times["floor"].append(floor.round_trip_s())
+            for name, call in calls.items():
                 time.sleep(0.3)
-                if name in raws:
-                    raws[name].connect()
                 before = status_kib(pid, "VmRSS")
                 reset_peak_rss(pid)
-                t0 = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - t0)
+                idle_times[name].append(timed(name, call))
                 growth[name].append((status_kib(pid, "VmHWM") - before) * 1024 / (payload.request_bytes
                                                                                   + payload.reply_bytes))
                 time.sleep(1.0)
@@ -968,7 +981,7 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
             raw.close()
         for client in clients.values():
             client.close()
-    return {"times": times, "growth": growth, "after_mib": after}
+    return {"times": times, "idle_times": idle_times, "growth": growth, "after_mib": after}
 
 
 def batch_measure(url: str, pid: int, calls: int, rounds: int) -> dict[str, list[float]]:
@@ -1050,15 +1063,18 @@ def _wire_tables(r: dict[str, Any]) -> str:
     load = os.getloadavg()
     lines = [f"Load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min; 2 cores, shared).", ""]
     payloads = [name for name in ("S2", "SL") if name in r]
-    lines += ["| path | " + " | ".join(f"{name} median (x floor)" for name in payloads) + " |",
-              "|---|" + "---:|" * len(payloads)]
-    floors = {name: statistics.median(r[name]["times"]["floor"]) for name in payloads}
-    lines.append("| loopback floor | " + " | ".join(ms(floors[name]) for name in payloads) + " |")
+    runs = [(name, kind) for name in payloads for kind in ("times", "idle_times")]
+    heading = {"times": "back to back", "idle_times": "after 0.3 s idle"}
+    lines += ["Medians in ms (x the floor measured in the same rounds):", "",
+              "| path | " + " | ".join(f"{name} {heading[kind]}" for name, kind in runs) + " |",
+              "|---|" + "---:|" * len(runs)]
+    floors = {run: statistics.median(r[run[0]][run[1]]["floor"]) for run in runs}
+    lines.append("| loopback floor | " + " | ".join(ms(floors[run]) for run in runs) + " |")
     for path in WIRE_PATHS:
         cells = []
-        for name in payloads:
-            median = statistics.median(r[name]["times"][path])
-            cells.append(f"{ms(median)} ({median / floors[name]:.2f}x)")
+        for run in runs:
+            median = statistics.median(r[run[0]][run[1]][path])
+            cells.append(f"{ms(median)} ({median / floors[run]:.2f}x)")
         lines.append(f"| {path} | " + " | ".join(cells) + " |")
     lines += ["", "Server peak RSS growth per call, as a multiple of request + reply bytes (median), and its RSS "
               "1 s after the call (MiB, median; the call's receive buffer is still kept then, for the next "
@@ -1076,6 +1092,8 @@ def _wire_tables(r: dict[str, Any]) -> str:
               f"{r['end_mib']:.0f} MiB idle after every round (SL included; receive_keep_s passed) "
               f"({(r['end_mib'] / r['settled_mib'] - 1) * 100:+.0f}% of the settled value).", ""]
     batch = r["batch"]
+    if not batch["batch"]:  # --batch-rounds 0
+        return "\n".join(lines) + "\n"
     seq, one = statistics.median(batch["sequential"]), statistics.median(batch["batch"])
     calls = r["batch_calls"]
     lines += [f"| {calls:,} S1 calls | median (ms) | per call (us) |", "|---|---:|---:|",
@@ -1266,7 +1284,8 @@ def wire_section(wire_tables: str, rounds: dict[str, int], machine_line: str, co
     return "\n".join([
         "## Large calls at wire speed, and batches", "",
         f"Machine: {machine_line}. Command: {command}. One server (reference backend, "
-        f"2 streams); rounds interleaved ({rounds}), medians; each path's reply checked bitwise "
+        f"2 streams); rounds interleaved ({rounds}: the floor, then each path once), first back to back, "
+        "then with 0.3 s of idle before each call (these also measure memory); medians; each path's reply checked bitwise "
         "against the in-process result. The floor is raw TCP on loopback moving the same request and "
         "reply bytes between pre-touched buffers; the raw callers send prebuilt requests and receive "
         "into pre-touched buffers the same way. Targets: raw -> v1 frames and raw -> v2 at most 1.5x the "
@@ -1531,7 +1550,7 @@ def _cli(argv: list[str] | None = None) -> int:
     wire = sub.add_parser("wire", help="large calls vs the loopback floor (S2, SL), memory per call, batches")
     wire.add_argument("--s2-rounds", type=int, default=5)
     wire.add_argument("--sl-rounds", type=int, default=2, help="0 skips SL (~2 GB of RAM per process)")
-    wire.add_argument("--batch-rounds", type=int, default=3)
+    wire.add_argument("--batch-rounds", type=int, default=3, help="0 skips the batch table")
     wire.add_argument("--write", action="store_true", help="also write the tables to bench/RESULTS.md (section 'wire')")
     load = sub.add_parser("load", help="(internal) the load-generating process")
     load.add_argument("--client", choices=["moegrad", "moegrad-threads", "raw", "triton"], required=True)

@@ -1,9 +1,10 @@
-"""Receive buffers: request bodies are read into buffers that finished calls leave behind.
+"""Receive buffers: request bodies are read, and large results written, into buffers that finished calls leave behind.
 
 A buffer over glibc's mmap threshold is a fresh mapping: every 4 KiB page of it faults, and is
 zeroed, as the body arrives. A DeepSeek-V3 body (448 MiB) costs about as much in page faults as
 the loopback copy of its bytes (measured in bench/RESULTS.md). :class:`ReceiveBuffers` keeps the
-buffers of answered calls, pages resident, for the next body of their size.
+buffers of answered calls, pages resident, for the next body of their size, and lends them for
+grad_x (:meth:`ReceiveBuffers.lend`), to come back once the reply is sent and the worker is done.
 
 What is kept is part of the in-flight budget (:class:`~moegrad_service.dataplane.MemoryBudget`),
 held as a request's bytes are: a buffer is kept only while the budget has room for it beside what
@@ -14,10 +15,12 @@ unused for ``keep_s`` seconds is given up, so that an idle server returns its me
 from __future__ import annotations
 
 import asyncio
+import math
 import mmap
 import sys
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -69,6 +72,11 @@ class ReceiveBuffers:
         self._kept: list[tuple[np.ndarray, float]] = []  # oldest first, with when each was kept
         self._lock = threading.Lock()
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # where trims run: the loop it is made on, or gives on
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
         budget.reclaim = self.reclaim
 
     @property
@@ -91,6 +99,27 @@ class ReceiveBuffers:
                     return buffer
         granule = max(2 << 20, 1 << max(0, nbytes.bit_length() - 4))
         return fresh_buffer(-(-nbytes // granule) * granule)
+
+    def lend(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A C-contiguous ``shape`` array of ``dtype`` over a buffer from :meth:`take`, given back
+        (:meth:`give`) once that array and every view of it are gone, on whichever thread lets go
+        of the last one.
+
+        For results the service writes and sends: a worker that times out still holds its result,
+        so its buffer comes back only when the worker is done writing, and a reply the transport is
+        still sending holds views of it until the last byte is out."""
+        count = math.prod(shape)
+        buffer = self.take(count * dtype.itemsize)
+        # every view of the result has this array as its base (numpy collapses bases to it), and it
+        # holds ``buffer`` through its memoryview: it goes only when they all have
+        flat = np.frombuffer(buffer.data, dtype=dtype, count=count)
+        weakref.finalize(flat, self._lent_back, [buffer]).atexit = False
+        return flat.reshape(shape)
+
+    def _lent_back(self, holder: list[np.ndarray]) -> None:
+        buffer = holder.pop()
+        # the lent array is being deallocated: its memoryview of ``buffer`` may still be there
+        self.give(buffer, references=2)
 
     def give(self, buffer: np.ndarray, references: int) -> None:
         """Keep ``buffer`` if nothing but the caller's ``references`` holds it (no array of the
@@ -139,8 +168,11 @@ class ReceiveBuffers:
             return
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # given back off the event loop: trimmed at the next give on it
+        except RuntimeError:  # given back off the event loop (a lent buffer): schedule it there
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._schedule_trim)
             return
+        self._loop = loop
         with self._lock:
             oldest = self._kept[0][1] if self._kept else time.monotonic()
         self._timer = loop.call_later(max(0.0, oldest + self.keep_s - time.monotonic()) + 0.01, self.trim)

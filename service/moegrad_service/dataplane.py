@@ -382,6 +382,7 @@ class DataPlane:
         timeout_s: float,
         disconnected: Callable[[], Awaitable[object]] | None = None,
         received_s: float | None = None,
+        out: np.ndarray | None = None,
     ) -> GradOutcome:
         """grad_x for a validated call: an empty one (N = 0 or H = 0) is answered at once, the rest
         run on the pool. Every call is counted in :attr:`statistics`.
@@ -394,6 +395,8 @@ class DataPlane:
                 discarded.
             received_s: the ``time.perf_counter()`` reading when the call's request arrived, or
                 None (the statistics then start the call here).
+            out: where the worker writes grad_x ([N, H], the call's dtype, C-contiguous, writeable),
+                or None for a fresh array (:meth:`StreamPool.run`).
 
         Raises:
             DeviceBusy: (503) the queue is full or the service is not ready.
@@ -409,7 +412,7 @@ class DataPlane:
                 grad_x = np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype)
                 timings = Timings(0.0, 0.0)
             else:
-                run = self.pool.run(call, timeout_s=timeout_s)
+                run = self.pool.run(call, timeout_s=timeout_s, out=out)
                 grad_x, timings = await (run if disconnected is None else _unless(disconnected, run))
                 self.metrics.queue_duration.observe(timings.queue_s)
                 self.metrics.compute_duration.observe(timings.compute_s)

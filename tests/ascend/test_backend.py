@@ -57,6 +57,18 @@ def test_documentation_example_bits(backend):
     worker.close()
 
 
+def test_grad_x_lands_in_the_callers_buffer_when_it_fits(backend):
+    worker = backend.open_worker(0)
+    want = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32)  # the documentation's example
+    out = np.full((2, 2), np.nan, dtype=np.float32)
+    assert worker.run(doc_call(), timeout_s=None, out=out) is out
+    assert (out.view(np.uint32) == want.view(np.uint32)).all()
+    for unfit in (np.zeros((2, 3), np.float32), np.zeros((2, 2), np.float16), np.zeros((2, 4), np.float32)[:, ::2]):
+        got = worker.run(doc_call(), timeout_s=None, out=unfit)  # another shape, dtype or layout: a fresh array
+        assert got is not unfit and (got.view(np.uint32) == want.view(np.uint32)).all()
+    worker.close()
+
+
 @pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
 @pytest.mark.parametrize("mode", MODES)
 def test_bitwise_equal_to_reference_for_every_k(backend, mode, dtype_name):

@@ -323,12 +323,13 @@ def test_a_v2_binary_reply_sent_from_its_parts_has_the_header_then_grad_x(client
     assert (np.frombuffer(response.content[length:], np.uint32).reshape(2, 2) == EXAMPLE_BITS).all()
 
 
-def post_frames_call(client, grad: np.ndarray, idx: np.ndarray, top_k: int):
+def post_frames_call(client, grad: np.ndarray, idx: np.ndarray, top_k: int, headers: dict | None = None):
     """POST a float32 call as a frames body to the v1 grad route; the response."""
     document = example_document(
         grad_expanded_x={"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
         expanded_row_idx={"dtype": "int32", "shape": list(idx.shape), "data": idx.tobytes()}, top_k=top_k)
-    return client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document), headers={"content-type": FRAMES})
+    return client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document),
+                       headers={"content-type": FRAMES, **(headers or {})})
 
 
 def gauge(client, name: str) -> float:

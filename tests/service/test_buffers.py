@@ -9,7 +9,9 @@ receive_keep_s seconds is given up; a kept buffer is taken by a body of at least
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ import pytest
 import moegrad
 from moegrad_service.buffers import ReceiveBuffers
 from moegrad_service.dataplane import MemoryBudget
+from moegrad_service.engine.reference import ReferenceBackend
 
 MiB = 1 << 20
 
@@ -130,3 +133,104 @@ def test_bodies_of_nearly_the_same_size_share_a_buffer():
     assert buffers.take(448 * MiB + 5000) is first
     small = buffers.take(3 * MiB + 1)
     assert small.nbytes == 4 * MiB  # 2 MiB granules below 32 MiB
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """What the service's ReceiveBuffers hand out and keep: [(nbytes, weakref to the buffer)] per
+    take, and the weakrefs of the buffers a give kept (weak, so that watching adds no reference
+    to the counts a give checks)."""
+    taken, kept_by_give = [], []
+    take, give = ReceiveBuffers.take, ReceiveBuffers.give
+
+    def watching_take(self, nbytes):
+        buffer = take(self, nbytes)
+        taken.append((nbytes, weakref.ref(buffer)))
+        return buffer
+
+    def watching_give(self, buffer, references):
+        give(self, buffer, references + 1)  # this frame's parameter is one more reference
+        if any(kept is buffer for kept, _ in self._kept):
+            kept_by_give.append(weakref.ref(buffer))
+
+    monkeypatch.setattr(ReceiveBuffers, "take", watching_take)
+    monkeypatch.setattr(ReceiveBuffers, "give", watching_give)
+    return taken, kept_by_give
+
+
+def test_a_large_grad_x_is_written_into_a_kept_buffer_and_kept_again(serve, watched):
+    """grad_x of 1 MiB or more is written into a buffer an answered call left behind (no fresh pages),
+    and every call's bits are its own."""
+    from test_batch_frames import grad_x_of, post_frames_call, random_call
+
+    taken, kept_by_give = watched
+    grad_x_bytes = 8192 * 64 * 4  # 2 MiB
+    results = []
+    with serve() as client:
+        for seed in (1, 2, 3):
+            grad, idx, k = random_call(np.float32, n=8192, k=2, h=64, seed=seed)  # 4 MiB in
+            response = post_frames_call(client, grad, idx, k)
+            assert response.status_code == 200
+            results.append((grad_x_of(response), grad[idx[0::2]] + grad[idx[1::2]]))  # K=2: one add
+        result_buffers = [ref() for nbytes, ref in taken if nbytes == grad_x_bytes]
+        assert len(result_buffers) == 3 and result_buffers[0] is not None
+        assert result_buffers[1] is result_buffers[0] and result_buffers[2] is result_buffers[0]
+        assert any(ref() is result_buffers[0] for ref in kept_by_give)
+    for got, want in results:
+        assert got.shape == (8192, 64) and (got.view(np.uint32) == want.view(np.uint32)).all()
+
+
+def test_the_grad_x_buffer_of_a_timed_out_call_comes_back_only_once_its_worker_is_done(serve, gate, watched):
+    """A call answered 504 while its worker still runs: its grad_x buffer is not kept while the worker
+    (gated, so it has not written yet) holds it; it comes back once the worker is done, and the next
+    call that reuses it gets its own bits."""
+    from test_batch_frames import grad_x_of, post_frames_call, random_call
+
+    taken, kept_by_give = watched
+    grad, idx, k = random_call(np.float32, n=8192, k=2, h=64, seed=4)
+    with serve(backend=ReferenceBackend(fault_hook=gate)) as client:
+        response = post_frames_call(client, grad, idx, k, headers={"x-request-timeout": "0.2"})
+        assert response.status_code == 504
+        (lent,) = [ref for nbytes, ref in taken if nbytes == grad.nbytes // 2]
+        time.sleep(0.2)
+        assert lent() is not None and not any(ref() is lent() for ref in kept_by_give)
+        gate.release.set()
+        deadline = time.monotonic() + 10
+        while not any(ref() is lent() for ref in kept_by_give) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert any(ref() is lent() for ref in kept_by_give)  # given back by the worker's thread, then kept
+        grad, idx, k = random_call(np.float32, n=8192, k=2, h=64, seed=5)
+        response = post_frames_call(client, grad, idx, k)
+        assert response.status_code == 200
+        assert [ref() for nbytes, ref in taken if nbytes == grad.nbytes // 2][-1] is lent()
+    want = grad[idx[0::2]] + grad[idx[1::2]]
+    assert (grad_x_of(response).view(np.uint32) == want.view(np.uint32)).all()
+
+
+def test_a_lent_array_comes_back_once_it_and_every_view_of_it_are_gone():
+    buffers = ReceiveBuffers(MemoryBudget(64 * MiB), keep_s=60)
+    grad_x = buffers.lend((512, 1024), np.dtype(np.float32))  # 2 MiB
+    grad_x[:] = 1
+    piece, row = memoryview(grad_x).cast("B")[: 1 << 20], grad_x[3]  # as a reply being sent holds it
+    del grad_x
+    assert buffers.kept_bytes == 0
+    del row
+    assert buffers.kept_bytes == 0
+    del piece
+    assert buffers.kept_bytes == 2 * MiB and buffers.budget.held_bytes == 2 * MiB
+    again = buffers.lend((1024, 512), np.dtype(np.float32))
+    assert buffers.kept_bytes == 0 and again.shape == (1024, 512) and again.flags.c_contiguous and again.flags.writeable
+
+
+def test_a_lent_array_let_go_of_on_another_thread_is_still_given_up_when_unused():
+    async def main():
+        buffers = ReceiveBuffers(MemoryBudget(64 * MiB), keep_s=0.1)
+        lent = [buffers.lend((2 * MiB,), np.dtype(np.uint8))]
+        thread = threading.Thread(target=lent.clear)  # a worker that finished after its call timed out
+        thread.start()
+        thread.join()
+        assert buffers.kept_bytes == 2 * MiB
+        await asyncio.sleep(0.3)
+        assert buffers.kept_bytes == 0 and buffers.budget.held_bytes == 0
+
+    asyncio.run(main())

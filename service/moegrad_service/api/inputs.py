@@ -52,6 +52,7 @@ __all__ = [
     "read_document",
     "release_reserved",
     "request_timeout",
+    "result_buffer",
     "settings_of",
 ]
 
@@ -210,6 +211,20 @@ def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
     so_far = state.get("reserved_bytes", 0) // dataplane.budget.HOLD_PER_BODY_BYTE
     held = dataplane.budget.reserve_body(nbytes, so_far=so_far)
     state["reserved_bytes"] = state.get("reserved_bytes", 0) + held
+
+
+def result_buffer(request: Request, call: MoeInitRoutingV2GradCall) -> np.ndarray | None:
+    """Where the worker writes this call's grad_x ([N, H], grad_expanded_x's dtype in native byte
+    order): when grad_x has REUSE_MIN_BYTES or more, an array lent by the receive buffers
+    (:meth:`ReceiveBuffers.lend`: a buffer an answered call left behind, pages resident, so the
+    kernel's writes fault none in; it goes back once the reply is sent and the worker is done);
+    None (the backend allocates) for a smaller grad_x. The request's reservation already counts
+    grad_x (MemoryBudget.HOLD_PER_BODY_BYTE)."""
+    dtype = call.grad_expanded_x.dtype.newbyteorder("=")
+    shape = (call.num_tokens, call.hidden_size)
+    if shape[0] * shape[1] * dtype.itemsize < REUSE_MIN_BYTES:
+        return None
+    return dataplane_of(request).receive_buffers.lend(shape, dtype)
 
 
 def release_reserved(scope: Scope) -> None:

@@ -38,6 +38,7 @@ from moegrad_service.api.inputs import (
     read_body,
     read_call,
     request_timeout,
+    result_buffer,
     settings_of,
 )
 from moegrad_service.api.outputs import PartsResponse
@@ -99,7 +100,11 @@ async def moe_init_routing_v2_grad(request: Request) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     call = await read_call(request)
     outcome = await dataplane_of(request).infer(
-        call, timeout_s=request_timeout(request), disconnected=partial(disconnected, request), received_s=started
+        call,
+        timeout_s=request_timeout(request),
+        disconnected=partial(disconnected, request),
+        received_s=started,
+        out=result_buffer(request, call),
     )
     reply = {
         "grad_x": encode_tensor(outcome.grad_x),

@@ -21,15 +21,21 @@ __all__ = ["Backend", "BackendWorker"]
 class BackendWorker(Protocol):
     """One execution slot: a device stream (ascend) or a CPU slot (reference), bound to one thread."""
 
-    def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> np.ndarray:
+    def run(
+        self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Compute grad_x for a validated, non-empty call.
 
         Args:
             call: the validated call (N > 0 and H > 0; empty calls never reach a backend).
             timeout_s: seconds left before the request's deadline, or None for no deadline.
+            out: a writeable, C-contiguous [N, H] array of the call's dtype, sharing no memory with
+                the call's tensors, to write grad_x into (every element), as aclnn writes into the
+                gradX its caller allocated; None: the worker allocates grad_x. The pool passes it
+                only when it has one (a service reusing result buffers).
 
         Returns:
-            grad_x, [N, H] in the dtype of ``call.grad_expanded_x``, owned by the caller.
+            grad_x, [N, H] in the dtype of ``call.grad_expanded_x`` (``out`` when given), owned by the caller.
 
         Raises:
             InvalidArgument: the device's phase one rejected the call (its aclnn code passes through).

@@ -68,6 +68,7 @@ class Timings:
 class _Job:
     call: MoeInitRoutingV2GradCall | _Calls | None  # None once settled
     deadline: float | None
+    out: np.ndarray | None  # where the worker writes grad_x (None: the backend allocates); None once settled
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
@@ -87,7 +88,7 @@ class _Job:
     def settle(self, result: np.ndarray | None, error: BaseException | None) -> None:
         # Let go of the call before its answer is sent: its tensors view the request's receive
         # buffer, which is reused only once nothing else references it.
-        self.call = None
+        self.call = self.out = None
         self.finished = time.monotonic()
         self.loop.call_soon_threadsafe(self._settle, result, error)
 
@@ -230,15 +231,20 @@ class StreamPool:
 
     # --- the call path -----------------------------------------------------------------------------
 
-    async def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> tuple[np.ndarray, Timings]:
+    async def run(
+        self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None, out: np.ndarray | None = None
+    ) -> tuple[np.ndarray, Timings]:
         """Run a validated, non-empty call on the next free worker.
 
         Args:
             call: the validated call.
             timeout_s: seconds from now until the call's deadline (None: no deadline).
+            out: a writeable C-contiguous [N, H] array of the call's dtype for the worker to write
+                grad_x into (:meth:`BackendWorker.run`), or None. A call that times out may still
+                be writing into it after this returns: the worker holds it until its job ends.
 
         Returns:
-            (grad_x [N, H] in the call's dtype, where the time went).
+            (grad_x [N, H] in the call's dtype (``out`` when given), where the time went).
 
         Raises:
             DeviceBusy: not admitting, or ``max_queue`` calls already wait.
@@ -248,7 +254,7 @@ class StreamPool:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        job = _Job(call=call, deadline=deadline, loop=loop, future=loop.create_future())
+        job = _Job(call=call, deadline=deadline, out=out, loop=loop, future=loop.create_future())
         with self._lock:
             if not self._admitting:
                 raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=self.retry_after_s)
@@ -433,7 +439,7 @@ class StreamPool:
             if together is not None:
                 return together, None
             return [StreamPool._execute_one(worker, call, job.deadline) for call in work.calls], None
-        return StreamPool._execute_one(worker, work, job.deadline)
+        return StreamPool._execute_one(worker, work, job.deadline, job.out)
 
     @staticmethod
     def _execute_together(
@@ -455,13 +461,15 @@ class StreamPool:
 
     @staticmethod
     def _execute_one(
-        worker, call: MoeInitRoutingV2GradCall, deadline: float | None
+        worker, call: MoeInitRoutingV2GradCall, deadline: float | None, out: np.ndarray | None = None
     ) -> tuple[np.ndarray | None, BaseException | None]:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return None, DeadlineExceeded("the deadline passed while the call was queued; it was not run")
         try:
-            return worker.run(call, timeout_s=remaining), None
+            if out is None:
+                return worker.run(call, timeout_s=remaining), None
+            return worker.run(call, timeout_s=remaining, out=out), None
         except (InvalidArgument, DeadlineExceeded, DeviceFault, DeviceBusy) as exc:
             return None, exc.with_traceback(None)  # an answer: its frames (and the call's tensors) may go
         except MoegradError as exc:

@@ -62,11 +62,13 @@ class _ReferenceWorker:
     def __init__(self, backend: ReferenceBackend) -> None:
         self._backend = backend
 
-    def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> np.ndarray:
+    def run(
+        self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         if self._backend.fault_hook is not None:
             self._backend.fault_hook(call, timeout_s)
         return moe_init_routing_v2_grad(
-            call, ub_size_bytes=self._backend.ub_size_bytes, vector_core_count=self._backend.vector_core_count
+            call, ub_size_bytes=self._backend.ub_size_bytes, vector_core_count=self._backend.vector_core_count, out=out
         )
 
     def run_many(

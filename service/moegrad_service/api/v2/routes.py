@@ -33,6 +33,7 @@ from moegrad_service.api.inputs import (
     off_loop,
     read_body,
     request_timeout,
+    result_buffer,
     settings_of,
 )
 from moegrad_service.api.outputs import PartsResponse
@@ -202,7 +203,11 @@ async def infer(request: Request) -> Response:
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
     outcome = await dataplane.infer(
-        decoded.call, timeout_s=timeout_s, disconnected=partial(disconnected, request), received_s=started
+        decoded.call,
+        timeout_s=timeout_s,
+        disconnected=partial(disconnected, request),
+        received_s=started,
+        out=result_buffer(request, decoded.call),
     )
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
     response = await off_loop(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()

@@ -342,7 +342,9 @@ class _AscendWorker:
 
     # --- the protocol ------------------------------------------------------------------------------
 
-    def run(self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None) -> np.ndarray:
+    def run(
+        self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """grad_x of ``call`` computed on the NPU; see :meth:`BackendWorker.run`.
 
         The call's arrays may be non-contiguous, read-only or big-endian: they are copied to
@@ -360,9 +362,9 @@ class _AscendWorker:
                 text attached).
         """
         with self._busy:
-            return self._run(call, timeout_s)
+            return self._run(call, timeout_s, out)
 
-    def _run(self, call: MoeInitRoutingV2GradCall, timeout_s: float | None) -> np.ndarray:
+    def _run(self, call: MoeInitRoutingV2GradCall, timeout_s: float | None, into: np.ndarray | None) -> np.ndarray:
         backend, device = self._backend, self._device
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if self._closed or backend._closed:
@@ -386,7 +388,11 @@ class _AscendWorker:
             idx, idx_type = host_array(call.expanded_row_idx, "expanded_row_idx")
         tokens = idx.shape[0] // top_k if idx is not None and idx.ndim >= 1 and top_k > 0 else 0
         hidden = grad.shape[-1] if grad is not None and grad.ndim >= 1 else 0
-        result = np.empty((tokens, hidden), dtype=DTYPES["float32"] if grad is None else grad.dtype)
+        dtype = DTYPES["float32"] if grad is None else grad.dtype
+        if into is not None and into.shape == (tokens, hidden) and into.dtype == dtype and into.flags.writeable:
+            result = into if into.flags.c_contiguous else np.empty((tokens, hidden), dtype=dtype)
+        else:  # the device copy lands in a fresh array, not in the caller's buffer
+            result = np.empty((tokens, hidden), dtype=dtype)
 
         device.ensure()
         self._poll_retired()
