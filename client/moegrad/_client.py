@@ -15,7 +15,8 @@ every network error to a result or an exception, and decides every retry. :class
 operator call (``grad_flow``; msgpack, or frames for large calls when the server offers them), many
 calls in one request (``batch_flow``), the accuracy comparison (``compare_flow``, docs/accuracy.md),
 the service's info and health probes. A frames reply is streamed by the driver into a
-:class:`~moegrad._wire.FramesReader` (each tensor's bytes copied once, into an array of its own).
+:class:`~moegrad._wire.FramesReader` (each tensor's bytes copied once, into an array of its own;
+the sync client receives a large one's tensors from the socket straight into those arrays).
 
 Errors a call raises (the tree is drawn in ``moegrad._errors``):
 
@@ -72,7 +73,7 @@ from moegrad._errors import (
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import to_numpy, to_torch
-from moegrad._transport import async_http_transport, http_transport
+from moegrad._transport import async_http_transport, http_transport, raw_socket, receive_into
 from moegrad._version import __version__
 from moegrad._wire import (
     FRAMES_MEDIA_TYPE,
@@ -112,6 +113,8 @@ _FRAMES_ACCEPT = f"{FRAMES_MEDIA_TYPE}, {_MSGPACK};q=0.5"
 FRAMES_MIN_BYTES = 1 << 16
 _WIRES = ("auto", "msgpack", "frames")
 _FRAMES_READER = "moegrad.frames"  # the httpx response extension a driver puts a frames reply's reader under
+#: The sync client receives the rest of a frames reply straight from the socket once this much is left.
+DIRECT_READ_MIN_BYTES = 1 << 20
 _JSON = "application/json"
 _MAX_RETRY_DELAY_S = 30.0  # the longest a single Retry-After is honoured
 _BACKOFF_BASE_S = 0.05  # connection-error backoff: 0.05, 0.1, 0.2, ... s
@@ -1054,14 +1057,7 @@ class Client(_ClientBase):
                         if reader is None:
                             outcome.read()
                         else:
-                            # a response built with its content (a mock transport) is not a stream
-                            chunks = [outcome.content] if outcome.is_stream_consumed else outcome.iter_raw()
-                            for chunk in chunks:
-                                try:
-                                    reader.feed(chunk)
-                                except MalformedRequest as exc:
-                                    reader.error = exc
-                                    break
+                            _read_frames(outcome, reader)
                     finally:
                         outcome.close()
                 except httpx.HTTPError as exc:
@@ -1314,6 +1310,54 @@ class Client(_ClientBase):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _read_frames(response: httpx.Response, reader: FramesReader) -> None:
+    """Stream a frames reply's body into ``reader``; a malformed body is kept as ``reader.error``.
+
+    Through httpx, or, once the rest of a large body (DIRECT_READ_MIN_BYTES or more) is left to
+    come on a plain TCP socket of the client's own transport, straight from the socket into the
+    reply's arrays: on its way through h11 each byte is copied three more times. h11 then has not
+    seen the body's end, so the connection is closed when the response is, not reused (a new
+    connection costs far less than those copies of a large body).
+
+    Raises:
+        httpx.ReadTimeout, httpx.ReadError, httpx.RemoteProtocolError: as httpx raises them.
+    """
+    if response.is_stream_consumed:  # a response built with its content (a mock transport) is not a stream
+        chunks: Iterable[bytes] = [response.content]
+    else:
+        chunks = response.iter_raw()
+    sock = raw_socket(response)
+    length = reader.length
+    try:
+        for chunk in chunks:
+            reader.feed(chunk)
+            if sock is not None and length is not None and length - reader.received >= DIRECT_READ_MIN_BYTES:
+                break
+        else:
+            return
+        assert sock is not None and length is not None  # only they break out of the loop
+        timeout = response.request.extensions.get("timeout", {}).get("read")
+        while reader.received < length:
+            left = length - reader.received
+            room = reader.room()
+            if room is None:  # padding between tensors, or bytes past the last one: fed as they come
+                piece = bytearray(min(left, 1 << 16))
+                got = receive_into(sock, memoryview(piece), timeout, response.request)
+                if got:
+                    reader.feed(memoryview(piece)[:got])
+            else:
+                got = receive_into(sock, room[:left], timeout, response.request)
+                reader.advance(got)
+            if not got:
+                raise httpx.RemoteProtocolError(
+                    f"peer closed connection without sending complete message body (received "
+                    f"{reader.received} bytes, expected {length})",
+                    request=response.request,
+                )
+    except MalformedRequest as exc:
+        reader.error = exc
 
 
 class AsyncClient(_ClientBase):

@@ -21,7 +21,7 @@ import typing
 import httpcore
 import httpx
 
-__all__ = ["READ_BYTES", "async_http_transport", "http_transport"]
+__all__ = ["READ_BYTES", "async_http_transport", "http_transport", "raw_socket", "receive_into"]
 
 #: The most bytes one read of a response asks for.
 READ_BYTES = 1 << 20
@@ -159,3 +159,30 @@ def _pool_options(context: ssl.SSLContext) -> dict[str, typing.Any]:
         "max_keepalive_connections": _LIMITS.max_keepalive_connections,
         "keepalive_expiry": _LIMITS.keepalive_expiry,
     }
+
+
+def raw_socket(response: httpx.Response) -> socket.socket | None:
+    """The plain TCP socket ``response`` arrives on, when it came through :func:`http_transport`'s
+    pool; None under TLS, over another transport, or for a response that was not read off a socket.
+
+    Bytes read from it bypass h11: whoever does must close the response before its body is done
+    in h11's eyes, and httpcore then closes the connection instead of reusing it."""
+    stream = response.extensions.get("network_stream")
+    return stream._sock if isinstance(stream, _Stream) else None
+
+
+def receive_into(sock: socket.socket, room: memoryview, timeout: float | None, request: httpx.Request) -> int:
+    """``sock.recv_into(room)`` with the read timeout (seconds, None: none) and httpx's exceptions:
+    the bytes received, 0 when the peer has closed.
+
+    Raises:
+        httpx.ReadTimeout: nothing arrived within ``timeout``.
+        httpx.ReadError: the socket failed.
+    """
+    try:
+        sock.settimeout(timeout)
+        return sock.recv_into(room)
+    except TimeoutError as exc:  # socket.timeout
+        raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
+    except OSError as exc:
+        raise httpx.ReadError(str(exc), request=request) from exc

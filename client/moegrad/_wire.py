@@ -640,6 +640,36 @@ class FramesReader:
             if self._position == end:
                 self._segment += 1
 
+    @property
+    def received(self) -> int:
+        """The bytes of the body taken so far (fed or advanced over)."""
+        return self._position if self._header is not None else len(self._head)
+
+    def room(self) -> memoryview | None:
+        """Where the body's next bytes go when they are a tensor's: a writable view of the rest of
+        that tensor's bytes, to receive into (then :meth:`advance`); None while the header, padding
+        or the body's end comes next (:meth:`feed` those bytes)."""
+        if self._header is None or self._segment >= len(self._segments):
+            return None
+        offset, nbytes, array = self._segments[self._segment]
+        if self._position < offset:
+            return None
+        return array.reshape(-1).view(np.uint8).data[self._position - offset : nbytes]
+
+    def advance(self, count: int) -> None:
+        """Take ``count`` bytes written into :meth:`room` as the body's next bytes.
+
+        Raises:
+            ValueError: there is no room, or less than ``count`` bytes of it.
+        """
+        room = self.room()
+        if room is None or not 0 <= count <= len(room):
+            raise ValueError(f"advance({count}) past the room of {0 if room is None else len(room)} bytes")
+        self._position += count
+        offset, nbytes, _ = self._segments[self._segment]
+        if self._position == offset + nbytes:
+            self._segment += 1
+
     def _frame_header_length(self) -> int:
         if bytes(self._head[: len(FRAMES_MAGIC)]) != FRAMES_MAGIC:
             raise MalformedRequest(f"a frames body starts with {FRAMES_MAGIC!r}")
