@@ -332,6 +332,17 @@ def _error_from_problem(problem: dict[str, Any], response: httpx.Response) -> Mo
 BODY_SLICE_BYTES = 1 << 20
 
 
+def _check_no_arrays(document: Mapping[str, Any]) -> None:
+    """A TypeError saying what to do when a wire document holds an array where a tensor map belongs."""
+    for key, value in document.items():
+        if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+            raise TypeError(
+                f"{key} is an array: a wire document carries each tensor as a {{dtype, shape, data}} map "
+                f"(moegrad.encode_tensor(array) makes one); or pass MoeInitRoutingV2GradCall("
+                f"grad_expanded_x=..., expanded_row_idx=..., top_k=...), which takes the arrays"
+            )
+
+
 def _body_slices(body: memoryview | list[memoryview | bytes]) -> Iterator[memoryview | bytes]:
     """A request body as slices of the buffer it views.
 
@@ -460,6 +471,7 @@ class _ClientCore:
         if isinstance(call, MoeInitRoutingV2GradCall):
             return encode_body_view(self.call_document(call)), call
         if isinstance(call, Mapping):
+            _check_no_arrays(call)
             try:
                 body = encode_body_view(call)
             except (TypeError, ValueError) as exc:
@@ -795,6 +807,7 @@ class _ClientCore:
         if isinstance(call, MoeInitRoutingV2GradCall):
             return self.call_document(call), call
         if isinstance(call, Mapping):
+            _check_no_arrays(call)
             document = dict(call)
             checked = None
             if self.validate:
@@ -1149,8 +1162,10 @@ class Client(_ClientBase):
         small calls this costs one round trip instead of one per call.
 
         Args:
-            items: each a :class:`~moegrad.MoeInitRoutingV2GradCall` or a wire document (as
-                :meth:`run` takes), or a :class:`BatchCompare` (answered as :meth:`compare` is).
+            items: each a :class:`~moegrad.MoeInitRoutingV2GradCall` (which takes numpy arrays),
+                a wire document (as :meth:`run` takes: tensors as ``{dtype, shape, data}`` maps,
+                :func:`moegrad.encode_tensor`), or a :class:`BatchCompare` (answered as
+                :meth:`compare` is).
             timeout_s: the deadline of the whole batch in seconds (None: none); not passed: the client's.
 
         Returns:
@@ -1161,7 +1176,8 @@ class Client(_ClientBase):
             or MalformedRequest for a wire document with an unknown key) gets that without being sent.
 
         Raises:
-            TypeError: an item of another type, or one that cannot be packed.
+            TypeError: an item of another type, one that cannot be packed, or a wire document
+                holding an array where a tensor map belongs.
             The errors of :meth:`run` that concern the whole request (TransportError, Unauthorized,
             DeviceBusy after the retries, DeadlineExceeded, ServiceError, a malformed batch).
         """

@@ -20,7 +20,9 @@ class GradResult:
         grad_x: [N, H], the dtype of grad_expanded_x (float16, ``ml_dtypes.bfloat16`` or float32),
             C-contiguous, writable, owned by the caller.
         backend: the backend that ran the call (``"reference"``, ``"ascend"``).
-        order: the accumulation order used (``"ascend910b"`` or ``"sequential"``).
+        order: the accumulation order used: one of :data:`moegrad.ORDERS` (``"ascend910b"``,
+            ``"ascend950"``, ``"ascend950@2025-12"``, ``"sequential"``), or ``"unknown"`` from a
+            device whose order moegrad does not know.
         device: the device that ran it (e.g. ``"Ascend910B3:0"``), or None for the CPU emulation.
         timings_ms: ``{"queue": ..., "compute": ..., "total": ...}`` as the server measured them,
             in milliseconds.
@@ -46,7 +48,7 @@ class CompareResult:
             writable, owned by the caller, when the call asked for it (``return_grad_x=True``);
             else None.
         backend: the backend that ran the call (``"reference"``, ``"ascend"``).
-        order: the accumulation order of the device result (``"ascend910b"`` or ``"sequential"``).
+        order: the accumulation order of the device result, as for :attr:`GradResult.order`.
         device: the device that ran it, or None for the CPU emulation.
         timings_ms: ``{"queue", "compute", "golden", "compare", "total"}`` as the server measured
             them, in milliseconds.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from moegrad import __version__
+from moegrad.accuracy import warm_up_compare
 from moegrad_service.api import compare, health, v1, v2
 from moegrad_service.api.auth import Authenticator, AuthMiddleware
 from moegrad_service.api.errors import install_error_handlers
@@ -44,7 +46,10 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         backend: a backend to serve instead of the one ``settings.backend`` names (tests inject a
             slowed or faulty one); the app closes it on shutdown all the same.
 
-    The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers, yields
+    The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers,
+    starts compiling the accuracy comparison in the background (:func:`moegrad.accuracy.warm_up_compare`,
+    unless ``settings.warm_up`` or the backend's ``warm_up`` is False) so that the first comparison
+    does not, yields
     them as request state (``settings``, ``dataplane`` over the pool, ``metrics``) and, on shutdown,
     stops admitting, lets admitted calls finish (``shutdown_grace_s``) and closes the backend.
     ``app.state.drain()`` stops admitting at once (new calls get 503, readiness turns 503) while
@@ -67,6 +72,10 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             opened, streams=settings.streams, max_queue=settings.max_queue, retry_after_s=settings.retry_after_s
         )
         await pool.start()
+        if settings.warm_up and getattr(opened, "warm_up", True):
+            # in the background: readiness waits for the kernel, not for this (a cold numba cache
+            # compiles it in about 20 s); a comparison arriving meanwhile waits for numba's lock
+            threading.Thread(target=warm_up_compare, name="moegrad-warm-up-compare", daemon=True).start()
         dataplane = DataPlane(settings, pool, metrics)
         grpc_server = None
         if settings.grpc_port is not None:

@@ -110,12 +110,20 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._message_done = True  # the parser has seen the whole of the current request (body too)
         self._deferred: bytes | str | None = None  # a refusal waiting for the answer before it to be sent
         self._unparsed = False  # answered 400: the bytes after the bad ones are never parsed
+        # the requests of this connection not yet answered: uvicorn's ``cycle`` is only the newest
+        # (a pipelined one once parsed), so its connection_lost tells no earlier one it is gone
+        self._cycles: list[Any] = []
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout_s, self._head_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._cancel_head_timer()
         super().connection_lost(exc)
+        for cycle in self._cycles:  # a reply being sent when the client went: it stops, as uvicorn's own does
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self._cycles.clear()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -162,6 +170,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is None or self.cycle.scope is not self.scope:
             return  # an upgrade: no cycle of this request
+        self._cycles = [cycle for cycle in self._cycles if not cycle.response_complete] + [self.cycle]
         if self.draining:
             self.cycle.keep_alive = False
         if self.scheme == "http":  # under TLS the bytes are decrypted into a buffer anyway

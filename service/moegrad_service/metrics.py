@@ -32,7 +32,7 @@ class Metrics:
         )
         self.request_duration = Histogram(
             "moegrad_inference_request_duration_seconds",
-            "Whole call: body read to reply built.",
+            "Whole request: arrival to reply built.",
             ["endpoint"],
             buckets=_SECONDS,
             registry=r,
@@ -64,10 +64,12 @@ class Metrics:
             registry=r,
         )
 
-    def succeeded(self, endpoint: str, started: float) -> None:
-        """Count a call answered with a result on ``endpoint`` (a route's path) and observe its whole
-        duration: ``started`` is the ``time.perf_counter()`` reading when its request arrived."""
-        self.success.labels(endpoint=endpoint).inc()
+    def succeeded(self, endpoint: str, started: float, calls: int = 1) -> None:
+        """Count ``calls`` calls answered with a result on ``endpoint`` (a route's path; a batch's
+        good calls) and observe the request's whole duration: ``started`` is the
+        ``time.perf_counter()`` reading when it arrived."""
+        if calls:
+            self.success.labels(endpoint=endpoint).inc(calls)
         self.request_duration.labels(endpoint=endpoint).observe(time.perf_counter() - started)
 
     def bind(self, queue_depth: Callable[[], float], in_flight: Callable[[], float]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import socket
+import threading
 import time
 
 import numpy as np
@@ -163,3 +164,42 @@ def test_a_client_gone_mid_body_leaves_the_server_serving(logged_server):
         sock.sendall(whole)
         status, _, body = answer(sock, 60)
     assert status == 200 and same_bits(grad_x_of(body), expected)
+
+
+def frames_request(url: str, grad, idx) -> bytes:
+    parts, _ = moegrad.encode_frames({"grad_expanded_x": moegrad.encode_tensor(grad),
+                                      "expanded_row_idx": moegrad.encode_tensor(idx), "top_k": 2})
+    body = b"".join(bytes(part) for part in parts)
+    host = url.removeprefix("http://")
+    return (f"POST {GRAD_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {moegrad.FRAMES_MEDIA_TYPE}\r\n"
+            f"Accept: {moegrad.FRAMES_MEDIA_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def test_a_client_gone_while_a_reply_is_sent_and_the_next_request_waits_costs_the_server_nothing(logged_server):
+    """Two pipelined frames calls, nothing read, then the client goes: the reply being sent stops
+    (uvicorn marked only the newest, pipelined request as disconnected, so the first one's reply
+    wrote to a closed transport: an 'unexpected error' and a failure counted as internal)."""
+    url = logged_server.url
+    grad, idx, expected = call(6, 4096, 1024)  # 32 MiB in, 16 MiB out
+    request = frames_request(url, grad, idx)
+    logged_before = len(logged_server.log(None))
+    sock = connect(url)
+
+    def send_both() -> None:
+        try:
+            sock.sendall(request + request)  # never finishes: nothing is read
+        except OSError:
+            pass
+
+    sender = threading.Thread(target=send_both)
+    sender.start()
+    time.sleep(5)  # the first reply fills the socket's buffers; the second request is parsed and waits
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    sender.join(10)
+    with connect(url) as fresh:
+        fresh.sendall(request)
+        status, _, body = answer(fresh, 60)
+    assert status == 200 and same_bits(moegrad.decode_tensor(moegrad.decode_frames(body)["grad_x"], "grad_x"), expected)
+    log = logged_server.log(None)[logged_before:]
+    assert "unexpected error" not in log and "Exception in ASGI application" not in log, log[-3000:]

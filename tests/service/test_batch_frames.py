@@ -75,6 +75,26 @@ def test_a_bad_call_in_a_batch_gets_the_single_call_answer_and_its_neighbours_th
         assert problem["aclnn_status"] in (161001, 161002, 561002)
 
 
+def test_each_call_of_a_batch_is_counted_in_the_metrics_as_a_single_call_is(client):
+    def counts() -> dict[str, float]:
+        found = {}
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith("moegrad_inference_request_") and BATCH in line and "_total{" in line:
+                name, value = line.rsplit(" ", 1)
+                found[name] = float(value)
+        return found
+
+    bad = {"top_k": 3}
+    post(client, example_document(**bad))  # the single call's reason, for the batch item to match
+    reason = next(line for line in client.get("/metrics").text.splitlines()
+                  if line.startswith("moegrad_inference_request_failure_total{")).split('reason="')[1].split('"')[0]
+    results_of(post_batch(client, [example_document(), example_document(**bad), example_document()]))
+    assert counts() == {
+        f'moegrad_inference_request_success_total{{endpoint="{BATCH}"}}': 2.0,
+        f'moegrad_inference_request_failure_total{{endpoint="{BATCH}",reason="{reason}"}}': 1.0,
+    }
+
+
 def test_a_batch_answers_in_order_with_each_calls_own_bits(client):
     rng = np.random.default_rng(5)
     items, expected = [], []

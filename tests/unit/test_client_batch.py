@@ -105,3 +105,12 @@ def test_an_item_of_another_type_is_a_type_error_before_any_io():
     with moegrad.Client(BASE, transport=httpx.MockTransport(lambda r: pytest.fail("no I/O")), retries=0) as client, \
             pytest.raises(TypeError, match="batch item"):
         client.batch([call(), 42])
+
+
+def test_a_wire_document_holding_arrays_says_how_to_send_them():
+    grad = np.zeros((4, 2), np.float32)
+    idx = np.arange(4, dtype=np.int32)
+    with moegrad.Client("http://127.0.0.1:9", retries=0) as client:  # refused before anything is sent
+        for send in (client.run, lambda item: client.batch([item])):
+            with pytest.raises(TypeError, match=r"grad_expanded_x is an array: .*encode_tensor.*MoeInitRoutingV2GradCall"):
+                send({"grad_expanded_x": grad, "expanded_row_idx": idx, "top_k": 2})

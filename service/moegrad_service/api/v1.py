@@ -220,7 +220,10 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
     answers = await dataplane.infer_batch(items, timeout_s=timeout_s)
     reply = {"results": batch_reply(items, answers), "timings_ms": {"total": (time.perf_counter() - started) * 1e3}}
     response = msgpack_response(reply, metrics)
-    metrics.succeeded(BATCH_PATH, started)
+    failed = [answer for answer in answers if isinstance(answer, BaseException)]
+    for answer in failed:  # each call of a batch is counted, as a single call would be
+        metrics.failure.labels(endpoint=BATCH_PATH, reason=answer_for(answer).reason).inc()
+    metrics.succeeded(BATCH_PATH, started, calls=len(answers) - len(failed))
     return response
 
 
