@@ -15,6 +15,7 @@ unused for ``keep_s`` seconds is given up, so that an idle server returns its me
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import mmap
 import sys
@@ -72,6 +73,7 @@ class ReceiveBuffers:
         self._kept: list[tuple[np.ndarray, float]] = []  # oldest first, with when each was kept
         self._lock = threading.Lock()
         self._timer: asyncio.TimerHandle | None = None
+        self._returned: collections.deque[np.ndarray] = collections.deque()  # lent buffers back, not yet given
         self._loop: asyncio.AbstractEventLoop | None = None  # where trims run: the loop it is made on, or gives on
         try:
             self._loop = asyncio.get_running_loop()
@@ -81,6 +83,7 @@ class ReceiveBuffers:
 
     @property
     def kept_bytes(self) -> int:
+        self._give_returned()
         with self._lock:
             return sum(buffer.nbytes for buffer, _ in self._kept)
 
@@ -91,6 +94,7 @@ class ReceiveBuffers:
         A fresh one is rounded up to a granule of 1/16 to 1/8 of its size (2 MiB at least), so that
         bodies of nearly the same size (one call in msgpack, frames or v2 form) share a kept buffer;
         pages past the body are never written, so never resident."""
+        self._give_returned()
         with self._lock:
             for index, (buffer, _) in enumerate(self._kept):
                 if nbytes <= buffer.nbytes <= 2 * nbytes:
@@ -117,9 +121,22 @@ class ReceiveBuffers:
         return flat.reshape(shape)
 
     def _lent_back(self, holder: list[np.ndarray]) -> None:
-        buffer = holder.pop()
-        # the lent array is being deallocated: its memoryview of ``buffer`` may still be there
-        self.give(buffer, references=2)
+        # No lock here: a collection may finalize a lent array inside any allocation, one made
+        # under this pool's lock on this very thread included. The buffer waits in ``_returned``
+        # (a deque: appending takes no lock) until the loop, or the next take, gives it.
+        self._returned.append(holder.pop())
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._give_returned)
+
+    def _give_returned(self) -> None:
+        while True:
+            try:
+                buffer = self._returned.popleft()
+            except IndexError:
+                return
+            self.give(buffer, references=1)
+            del buffer
 
     def give(self, buffer: np.ndarray, references: int) -> None:
         """Keep ``buffer`` if nothing but the caller's ``references`` holds it (no array of the

@@ -234,3 +234,20 @@ def test_a_lent_array_let_go_of_on_another_thread_is_still_given_up_when_unused(
         assert buffers.kept_bytes == 0 and buffers.budget.held_bytes == 0
 
     asyncio.run(main())
+
+
+def test_a_lent_array_finalized_while_the_pool_holds_its_lock_does_not_deadlock():
+    """A collection may finalize a lent array inside any allocation, one made under the pool's own
+    lock included: giving it back then must not wait for that lock."""
+    buffers = ReceiveBuffers(MemoryBudget(64 * MiB), keep_s=60)
+    lent = [buffers.lend((2 * MiB,), np.dtype(np.uint8))]
+
+    def finalize_under_the_lock() -> None:
+        with buffers._lock:
+            lent.clear()
+
+    thread = threading.Thread(target=finalize_under_the_lock, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert buffers.kept_bytes == 2 * MiB
