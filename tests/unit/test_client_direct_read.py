@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import threading
 import time
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 
 import moegrad
 from moegrad import _client
+from test_transport import Responder
 
 N, K, H = 2048, 2, 512  # grad_x 4 MiB of float32
 
@@ -35,27 +35,17 @@ def frames_reply(grad_x: np.ndarray) -> bytes:
     return head + bytes(offset - len(head)) + grad_x.tobytes()
 
 
-class Responder:
+class FramesResponder(Responder):
     """Answers every request with ``reply`` (a frames body) in three sends with pauses; ``cut``
-    bytes of it left out, and the connection closed, when set."""
+    bytes of it left out, and the connection closed, when set. Counts the connections it served."""
 
     def __init__(self, reply: bytes, cut: int = 0) -> None:
         self.reply, self.cut = reply, cut
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.connections = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+        super().__init__()
 
     def _answer(self, connection: socket.socket) -> None:
+        self.connections += 1
         with connection:
             while True:
                 data = b""
@@ -77,9 +67,6 @@ class Responder:
                     connection.sendall(piece)
                 if self.cut:
                     return
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.fixture
@@ -106,9 +93,9 @@ def counted(monkeypatch):
 def test_a_large_frames_reply_arrives_straight_into_the_result_bit_for_bit(call, counted):
     grad, idx = call
     want = np.random.default_rng(12).standard_normal((N, H), dtype=np.float32)
-    responder = Responder(frames_reply(want))
+    responder = FramesResponder(frames_reply(want))
     try:
-        with moegrad.Client(responder.url, wire="frames", retries=0) as client:
+        with moegrad.Client(responder.url.rstrip("/"), wire="frames", retries=0) as client:
             for _ in range(2):
                 got = client.moe_init_routing_v2_grad(grad, idx, K)
                 assert got.flags.owndata and got.flags.writeable
@@ -121,11 +108,11 @@ def test_a_large_frames_reply_arrives_straight_into_the_result_bit_for_bit(call,
 
 def test_a_reply_cut_short_fails_as_through_httpx_own_transport(call, counted):
     grad, idx = call
-    responder = Responder(frames_reply(np.zeros((N, H), np.float32)), cut=12345)
+    responder = FramesResponder(frames_reply(np.zeros((N, H), np.float32)), cut=12345)
     errors = []
     try:
         for transport in (None, httpx.HTTPTransport()):
-            with moegrad.Client(responder.url, wire="frames", retries=0, transport=transport) as client:
+            with moegrad.Client(responder.url.rstrip("/"), wire="frames", retries=0, transport=transport) as client:
                 with pytest.raises(moegrad.MoegradError) as caught:
                     client.moe_init_routing_v2_grad(grad, idx, K)
                 errors.append(caught.value)

@@ -389,9 +389,15 @@ class _AscendWorker:
         tokens = idx.shape[0] // top_k if idx is not None and idx.ndim >= 1 and top_k > 0 else 0
         hidden = grad.shape[-1] if grad is not None and grad.ndim >= 1 else 0
         dtype = DTYPES["float32"] if grad is None else grad.dtype
-        if into is not None and into.shape == (tokens, hidden) and into.dtype == dtype and into.flags.writeable:
-            result = into if into.flags.c_contiguous else np.empty((tokens, hidden), dtype=dtype)
-        else:  # the device copy lands in a fresh array, not in the caller's buffer
+        if (
+            into is not None
+            and into.shape == (tokens, hidden)
+            and into.dtype == dtype
+            and into.flags.c_contiguous
+            and into.flags.writeable
+        ):
+            result = into  # the device copy lands in the caller's buffer
+        else:
             result = np.empty((tokens, hidden), dtype=dtype)
 
         device.ensure()
