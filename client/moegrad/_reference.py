@@ -41,13 +41,14 @@ import numpy as np
 from moegrad import _fast
 from moegrad._ascend950 import ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
+from moegrad._spec import ORDERS, CallGroup, MoeInitRoutingV2GradCall, Order
 
 __all__ = [
     "accumulation_schedule",
     "bin_count",
     "moe_init_routing_v2_grad",
     "moe_init_routing_v2_grad_golden",
+    "moe_init_routing_v2_grad_group",
     "moe_init_routing_v2_grad_many",
     "warm_up",
 ]
@@ -509,19 +510,80 @@ def _stacked(
     # active: A, drop/pad: E*C), and what is skipped (-1, or >= A) is outside [0, rows)
     skipped = (index < 0) | (index >= np.repeat(row_counts, slot_counts))
     stacked_index = np.where(skipped, -1, index + first_row).astype(np.int32)
+    out = _run_stacked(rows, stacked_index, top_k, members[0].order, schedule, chunking)
+    bounds = np.cumsum(slot_counts // top_k).tolist()
+    return [out[stop - tokens : stop] for stop, tokens in zip(bounds, (slot_counts // top_k).tolist(), strict=True)]
+
+
+def _run_stacked(
+    rows: np.ndarray,
+    stacked_index: np.ndarray,
+    top_k: int,
+    order: Order,
+    schedule: Sequence[tuple[str, int, int]],
+    chunking: tuple[int, bool] | None,
+) -> np.ndarray:
+    """grad_x of one drop/pad call over ``rows`` ([M, H]) with ``stacked_index`` ([S] int32, -1 for
+    a skipped slot): the stacked form of many calls (:func:`_stacked`, :func:`moe_init_routing_v2_grad_group`)."""
+    hidden = rows.shape[1]
     stacked = MoeInitRoutingV2GradCall.model_construct(  # valid by construction: the members were validated
         grad_expanded_x=rows.reshape(-1, 1, hidden),
         expanded_row_idx=stacked_index,
         top_k=top_k,
         drop_pad_mode=1,
         active_num=0,
-        order=members[0].order,
+        order=order,
         allow_duplicate_indices=True,
     )
     out = np.empty((stacked_index.shape[0] // top_k, hidden), dtype=rows.dtype.newbyteorder("="))
-    _accumulate(stacked, _F32, schedule, out, chunking=chunking)
-    bounds = np.cumsum(slot_counts // top_k).tolist()
-    return [out[stop - tokens : stop] for stop, tokens in zip(bounds, (slot_counts // top_k).tolist(), strict=True)]
+    return _accumulate(stacked, _F32, schedule, out, chunking=chunking)
+
+
+def moe_init_routing_v2_grad_group(
+    group: CallGroup, *, ub_size_bytes: int = UB_SIZE_BYTES, vector_core_count: int = VECTOR_CORE_COUNT
+) -> np.ndarray:
+    """grad_x of every member of a :class:`~moegrad._spec.CallGroup`, computed as one: bit for bit
+    what :func:`moe_init_routing_v2_grad` gives each member (the stacking of
+    :func:`moe_init_routing_v2_grad_many`, with no per-call work).
+
+    Args:
+        group: B validated calls of one shape, dtype and attribute set, stacked.
+        ub_size_bytes, vector_core_count: as for :func:`moe_init_routing_v2_grad` (950 orders only).
+
+    Returns:
+        [B, N, H], C-contiguous, the members' dtype in native byte order: member b's grad_x is ``[b]``.
+
+    Raises:
+        ValueError / TypeError: ``ub_size_bytes`` or ``vector_core_count`` is not a positive integer.
+    """
+    like = group.like
+    members, tokens, hidden = len(group), like.num_tokens, like.hidden_size
+    if members == 0 or tokens == 0 or hidden == 0:
+        return np.zeros((members, tokens, hidden), dtype=like.grad_expanded_x.dtype.newbyteorder("="))
+    chunking = None
+    if like.order in ASCEND950_ORDERS:
+        tiling = ascend950_tiling(
+            like.dtype_name,
+            tokens,
+            like.top_k,
+            hidden,
+            ub_size_bytes=ub_size_bytes,
+            vector_core_count=vector_core_count,
+        )
+        chunking = (tiling.k_chunk, ASCEND950_ORDERS[like.order])
+    schedule = (
+        accumulation_schedule(like.top_k, like.order) if chunking is None else ascend950_schedule(like.top_k, *chunking)
+    )
+    row_count = like.grad_expanded_x.size // hidden  # dropless N*K, active A, drop/pad E*C
+    rows = group.grad_expanded_x.reshape(members * row_count, hidden)
+    index = group.expanded_row_idx.astype(np.int64)
+    # a valid slot is in [0, row_count); what is skipped (-1, or >= A in active mode) is not
+    skipped = (index < 0) | (index >= row_count)
+    first_row = np.arange(0, members * row_count, row_count, dtype=np.int64)[:, None]
+    stacked_index = np.where(skipped, -1, index + first_row).astype(np.int32).reshape(-1)
+    return _run_stacked(rows, stacked_index, like.top_k, like.order, schedule, chunking).reshape(
+        members, tokens, hidden
+    )
 
 
 def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np.ndarray:

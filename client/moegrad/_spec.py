@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_v
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
 from moegrad._wire import brief, decode_tensor, dtype_name, encode_tensor
 
-__all__ = ["GRAD_DTYPES", "ORDERS", "MoeInitRoutingV2GradCall", "Order"]
+__all__ = ["GRAD_DTYPES", "ORDERS", "CallGroup", "MoeInitRoutingV2GradCall", "Order"]
 
 Order = Literal["ascend910b", "ascend950", "ascend950@2025-12", "sequential"]
 #: Accumulation orders by name (docs/semantics.md section 3): the Atlas A2/A3 device, the Ascend 950
@@ -333,3 +334,65 @@ class MoeInitRoutingV2GradCall(BaseModel):
         if "allow_duplicate_indices" in document:
             fields["allow_duplicate_indices"] = document["allow_duplicate_indices"]
         return cls(**fields)
+
+
+@dataclass(frozen=True, eq=False)
+class CallGroup:
+    """Many validated calls that share their attributes, dtypes and shapes, their tensors stacked.
+
+    A batch of small calls (the service's batch endpoint) is checked and computed a group at a
+    time instead of a call at a time. Member ``b`` is the call ``like`` describes with
+    ``grad_expanded_x[b]`` and ``expanded_row_idx[b]``; :meth:`call` gives it as a call.
+
+    Attributes:
+        like: a validated call with the members' attributes (top_k, drop_pad_mode, active_num,
+            order, allow_duplicate_indices) and their tensors' dtypes and shapes; its own tensors'
+            values are not a member's.
+        grad_expanded_x: [B, *like.grad_expanded_x.shape], like's dtype.
+        expanded_row_idx: [B, N*K] int32, each row holding rule 7 of :class:`MoeInitRoutingV2GradCall`
+            for its call (checked by :meth:`breaking_rule_7`).
+    """
+
+    like: MoeInitRoutingV2GradCall
+    grad_expanded_x: np.ndarray
+    expanded_row_idx: np.ndarray
+
+    def __len__(self) -> int:
+        return self.expanded_row_idx.shape[0]
+
+    def __getitem__(self, members: slice) -> CallGroup:
+        """The members in ``members`` (a slice) as a group of their own (views, no copy)."""
+        return CallGroup(self.like, self.grad_expanded_x[members], self.expanded_row_idx[members])
+
+    def call(self, member: int) -> MoeInitRoutingV2GradCall:
+        """Member ``member`` as a call (its tensors are views of the stacks; not validated again)."""
+        return self.like.model_copy(
+            update={
+                "grad_expanded_x": self.grad_expanded_x[member],
+                "expanded_row_idx": self.expanded_row_idx[member],
+            }
+        )
+
+    @staticmethod
+    def breaking_rule_7(like: MoeInitRoutingV2GradCall, expanded_row_idx: np.ndarray) -> np.ndarray:
+        """Which rows of ``expanded_row_idx`` ([B, N*K] int32), each the index of a call with
+        like's attributes and shapes, break rule 7 (a value outside the mode's range, or a repeated
+        non-negative value unless duplicates are allowed): a [B] bool array.
+
+        The same predicate as :class:`MoeInitRoutingV2GradCall`'s own check, over all rows at once;
+        the message naming the culprit is left to that check (build the call to get it).
+        """
+        grad = like.grad_expanded_x
+        if expanded_row_idx.shape[1] == 0:
+            return np.zeros(expanded_row_idx.shape[0], dtype=np.bool_)
+        low, high = (
+            (-1, grad.shape[0] * grad.shape[1]) if like.drop_pad_mode == 1 else (0, like.expanded_row_idx.shape[0])
+        )
+        broken = (expanded_row_idx.min(axis=1) < low) | (expanded_row_idx.max(axis=1) >= high)
+        if not like.allow_duplicate_indices:
+            ordered = np.sort(expanded_row_idx, axis=1)
+            repeats = ordered[:, 1:] == ordered[:, :-1]
+            if low < 0:  # -1 (a dropped slot) may repeat
+                repeats &= ordered[:, 1:] >= 0
+            broken |= repeats.any(axis=1)
+        return broken

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from moegrad import (
     check_compare_arguments,
     compare,
 )
+from moegrad._spec import CallGroup
 from moegrad_service.buffers import ReceiveBuffers
 from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics
@@ -49,7 +50,10 @@ __all__ = [
     "DataPlane",
     "Duration",
     "GradOutcome",
+    "GroupMember",
+    "GroupOutcome",
     "InferenceStatistics",
+    "MemberOutcome",
     "MemoryBudget",
 ]
 
@@ -189,6 +193,38 @@ class GradOutcome:
     backend: str
     order: str
     device: str | None
+
+
+class GroupMember(NamedTuple):
+    """One call of a batch, validated with the others of its shape: member ``member`` of ``group``
+    (:class:`moegrad._spec.CallGroup`), run with them by :meth:`DataPlane.infer_batch`."""
+
+    group: CallGroup
+    member: int
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """The answer of group members run together, all of them successfully.
+
+    Attributes:
+        grad_x: [B, N, H], the members' dtype, C-contiguous: member b's grad_x is ``grad_x[b]``.
+        timings: each member's share: the run's seconds queued, and its compute seconds over B.
+        backend, order, device: as :class:`GradOutcome`'s, the same for every member.
+    """
+
+    grad_x: np.ndarray
+    timings: Timings
+    backend: str
+    order: str
+    device: str | None
+
+
+class MemberOutcome(NamedTuple):
+    """One batch call's answer as member ``member`` of a :class:`GroupOutcome`."""
+
+    outcome: GroupOutcome
+    member: int
 
 
 @dataclass(frozen=True)
@@ -455,35 +491,47 @@ class DataPlane:
         return CompareOutcome(grad, report, golden_s, compare_s)
 
     async def infer_batch(
-        self, items: Sequence[MoeInitRoutingV2GradCall | Comparison | BaseException], *, timeout_s: float
-    ) -> list[GradOutcome | CompareOutcome | BaseException]:
+        self,
+        items: Sequence[MoeInitRoutingV2GradCall | GroupMember | Comparison | BaseException],
+        *,
+        timeout_s: float,
+    ) -> list[GradOutcome | MemberOutcome | CompareOutcome | BaseException]:
         """Run a batch of independent calls and comparisons; answer each in order, alone.
 
         The grad calls run on the pool in one chunk per worker (:meth:`StreamPool.run_many`: one
-        hand-off each, not one per call), comparisons one by one as :meth:`compare`, all under the
-        batch's one deadline. A call that fails gets its own error in its place; its neighbours are
-        unaffected (a chunk the pool refuses or that runs out of time answers that error for each
-        of its calls).
+        hand-off each, not one per call), the members of a group likewise (:meth:`StreamPool.run_group`:
+        one computation for a chunk of members), comparisons one by one as :meth:`compare`, all
+        under the batch's one deadline. A call that fails gets its own error in its place; its
+        neighbours are unaffected (a chunk the pool refuses or that runs out of time answers that
+        error for each of its calls).
 
         Args:
-            items: validated calls (:meth:`infer`), validated comparisons (:meth:`compare`), or the
-                error an item already earned while it was decoded (passed through in place).
+            items: validated calls (:meth:`infer`), members of validated groups, validated
+                comparisons (:meth:`compare`), or the error an item already earned while it was
+                decoded (passed through in place).
             timeout_s: seconds from now until the batch's deadline.
 
         Returns:
-            One entry per item, in order: a GradOutcome, a CompareOutcome, or the exception
-            (MoegradError: DeviceBusy, DeadlineExceeded, InvalidArgument, DeviceFault ...) that
-            item alone raised, without its traceback: a caught exception kept in a list that its
-            own traceback's frames reach is a reference cycle, which would hold the batch's tensors
-            until the garbage collector next runs (an idle server may not run it for a long time).
+            One entry per item, in order: a GradOutcome, a MemberOutcome (a group member's), a
+            CompareOutcome, or the exception (MoegradError: DeviceBusy, DeadlineExceeded,
+            InvalidArgument, DeviceFault ...) that item alone raised, without its traceback: a
+            caught exception kept in a list that its own traceback's frames reach is a reference
+            cycle, which would hold the batch's tensors until the garbage collector next runs (an
+            idle server may not run it for a long time).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         answers: list[Any] = list(items)  # each item's place, filled with its answer
         grads: list[tuple[int, MoeInitRoutingV2GradCall]] = []
+        groups: dict[int, tuple[CallGroup, list[int]]] = {}  # id(group) -> (group, each member's place)
         comparisons: list[tuple[int, Comparison]] = []
         for index, item in enumerate(items):
-            if isinstance(item, Comparison):
+            if type(item) is GroupMember:
+                entry = groups.get(id(item.group))
+                if entry is None:
+                    entry = groups[id(item.group)] = (item.group, [0] * len(item.group))
+                entry[1][item.member] = index
+            elif isinstance(item, Comparison):
                 comparisons.append((index, item))
             elif isinstance(item, MoeInitRoutingV2GradCall):
                 if item.num_tokens == 0 or item.hidden_size == 0:
@@ -495,24 +543,24 @@ class DataPlane:
                 else:
                     grads.append((index, item))
 
-        async def run_chunk(chunk: list[tuple[int, MoeInitRoutingV2GradCall]]) -> None:
-            entered = time.perf_counter()
-            try:
-                outcomes, timings = await self.pool.run_many(
-                    [call for _, call in chunk], timeout_s=max(deadline - loop.time(), 1e-6)
-                )
-            except MoegradError as exc:  # the whole chunk was refused or timed out: each call says so
-                exc.with_traceback(None)  # kept as an answer: see Returns
-                for index, _ in chunk:
-                    answers[index] = exc
-                self.statistics.fail.add(time.perf_counter() - entered, len(chunk))
-                return
-            computed = time.perf_counter()
-            self.metrics.queue_duration.observe(timings.queue_s)
-            self.metrics.compute_duration.observe(timings.compute_s)
-            share = Timings(timings.queue_s, timings.compute_s / len(chunk))
+        def refused(places: list[int], exc: MoegradError, entered: float) -> None:
+            """The whole chunk was refused or timed out: each of its calls says so."""
+            exc.with_traceback(None)  # kept as an answer: see Returns
+            for index in places:
+                answers[index] = exc
+            self.statistics.fail.add(time.perf_counter() - entered, len(places))
+
+        def settle(
+            places: list[int],
+            calls: Sequence[MoeInitRoutingV2GradCall],
+            outcomes: list[tuple[np.ndarray | None, BaseException | None]],
+            share: Timings,
+            entered: float,
+            computed: float,
+        ) -> None:
+            """Each call's own answer, from a chunk whose calls ran one by one."""
             failed = 0
-            for (index, call), (grad_x, error) in zip(chunk, outcomes, strict=True):
+            for index, call, (grad_x, error) in zip(places, calls, outcomes, strict=True):
                 if error is not None:
                     answers[index] = error
                     failed += 1
@@ -521,8 +569,40 @@ class DataPlane:
                     answers[index] = self._outcome(call, grad_x, share)
             if failed:
                 self.statistics.fail.add(computed - entered, failed)
-            if failed < len(chunk):
-                self._count_success(entered, entered, computed, share, len(chunk) - failed)
+            if failed < len(places):
+                self._count_success(entered, entered, computed, share, len(places) - failed)
+
+        def observed(timings: Timings, count: int) -> Timings:
+            self.metrics.queue_duration.observe(timings.queue_s)
+            self.metrics.compute_duration.observe(timings.compute_s)
+            return Timings(timings.queue_s, timings.compute_s / count)
+
+        async def run_chunk(chunk: list[tuple[int, MoeInitRoutingV2GradCall]]) -> None:
+            entered = time.perf_counter()
+            places, calls = [index for index, _ in chunk], [call for _, call in chunk]
+            try:
+                outcomes, timings = await self.pool.run_many(calls, timeout_s=max(deadline - loop.time(), 1e-6))
+            except MoegradError as exc:
+                refused(places, exc, entered)
+                return
+            settle(places, calls, outcomes, observed(timings, len(chunk)), entered, time.perf_counter())
+
+        async def run_group_chunk(group: CallGroup, places: list[int]) -> None:
+            entered = time.perf_counter()
+            try:
+                result, timings = await self.pool.run_group(group, timeout_s=max(deadline - loop.time(), 1e-6))
+            except MoegradError as exc:
+                refused(places, exc, entered)
+                return
+            computed, share = time.perf_counter(), observed(timings, len(group))
+            if isinstance(result, np.ndarray):
+                like = group.like
+                outcome = GroupOutcome(result, share, self.backend_name, self.answer_order or like.order, self.device)
+                for member, index in enumerate(places):
+                    answers[index] = MemberOutcome(outcome, member)
+                self._count_success(entered, entered, computed, share, len(places))
+            else:  # the members ran one by one: each has its own answer
+                settle(places, [group.like] * len(places), result, share, entered, computed)
 
         async def run_comparison(index: int, comparison: Comparison) -> None:
             try:
@@ -531,11 +611,21 @@ class DataPlane:
                 answers[index] = exc.with_traceback(None)
 
         # Grad calls go to the pool in chunks, one queue entry each, as many chunks as workers (at
-        # least BATCH_CHUNK_CALLS calls a chunk, fewer when there are fewer calls).
-        size = max(BATCH_CHUNK_CALLS, -(-len(grads) // self.settings.streams))
+        # least BATCH_CHUNK_CALLS calls a chunk, fewer when there are fewer calls); a group's
+        # members likewise, each chunk of members a group of its own.
+        streams = self.settings.streams
+        size = max(BATCH_CHUNK_CALLS, -(-len(grads) // streams))
         chunks = [grads[start : start + size] for start in range(0, len(grads), size)]
+        group_chunks = []
+        for group, places in groups.values():
+            size = max(BATCH_CHUNK_CALLS, -(-len(group) // streams))
+            group_chunks += [
+                (group[start : start + size], places[start : start + size]) for start in range(0, len(group), size)
+            ]
         await asyncio.gather(
-            *(run_chunk(chunk) for chunk in chunks), *(run_comparison(index, item) for index, item in comparisons)
+            *(run_chunk(chunk) for chunk in chunks),
+            *(run_group_chunk(group, places) for group, places in group_chunks),
+            *(run_comparison(index, item) for index, item in comparisons),
         )
         return answers
 

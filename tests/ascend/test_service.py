@@ -17,6 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgpack
+import numpy as np
 import pytest
 from ascend_cases import DTYPE_NAMES, K_VALUES, MODES, assert_bitwise, make_call
 from fastapi.testclient import TestClient
@@ -61,6 +63,32 @@ def test_results_match_the_reference_backend_and_nothing_is_left(sim, sim_home):
         for call, reply in zip(calls, replies, strict=True):
             assert_bitwise(grad_x_of(reply), moegrad.moe_init_routing_v2_grad(call))
         assert sim.counts()["streams"] == 2
+    assert_nothing_left(sim, before)
+
+
+def test_a_batch_of_calls_of_one_shape_runs_each_on_the_device_with_its_own_bits(sim, sim_home, monkeypatch):
+    """Batch members grouped by shape run one by one on the device (the ascend backend computes no
+    group itself): each result has the bits of the reference's single call, and nothing is left."""
+    from moegrad._spec import CallGroup
+
+    members = []
+    call_of = CallGroup.call
+    monkeypatch.setattr(CallGroup, "call", lambda group, member: members.append(member) or call_of(group, member))
+    before = sim.counts()
+    calls = [make_call(mode, dtype, 3, seed=seed) for mode in MODES for dtype in DTYPE_NAMES for seed in range(4)]
+    body = msgpack.packb([document(call) for call in calls], use_bin_type=True)
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as ascend:
+        reply = ascend.post(
+            "/v1/moe_init_routing_v2_grad/batch", content=body, headers={"content-type": "application/msgpack"}
+        )
+    assert reply.status_code == 200, reply.text
+    results = msgpack.unpackb(reply.content, raw=False)["results"]
+    for call, result in zip(calls, results, strict=True):
+        tensor = result["grad_x"]
+        got = np.frombuffer(tensor["data"], moegrad.DTYPES[tensor["dtype"]]).reshape(tensor["shape"])
+        assert_bitwise(got, moegrad.moe_init_routing_v2_grad(call))
+        assert result["backend"] == "ascend"
+    assert len(members) >= 12  # at least the dropless and active calls of each dtype ran as members
     assert_nothing_left(sim, before)
 
 

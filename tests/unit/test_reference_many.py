@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moegrad import MoeInitRoutingV2GradCall, _reference, ascend950_tiling
-from moegrad._reference import moe_init_routing_v2_grad_many
+from moegrad import InvalidArgument, MoeInitRoutingV2GradCall, _reference, ascend950_tiling
+from moegrad._reference import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad._spec import CallGroup
 from test_ascend950 import slow950
 from test_reference import GRAD_DTYPES, MODES, assert_bitwise_equal, random_call, slow_grad_x
 
@@ -123,3 +124,99 @@ def test_duplicate_indices_allowed_by_a_call_stay_its_own():
     plain = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.array([2, 1, 0], np.int32), top_k=3)
     results = moe_init_routing_v2_grad_many([duplicated, plain])
     assert results[0].tolist() == [[9.0]] and results[1].tolist() == [[7.0]]
+
+
+# --------------------------------------------------------------------------------------------------
+# A CallGroup (many calls of one shape, their tensors stacked): the batch endpoint's unit of work.
+# --------------------------------------------------------------------------------------------------
+
+
+def group_of(rng: np.random.Generator, mode: str, top_k: int, dtype, tokens: int, hidden: int, order: str, size: int):
+    """A CallGroup of ``size`` random members of one shape, and each member as its own validated call."""
+    first = random_call(rng, mode, top_k, dtype, tokens, hidden)
+    grads, indices = [first[0]], [first[1]]
+    while len(grads) < size:
+        grad, idx, _, _ = random_call(rng, mode, top_k, dtype, tokens, hidden)
+        if grad.shape == first[0].shape:  # drop/pad picks its capacity at random, active mode its A
+            grads.append(grad)
+            indices.append(idx)
+    calls = [
+        MoeInitRoutingV2GradCall(
+            grad_expanded_x=grad,
+            expanded_row_idx=idx,
+            top_k=top_k,
+            drop_pad_mode=first[2],
+            active_num=first[3],
+            order=order,
+        )
+        for grad, idx in zip(grads, indices, strict=True)
+    ]
+    return CallGroup(calls[0], np.stack(grads), np.stack(indices)), calls
+
+
+@pytest.mark.parametrize("order", ALL_ORDERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_group_gives_each_member_the_slow_loops_bits(path, order, mode):
+    rng = np.random.default_rng(7)
+    for dtype in GRAD_DTYPES:
+        for top_k, tokens, hidden in ((1, 3, 5), (2, 4, 3), (8, 3, 67), (130, 2, 2)):
+            group, calls = group_of(rng, mode, top_k, dtype, tokens, hidden, order, 5)
+            results = moe_init_routing_v2_grad_group(group)
+            assert results.shape == (5, tokens, hidden) and results.flags.c_contiguous
+            for member, call in enumerate(calls):
+                assert_bitwise_equal(results[member], slow(call))
+                assert_bitwise_equal(group.call(member).expanded_row_idx, call.expanded_row_idx)
+
+
+def test_the_documented_example_as_a_group():
+    """docs/operator.md's example as three members, the middle one with its rows swapped: the
+    example's [[0.3, 0.3], [0.70000005, 0.70000005]] float32, and for the swapped rows
+    [[0.2 + 0.4, ...], [0.1 + 0.3, ...]]."""
+    grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
+    idx = np.array([2, 0, 1, 3], np.int32)
+    example = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=2)
+    swapped = np.array([0, 2, 3, 1], np.int32)
+    group = CallGroup(example, np.stack([grad, grad, grad]), np.stack([idx, swapped, idx]))
+    results = moe_init_routing_v2_grad_group(group)
+    want = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32).view(np.uint32)
+    assert (results[0].view(np.uint32) == want).all() and (results[2].view(np.uint32) == want).all()
+    swapped_want = np.array([[np.float32(0.1) + np.float32(0.2)] * 2, [np.float32(0.4) + np.float32(0.3)] * 2])
+    assert (results[1].view(np.uint32) == swapped_want.astype(np.float32).view(np.uint32)).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("allow_duplicates", [False, True])
+def test_breaking_rule_7_agrees_with_the_calls_own_check(mode, allow_duplicates):
+    """Over random indices (in range, out of range by one, repeated, -1), a member breaks rule 7
+    exactly when building it as a call raises the rule-7 error."""
+    rng = np.random.default_rng(11)
+    grad, idx, drop_pad_mode, active_num = random_call(rng, mode, 3, GRAD_DTYPES[2], 4, 2)
+    like = MoeInitRoutingV2GradCall(
+        grad_expanded_x=grad,
+        expanded_row_idx=idx,
+        top_k=3,
+        drop_pad_mode=drop_pad_mode,
+        active_num=active_num,
+        allow_duplicate_indices=True,
+    )
+    like = like.model_copy(update={"allow_duplicate_indices": allow_duplicates})
+    high = grad.shape[0] * grad.shape[1] if drop_pad_mode == 1 else idx.shape[0]
+    rows = rng.integers(-2, high + 2, size=(400, idx.shape[0])).astype(np.int32)
+    rows[:100] = [rng.permutation(high)[: idx.shape[0]] for _ in range(100)]  # valid unless a value repeats
+    broken = CallGroup.breaking_rule_7(like, rows)
+    for row, says in zip(rows, broken.tolist(), strict=True):
+        try:
+            MoeInitRoutingV2GradCall(
+                grad_expanded_x=grad,
+                expanded_row_idx=row,
+                top_k=3,
+                drop_pad_mode=drop_pad_mode,
+                active_num=active_num,
+                allow_duplicate_indices=allow_duplicates,
+            )
+        except InvalidArgument as exc:
+            assert says, exc
+            assert exc.field == "expanded_row_idx" and exc.aclnn_status == 161002
+        else:
+            assert not says, row
+    assert 0 < broken.sum() < len(rows)

@@ -28,6 +28,7 @@ from moegrad import (
     encode_tensor,
 )
 from moegrad_service.api.errors import answer_for, message_of
+from moegrad_service.api.grouping import group_calls
 from moegrad_service.api.inputs import (
     INLINE_DECODE_BYTES,
     MSGPACK_MEDIA_TYPES,
@@ -43,7 +44,15 @@ from moegrad_service.api.inputs import (
 )
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute, msgpack_operation
-from moegrad_service.dataplane import CompareOutcome, Comparison, DataPlane, GradOutcome
+from moegrad_service.dataplane import (
+    CompareOutcome,
+    Comparison,
+    DataPlane,
+    GradOutcome,
+    GroupMember,
+    GroupOutcome,
+    MemberOutcome,
+)
 from moegrad_service.engine import Timings
 from moegrad_service.metrics import Metrics
 
@@ -91,7 +100,7 @@ def timings_ms(started: float, timings: Timings) -> dict[str, float]:
     }
 
 
-def reply_document(outcome: GradOutcome) -> dict[str, Any]:
+def reply_document(outcome: GradOutcome | GroupOutcome) -> dict[str, Any]:
     """The fields every v1 reply carries about who computed it: backend, order, device."""
     return {"backend": outcome.backend, "order": outcome.order, "device": outcome.device}
 
@@ -139,14 +148,19 @@ _OPS = ("grad", "compare")
 
 def decode_batch_items(
     items: list[dict[str, Any] | MalformedRequest], dataplane: DataPlane, *, max_elements: int
-) -> list[MoeInitRoutingV2GradCall | Comparison | BaseException]:
-    """Each batch item as a validated call or comparison, or the error that item alone earns (as the
-    single-call endpoints would answer it: the same field, rule and aclnn code)."""
+) -> list[MoeInitRoutingV2GradCall | GroupMember | Comparison | BaseException]:
+    """Each batch item as a validated call, a member of a validated group of small calls of one
+    shape (:func:`~moegrad_service.api.grouping.group_calls`), a validated comparison, or the error
+    that item alone earns (as the single-call endpoints would answer it: the same field, rule and
+    aclnn code)."""
     from moegrad_service.api.compare import decode_comparison  # compare imports this module
 
-    decoded: list[MoeInitRoutingV2GradCall | Comparison | BaseException] = []
+    decoded: list[MoeInitRoutingV2GradCall | GroupMember | Comparison | BaseException] = []
     default_order = dataplane.default_order
-    for item in items:
+    for item, member in zip(items, group_calls(items, dataplane, max_elements=max_elements), strict=True):
+        if member is not None:
+            decoded.append(member)
+            continue
         if isinstance(item, BaseException):
             decoded.append(item)
             continue
@@ -171,14 +185,30 @@ def decode_batch_items(
 
 
 def batch_reply(
-    items: list[MoeInitRoutingV2GradCall | Comparison | BaseException],
-    answers: list[GradOutcome | CompareOutcome | BaseException],
+    items: list[MoeInitRoutingV2GradCall | GroupMember | Comparison | BaseException],
+    answers: list[GradOutcome | MemberOutcome | CompareOutcome | BaseException],
 ) -> list[dict[str, Any]]:
-    """One reply map per answer: a grad call's (grad_x, backend, order, device, timings_ms), a
-    comparison's (report, ..., grad_x when asked), or ``{"problem": {...}}``."""
+    """One reply map per answer: a grad call's (grad_x, backend, order, device, timings_ms; a group
+    member's the same fields), a comparison's (report, ..., grad_x when asked), or
+    ``{"problem": {...}}``."""
     results: list[dict[str, Any]] = []
+    groups: dict[int, tuple[str, list[int], memoryview, int, dict[str, Any]]] = {}  # per GroupOutcome
     for item, answer in zip(items, answers, strict=True):
-        if isinstance(answer, GradOutcome):
+        if isinstance(answer, MemberOutcome):
+            encoded = groups.get(id(answer.outcome))
+            if encoded is None:
+                outcome = answer.outcome
+                tensor = encode_tensor(outcome.grad_x)
+                fields = {
+                    **reply_document(outcome),
+                    "timings_ms": {"queue": outcome.timings.queue_s * 1e3, "compute": outcome.timings.compute_s * 1e3},
+                }
+                size = len(tensor["data"]) // max(len(outcome.grad_x), 1)
+                encoded = groups[id(outcome)] = (tensor["dtype"], tensor["shape"][1:], tensor["data"], size, fields)
+            name, shape, data, size, fields = encoded
+            start = answer.member * size
+            results.append({"grad_x": {"dtype": name, "shape": shape, "data": data[start : start + size]}, **fields})
+        elif isinstance(answer, GradOutcome):
             results.append(
                 {
                     "grad_x": encode_tensor(answer.grad_x),
@@ -212,7 +242,7 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
     body = await read_body(request, settings.max_body_bytes, MSGPACK_MEDIA_TYPES)
     metrics.bytes_in.inc(len(body))
 
-    def decode() -> list[MoeInitRoutingV2GradCall | Comparison | BaseException]:
+    def decode() -> list[MoeInitRoutingV2GradCall | GroupMember | Comparison | BaseException]:
         items = decode_batch(body, REQUEST_LIMITS, max_calls=MAX_BATCH_CALLS)
         return decode_batch_items(items, dataplane, max_elements=settings.max_elements)
 

@@ -33,6 +33,7 @@ from typing import Any, cast
 import numpy as np
 
 from moegrad import DeadlineExceeded, DeviceBusy, DeviceFault, InvalidArgument, MoegradError, MoeInitRoutingV2GradCall
+from moegrad._spec import CallGroup
 from moegrad_service.engine.base import Backend
 
 __all__ = ["StreamPool", "Timings"]
@@ -66,7 +67,7 @@ class Timings:
 
 @dataclass(eq=False)
 class _Job:
-    call: MoeInitRoutingV2GradCall | _Calls | None  # None once settled
+    call: MoeInitRoutingV2GradCall | _Calls | CallGroup | None  # None once settled
     deadline: float | None
     out: np.ndarray | None  # where the worker writes grad_x (None: the backend allocates); None once settled
     loop: asyncio.AbstractEventLoop
@@ -315,6 +316,22 @@ class StreamPool:
         outcomes, timings = await self.run(_Calls(tuple(calls)), timeout_s=timeout_s)  # type: ignore[arg-type]
         return cast(list[tuple[np.ndarray | None, BaseException | None]], outcomes), timings
 
+    async def run_group(
+        self, group: CallGroup, *, timeout_s: float | None
+    ) -> tuple[np.ndarray | list[tuple[np.ndarray | None, BaseException | None]], Timings]:
+        """Run a group of validated, non-empty calls of one shape (:class:`moegrad._spec.CallGroup`)
+        as one queue entry: through the worker's ``run_group`` where it has one (all members in one
+        computation), else one member after another as :meth:`run_many` runs its calls.
+
+        Returns:
+            (grad_x of every member as one [B, N, H] array, or [(grad_x, None) or (None, error)] in
+            the members' order when they ran one by one; the whole run's timings).
+
+        Raises:
+            The errors of :meth:`run_many`.
+        """
+        return await self.run(group, timeout_s=timeout_s)  # type: ignore[arg-type]
+
     def _expire(self, job: _Job, timeout_s: float) -> None:
         """The call's deadline passed (on the loop): drop it if still queued, else give up on it."""
         if job.future.done():
@@ -434,6 +451,13 @@ class StreamPool:
     def _execute(worker, job: _Job) -> tuple[Any, BaseException | None]:
         work = job.call
         assert work is not None  # only a settled job has let go of its call
+        if isinstance(work, CallGroup):  # run_group: every member at once, else each on its own
+            stacked = StreamPool._execute_group(worker, work, job.deadline)
+            if stacked is not None:
+                return stacked, None
+            return [
+                StreamPool._execute_one(worker, work.call(member), job.deadline) for member in range(len(work))
+            ], None
         if isinstance(work, _Calls):  # run_many: each call's own outcome, in order
             together = StreamPool._execute_together(worker, work.calls, job.deadline)
             if together is not None:
@@ -458,6 +482,21 @@ class StreamPool:
             log.exception("the backend's run_many failed; running the calls one by one")
             return None
         return None if results is None else [(grad_x, None) for grad_x in results]
+
+    @staticmethod
+    def _execute_group(worker, group: CallGroup, deadline: float | None) -> np.ndarray | None:
+        """The group through the worker's optional ``run_group``, or None (no such method, it
+        declines or raises, or the deadline passed): then each member runs on its own and gets its
+        own answer."""
+        run_group = getattr(worker, "run_group", None)
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if run_group is None or (remaining is not None and remaining <= 0):
+            return None
+        try:
+            return run_group(group, timeout_s=remaining)
+        except Exception:
+            log.exception("the backend's run_group failed; running the members one by one")
+            return None
 
     @staticmethod
     def _execute_one(

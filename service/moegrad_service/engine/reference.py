@@ -9,7 +9,8 @@ import numpy as np
 import moegrad
 from moegrad import MoeInitRoutingV2GradCall, moe_init_routing_v2_grad
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
-from moegrad._reference import moe_init_routing_v2_grad_many
+from moegrad._reference import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad._spec import CallGroup
 
 __all__ = ["ReferenceBackend"]
 
@@ -80,6 +81,15 @@ class _ReferenceWorker:
             return None
         return moe_init_routing_v2_grad_many(
             calls, ub_size_bytes=self._backend.ub_size_bytes, vector_core_count=self._backend.vector_core_count
+        )
+
+    def run_group(self, group: CallGroup, *, timeout_s: float | None) -> np.ndarray | None:
+        """grad_x of every member as one [B, N, H] array (``moe_init_routing_v2_grad_group``: the
+        same bits); None when a fault hook is set, so that it sees each member on its own."""
+        if self._backend.fault_hook is not None:
+            return None
+        return moe_init_routing_v2_grad_group(
+            group, ub_size_bytes=self._backend.ub_size_bytes, vector_core_count=self._backend.vector_core_count
         )
 
     def close(self) -> None:

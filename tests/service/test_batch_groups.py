@@ -1,0 +1,209 @@
+"""A batch's small calls of one shape are checked and run as a group (``api/grouping.py``).
+
+Grouping is only a faster way to the same answers: every item of a batch gets exactly what the
+single-call endpoint answers for it alone (its bits, or its problem's status, field, aclnn code and
+detail). Expected values come from that endpoint and from the documentation's example, never from
+the grouping under test. The items below share the example's shape, and each differs from it in one
+way that the checks must see per call: a value of another type that compares equal (``True`` and
+``2.0`` for ``2``), bytes that do not fit the shape, an index out of range or repeated.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from servicekit import DOC_GRAD, DOC_IDX, example_document, post
+
+from moegrad import REQUEST_LIMITS, DeviceFault, decode_batch
+from moegrad_service.api.grouping import GROUP_CALL_BYTES, group_calls
+from moegrad_service.dataplane import GroupMember
+from moegrad_service.engine import ReferenceBackend
+
+BATCH = "/v1/moe_init_routing_v2_grad/batch"
+PROBLEM_FIELDS = ("status", "title", "detail", "field", "aclnn_status", "aclnn_name")
+# docs/operator.md's example: [[0.3, 0.3], [0.70000005, 0.70000005]] float32
+EXAMPLE_BITS = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32).view(np.uint32)
+
+
+def index(values) -> dict:
+    return {"dtype": "int32", "shape": [len(values)], "data": np.array(values, np.int32).tobytes()}
+
+
+def grad(rows: np.ndarray) -> dict:
+    return {"dtype": "float32", "shape": list(rows.shape), "data": rows.astype("<f4").tobytes()}
+
+
+# Each is the example's shape with one difference a group must not hide (the first ones are answered
+# 200, the rest refused); "alone" is how the single-call endpoint answers it.
+VARIANTS = {
+    "swapped rows": example_document(expanded_row_idx=index([0, 2, 3, 1])),
+    "other values": example_document(grad_expanded_x=grad(DOC_GRAD * 4)),
+    "duplicates allowed": example_document(expanded_row_idx=index([2, 2, 1, 3]), allow_duplicate_indices=True),
+    "order named": example_document(order="sequential"),
+    "top_k True": example_document(top_k=True),
+    "top_k 2.0": example_document(top_k=2.0),
+    "drop_pad_mode False": example_document(drop_pad_mode=False),
+    "allow_duplicate_indices 1": example_document(allow_duplicate_indices=1),
+    "shape of floats": example_document(grad_expanded_x={**grad(DOC_GRAD), "shape": [4.0, 2]}),
+    "short grad data": example_document(grad_expanded_x={**grad(DOC_GRAD), "data": DOC_GRAD.tobytes()[:-4]}),
+    "long index data": example_document(
+        expanded_row_idx={**index([2, 0, 1, 3]), "data": DOC_IDX.tobytes() + b"\0" * 4}
+    ),
+    "index out of range": example_document(expanded_row_idx=index([2, 0, 1, 4])),
+    "index negative": example_document(expanded_row_idx=index([2, 0, -1, 3])),
+    "index repeated": example_document(expanded_row_idx=index([2, 0, 2, 3])),
+    "unknown field": example_document(extra=1),
+    "order unknown": example_document(order="ascend960"),
+    "order not a string": example_document(order=5),
+}
+
+
+def post_batch(client, items) -> list[dict]:
+    response = client.post(
+        BATCH, content=msgpack.packb(items, use_bin_type=True), headers={"content-type": "application/msgpack"}
+    )
+    assert response.status_code == 200, response.text
+    return msgpack.unpackb(response.content, raw=False)["results"]
+
+
+def assert_answered_as_alone(client, item: dict, result: dict) -> None:
+    alone = post(client, item)
+    if alone.status_code == 200:
+        assert set(result) == {"grad_x", "backend", "order", "device", "timings_ms"}, result
+        want = msgpack.unpackb(alone.content, raw=False)
+        assert result["grad_x"] == want["grad_x"]  # dtype, shape and every byte
+        assert (result["backend"], result["order"], result["device"]) == (
+            want["backend"],
+            want["order"],
+            want["device"],
+        )
+    else:
+        expected = alone.json()
+        assert {k: result["problem"][k] for k in PROBLEM_FIELDS} == {k: expected[k] for k in PROBLEM_FIELDS}
+
+
+def test_each_variant_among_members_of_its_shape_gets_its_single_call_answer(client):
+    items = []
+    for variant in VARIANTS.values():  # each between two plain members, and twice: its own group too
+        items += [example_document(), variant, example_document(), variant]
+    results = post_batch(client, items)
+    assert len(results) == len(items)
+    for item, result in zip(items, results, strict=True):
+        assert_answered_as_alone(client, item, result)
+    for result in results[0::2]:  # the plain members (== would also take drop_pad_mode=False for one)
+        assert (np.frombuffer(result["grad_x"]["data"], np.uint32).reshape(2, 2) == EXAMPLE_BITS).all()
+
+
+def grouped(items: list) -> list[bool]:
+    class Plane:  # what group_calls asks of the dataplane: the emulation's (every order)
+        default_order = "ascend910b"
+
+        @staticmethod
+        def check_order(named) -> None:
+            pass
+
+    body = msgpack.packb(items, use_bin_type=True)
+    placed = group_calls(decode_batch(body, REQUEST_LIMITS), Plane(), max_elements=1 << 20)
+    return [isinstance(member, GroupMember) for member in placed]
+
+
+def test_only_calls_whose_every_check_holds_join_a_group():
+    joins = {"swapped rows", "other values"}
+    for name, variant in VARIANTS.items():
+        # alongside two plain members, a variant that keeps every rule and differs only in its
+        # tensors' values joins their group; any other goes alone (another attribute is another
+        # group, and a group needs two members)
+        assert grouped([example_document(), variant, example_document()]) == [True, name in joins, True], name
+    # a batch item naming its op (a batch's own field) goes the single call's way too
+    assert grouped([example_document(), {**example_document(), "op": "grad"}, example_document()]) == [
+        True,
+        False,
+        True,
+    ]
+
+
+def test_a_group_needs_two_members_and_calls_over_the_size_limit_go_alone():
+    assert grouped([example_document()]) == [False]
+    assert grouped([example_document(order="sequential"), example_document()]) == [False, False]  # two shapes
+    rows = GROUP_CALL_BYTES // 4 // 2 + 1  # float32 [rows, 2]: just over the limit
+    big = example_document(
+        grad_expanded_x=grad(np.ones((rows, 2), np.float32)),
+        expanded_row_idx=index(list(range(rows))),
+        top_k=1,
+    )
+    assert grouped([big, big]) == [False, False]
+
+
+def test_a_shape_every_member_breaks_goes_alone_with_each_members_error(client):
+    bad = example_document(top_k=3)  # 4 slots do not divide by 3: 561002 for every member
+    results = post_batch(client, [bad, bad, bad])
+    alone = post(client, bad).json()
+    assert alone["aclnn_status"] == 561002
+    for result in results:
+        assert {k: result["problem"][k] for k in PROBLEM_FIELDS} == {k: alone[k] for k in PROBLEM_FIELDS}
+
+
+def test_many_members_of_every_mode_and_dtype_give_the_single_call_bits(client):
+    """Forty calls each of three shapes (dropless, active, drop/pad; float16, bfloat16, float32),
+    random values and routing, interleaved: each result has the single call's bytes."""
+    import routing
+
+    import moegrad
+
+    rng = np.random.default_rng(3)
+    items = []
+    for number in range(120):
+        mode, dtype = ("dropless", "active", "drop_pad")[number % 3], ("float16", "bfloat16", "float32")[number % 3]
+        fixed = {"active": {"active_num": 9}, "drop_pad": {"capacity": 5}}.get(mode, {})  # one shape a mode
+        r = routing.route(np.random.default_rng(number), 6, 3, 4, mode, **fixed)
+        rows = rng.standard_normal(r.grad_shape(5)).astype(moegrad.DTYPES[dtype])
+        items.append(
+            example_document(
+                grad_expanded_x={"dtype": dtype, "shape": list(rows.shape), "data": rows.tobytes()},
+                expanded_row_idx=index(r.expanded_row_idx.tolist()),
+                top_k=r.top_k,
+                drop_pad_mode=r.drop_pad_mode,
+                active_num=r.active_num,
+            )
+        )
+    results = post_batch(client, items)
+    for item, result in zip(items, results, strict=True):
+        alone = post(client, item)
+        assert alone.status_code == 200, alone.text
+        assert result["grad_x"] == msgpack.unpackb(alone.content, raw=False)["grad_x"]
+
+
+def test_members_run_one_by_one_where_the_backend_runs_no_group_and_fail_alone(serve):
+    """With a fault hook the emulation runs each member on its own (the way a backend without
+    run_group does): a member the backend fails gets its own 500; its group's others their bits."""
+
+    def hook(call, timeout_s):
+        if call.grad_expanded_x[0, 0] == 9.0:
+            raise DeviceFault("injected fault for the member whose first value is 9")
+
+    faulty = DOC_GRAD.copy()
+    faulty[0, 0] = 9.0
+    items = [example_document(), example_document(grad_expanded_x=grad(faulty)), example_document()]
+    assert grouped(items) == [True, True, True]
+    with serve(backend=ReferenceBackend(fault_hook=hook)) as client:
+        results = post_batch(client, items)
+    assert results[1]["problem"]["status"] == 500
+    assert "injected fault" in results[1]["problem"]["detail"]
+    for result in (results[0], results[2]):
+        assert (np.frombuffer(result["grad_x"]["data"], np.uint32).reshape(2, 2) == EXAMPLE_BITS).all()
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_group_split_over_the_workers_keeps_each_members_place(serve, streams):
+    rng = np.random.default_rng(streams)
+    items, expected = [], []
+    for _ in range(100):  # K=2 float32: each row is one add, v0 + v1, whatever the order
+        rows = rng.standard_normal((4, 2)).astype(np.float32)
+        order = rng.permutation(4)
+        items.append(example_document(grad_expanded_x=grad(rows), expanded_row_idx=index(order.tolist())))
+        expected.append(rows[order[0::2]] + rows[order[1::2]])
+    with serve(streams=streams) as client:
+        results = post_batch(client, items)
+    for result, want in zip(results, expected, strict=True):
+        assert (np.frombuffer(result["grad_x"]["data"], np.uint32).reshape(2, 2) == want.view(np.uint32)).all()
