@@ -984,10 +984,15 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
     return {"times": times, "idle_times": idle_times, "growth": growth, "after_mib": after}
 
 
+#: Batches of each size a round's server CPU is read over.
+CPU_BATCHES = 10
+
+
 def batch_measure(url: str, pid: int, calls: int, rounds: int) -> dict[str, list[float]]:
     """``calls`` S1 calls: one after another with the sync Client, and in one ``Client.batch``; interleaved.
 
-    Also the server's CPU seconds (all its threads, /proc) per batch of ``calls`` and per batch of one.
+    Also the server's CPU seconds (all its threads, /proc) per batch of ``calls`` and per batch of one
+    (each the mean over CPU_BATCHES batches).
     """
     from moegrad import Client, GradResult, MoeInitRoutingV2GradCall
 
@@ -1004,17 +1009,22 @@ def batch_measure(url: str, pid: int, calls: int, rounds: int) -> dict[str, list
             for _ in range(calls):
                 client.run(call)
             out["sequential"].append(time.perf_counter() - t0)
-            cpu0 = cpu_s(pids)
-            client.batch([call])
-            out["one_cpu"].append(cpu_s(pids) - cpu0)
-            cpu0, t0 = cpu_s(pids), time.perf_counter()
+            t0 = time.perf_counter()
             answers = client.batch([call] * calls)
             out["batch"].append(time.perf_counter() - t0)
-            out["batch_cpu"].append(cpu_s(pids) - cpu0)
             for answer in answers:
                 if not isinstance(answer, GradResult):
                     raise AssertionError(f"a batch item failed: {answer!r}")
                 check(answer.grad_x, payload, "Client.batch")
+            # the server's CPU per batch, over CPU_BATCHES of each size (its clock ticks are 10 ms)
+            cpu0 = cpu_s(pids)
+            for _ in range(CPU_BATCHES):
+                client.batch([call])
+            out["one_cpu"].append((cpu_s(pids) - cpu0) / CPU_BATCHES)
+            cpu0 = cpu_s(pids)
+            for _ in range(CPU_BATCHES):
+                client.batch([call] * calls)
+            out["batch_cpu"].append((cpu_s(pids) - cpu0) / CPU_BATCHES)
     return out
 
 
@@ -1102,7 +1112,8 @@ def _wire_tables(r: dict[str, Any]) -> str:
               f"| speedup | {seq / one:.1f}x | |", "",
               f"Server CPU (all threads, /proc) per call inside the batch: "
               f"{(statistics.median(batch['batch_cpu']) - statistics.median(batch['one_cpu'])) / (calls - 1) * 1e6:.0f} us "
-              f"(a {calls:,}-call batch less a 1-call batch; clock ticks of 10 ms, so about +-{2e4 / calls:.0f} us)."]
+              f"(a {calls:,}-call batch less a 1-call batch, each over {CPU_BATCHES} batches; clock ticks of 10 ms, "
+              f"so about +-{2e4 / calls / CPU_BATCHES:.0f} us)."]
     return "\n".join(lines) + "\n"
 
 
