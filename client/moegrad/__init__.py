@@ -32,6 +32,8 @@ from moegrad._reference import (
     bin_count,
     moe_init_routing_v2_grad,
     moe_init_routing_v2_grad_golden,
+    moe_init_routing_v2_grad_group,
+    moe_init_routing_v2_grad_many,
     warm_up,
 )
 from moegrad._results import CompareResult, GradResult
@@ -41,7 +43,7 @@ from moegrad._routing import (
     invert_expanded_row_idx,
     moe_init_routing_v2,
 )
-from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
+from moegrad._spec import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import (
     DTYPES,
@@ -100,6 +102,7 @@ __all__ = [
     "Ascend950Tiling",
     "AsyncClient",
     "BatchCompare",
+    "CallGroup",
     "Client",
     "CompareResult",
     "ComparisonReport",
@@ -149,6 +152,8 @@ __all__ = [
     "moe_init_routing_v2",
     "moe_init_routing_v2_grad",
     "moe_init_routing_v2_grad_golden",
+    "moe_init_routing_v2_grad_group",
+    "moe_init_routing_v2_grad_many",
     "skipped_rows",
     "summand_magnitude",
     "warm_up",

@@ -26,6 +26,7 @@ import numpy as np
 from moegrad import (
     MAX_BATCH_CALLS,
     AclnnStatus,
+    CallGroup,
     ComparisonReport,
     DeviceBusy,
     DeviceFault,
@@ -37,7 +38,6 @@ from moegrad import (
     check_compare_arguments,
     compare,
 )
-from moegrad._spec import CallGroup
 from moegrad_service.buffers import ReceiveBuffers
 from moegrad_service.engine import StreamPool, Timings
 from moegrad_service.metrics import Metrics

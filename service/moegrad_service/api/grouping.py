@@ -27,9 +27,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from moegrad import MoegradError, MoeInitRoutingV2GradCall
-from moegrad._spec import CallGroup
-from moegrad._wire import DTYPES
+from moegrad import DTYPES, CallGroup, MoegradError, MoeInitRoutingV2GradCall
 from moegrad_service.dataplane import DataPlane, GroupMember
 
 __all__ = ["GROUP_CALL_BYTES", "group_calls"]

@@ -32,8 +32,15 @@ from typing import Any, cast
 
 import numpy as np
 
-from moegrad import DeadlineExceeded, DeviceBusy, DeviceFault, InvalidArgument, MoegradError, MoeInitRoutingV2GradCall
-from moegrad._spec import CallGroup
+from moegrad import (
+    CallGroup,
+    DeadlineExceeded,
+    DeviceBusy,
+    DeviceFault,
+    InvalidArgument,
+    MoegradError,
+    MoeInitRoutingV2GradCall,
+)
 from moegrad_service.engine.base import Backend
 
 __all__ = ["StreamPool", "Timings"]

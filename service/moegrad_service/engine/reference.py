@@ -7,10 +7,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import moegrad
-from moegrad import MoeInitRoutingV2GradCall, moe_init_routing_v2_grad
+from moegrad import (
+    CallGroup,
+    MoeInitRoutingV2GradCall,
+    moe_init_routing_v2_grad,
+    moe_init_routing_v2_grad_group,
+    moe_init_routing_v2_grad_many,
+)
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
-from moegrad._reference import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
-from moegrad._spec import CallGroup
 
 __all__ = ["ReferenceBackend"]
 
