@@ -579,7 +579,7 @@ def moe_init_routing_v2_grad_group(
     index = group.expanded_row_idx.astype(np.int64)
     # a valid slot is in [0, row_count); what is skipped (-1, or >= A in active mode) is not
     skipped = (index < 0) | (index >= row_count)
-    first_row = np.arange(0, members * row_count, row_count, dtype=np.int64)[:, None]
+    first_row = (np.arange(members, dtype=np.int64) * row_count)[:, None]
     stacked_index = np.where(skipped, -1, index + first_row).astype(np.int32).reshape(-1)
     return _run_stacked(rows, stacked_index, like.top_k, like.order, schedule, chunking).reshape(
         members, tokens, hidden

@@ -372,6 +372,12 @@ def decode_batch(
                 f"batch item {index} has more than {per.max_containers} maps and arrays; a call "
                 "holds a handful (docs/protocol.md)"
             )
+        # the unpacker's own array bound must let the batch's array through, so an item's are checked here
+        if type(container) is list and len(container) > per.max_array_len:
+            raise MalformedRequest(
+                f"batch item {index} has an array of {len(container)} items, over the limit of {per.max_array_len} "
+                "(docs/protocol.md)"
+            )
         return container
 
     unpacker = msgpack.Unpacker(

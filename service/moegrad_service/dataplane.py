@@ -498,12 +498,12 @@ class DataPlane:
     ) -> list[GradOutcome | MemberOutcome | CompareOutcome | BaseException]:
         """Run a batch of independent calls and comparisons; answer each in order, alone.
 
-        The grad calls run on the pool in one chunk per worker (:meth:`StreamPool.run_many`: one
-        hand-off each, not one per call), the members of a group likewise (:meth:`StreamPool.run_group`:
-        one computation for a chunk of members), comparisons one by one as :meth:`compare`, all
-        under the batch's one deadline. A call that fails gets its own error in its place; its
-        neighbours are unaffected (a chunk the pool refuses or that runs out of time answers that
-        error for each of its calls).
+        The grad calls and the groups' members run on the pool in one share per worker
+        (:meth:`StreamPool.run_parts`: one queue entry and one hand-off each, however many calls
+        and groups; a group's chunk in one computation where the backend can), comparisons one by
+        one as :meth:`compare`, all under the batch's one deadline. A call that fails gets its own
+        error in its place; its neighbours are unaffected (a share the pool refuses or that runs out
+        of time answers that error for each of its calls).
 
         Args:
             items: validated calls (:meth:`infer`), members of validated groups, validated
@@ -577,32 +577,31 @@ class DataPlane:
             self.metrics.compute_duration.observe(timings.compute_s)
             return Timings(timings.queue_s, timings.compute_s / count)
 
-        async def run_chunk(chunk: list[tuple[int, MoeInitRoutingV2GradCall]]) -> None:
-            entered = time.perf_counter()
-            places, calls = [index for index, _ in chunk], [call for _, call in chunk]
-            try:
-                outcomes, timings = await self.pool.run_many(calls, timeout_s=max(deadline - loop.time(), 1e-6))
-            except MoegradError as exc:
-                refused(places, exc, entered)
-                return
-            settle(places, calls, outcomes, observed(timings, len(chunk)), entered, time.perf_counter())
-
-        async def run_group_chunk(group: CallGroup, places: list[int]) -> None:
+        async def run_share(share: list[tuple[tuple[MoeInitRoutingV2GradCall, ...] | CallGroup, list[int]]]) -> None:
+            """One worker's share of the batch: runs of calls and chunks of groups, one queue entry."""
             entered = time.perf_counter()
             try:
-                result, timings = await self.pool.run_group(group, timeout_s=max(deadline - loop.time(), 1e-6))
+                outcomes, timings = await self.pool.run_parts(
+                    [part for part, _ in share], timeout_s=max(deadline - loop.time(), 1e-6)
+                )
             except MoegradError as exc:
-                refused(places, exc, entered)
+                refused([index for _, places in share for index in places], exc, entered)
                 return
-            computed, share = time.perf_counter(), observed(timings, len(group))
-            if isinstance(result, np.ndarray):
-                like = group.like
-                outcome = GroupOutcome(result, share, self.backend_name, self.answer_order or like.order, self.device)
-                for member, index in enumerate(places):
-                    answers[index] = MemberOutcome(outcome, member)
-                self._count_success(entered, entered, computed, share, len(places))
-            else:  # the members ran one by one: each has its own answer
-                settle(places, [group.like] * len(places), result, share, entered, computed)
+            computed = time.perf_counter()
+            each = observed(timings, sum(len(places) for _, places in share))
+            for (part, places), outcome in zip(share, outcomes, strict=True):
+                if isinstance(outcome, np.ndarray):  # a group's members, run as one
+                    assert isinstance(part, CallGroup)
+                    like = part.like
+                    together = GroupOutcome(
+                        outcome, each, self.backend_name, self.answer_order or like.order, self.device
+                    )
+                    for member, index in enumerate(places):
+                        answers[index] = MemberOutcome(together, member)
+                    self._count_success(entered, entered, computed, each, len(places))
+                else:
+                    calls = [part.like] * len(places) if isinstance(part, CallGroup) else part
+                    settle(places, calls, outcome, each, entered, computed)
 
         async def run_comparison(index: int, comparison: Comparison) -> None:
             try:
@@ -610,21 +609,38 @@ class DataPlane:
             except MoegradError as exc:
                 answers[index] = exc.with_traceback(None)
 
-        # Grad calls go to the pool in chunks, one queue entry each, as many chunks as workers (at
-        # least BATCH_CHUNK_CALLS calls a chunk, fewer when there are fewer calls); a group's
-        # members likewise, each chunk of members a group of its own.
-        streams = self.settings.streams
-        size = max(BATCH_CHUNK_CALLS, -(-len(grads) // streams))
-        chunks = [grads[start : start + size] for start in range(0, len(grads), size)]
-        group_chunks = []
+        # The grad calls and group members go to the pool in as many shares as workers, one queue
+        # entry each (at least BATCH_CHUNK_CALLS calls a share, fewer when there are fewer): a run
+        # of consecutive calls is one part of a share, a chunk of a group another.
+        total = len(grads) + sum(len(group) for group, _ in groups.values())
+        size = max(BATCH_CHUNK_CALLS, -(-total // self.settings.streams))
+        shares: list[list[tuple[tuple[MoeInitRoutingV2GradCall, ...] | CallGroup, list[int]]]] = [[]]
+        room = size
+
+        def take(count: int) -> int:
+            """Room for ``count`` more calls in the current share (a new share when it is full)."""
+            nonlocal room
+            if room == 0:
+                shares.append([])
+                room = size
+            taken = min(room, count)
+            room -= taken
+            return taken
+
         for group, places in groups.values():
-            size = max(BATCH_CHUNK_CALLS, -(-len(group) // streams))
-            group_chunks += [
-                (group[start : start + size], places[start : start + size]) for start in range(0, len(group), size)
-            ]
+            start = 0
+            while start < len(group):
+                stop = start + take(len(group) - start)
+                shares[-1].append((group[start:stop], places[start:stop]))
+                start = stop
+        start = 0
+        while start < len(grads):
+            stop = start + take(len(grads) - start)
+            run = grads[start:stop]
+            shares[-1].append((tuple(call for _, call in run), [index for index, _ in run]))
+            start = stop
         await asyncio.gather(
-            *(run_chunk(chunk) for chunk in chunks),
-            *(run_group_chunk(group, places) for group, places in group_chunks),
+            *(run_share(share) for share in shares if share),
             *(run_comparison(index, item) for index, item in comparisons),
         )
         return answers

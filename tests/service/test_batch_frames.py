@@ -181,6 +181,14 @@ def test_each_item_is_bounded_as_one_request(client):
     bloated = example_document(extra=[[]] * 40)
     response = post_batch(client, [example_document(), bloated])
     assert response.status_code == 400 and "batch item 1" in response.json()["detail"]
+    # a list of 65 items: refused alone (400, 64 items a list), and in a batch, which it refuses whole
+    # (the batch's own array may hold far more, but an item's may not)
+    long_list = example_document(order=list(range(65)))
+    assert post(client, long_list).status_code == 400
+    response = post_batch(client, [example_document(), long_list])
+    assert response.status_code == 400, response.text
+    assert "batch item 1 has an array of 65 items, over the limit of 64" in response.json()["detail"]
+    assert len(results_of(post_batch(client, [example_document(order=["x"] * 64)] * 2))) == 2  # 64 fit
 
 
 def test_the_client_batch_returns_results_and_exceptions_in_order(client):

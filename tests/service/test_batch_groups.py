@@ -56,6 +56,10 @@ VARIANTS = {
     "unknown field": example_document(extra=1),
     "order unknown": example_document(order="ascend960"),
     "order not a string": example_document(order=5),
+    # a declared index shape far beyond its bytes (and beyond max_elements): nothing may be sized by it
+    "index shape 2**40": example_document(expanded_row_idx={**index([2, 0]), "shape": [2**40]}),
+    "index shape 10**7, no bytes": example_document(expanded_row_idx={**index([]), "shape": [10**7]}),
+    "op nil": {**example_document(), "op": None},
 }
 
 
@@ -68,7 +72,7 @@ def post_batch(client, items) -> list[dict]:
 
 
 def assert_answered_as_alone(client, item: dict, result: dict) -> None:
-    alone = post(client, item)
+    alone = post(client, {key: value for key, value in item.items() if key != "op"})  # op: a batch's own field
     if alone.status_code == 200:
         assert set(result) == {"grad_x", "backend", "order", "device", "timings_ms"}, result
         want = msgpack.unpackb(alone.content, raw=False)
@@ -116,11 +120,28 @@ def test_only_calls_whose_every_check_holds_join_a_group():
         # group, and a group needs two members)
         assert grouped([example_document(), variant, example_document()]) == [True, name in joins, True], name
     # a batch item naming its op (a batch's own field) goes the single call's way too
-    assert grouped([example_document(), {**example_document(), "op": "grad"}, example_document()]) == [
-        True,
-        False,
-        True,
-    ]
+    op_named = {**example_document(), "op": "grad"}
+    assert grouped([example_document(), op_named, example_document()]) == [True, False, True]
+    for name in ("index shape 2**40", "index shape 10**7, no bytes"):
+        assert grouped([VARIANTS[name]] * 2) == [False, False], name
+
+
+def test_a_batch_of_many_shapes_takes_one_queue_entry_per_worker(serve):
+    """Two hundred calls of a hundred shapes (a hundred groups) on a server whose queue holds two:
+    each gets its bits, none a 503 (the batch takes one queue entry per worker, not one a group)."""
+    items, expected = [], []
+    for hidden in range(1, 101):
+        rows = np.arange(4 * hidden, dtype=np.float32).reshape(4, hidden) / 7
+        for _ in range(2):
+            items.append(example_document(grad_expanded_x=grad(rows)))
+            expected.append(rows[DOC_IDX[0::2]] + rows[DOC_IDX[1::2]])  # K=2: one add a row
+    assert all(grouped(items))
+    with serve(streams=2, max_queue=2) as client:
+        results = post_batch(client, items)
+    for result, want in zip(results, expected, strict=True):
+        assert "problem" not in result, result
+        got = np.frombuffer(result["grad_x"]["data"], np.uint32).reshape(want.shape)
+        assert (got == want.view(np.uint32)).all()
 
 
 def test_a_group_needs_two_members_and_calls_over_the_size_limit_go_alone():

@@ -220,3 +220,18 @@ def test_breaking_rule_7_agrees_with_the_calls_own_check(mode, allow_duplicates)
         else:
             assert not says, row
     assert 0 < broken.sum() < len(rows)
+
+
+def test_a_group_of_drop_pad_calls_with_no_expert_rows_is_all_zeros():
+    """E*C = 0 (no expert holds a row): every slot is -1, so every grad_x row is +0.0 (docs/semantics.md:
+    a row whose slots are all skipped)."""
+    for shape in ((0, 4, 2), (3, 0, 2)):
+        like = MoeInitRoutingV2GradCall(
+            grad_expanded_x=np.zeros(shape, np.float32),
+            expanded_row_idx=np.full(4, -1, np.int32),
+            top_k=2,
+            drop_pad_mode=1,
+        )
+        group = CallGroup(like, np.zeros((3, *shape), np.float32), np.full((3, 4), -1, np.int32))
+        results = moe_init_routing_v2_grad_group(group)
+        assert results.shape == (3, 2, 2) and (results.view(np.uint32) == 0).all()

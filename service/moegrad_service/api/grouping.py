@@ -22,6 +22,7 @@ shapes): equal keys then mean equal rules. Anything else, and every call over
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -31,6 +32,8 @@ from moegrad import DTYPES, CallGroup, MoegradError, MoeInitRoutingV2GradCall
 from moegrad_service.dataplane import DataPlane, GroupMember
 
 __all__ = ["GROUP_CALL_BYTES", "group_calls"]
+
+log = logging.getLogger("moegrad_service.api")
 
 #: A call whose grad_expanded_x holds more bytes than this is checked and run on its own (its
 #: checks then cost little next to its computation, and a group would copy its bytes).
@@ -60,7 +63,8 @@ def _key(item: dict[str, Any]) -> tuple | None:
     grad_name, idx_name, grad_data = grad["dtype"], idx["dtype"], grad["data"]
     if type(grad_name) is not str or type(idx_name) is not str or type(grad_data) is not bytes:
         return None
-    if len(grad_data) > GROUP_CALL_BYTES or type(idx["data"]) is not bytes:
+    idx_data = idx["data"]
+    if type(idx_data) is not bytes or len(grad_data) > GROUP_CALL_BYTES or len(idx_data) > GROUP_CALL_BYTES:
         return None
     top_k, mode, active = item.get("top_k"), item.get("drop_pad_mode", 0), item.get("active_num", 0)
     if type(top_k) is not int or type(mode) is not int or type(active) is not int:
@@ -81,6 +85,8 @@ def _like(item: dict[str, Any], dataplane: DataPlane, max_elements: int) -> MoeI
     if idx["dtype"] != "int32" or len(idx["shape"]) != 1 or item.get("drop_pad_mode", 0) not in (0, 1):
         return None
     slots = idx["shape"][0]
+    if len(idx["data"]) != 4 * slots:  # the declared shape is not the bytes' (never allocate for it)
+        return None
     values = np.full(slots, -1, np.int32) if item.get("drop_pad_mode", 0) == 1 else np.arange(slots, dtype=np.int32)
     document = {**item, "expanded_row_idx": {**idx, "data": values.astype("<i4").tobytes()}}
     try:
@@ -118,31 +124,44 @@ def group_calls(
     for members in shapes.values():
         if len(members) < 2:
             continue
-        first = items[members[0]]
-        assert isinstance(first, dict)
-        like = _like(first, dataplane, max_elements)
-        if like is None:
+        try:
+            group = _group(items, members, dataplane, max_elements)
+        except Exception:  # a bug here must not fail the batch: its calls go the single call's way
+            log.exception("grouping %d calls of one shape failed; checking them one by one", len(members))
             continue
-        grad_bytes, idx_bytes = like.grad_expanded_x.nbytes, like.expanded_row_idx.nbytes
-        documents = cast(list[dict[str, Any]], [items[index] for index in members])
-        tensors = [(item["grad_expanded_x"]["data"], item["expanded_row_idx"]["data"]) for item in documents]
-        fits = [len(grad) == grad_bytes and len(idx) == idx_bytes for grad, idx in tensors]
-        if not all(fits):
-            members = [index for index, fit in zip(members, fits, strict=True) if fit]
-            tensors = [pair for pair, fit in zip(tensors, fits, strict=True) if fit]
-        if len(members) < 2:
-            continue
-        idx = np.frombuffer(b"".join(idx for _, idx in tensors), DTYPES["int32"]).reshape(len(members), -1)
-        grad = np.frombuffer(b"".join(grad for grad, _ in tensors), like.grad_expanded_x.dtype)
-        grad = grad.reshape(len(members), *like.grad_expanded_x.shape)
-        broken = CallGroup.breaking_rule_7(like, idx)
-        if broken.any():  # each goes the single call's way, for the error naming its culprit
-            keep = ~broken
-            members = [index for index, bad in zip(members, broken.tolist(), strict=True) if not bad]
-            grad, idx = grad[keep], idx[keep]
-        if len(members) < 2:
-            continue
-        group = CallGroup(like, grad, idx)
-        for member, index in enumerate(members):
-            placed[index] = GroupMember(group, member)
+        if group is not None:
+            for member, index in enumerate(group[1]):
+                placed[index] = GroupMember(group[0], member)
     return placed
+
+
+def _group(
+    items: Sequence[dict[str, Any] | BaseException], members: list[int], dataplane: DataPlane, max_elements: int
+) -> tuple[CallGroup, list[int]] | None:
+    """The validated group of the calls at ``members`` (one key) and the places of those that joined
+    it, or None when fewer than two can."""
+    first = items[members[0]]
+    assert isinstance(first, dict)
+    like = _like(first, dataplane, max_elements)
+    if like is None:
+        return None
+    grad_bytes, idx_bytes = like.grad_expanded_x.nbytes, like.expanded_row_idx.nbytes
+    documents = cast(list[dict[str, Any]], [items[index] for index in members])
+    tensors = [(item["grad_expanded_x"]["data"], item["expanded_row_idx"]["data"]) for item in documents]
+    fits = [len(grad) == grad_bytes and len(idx) == idx_bytes for grad, idx in tensors]
+    if not all(fits):
+        members = [index for index, fit in zip(members, fits, strict=True) if fit]
+        tensors = [pair for pair, fit in zip(tensors, fits, strict=True) if fit]
+    if len(members) < 2:
+        return None
+    idx = np.frombuffer(b"".join(idx for _, idx in tensors), DTYPES["int32"]).reshape(len(members), -1)
+    grad = np.frombuffer(b"".join(grad for grad, _ in tensors), like.grad_expanded_x.dtype)
+    grad = grad.reshape(len(members), *like.grad_expanded_x.shape)
+    broken = CallGroup.breaking_rule_7(like, idx)
+    if broken.any():  # each goes the single call's way, for the error naming its culprit
+        keep = ~broken
+        members = [index for index, bad in zip(members, broken.tolist(), strict=True) if not bad]
+        grad, idx = grad[keep], idx[keep]
+    if len(members) < 2:
+        return None
+    return CallGroup(like, grad, idx), members

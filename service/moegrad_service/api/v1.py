@@ -165,7 +165,9 @@ def decode_batch_items(
             decoded.append(item)
             continue
         try:
-            op = item.pop("op", "grad")
+            op = item.pop("op", None)
+            if op is None:  # absent or nil: a grad call (as a nil order is the default order)
+                op = "grad"
             if op not in _OPS:
                 raise MalformedRequest(
                     f"op={op!r} is not one of {list(_OPS)}; leave it out for a grad call", field="op"

@@ -43,7 +43,7 @@ from moegrad import (
 )
 from moegrad_service.engine.base import Backend
 
-__all__ = ["StreamPool", "Timings"]
+__all__ = ["PartOutcome", "StreamPool", "Timings"]
 
 log = logging.getLogger("moegrad_service.engine")
 
@@ -51,10 +51,15 @@ _STOP = object()
 
 
 @dataclass(frozen=True)
-class _Calls:
-    """Several calls run as one job (:meth:`StreamPool.run_many`)."""
+class _Parts:
+    """A batch's share run as one job (:meth:`StreamPool.run_parts`): runs of calls and groups."""
 
-    calls: tuple[MoeInitRoutingV2GradCall, ...]
+    parts: tuple[tuple[MoeInitRoutingV2GradCall, ...] | CallGroup, ...]
+
+
+#: What :meth:`StreamPool.run_parts` answers for one part: each call's (grad_x, None) or (None,
+#: error), or a group's members' grad_x as one [B, N, H] array.
+PartOutcome = list[tuple[np.ndarray | None, BaseException | None]] | np.ndarray
 
 
 #: How long past its deadline a running call may take before its worker is written off and replaced.
@@ -74,7 +79,7 @@ class Timings:
 
 @dataclass(eq=False)
 class _Job:
-    call: MoeInitRoutingV2GradCall | _Calls | CallGroup | None  # None once settled
+    call: MoeInitRoutingV2GradCall | _Parts | None  # None once settled
     deadline: float | None
     out: np.ndarray | None  # where the worker writes grad_x (None: the backend allocates); None once settled
     loop: asyncio.AbstractEventLoop
@@ -320,24 +325,28 @@ class StreamPool:
             The errors of :meth:`run` that concern the whole run: DeviceBusy (not admitting, queue
             full) and DeadlineExceeded (the deadline passed before the run finished).
         """
-        outcomes, timings = await self.run(_Calls(tuple(calls)), timeout_s=timeout_s)  # type: ignore[arg-type]
+        (outcomes,), timings = await self.run_parts([tuple(calls)], timeout_s=timeout_s)
         return cast(list[tuple[np.ndarray | None, BaseException | None]], outcomes), timings
 
-    async def run_group(
-        self, group: CallGroup, *, timeout_s: float | None
-    ) -> tuple[np.ndarray | list[tuple[np.ndarray | None, BaseException | None]], Timings]:
-        """Run a group of validated, non-empty calls of one shape (:class:`moegrad._spec.CallGroup`)
-        as one queue entry: through the worker's ``run_group`` where it has one (all members in one
-        computation), else one member after another as :meth:`run_many` runs its calls.
+    async def run_parts(
+        self, parts: Sequence[Sequence[MoeInitRoutingV2GradCall] | CallGroup], *, timeout_s: float | None
+    ) -> tuple[list[PartOutcome], Timings]:
+        """Run a batch's share as one queue entry: each part a run of validated, non-empty calls (as
+        :meth:`run_many` runs them) or a :class:`moegrad.CallGroup` (through the worker's
+        ``run_group`` where it has one: all members in one computation; else one member after
+        another). However many parts, the batch takes one place in the queue.
 
         Returns:
-            (grad_x of every member as one [B, N, H] array, or [(grad_x, None) or (None, error)] in
-            the members' order when they ran one by one; the whole run's timings).
+            (one outcome per part, in order: for calls, [(grad_x, None) or (None, error)]; for a
+            group, every member's grad_x as one [B, N, H] array, or that list when its members ran
+            one by one; the whole run's timings).
 
         Raises:
             The errors of :meth:`run_many`.
         """
-        return await self.run(group, timeout_s=timeout_s)  # type: ignore[arg-type]
+        work = _Parts(tuple(part if isinstance(part, CallGroup) else tuple(part) for part in parts))
+        outcomes, timings = await self.run(work, timeout_s=timeout_s)  # type: ignore[arg-type]
+        return cast(list[PartOutcome], outcomes), timings
 
     def _expire(self, job: _Job, timeout_s: float) -> None:
         """The call's deadline passed (on the loop): drop it if still queued, else give up on it."""
@@ -458,19 +467,23 @@ class StreamPool:
     def _execute(worker, job: _Job) -> tuple[Any, BaseException | None]:
         work = job.call
         assert work is not None  # only a settled job has let go of its call
-        if isinstance(work, CallGroup):  # run_group: every member at once, else each on its own
-            stacked = StreamPool._execute_group(worker, work, job.deadline)
-            if stacked is not None:
-                return stacked, None
-            return [
-                StreamPool._execute_one(worker, work.call(member), job.deadline) for member in range(len(work))
-            ], None
-        if isinstance(work, _Calls):  # run_many: each call's own outcome, in order
-            together = StreamPool._execute_together(worker, work.calls, job.deadline)
-            if together is not None:
-                return together, None
-            return [StreamPool._execute_one(worker, call, job.deadline) for call in work.calls], None
+        if isinstance(work, _Parts):  # run_parts: each part's own outcome, in order
+            return [StreamPool._execute_part(worker, part, job.deadline) for part in work.parts], None
         return StreamPool._execute_one(worker, work, job.deadline, job.out)
+
+    @staticmethod
+    def _execute_part(
+        worker, part: tuple[MoeInitRoutingV2GradCall, ...] | CallGroup, deadline: float | None
+    ) -> PartOutcome:
+        if isinstance(part, CallGroup):
+            stacked = StreamPool._execute_group(worker, part, deadline)
+            if stacked is not None:
+                return stacked
+            return [StreamPool._execute_one(worker, part.call(member), deadline) for member in range(len(part))]
+        together = StreamPool._execute_together(worker, part, deadline)
+        if together is not None:
+            return together
+        return [StreamPool._execute_one(worker, call, deadline) for call in part]
 
     @staticmethod
     def _execute_together(
