@@ -423,8 +423,13 @@ def _describe(array: np.ndarray) -> str:
 
 
 def _server_summary(result: GradResult | CompareResult) -> str:
-    total = result.timings_ms.get("total")
-    timing = f", {total:.3f} ms on the server" if isinstance(total, (int, float)) else ""
+    timings = result.timings_ms
+    parts = [
+        f"{name} {timings[name]:.3f} ms"
+        for name in ("compute", "golden", "compare", "total")
+        if isinstance(timings.get(name), (int, float))
+    ]
+    timing = f"; on the server: {', '.join(parts)}" if parts else ""
     return f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}"
 
 

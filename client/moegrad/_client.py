@@ -126,7 +126,8 @@ _DEFAULT_RETRY_AFTER_S = 1.0
 _RETRYABLE_NETWORK = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
 _CONNECT_HINT = (
     "; is a moegrad server running there? Start one (`moegrad-service serve`, or `make serve` in a "
-    "checkout), or point the client at the right one (base_url; the CLI's --url or MOEGRAD_URL)"
+    "checkout; its first start compiles the kernel for one to two minutes before it listens), or point "
+    "the client at the right one (base_url; the CLI's --url or MOEGRAD_URL)"
 )
 
 
@@ -521,6 +522,30 @@ class _ClientCore:
             return encode_body_view(document), checked
         except (TypeError, ValueError) as exc:
             raise TypeError(f"the comparison cannot be packed as msgpack: {exc}") from None
+
+    def compare_call(
+        self,
+        grad_expanded_x: Any,
+        expanded_row_idx: Any,
+        top_k: Any,
+        drop_pad_mode: Any,
+        active_num: Any,
+        order: str | None,
+        allow_duplicate_indices: bool,
+    ) -> MoeInitRoutingV2GradCall | dict[str, Any]:
+        """:meth:`grad_call`, or a :class:`MoeInitRoutingV2GradCall` passed as the first argument
+        with no other call argument (as :func:`moegrad.compare` and :class:`BatchCompare` take it)."""
+        if not isinstance(grad_expanded_x, MoeInitRoutingV2GradCall):
+            return self.grad_call(
+                grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
+            )
+        given = any(value is not None for value in (expanded_row_idx, top_k, order))
+        if given or (drop_pad_mode, active_num, allow_duplicate_indices) != (0, 0, False):
+            raise TypeError(
+                "compare(call, candidate=...) takes a MoeInitRoutingV2GradCall alone: pass the candidate "
+                "(and standards, return_grad_x, ...) by keyword, and no other call argument"
+            )
+        return grad_expanded_x
 
     def grad_call(
         self,
@@ -1185,9 +1210,9 @@ class Client(_ClientBase):
 
     def compare(
         self,
-        grad_expanded_x: np.ndarray,
-        expanded_row_idx: np.ndarray,
-        top_k: int,
+        grad_expanded_x: np.ndarray | MoeInitRoutingV2GradCall,
+        expanded_row_idx: np.ndarray | None = None,
+        top_k: int | None = None,
         drop_pad_mode: int = 0,
         active_num: int = 0,
         *,
@@ -1207,7 +1232,9 @@ class Client(_ClientBase):
 
         Args:
             grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order,
-                allow_duplicate_indices: the operator call, as in :meth:`moe_init_routing_v2_grad`.
+                allow_duplicate_indices: the operator call, as in :meth:`moe_init_routing_v2_grad`;
+                or a :class:`~moegrad.MoeInitRoutingV2GradCall` alone as the first argument
+                (``compare(call, candidate=...)``, as :func:`moegrad.compare` takes it).
             candidate: [N, H] grad_x of the implementation under test, in the dtype of
                 grad_expanded_x or float32.
             standards: names from :data:`moegrad.STANDARDS` (one name, or several); None:
@@ -1228,11 +1255,12 @@ class Client(_ClientBase):
                 candidate (161001), a candidate of the wrong dtype or shape or an unknown standard
                 (161002; fields ``"candidate"``, ``"standards"``): locally before any I/O when
                 ``validate=True``, else from the server.
-            TypeError: ``return_grad_x`` or ``require_exact`` is not a bool, or the request cannot be packed.
+            TypeError: ``return_grad_x`` or ``require_exact`` is not a bool, the request cannot be
+                packed, or a call is passed with other call arguments.
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
             DeviceFault, ServiceError, TransportError: see the module docstring.
         """
-        call = self._core.grad_call(
+        call = self._core.compare_call(
             grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
         )
         return self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s, require_exact))
@@ -1485,9 +1513,9 @@ class AsyncClient(_ClientBase):
 
     async def compare(
         self,
-        grad_expanded_x: np.ndarray,
-        expanded_row_idx: np.ndarray,
-        top_k: int,
+        grad_expanded_x: np.ndarray | MoeInitRoutingV2GradCall,
+        expanded_row_idx: np.ndarray | None = None,
+        top_k: int | None = None,
         drop_pad_mode: int = 0,
         active_num: int = 0,
         *,
@@ -1500,7 +1528,7 @@ class AsyncClient(_ClientBase):
         timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> CompareResult:
         """As :meth:`Client.compare`, awaited."""
-        call = self._core.grad_call(
+        call = self._core.compare_call(
             grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
         )
         return await self._drive(

@@ -25,7 +25,8 @@ class GradResult:
             device whose order moegrad does not know.
         device: the device that ran it (e.g. ``"Ascend910B3:0"``), or None for the CPU emulation.
         timings_ms: ``{"queue": ..., "compute": ..., "total": ...}`` as the server measured them,
-            in milliseconds.
+            in milliseconds (a batch's result: ``queue`` and ``compute`` only; the batch's own
+            ``total`` covers all of its calls).
         request_id: the ``X-Request-Id`` the server echoed (the client sends one per call).
     """
 

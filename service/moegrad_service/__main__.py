@@ -245,20 +245,22 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
     server = DrainingServer(config)
 
     def after_drain(signum: int, frame: object) -> None:
-        # uvicorn, once its graceful shutdown is done, restores the SIGTERM handler it found and
-        # raises SIGTERM again (so that the default action would end the process as -SIGTERM). A
-        # drained stop is a clean stop: let it return 0. Before uvicorn has started, stop at once.
+        # uvicorn, once its graceful shutdown is done, restores the SIGTERM / SIGINT handler it found
+        # and raises the signal again (so that the default action would end the process as -SIGTERM,
+        # or Python's raise KeyboardInterrupt with a traceback). A drained stop is a clean stop: let
+        # it return 0. Before uvicorn has started, stop at once.
         if not server.started:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, after_drain) if in_main_thread else None
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, after_drain) for signum in stops} if in_main_thread else {}
     try:
         server.run()
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0 if server.started else 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -36,6 +37,16 @@ def _drain(pool: StreamPool, grpc_server: GrpcServer | None) -> None:
     pool.stop_admitting()
     if grpc_server is not None:
         grpc_server.drain()
+
+
+def _warm_up_compare() -> None:
+    """Compile the accuracy comparison, saying when it starts and when it is done."""
+    started = time.perf_counter()
+    log.info("compiling the accuracy comparison in the background (a cold numba cache: up to 2 minutes)")
+    warm_up_compare()
+    log.info(
+        "the accuracy comparison is compiled (%.1f s); comparisons run at full speed", time.perf_counter() - started
+    )
 
 
 def create_app(settings: Settings | None = None, *, backend: Backend | None = None) -> FastAPI:
@@ -74,8 +85,8 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         await pool.start()
         if settings.warm_up and getattr(opened, "warm_up", True):
             # in the background: readiness waits for the kernel, not for this (a cold numba cache
-            # compiles it in about 20 s); a comparison arriving meanwhile waits for numba's lock
-            threading.Thread(target=warm_up_compare, name="moegrad-warm-up-compare", daemon=True).start()
+            # compiles it in 20 s to 2 minutes); a comparison arriving meanwhile waits for numba's lock
+            threading.Thread(target=_warm_up_compare, name="moegrad-warm-up-compare", daemon=True).start()
         dataplane = DataPlane(settings, pool, metrics)
         grpc_server = None
         if settings.grpc_port is not None:

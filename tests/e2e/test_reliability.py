@@ -146,6 +146,15 @@ def calls_seen(calls_file: Path) -> list[str]:
 
 # --- SIGTERM --------------------------------------------------------------------------------------
 
+def test_ctrl_c_stops_the_server_cleanly_with_status_0_and_no_traceback(launch):
+    """SIGINT (Ctrl-C in a terminal, as after ``make serve``) drains like SIGTERM: status 0, and no
+    KeyboardInterrupt traceback once uvicorn has shut down."""
+    server = launch()
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(STOP_WITHIN_S) == 0, server.log()
+    assert "Traceback" not in server.log() and "KeyboardInterrupt" not in server.log(), server.log()
+
+
 def test_sigterm_answers_all_8_admitted_calls_refuses_new_ones_and_exits_0(launch, tmp_path):
     gate = tmp_path / "gate"
     gate.touch()  # open for the warm-up

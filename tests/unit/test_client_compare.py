@@ -29,6 +29,7 @@ from moegrad import (
     DeviceBusy,
     InvalidArgument,
     MalformedRequest,
+    MoeInitRoutingV2GradCall,
     ServiceError,
 )
 
@@ -346,6 +347,31 @@ async def test_async_compare():
     assert [v.standard for v in result.report.verdicts] == ["bitwise"]
     np.testing.assert_array_equal(result.grad_x.view(np.uint32), EXAMPLE_BITS)
     assert fake.documents[0]["standards"] == ["bitwise"]
+
+
+def test_a_call_object_is_compared_as_moegrad_compare_takes_it():
+    """``compare(call, candidate=...)`` sends what the arrays' form sends; a call with other call
+    arguments besides is a TypeError that says how to pass it."""
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=EXAMPLE_X, expanded_row_idx=EXAMPLE_IDX, top_k=2)
+    fake = FakeCompare()
+    with client(fake) as c:
+        by_call = c.compare(call, candidate=EXAMPLE, standards=["bitwise"])
+        by_arrays = c.compare(EXAMPLE_X, EXAMPLE_IDX, 2, candidate=EXAMPLE, standards=["bitwise"])
+        assert by_call.passed and by_arrays.passed
+        assert fake.documents[0] == fake.documents[1]
+        with pytest.raises(TypeError, match="takes a MoeInitRoutingV2GradCall alone"):
+            c.compare(call, EXAMPLE, candidate=EXAMPLE)
+        with pytest.raises(TypeError, match="takes a MoeInitRoutingV2GradCall alone"):
+            c.compare(call, candidate=EXAMPLE, drop_pad_mode=1)
+
+
+@pytest.mark.asyncio
+async def test_async_compare_takes_a_call_object():
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=EXAMPLE_X, expanded_row_idx=EXAMPLE_IDX, top_k=2)
+    fake = FakeCompare()
+    async with async_client(fake) as c:
+        result = await c.compare(call, candidate=EXAMPLE, standards=["bitwise"])
+    assert result.passed and fake.documents[0]["top_k"] == 2
 
 
 @pytest.mark.asyncio

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -17,6 +19,8 @@ from moegrad import (
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 
 __all__ = ["ReferenceBackend"]
+
+log = logging.getLogger("moegrad_service.engine")
 
 FaultHook = Callable[[MoeInitRoutingV2GradCall, float | None], None]
 
@@ -53,7 +57,12 @@ class ReferenceBackend:
     def open_worker(self, index: int) -> _ReferenceWorker:
         """A CPU slot; the first one compiles the kernel when ``warm_up`` is set."""
         if index == 0 and self.warm_up:
+            started = time.perf_counter()
+            log.info(
+                "compiling the reference kernel (a cold numba cache: one to two minutes; nothing listens meanwhile)"
+            )
             moegrad.warm_up()
+            log.info("the reference kernel is compiled (%.1f s)", time.perf_counter() - started)
         return _ReferenceWorker(self)
 
     def check_health(self) -> None:
