@@ -542,7 +542,7 @@ def _run_stacked(
 def moe_init_routing_v2_grad_group(
     group: CallGroup, *, ub_size_bytes: int = UB_SIZE_BYTES, vector_core_count: int = VECTOR_CORE_COUNT
 ) -> np.ndarray:
-    """grad_x of every member of a :class:`~moegrad._spec.CallGroup`, computed as one: bit for bit
+    """grad_x of every member of a :class:`~moegrad.CallGroup`, computed as one: bit for bit
     what :func:`moe_init_routing_v2_grad` gives each member (the stacking of
     :func:`moe_init_routing_v2_grad_many`, with no per-call work).
 

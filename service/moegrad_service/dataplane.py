@@ -197,7 +197,7 @@ class GradOutcome:
 
 class GroupMember(NamedTuple):
     """One call of a batch, validated with the others of its shape: member ``member`` of ``group``
-    (:class:`moegrad._spec.CallGroup`), run with them by :meth:`DataPlane.infer_batch`."""
+    (:class:`moegrad.CallGroup`), run with them by :meth:`DataPlane.infer_batch`."""
 
     group: CallGroup
     member: int

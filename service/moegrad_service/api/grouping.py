@@ -16,8 +16,8 @@ checked once for what they share and together for what they do not:
 
 A member joins only when every value it shares has exactly the type the checks need (int, not
 bool, float or None; bool for ``allow_duplicate_indices``; a str or no ``order``; a list of int
-shapes): equal keys then mean equal rules. Anything else, and every call over
-:data:`GROUP_CALL_BYTES` or alone of its shape, goes the single call's way.
+shapes): equal keys then mean equal rules. Anything else, every call with a tensor over
+:data:`GROUP_CALL_BYTES`, and every call alone of its shape goes the single call's way.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ __all__ = ["GROUP_CALL_BYTES", "group_calls"]
 
 log = logging.getLogger("moegrad_service.api")
 
-#: A call whose grad_expanded_x holds more bytes than this is checked and run on its own (its
-#: checks then cost little next to its computation, and a group would copy its bytes).
+#: A call whose grad_expanded_x or expanded_row_idx holds more bytes than this is checked and run on
+#: its own (its checks then cost little next to its computation, and a group would copy its bytes).
 GROUP_CALL_BYTES = 64 << 10
 _FIELDS = frozenset(
     ("grad_expanded_x", "expanded_row_idx", "top_k", "drop_pad_mode", "active_num", "order", "allow_duplicate_indices")

@@ -54,7 +54,7 @@ class BackendWorker(Protocol):
     # (each grad_x as ``run`` gives it), or None to have them run one by one; should it raise, the
     # pool runs them one by one, so that each call gets its own answer.
     # Optional: ``run_group(group, *, timeout_s) -> np.ndarray | None``, every member of a
-    # ``moegrad._spec.CallGroup`` at once as one [B, N, H] array (member b's grad_x at [b], the bits
+    # ``moegrad.CallGroup`` at once as one [B, N, H] array (member b's grad_x at [b], the bits
     # ``run`` gives it), or None to have the members run one by one; likewise should it raise.
 
 
