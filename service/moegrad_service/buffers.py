@@ -33,6 +33,10 @@ __all__ = ["HUGE_PAGE_MIN_BYTES", "REUSE_MIN_BYTES", "ReceiveBuffers", "fresh_bu
 
 #: Bodies of at least this many bytes are read into reusable buffers (smaller ones cost no page faults).
 REUSE_MIN_BYTES = 1 << 20
+#: How often, and how far apart in seconds, a lent buffer that comes back while its array's
+#: memoryview still holds it (that array's deallocation is finishing on another thread) is given again.
+RETURN_RETRIES = 50
+RETURN_RETRY_S = 0.002
 #: Fresh buffers of at least this many bytes are mapped with transparent huge pages where the
 #: kernel offers them (``madvise``): one fault per 2 MiB instead of per 4 KiB as the body arrives.
 HUGE_PAGE_MIN_BYTES = 16 << 20
@@ -73,7 +77,8 @@ class ReceiveBuffers:
         self._kept: list[tuple[np.ndarray, float]] = []  # oldest first, with when each was kept
         self._lock = threading.Lock()
         self._timer: asyncio.TimerHandle | None = None
-        self._returned: collections.deque[np.ndarray] = collections.deque()  # lent buffers back, not yet given
+        # lent buffers back, not yet given, each with the number of times its give was put off
+        self._returned: collections.deque[tuple[np.ndarray, int]] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None  # where trims run: the loop it is made on, or gives on
         try:
             self._loop = asyncio.get_running_loop()
@@ -124,19 +129,32 @@ class ReceiveBuffers:
         # No lock here: a collection may finalize a lent array inside any allocation, one made
         # under this pool's lock on this very thread included. The buffer waits in ``_returned``
         # (a deque: appending takes no lock) until the loop, or the next take, gives it.
-        self._returned.append(holder.pop())
+        self._returned.append((holder.pop(), 0))
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._give_returned)
 
     def _give_returned(self) -> None:
+        # The finalizer runs as the lent array is deallocated, before the array lets go of the
+        # memoryview it was made over (which holds the buffer); on another thread, that can still be
+        # under way here (the finalizer's wake-up of the loop releases the GIL). A buffer still held
+        # so is given again a moment later, a few times, rather than dropped for being viewed.
+        later = []
         while True:
             try:
-                buffer = self._returned.popleft()
+                buffer, put_off = self._returned.popleft()
             except IndexError:
-                return
-            self.give(buffer, references=1)
+                break
+            if sys.getrefcount(buffer) > 2 and put_off < RETURN_RETRIES:  # this name and the argument
+                later.append((buffer, put_off + 1))
+            else:
+                self.give(buffer, references=1)
             del buffer
+        if later:
+            self._returned.extend(later)
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(loop.call_later, RETURN_RETRY_S, self._give_returned)
 
     def give(self, buffer: np.ndarray, references: int) -> None:
         """Keep ``buffer`` if nothing but the caller's ``references`` holds it (no array of the

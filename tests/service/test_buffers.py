@@ -166,12 +166,22 @@ def test_a_large_grad_x_is_written_into_a_kept_buffer_and_kept_again(serve, watc
     taken, kept_by_give = watched
     grad_x_bytes = 8192 * 64 * 4  # 2 MiB
     results = []
+
+    def lent_buffer_back() -> bool:
+        """Whether the last call's grad_x buffer is kept again: it comes back once the server's
+        task has let go of the reply, which may be just after the client has read all of it."""
+        last = [ref for nbytes, ref in taken if nbytes == grad_x_bytes][-1]()
+        return last is not None and any(ref() is last for ref in kept_by_give)
+
     with serve() as client:
         for seed in (1, 2, 3):
             grad, idx, k = random_call(np.float32, n=8192, k=2, h=64, seed=seed)  # 4 MiB in
             response = post_frames_call(client, grad, idx, k)
             assert response.status_code == 200
             results.append((grad_x_of(response), grad[idx[0::2]] + grad[idx[1::2]]))  # K=2: one add
+            deadline = time.monotonic() + 10
+            while not lent_buffer_back() and time.monotonic() < deadline:
+                time.sleep(0.01)
         result_buffers = [ref() for nbytes, ref in taken if nbytes == grad_x_bytes]
         assert len(result_buffers) == 3 and result_buffers[0] is not None
         assert result_buffers[1] is result_buffers[0] and result_buffers[2] is result_buffers[0]
