@@ -60,6 +60,11 @@ __all__ = [
 T = TypeVar("T")
 #: The fewest grad calls a batch hands to one worker at once (fewer only when the batch has fewer).
 BATCH_CHUNK_CALLS = 16
+#: The most calls, and input bytes, of one part of a batch's share: a worker checks the deadline
+#: (and whether the caller is still there) before each part, so a batch past its deadline stops
+#: within about one part's compute instead of running to its end.
+BATCH_PART_CALLS = 64
+BATCH_PART_BYTES = 4 << 20
 #: Longest a readiness check waits for the backend's health check, in seconds.
 HEALTH_CHECK_TIMEOUT_S = 5.0
 
@@ -495,21 +500,25 @@ class DataPlane:
         items: Sequence[MoeInitRoutingV2GradCall | GroupMember | Comparison | BaseException],
         *,
         timeout_s: float,
+        disconnected: Callable[[], Awaitable[object]] | None = None,
     ) -> list[GradOutcome | MemberOutcome | CompareOutcome | BaseException]:
         """Run a batch of independent calls and comparisons; answer each in order, alone.
 
-        The grad calls and the groups' members run on the pool in one share per worker
-        (:meth:`StreamPool.run_parts`: one queue entry and one hand-off each, however many calls
-        and groups; a group's chunk in one computation where the backend can), comparisons one by
-        one as :meth:`compare`, all under the batch's one deadline. A call that fails gets its own
-        error in its place; its neighbours are unaffected (a share the pool refuses or that runs out
-        of time answers that error for each of its calls).
+        The grad calls, the groups' members and the comparisons' calls run on the pool in one share
+        per worker (:meth:`StreamPool.run_parts`: one queue entry and one hand-off each, however
+        many calls and groups, and never more shares than the queue holds, so a batch alone is never
+        refused for its own size; a group's chunk in one computation where the backend can), all
+        under the batch's one deadline; then the comparisons are judged, one after another on one
+        thread. A call that fails gets its own error in its place; its neighbours are unaffected (a
+        share the pool refuses or that runs out of time answers that error for each of its calls).
 
         Args:
             items: validated calls (:meth:`infer`), members of validated groups, validated
                 comparisons (:meth:`compare`), or the error an item already earned while it was
                 decoded (passed through in place).
             timeout_s: seconds from now until the batch's deadline.
+            disconnected: as for :meth:`infer`: once it returns, the shares still queued are
+                dropped unrun, the running ones' results discarded, and ClientDisconnected raised.
 
         Returns:
             One entry per item, in order: a GradOutcome, a MemberOutcome (a group member's), a
@@ -518,6 +527,9 @@ class DataPlane:
             caught exception kept in a list that its own traceback's frames reach is a reference
             cycle, which would hold the batch's tensors until the garbage collector next runs (an
             idle server may not run it for a long time).
+
+        Raises:
+            ClientDisconnected: ``disconnected`` returned first.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -531,17 +543,19 @@ class DataPlane:
                 if entry is None:
                     entry = groups[id(item.group)] = (item.group, [0] * len(item.group))
                 entry[1][item.member] = index
-            elif isinstance(item, Comparison):
+                continue
+            call = item.call if isinstance(item, Comparison) else item
+            if isinstance(item, Comparison):  # its call runs with the others; it is judged after
                 comparisons.append((index, item))
-            elif isinstance(item, MoeInitRoutingV2GradCall):
-                if item.num_tokens == 0 or item.hidden_size == 0:
+            if isinstance(call, MoeInitRoutingV2GradCall):
+                if call.num_tokens == 0 or call.hidden_size == 0:
                     answers[index] = self._outcome(
-                        item,
-                        np.zeros((item.num_tokens, item.hidden_size), dtype=item.grad_expanded_x.dtype),
+                        call,
+                        np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype),
                         Timings(0.0, 0.0),
                     )
                 else:
-                    grads.append((index, item))
+                    grads.append((index, call))
 
         def refused(places: list[int], exc: MoegradError, entered: float) -> None:
             """The whole chunk was refused or timed out: each of its calls says so."""
@@ -603,17 +617,22 @@ class DataPlane:
                     calls = [part.like] * len(places) if isinstance(part, CallGroup) else part
                     settle(places, calls, outcome, each, entered, computed)
 
-        async def run_comparison(index: int, comparison: Comparison) -> None:
-            try:
-                answers[index] = await self.compare(comparison, timeout_s=max(deadline - loop.time(), 1e-6))
-            except MoegradError as exc:
-                answers[index] = exc.with_traceback(None)
+        def judge(judged: list[tuple[int, Comparison, GradOutcome]]) -> None:
+            """Each comparison whose call succeeded, against its device result (on a worker thread)."""
+            for index, comparison, grad in judged:
+                try:
+                    report, golden_s, compare_s = _judge(comparison, grad.grad_x)
+                except MoegradError as exc:
+                    answers[index] = exc.with_traceback(None)
+                else:
+                    answers[index] = CompareOutcome(grad, report, golden_s, compare_s)
 
         # The grad calls and group members go to the pool in as many shares as workers, one queue
         # entry each (at least BATCH_CHUNK_CALLS calls a share, fewer when there are fewer): a run
         # of consecutive calls is one part of a share, a chunk of a group another.
         total = len(grads) + sum(len(group) for group, _ in groups.values())
-        size = max(BATCH_CHUNK_CALLS, -(-total // self.settings.streams))
+        workers = max(1, min(self.settings.streams, self.pool.max_queue))  # a batch alone always fits the queue
+        size = max(BATCH_CHUNK_CALLS, -(-total // workers))
         shares: list[list[tuple[tuple[MoeInitRoutingV2GradCall, ...] | CallGroup, list[int]]]] = [[]]
         room = size
 
@@ -628,21 +647,29 @@ class DataPlane:
             return taken
 
         for group, places in groups.values():
+            per_part = max(1, BATCH_PART_BYTES // max(group.like.grad_expanded_x.nbytes, 1))
             start = 0
             while start < len(group):
-                stop = start + take(len(group) - start)
+                stop = start + take(min(len(group) - start, per_part))
                 shares[-1].append((group[start:stop], places[start:stop]))
                 start = stop
         start = 0
         while start < len(grads):
-            stop = start + take(len(grads) - start)
+            stop, part_bytes = start + 1, grads[start][1].grad_expanded_x.nbytes
+            while stop < len(grads) and stop - start < BATCH_PART_CALLS:
+                part_bytes += grads[stop][1].grad_expanded_x.nbytes
+                if part_bytes > BATCH_PART_BYTES:
+                    break
+                stop += 1
+            stop = start + take(stop - start)
             run = grads[start:stop]
             shares[-1].append((tuple(call for _, call in run), [index for index, _ in run]))
             start = stop
-        await asyncio.gather(
-            *(run_share(share) for share in shares if share),
-            *(run_comparison(index, item) for index, item in comparisons),
-        )
+        running = asyncio.gather(*(run_share(share) for share in shares if share))
+        await (running if disconnected is None else _unless(disconnected, running))
+        judged = [(index, item, answers[index]) for index, item in comparisons if type(answers[index]) is GradOutcome]
+        if judged:
+            await asyncio.to_thread(judge, judged)
         return answers
 
     # --- health and metadata ---------------------------------------------------------------------

@@ -194,6 +194,32 @@ def test_sigterm_answers_all_8_admitted_calls_refuses_new_ones_and_exits_0(launc
 
 # --- disconnecting clients ------------------------------------------------------------------------
 
+def test_a_batch_whose_client_disconnects_skips_the_parts_not_started(launch, tmp_path):
+    """A batch of two groups (H=2 and H=5) on one worker, the first held at the gate: the client
+    goes, the batch is counted as a disconnect, and once the gate opens only the part already
+    running finishes; the other group never reaches the backend."""
+    gate, calls_file = tmp_path / "gate", tmp_path / "calls"
+    server = launch(hook=["--gate-file", str(gate), "--calls-file", str(calls_file)], flags=["--streams", "1"])
+    small, _ = routed_call(1, hidden=2)
+    large, _ = routed_call(2, hidden=5)
+    items = [msgpack.unpackb(wire_body(kwargs), raw=False) for kwargs in (small, small, large, large)]
+    body = msgpack.packb(items, use_bin_type=True)
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall((f"POST {GRAD_PATH}/batch HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                  f"Content-Type: application/msgpack\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+    wait_until(lambda: calls_seen(calls_file) == ["H=2"], what="the first member at the gate")
+    sock.close()
+    disconnected = {"endpoint": f"{GRAD_PATH}/batch", "reason": "client_disconnected"}
+    wait_until(lambda: metric(server, "moegrad_inference_request_failure_total", **disconnected) == 1,
+               what="the batch's disconnect counted")
+    gate.touch()
+    wait_until(lambda: admitted(server) == 0, what="the pool idle again")
+    after, after_want = routed_call(4, hidden=3)
+    with moegrad.Client(server.url, retries=0, timeout_s=30.0) as client:
+        assert same_bits(client.moe_init_routing_v2_grad(**after), after_want)
+    assert calls_seen(calls_file) == ["H=2", "H=2", "H=3"]  # the H=5 group was skipped
+
+
 def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_path):
     gate, calls_file = tmp_path / "gate", tmp_path / "calls"
     server = launch(hook=["--gate-file", str(gate), "--calls-file", str(calls_file)], flags=["--streams", "1"])

@@ -228,3 +228,52 @@ def test_a_group_split_over_the_workers_keeps_each_members_place(serve, streams)
         results = post_batch(client, items)
     for result, want in zip(results, expected, strict=True):
         assert (np.frombuffer(result["grad_x"]["data"], np.uint32).reshape(2, 2) == want.view(np.uint32)).all()
+
+
+def test_a_share_is_cut_into_parts_and_a_batch_alone_always_fits_the_queue(serve, monkeypatch):
+    """A worker checks the deadline (and whether the caller is still there) before each part of its
+    share, so parts are small: at most 64 calls or 4 MiB of input. However many parts, a batch
+    takes at most min(streams, max_queue) queue entries: alone on a server whose queue holds one, no
+    call of it is refused, comparisons included."""
+    from moegrad_service.engine import StreamPool
+
+    shares = []
+    run_parts = StreamPool.run_parts
+
+    async def watching(self, parts, *, timeout_s):
+        shares.append(
+            [
+                (
+                    len(part),
+                    sum(call.grad_expanded_x.nbytes for call in part)
+                    if isinstance(part, tuple)
+                    else len(part) * part.like.grad_expanded_x.nbytes,
+                )
+                for part in parts
+            ]
+        )
+        return await run_parts(self, parts, timeout_s=timeout_s)
+
+    monkeypatch.setattr(StreamPool, "run_parts", watching)
+    rows = np.ones((16, 1024), np.float32)  # 64 KiB: a group of them is cut every 64 members
+    group = [example_document(grad_expanded_x=grad(rows), expanded_row_idx=index(list(range(16))), top_k=1)] * 100
+    alone = [example_document(grad_expanded_x=grad(np.ones((4, hidden), np.float32))) for hidden in range(1, 151)]
+    compares = [{**example_document(), "op": "compare", "candidate": grad(np.ones((2, 2), np.float32))}] * 3
+    with serve(streams=2, max_queue=1) as client:
+        results = post_batch(client, group + alone + compares)
+    assert len(shares) == 1  # min(streams 2, max_queue 1) = 1 queue entry
+    assert all(count <= 64 and nbytes <= 4 << 20 for share in shares for count, nbytes in share), shares
+    assert sum(count for share in shares for count, _ in share) == 100 + 150 + 3
+    assert all("problem" not in result for result in results), [r for r in results if "problem" in r][:2]
+    assert all("report" in result for result in results[-3:])
+
+
+def test_a_refused_calls_problem_says_when_to_retry():
+    """A batch call refused as busy (its share found the queue full) carries ``retry_after_s``: what
+    the single call's Retry-After header says; other problems carry no such field."""
+    from moegrad import DeviceBusy, InvalidArgument
+    from moegrad_service.api.v1 import problem_document
+
+    busy = problem_document(DeviceBusy("the queue is full (1 calls waiting)", retry_after_s=7.0))
+    assert (busy["status"], busy["retry_after_s"]) == (503, 7.0)
+    assert "retry_after_s" not in problem_document(InvalidArgument("x", aclnn_status=161002, field="top_k"))

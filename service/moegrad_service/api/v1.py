@@ -128,10 +128,11 @@ async def moe_init_routing_v2_grad(request: Request) -> Response:
 
 def problem_document(exc: BaseException) -> dict[str, Any]:
     """The problem document of one failed call in a batch: the fields of an error reply's
-    application/problem+json (status, title, detail, field, aclnn_status, aclnn_name)."""
+    application/problem+json (status, title, detail, field, aclnn_status, aclnn_name), and
+    ``retry_after_s`` where a single call's answer would carry a Retry-After header (503)."""
     answer = answer_for(exc)
     status = getattr(exc, "aclnn_status", None)
-    return {
+    document = {
         "type": "about:blank",
         "title": answer.title,
         "status": answer.status,
@@ -140,6 +141,10 @@ def problem_document(exc: BaseException) -> dict[str, Any]:
         "aclnn_status": status,
         "aclnn_name": None if status is None else AclnnStatus.name_of(status),
     }
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is not None:  # what a single call's Retry-After header says: when to send it again
+        document["retry_after_s"] = retry_after_s
+    return document
 
 
 #: The fields a batch item may carry besides a call's: ``op`` ("grad", the default, or "compare").
@@ -249,7 +254,7 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
         return decode_batch_items(items, dataplane, max_elements=settings.max_elements)
 
     items = await off_loop(decode) if len(body) > INLINE_DECODE_BYTES else decode()
-    answers = await dataplane.infer_batch(items, timeout_s=timeout_s)
+    answers = await dataplane.infer_batch(items, timeout_s=timeout_s, disconnected=partial(disconnected, request))
     reply = {"results": batch_reply(items, answers), "timings_ms": {"total": (time.perf_counter() - started) * 1e3}}
     response = msgpack_response(reply, metrics)
     failed = [answer for answer in answers if isinstance(answer, BaseException)]

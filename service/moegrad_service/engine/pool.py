@@ -90,6 +90,7 @@ class _Job:
     worker: int = -1
     state: str = "queued"  # queued -> running -> done | abandoned; queued -> cancelled
     lock: threading.Lock = field(default_factory=threading.Lock)
+    unwanted: bool = False  # its caller went away while it ran: the parts not yet started are skipped
 
     def transition(self, old: str, new: str) -> bool:
         with self.lock:
@@ -292,6 +293,8 @@ class StreamPool:
         except asyncio.CancelledError:
             if job.transition("queued", "cancelled"):  # the caller went away before its turn: costs nothing
                 self._dequeued(job)
+            else:  # running: a batch's share skips the parts it has not started
+                job.unwanted = True
             del job  # see below
             raise
         except BaseException:
@@ -468,7 +471,14 @@ class StreamPool:
         work = job.call
         assert work is not None  # only a settled job has let go of its call
         if isinstance(work, _Parts):  # run_parts: each part's own outcome, in order
-            return [StreamPool._execute_part(worker, part, job.deadline) for part in work.parts], None
+            outcomes: list[PartOutcome] = []
+            for part in work.parts:  # the deadline is checked before each part, as is the caller
+                if job.unwanted:
+                    gone = DeadlineExceeded("the caller went away before this call ran; it was not run")
+                    outcomes.append([(None, gone)] * len(part))
+                else:
+                    outcomes.append(StreamPool._execute_part(worker, part, job.deadline))
+            return outcomes, None
         return StreamPool._execute_one(worker, work, job.deadline, job.out)
 
     @staticmethod
