@@ -48,7 +48,8 @@ class Settings(BaseSettings):
         default_factory=lambda: memory_limit_bytes() // 4,
         ge=1024,
         description="bytes that admitted requests may hold at once (being read, queued, running or answered), "
-        "twice each body's size: the body and its answer; a body that does not fit now is answered "
+        "twice each body's size: the body and its answer (five times a batch's); a body that does not fit now "
+        "is answered "
         "503 + Retry-After before it is read "
         "(default: a quarter of the memory limit, the cgroup's or the machine's)",
     )

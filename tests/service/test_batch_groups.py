@@ -277,3 +277,23 @@ def test_a_refused_calls_problem_says_when_to_retry():
     busy = problem_document(DeviceBusy("the queue is full (1 calls waiting)", retry_after_s=7.0))
     assert (busy["status"], busy["retry_after_s"]) == (503, 7.0)
     assert "retry_after_s" not in problem_document(InvalidArgument("x", aclnn_status=161002, field="top_k"))
+
+
+def test_a_batch_reserves_five_times_its_body_from_the_in_flight_budget(serve):
+    """A batch holds its body, its calls decoded, their results and the reply: the budget reserves
+    five times its body (a single call two). With a 16 MiB budget (14 MiB for one large request), a
+    single call of 1.5 MiB and a batch of one such call fit; a batch of three (4.5 MiB, 22.5 MiB
+    held) is 413 naming the budget, before it is read."""
+    rows = 131072  # float32 [rows, 2]: 1 MiB, and its int32 index 0.5 MiB
+    item = example_document(
+        grad_expanded_x=grad(np.ones((rows, 2), np.float32)), expanded_row_idx=index(list(range(rows))), top_k=1
+    )
+    with serve(max_inflight_bytes=16 << 20) as client:
+        assert post(client, item).status_code == 200
+        assert "problem" not in post_batch(client, [item])[0]
+        response = client.post(
+            BATCH, content=msgpack.packb([item] * 3, use_bin_type=True), headers={"content-type": "application/msgpack"}
+        )
+    assert response.status_code == 413, response.text
+    detail = response.json()["detail"]
+    assert "5 times the body" in detail and "max_inflight_bytes" in detail, detail

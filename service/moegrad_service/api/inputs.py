@@ -115,7 +115,12 @@ def metrics_of(request: Request) -> Metrics:
 
 
 async def read_body(
-    request: Request, limit: int, media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES, *, lead: int = 0
+    request: Request,
+    limit: int,
+    media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES,
+    *,
+    lead: int = 0,
+    hold_per_byte: int | None = None,
 ) -> bytearray | memoryview:
     """The request body, admitted before it is read.
 
@@ -130,7 +135,12 @@ async def read_body(
     ``lead`` > 0 puts that many zero bytes before the body in its buffer (whose start CPython
     aligns to 16 bytes) and returns a memoryview of the body alone: a caller that knows where
     binary data starts inside the body picks ``lead`` so that it lands 16-byte aligned, and its
-    arrays can view the body instead of copying it (v2's binary tensor data)."""
+    arrays can view the body instead of copying it (v2's binary tensor data).
+
+    ``hold_per_byte``: what the request holds per byte of its body, when not a single call's
+    (MemoryBudget.HOLD_PER_BODY_BYTE): a batch passes MemoryBudget.BATCH_HOLD_PER_BODY_BYTE."""
+    if hold_per_byte is not None:
+        request.scope["state"]["hold_per_byte"] = hold_per_byte
     if media_types is not None:
         media_type = media_type_of(request)
         if media_type not in media_types:
@@ -208,8 +218,9 @@ def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
     """Take what ``nbytes`` of body hold of the in-flight budget (MemoryBudget.reserve_body) for this
     request (given back by release_reserved)."""
     state = request.scope["state"]
-    so_far = state.get("reserved_bytes", 0) // dataplane.budget.HOLD_PER_BODY_BYTE
-    held = dataplane.budget.reserve_body(nbytes, so_far=so_far)
+    per_byte = state.get("hold_per_byte", dataplane.budget.HOLD_PER_BODY_BYTE)
+    so_far = state.get("reserved_bytes", 0) // per_byte
+    held = dataplane.budget.reserve_body(nbytes, so_far=so_far, per_byte=per_byte)
     state["reserved_bytes"] = state.get("reserved_bytes", 0) + held
 
 

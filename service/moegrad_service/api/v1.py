@@ -52,6 +52,7 @@ from moegrad_service.dataplane import (
     GroupMember,
     GroupOutcome,
     MemberOutcome,
+    MemoryBudget,
 )
 from moegrad_service.engine import Timings
 from moegrad_service.metrics import Metrics
@@ -246,7 +247,9 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     dataplane, metrics, settings = dataplane_of(request), metrics_of(request), settings_of(request)
     timeout_s = request_timeout(request)
-    body = await read_body(request, settings.max_body_bytes, MSGPACK_MEDIA_TYPES)
+    body = await read_body(
+        request, settings.max_body_bytes, MSGPACK_MEDIA_TYPES, hold_per_byte=MemoryBudget.BATCH_HOLD_PER_BODY_BYTE
+    )
     metrics.bytes_in.inc(len(body))
 
     def decode() -> list[MoeInitRoutingV2GradCall | GroupMember | Comparison | BaseException]:
