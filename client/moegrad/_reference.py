@@ -464,20 +464,10 @@ def moe_init_routing_v2_grad_many(
                 call, ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count
             )
             continue
-        chunking = None
-        if call.order in ASCEND950_ORDERS:
-            tiling = ascend950_tiling(
-                call.dtype_name,
-                tokens,
-                call.top_k,
-                hidden,
-                ub_size_bytes=ub_size_bytes,
-                vector_core_count=vector_core_count,
-            )
-            chunking = (tiling.k_chunk, ASCEND950_ORDERS[call.order])
+        chunking = _chunking(call, ub_size_bytes, vector_core_count)
         stacks.setdefault((grad.dtype, call.top_k, hidden, call.order, chunking), []).append(position)
     for (_, top_k, hidden, order, chunking), positions in stacks.items():
-        schedule = accumulation_schedule(top_k, order) if chunking is None else ascend950_schedule(top_k, *chunking)
+        schedule = _stack_schedule(top_k, order, chunking)
         start = 0
         while start < len(positions):  # stacks of at most _STACK_BYTES of input
             stop, size = start, 0
@@ -490,6 +480,27 @@ def moe_init_routing_v2_grad_many(
                 results[position] = grad_x
             start = stop
     return cast(list[np.ndarray], results)
+
+
+def _chunking(call: MoeInitRoutingV2GradCall, ub_size_bytes: int, vector_core_count: int) -> tuple[int, bool] | None:
+    """A non-empty call's 950 tiling as (k_chunk, grouped), which its order of adds depends on; None
+    for the other orders."""
+    if call.order not in ASCEND950_ORDERS:
+        return None
+    tiling = ascend950_tiling(
+        call.dtype_name,
+        call.num_tokens,
+        call.top_k,
+        call.hidden_size,
+        ub_size_bytes=ub_size_bytes,
+        vector_core_count=vector_core_count,
+    )
+    return tiling.k_chunk, ASCEND950_ORDERS[call.order]
+
+
+def _stack_schedule(top_k: int, order: str, chunking: tuple[int, bool] | None) -> Sequence[tuple[str, int, int]]:
+    """The schedule of adds of stacked calls with this K, order and :func:`_chunking`."""
+    return accumulation_schedule(top_k, order) if chunking is None else ascend950_schedule(top_k, *chunking)
 
 
 def _stacked(
@@ -560,20 +571,8 @@ def moe_init_routing_v2_grad_group(
     members, tokens, hidden = len(group), like.num_tokens, like.hidden_size
     if members == 0 or tokens == 0 or hidden == 0:
         return np.zeros((members, tokens, hidden), dtype=like.grad_expanded_x.dtype.newbyteorder("="))
-    chunking = None
-    if like.order in ASCEND950_ORDERS:
-        tiling = ascend950_tiling(
-            like.dtype_name,
-            tokens,
-            like.top_k,
-            hidden,
-            ub_size_bytes=ub_size_bytes,
-            vector_core_count=vector_core_count,
-        )
-        chunking = (tiling.k_chunk, ASCEND950_ORDERS[like.order])
-    schedule = (
-        accumulation_schedule(like.top_k, like.order) if chunking is None else ascend950_schedule(like.top_k, *chunking)
-    )
+    chunking = _chunking(like, ub_size_bytes, vector_core_count)
+    schedule = _stack_schedule(like.top_k, like.order, chunking)
     row_count = like.grad_expanded_x.size // hidden  # dropless N*K, active A, drop/pad E*C
     rows = group.grad_expanded_x.reshape(members * row_count, hidden)
     index = group.expanded_row_idx.astype(np.int64)

@@ -191,29 +191,21 @@ def test_breaking_rule_7_agrees_with_the_calls_own_check(mode, allow_duplicates)
     exactly when building it as a call raises the rule-7 error."""
     rng = np.random.default_rng(11)
     grad, idx, drop_pad_mode, active_num = random_call(rng, mode, 3, GRAD_DTYPES[2], 4, 2)
-    like = MoeInitRoutingV2GradCall(
-        grad_expanded_x=grad,
-        expanded_row_idx=idx,
-        top_k=3,
-        drop_pad_mode=drop_pad_mode,
-        active_num=active_num,
-        allow_duplicate_indices=True,
-    )
-    like = like.model_copy(update={"allow_duplicate_indices": allow_duplicates})
+    fields = {
+        "grad_expanded_x": grad,
+        "top_k": 3,
+        "drop_pad_mode": drop_pad_mode,
+        "active_num": active_num,
+        "allow_duplicate_indices": allow_duplicates,
+    }
+    like = MoeInitRoutingV2GradCall(expanded_row_idx=idx, **fields)
     high = grad.shape[0] * grad.shape[1] if drop_pad_mode == 1 else idx.shape[0]
     rows = rng.integers(-2, high + 2, size=(400, idx.shape[0])).astype(np.int32)
     rows[:100] = [rng.permutation(high)[: idx.shape[0]] for _ in range(100)]  # valid unless a value repeats
     broken = CallGroup.breaking_rule_7(like, rows)
     for row, says in zip(rows, broken.tolist(), strict=True):
         try:
-            MoeInitRoutingV2GradCall(
-                grad_expanded_x=grad,
-                expanded_row_idx=row,
-                top_k=3,
-                drop_pad_mode=drop_pad_mode,
-                active_num=active_num,
-                allow_duplicate_indices=allow_duplicates,
-            )
+            MoeInitRoutingV2GradCall(expanded_row_idx=row, **fields)
         except InvalidArgument as exc:
             assert says, exc
             assert exc.field == "expanded_row_idx" and exc.aclnn_status == 161002
