@@ -17,7 +17,11 @@ pass with no float32 bin in memory at all. Other K keep float32 bins for the gro
 cache-sized tiles of H; a pass whose every chain element is a pad (a -0.0 add) is left out. The
 first bytes of the rows of the tokens a few ahead are prefetched, so that at small H with random
 routing the misses of several tokens overlap instead of one token's two rows waiting at a time.
-Nothing is allocated beyond those bins, one set per running lane (at most ``_BIN_BYTES``).
+A grad_x of ``_STREAM_BYTES`` or more, far beyond the caches, is written past them: each tile is
+finished in a staging row and stored with non-temporal stores, so the memory does not first read
+every line of grad_x that it is about to overwrite (a third stream beside the rows read and grad_x
+written). Nothing is allocated beyond those bins and the staging row, one set per running lane (at
+most ``_BIN_BYTES`` and a tile).
 
 Threads: rows are cut into spans of about 4 MiB of input each. One task per thread of the reference
 module's shared pool (a "lane") takes spans one after the other until none is left, calling the
@@ -46,6 +50,7 @@ __all__ = ["accumulate", "accumulate_950", "available", "warm_up"]
 
 _CHUNK_INPUT_BYTES = 4 << 20  # gathered input per chunk: enough to hide the call, small enough to balance
 _BIN_BYTES = 128 << 10  # float32 bins of one tile: they stay in the core's L2
+_STREAM_BYTES = 16 << 20  # grad_x from which the kernel writes it with non-temporal stores
 _TILE_950 = 4096  # elements of H per pass of the 950 loop: its one float32 accumulator row stays in L1
 _BIT_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {  # the dtype the kernel sees: it names the format too (see _fast_jit)
     np.dtype(np.float32): np.dtype(np.float32),
@@ -99,6 +104,7 @@ def warm_up() -> bool:
             chains,
             group,
             1,
+            False,
             np.empty((1, 1), dtype=view),
             0,
             1,
@@ -111,6 +117,7 @@ def warm_up() -> bool:
             2,
             True,
             1,
+            False,
             np.empty((1, 1), dtype=view),
             0,
             1,
@@ -212,9 +219,8 @@ def accumulate(
     groups = chains.shape[0] // group
     kept = group + (groups if groups > 1 else 0)  # float32 bins per element of a tile: working + group results
     tile = min(hidden, max(64, _BIN_BYTES // (4 * kept) // 64 * 64))
-    _run_spans(
-        jit.run_rows, view, rows, _aux(view, hidden), index, top_k, (chains, group, tile), out, map_chunks, lanes
-    )
+    schedule_args = (chains, group, tile, _streams(out))
+    _run_spans(jit.run_rows, view, rows, _aux(view, hidden), index, top_k, schedule_args, out, map_chunks, lanes)
     return True
 
 
@@ -253,8 +259,14 @@ def accumulate_950(
     hidden = out.shape[1]
     zero = _aux(view, hidden)[:1]  # row 0 of the aux rows: all +0.0
     tile = min(hidden, _TILE_950)
-    _run_spans(jit.run_rows_950, view, rows, zero, index, top_k, (k_chunk, grouped, tile), out, map_chunks, lanes)
+    schedule_args = (k_chunk, grouped, tile, _streams(out))
+    _run_spans(jit.run_rows_950, view, rows, zero, index, top_k, schedule_args, out, map_chunks, lanes)
     return True
+
+
+def _streams(out: np.ndarray) -> bool:
+    """Whether the kernel writes ``out`` past the caches: when it is _STREAM_BYTES or more."""
+    return out.nbytes >= _STREAM_BYTES
 
 
 def _run_spans(

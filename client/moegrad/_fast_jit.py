@@ -23,6 +23,9 @@ Numerics (docs/semantics.md), and how this code keeps them exact:
   64-bit, which halves the vector width); the loops around them are plain numba.
 - Prefetch hints (``llvm.prefetch``) for the rows of the tokens a few ahead change no value: with
   random routing at small H, a token's rows otherwise wait for memory one token at a time.
+- Streaming stores (``_stream_line``) for a large grad_x move finished bits only: the tile is
+  narrowed into a staging row as it would be into grad_x, then copied out line by line, and a fence
+  before the kernel returns makes the stores visible to the thread that reads grad_x.
 - The schedule (``accumulation_schedule``) is data: per-bin chains of slots (see ``run_rows`` and
   ``moegrad._fast._plan``), so both A2/A3-shaped orders run through the same compiled code. The
   Ascend 950 order (one accumulator, groups of four restarting every chunk of slots) has its own
@@ -67,6 +70,7 @@ def _hardware_half() -> bool:
 
 
 _HARDWARE_HALF = _hardware_half()
+_X86 = __import__("platform").machine().lower() in ("x86_64", "amd64")
 HARDWARE_HALF = _HARDWARE_HALF  #: whether float16 is widened and narrowed by the CPU's conversion instructions
 
 
@@ -140,6 +144,53 @@ def _prefetch(typingctx, pointer):
         return context.get_dummy_value()
 
     return types.void(pointer), codegen
+
+
+@intrinsic
+def _address(typingctx, pointer):
+    """The address ``pointer`` holds, as an integer (for alignment only)."""
+    if not isinstance(pointer, types.CPointer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], context.get_value_type(types.intp))
+
+    return types.intp(pointer), codegen
+
+
+@intrinsic
+def _stream_line(typingctx, target, source):
+    """The 64 bytes at ``source`` stored at ``target`` (64-byte aligned) past the caches.
+
+    A non-temporal store: the line is written without being read first (an ordinary store reads
+    each line it writes into the cache, a third memory stream for grad_x). Such stores are weakly
+    ordered; :func:`_order_stores` makes them visible before the kernel returns.
+    """
+    if not isinstance(target, types.CPointer) or target != source:
+        return None
+
+    def codegen(context, builder, signature, args):
+        line = ir.VectorType(ir.IntType(64), 8).as_pointer()
+        value = builder.load(builder.bitcast(args[1], line), align=1)
+        store = builder.store(value, builder.bitcast(args[0], line), align=64)
+        store.set_metadata("nontemporal", builder.module.add_metadata([_i32(1)]))
+        return context.get_dummy_value()
+
+    return types.void(target, source), codegen
+
+
+@intrinsic
+def _order_stores(typingctx):
+    """A full memory fence: every store before it, non-temporal ones included, is visible after it."""
+
+    def codegen(context, builder, signature, args):
+        if _X86:  # LLVM's fence there is a locked add, which leaves write-combined stores unordered
+            function_type = ir.FunctionType(ir.VoidType(), [])
+            builder.call(cgutils.get_or_insert_function(builder.module, function_type, "llvm.x86.sse.sfence"), [])
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 def _i32(value: int) -> ir.Constant:
@@ -442,6 +493,22 @@ def _fill(n, target, value):
 
 
 @_inlined
+def _stream_row(n, source, target, line):
+    """``n`` elements from ``source`` to ``target``: the whole 64-byte lines of ``target`` by
+    :func:`_stream_line`, the partial lines at either end by ordinary stores. ``line`` is the
+    elements per 64 bytes; ``target`` is aligned to its element size (numpy arrays are)."""
+    head = min(n, ((-_address(target)) & 63) // (64 // line))
+    for h in range(head):
+        target[h] = source[h]
+    h = head
+    while h + line <= n:
+        _stream_line(_offset(target, h), _offset(source, h))
+        h += line
+    for t in range(h, n):
+        target[t] = source[t]
+
+
+@_inlined
 def _prefetch_token(rows, nrows, hidden, index, lookahead, token):
     """Prefetch the first bytes of each row token ``token`` reads (nothing past the last token).
 
@@ -564,7 +631,7 @@ def _run_group(source, base, first_bin, group, layers, work, tile, h0, width, ou
 
 
 @_compiled
-def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
+def run_rows(rows, aux, index, top_k, chains, group, tile, stream, out, start, stop):
     """grad_x rows [start, stop) into ``out`` (same bit type as ``rows``).
 
     Each bin is its chain of adds, in order, started from -0.0: -0.0 + x is x (so a set is an add)
@@ -582,6 +649,8 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
             row read when the slot is -1 or skipped: 0 = +0.0 for a set, 1 = -0.0 for an add or a pad).
         group: 4, or 1 when B < 4 (B a power of two); L is even.
         tile: elements of H per pass.
+        stream: write ``out`` past the caches (each tile is finished in a staging row, then stored
+            with non-temporal stores): for a grad_x far larger than the caches.
         out: [N, H] C-contiguous, the type of ``rows``.
         start, stop: the rows of ``out`` to compute, 0 <= start <= stop <= N (not checked).
     """
@@ -591,17 +660,20 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, out, start, stop):
     layers = np.empty(ngroups, dtype=np.intp)
     for g in range(ngroups):
         layers[g] = _group_layers(chains, g * group, group)
-    _run_rows(rows, aux, index, top_k, chains, group, work, results, layers, out, start, stop)
+    staging = np.empty(tile if stream else 0, dtype=out.dtype)
+    _run_rows(rows, aux, index, top_k, chains, group, work, results, layers, staging, out, start, stop)
 
 
 @njit
-def _run_rows(rows, aux, index, top_k, chains, group, work, results, layers, out, start, stop):
+def _run_rows(rows, aux, index, top_k, chains, group, work, results, layers, staging, out, start, stop):
     """run_rows' loop; ``work`` [group, tile] and ``results`` [groups, tile] float32 bins, ``layers``
-    [groups] each group's chain length. The caller holds every array while this runs."""
+    [groups] each group's chain length, ``staging`` [tile] (streaming) or [0] the type of ``out``.
+    The caller holds every array while this runs."""
     nrows, hidden = rows.shape
     tile = work.shape[1]
     ngroups = results.shape[0]
-    rows_at, index_at, out_at = _data(rows), _data(index), _data(out)
+    stream, line = staging.shape[0] > 0, 64 // out.itemsize
+    rows_at, index_at, out_at, staging_at = _data(rows), _data(index), _data(out), _data(staging)
     source = (rows_at, nrows, hidden, _data(aux), index_at, _data(chains), chains.shape[1])
     work_at, results_at, layers_at = _data(work), _data(results), _data(layers)
     lookahead, ahead = _lookahead(rows, index, top_k)
@@ -612,19 +684,23 @@ def _run_rows(rows, aux, index, top_k, chains, group, work, results, layers, out
         base = i * top_k
         for h0 in range(0, hidden, tile):
             width = min(hidden, h0 + tile) - h0
-            target = _offset(out_at, i * hidden + h0)
+            target = staging_at if stream else _offset(out_at, i * hidden + h0)
             if ngroups == 1:
                 _run_group(source, base, 0, group, layers_at[0], work_at, tile, h0, width, target)
-                continue
-            for g in range(ngroups):
-                bins = _offset(results_at, g * tile)
-                _run_group(source, base, g * group, group, layers_at[g], work_at, tile, h0, width, bins)
-            stride = 1
-            while stride < ngroups:  # S4's remaining levels, over the group results
-                for j in range(stride, ngroups, 2 * stride):
-                    _add_bin(width, _offset(results_at, (j - stride) * tile), _offset(results_at, j * tile))
-                stride *= 2
-            _store(width, results_at, target)
+            else:
+                for g in range(ngroups):
+                    bins = _offset(results_at, g * tile)
+                    _run_group(source, base, g * group, group, layers_at[g], work_at, tile, h0, width, bins)
+                stride = 1
+                while stride < ngroups:  # S4's remaining levels, over the group results
+                    for j in range(stride, ngroups, 2 * stride):
+                        _add_bin(width, _offset(results_at, (j - stride) * tile), _offset(results_at, j * tile))
+                    stride *= 2
+                _store(width, results_at, target)
+            if stream:
+                _stream_row(width, staging_at, _offset(out_at, i * hidden + h0), line)
+    if stream:
+        _order_stores()
 
 
 # The Ascend 950 order (moegrad._ascend950): one float32 accumulator per element from +0.0; groups of
@@ -663,7 +739,7 @@ def _add_one(n, total, a):
 
 
 @_compiled
-def run_rows_950(rows, zero, index, top_k, k_chunk, grouped, tile, out, start, stop):
+def run_rows_950(rows, zero, index, top_k, k_chunk, grouped, tile, stream, out, start, stop):
     """grad_x rows [start, stop) in the Ascend 950 order into ``out`` (same bit type as ``rows``).
 
     Args:
@@ -674,18 +750,24 @@ def run_rows_950(rows, zero, index, top_k, k_chunk, grouped, tile, out, start, s
         k_chunk: slots per pass; the groups of four restart at each pass (1 <= k_chunk <= K).
         grouped: True for groups of four, False for a plain chain (the 2025-12 revision).
         tile: elements of H per pass.
+        stream: write ``out`` past the caches, as :func:`run_rows` does.
         out: [N, H] C-contiguous, the type of ``rows``.
         start, stop: the rows of ``out`` to compute, 0 <= start <= stop <= N (not checked).
     """
-    _run_rows_950(rows, zero, index, top_k, k_chunk, grouped, np.empty(tile, dtype=np.float32), out, start, stop)
+    work = np.empty(tile, dtype=np.float32)
+    staging = np.empty(tile if stream else 0, dtype=out.dtype)
+    _run_rows_950(rows, zero, index, top_k, k_chunk, grouped, work, staging, out, start, stop)
 
 
 @njit
-def _run_rows_950(rows, zero, index, top_k, k_chunk, grouped, work, out, start, stop):
-    """run_rows_950's loop; ``work`` [tile] the float32 accumulator. The caller holds every array."""
+def _run_rows_950(rows, zero, index, top_k, k_chunk, grouped, work, staging, out, start, stop):
+    """run_rows_950's loop; ``work`` [tile] the float32 accumulator, ``staging`` as in :func:`_run_rows`.
+    The caller holds every array."""
     nrows, hidden = rows.shape
     tile = work.shape[0]
+    stream, line = staging.shape[0] > 0, 64 // out.itemsize
     rows_at, index_at, out_at, total = _data(rows), _data(index), _data(out), _data(work)
+    staging_at = _data(staging)
     source = (rows_at, nrows, hidden, _data(zero), index_at)
     lookahead, ahead = _lookahead(rows, index, top_k)
     for i in range(start, min(stop, start + ahead)):
@@ -714,4 +796,10 @@ def _run_rows_950(rows, zero, index, top_k, k_chunk, grouped, work, out, start, 
                     _add_one(width, total, _slot(source, base + t, h0))
                     t += 1
                 first = last
-            _store(width, total, _offset(out_at, i * hidden + h0))
+            if stream:
+                _store(width, total, staging_at)
+                _stream_row(width, staging_at, _offset(out_at, i * hidden + h0), line)
+            else:
+                _store(width, total, _offset(out_at, i * hidden + h0))
+    if stream:
+        _order_stores()

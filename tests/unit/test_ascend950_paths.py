@@ -12,7 +12,7 @@ import pytest
 from moegrad import _fast, _reference, moe_init_routing_v2_grad
 from test_ascend950 import BF16, REVISIONS, expected_chunk, slow950
 from test_reference import F32, GRAD_DTYPES, KS, MODES, assert_bitwise_equal, random_call, wide_values
-from test_reference_paths import without_numba  # noqa: F401  (a fixture)
+from test_reference_paths import streamed_into_offset_buffer, without_numba  # noqa: F401  (a fixture)
 
 pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
 
@@ -95,6 +95,41 @@ def test_compiled_path_over_several_tiles_of_h(monkeypatch, dtype):
     grad, idx, drop_pad_mode, active_num = random_call(rng, "active", 17, dtype, tokens=3, hidden=200)
     out = moe_init_routing_v2_grad(grad, idx, 17, drop_pad_mode, active_num, order="ascend950", ub_size_bytes=600)
     assert_bitwise_equal(out, slow950(grad, idx, 17, drop_pad_mode, active_num, chunk=expected_chunk(dtype, 17, 200, 600)))
+
+
+@pytest.mark.parametrize("offset", [0, 1, 13], ids=lambda o: f"offset{o}")
+@pytest.mark.parametrize("hidden", [1, 33, 67])
+@pytest.mark.parametrize("top_k", [2, 9])
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=lambda d: d.name)
+def test_streamed_grad_x_is_the_slow_loops_and_stays_in_its_rows(monkeypatch, compiled_stream_flags, dtype, top_k,
+                                                                  hidden, offset):
+    # as in tests/unit/test_reference_paths.py: every grad_x streamed; tiles of 64 elements (H = 67: two)
+    monkeypatch.setattr(_reference, "_KERNEL", "numba")
+    monkeypatch.setattr(_fast, "_STREAM_BYTES", 0)
+    monkeypatch.setattr(_fast, "_TILE_950", 64)
+    rng = np.random.default_rng([top_k, hidden, offset, GRAD_DTYPES.index(dtype), 950])
+    grad, idx, drop_pad_mode, active_num = random_call(rng, "active", top_k, dtype, tokens=5, hidden=hidden)
+    kwargs = dict(grad_expanded_x=grad, expanded_row_idx=idx, top_k=top_k, drop_pad_mode=drop_pad_mode,
+                  active_num=active_num, order="ascend950")
+    out, outside = streamed_into_offset_buffer(kwargs, 5, hidden, dtype, offset)
+    assert compiled_stream_flags and all(compiled_stream_flags)
+    assert_bitwise_equal(out, slow950(grad, idx, top_k, drop_pad_mode, active_num,
+                                      chunk=expected_chunk(dtype, top_k, hidden, 253952)))
+    assert np.all(outside == 0x5A5A5A5A & np.iinfo(outside.dtype).max)
+
+
+@pytest.fixture
+def compiled_stream_flags(monkeypatch):
+    """The ``stream`` argument of each 950 kernel call (the kernel still runs)."""
+    flags = []
+    kernel = _fast_jit.run_rows_950
+
+    def recording(*args):
+        flags.append(args[7])
+        return kernel(*args)
+
+    monkeypatch.setattr(_fast_jit, "run_rows_950", recording)
+    return flags
 
 
 def test_compiled_path_over_many_chunks_on_the_pool(monkeypatch, compiled_calls):

@@ -208,6 +208,62 @@ def test_compiled_path_over_several_tiles_of_h(monkeypatch, dtype, top_k):
     assert_bitwise_equal(out, slow_grad_x(grad, idx, top_k, drop_pad_mode, active_num))
 
 
+@pytest.fixture
+def stream_flags(monkeypatch):
+    """The ``stream`` argument of each compiled kernel call (the kernel still runs)."""
+    flags = []
+    kernel = _fast_jit.run_rows
+
+    def recording(*args):
+        flags.append(args[7])
+        return kernel(*args)
+
+    monkeypatch.setattr(_fast_jit, "run_rows", recording)
+    return flags
+
+
+def streamed_into_offset_buffer(call_kwargs, tokens, hidden, dtype, offset):
+    """grad_x written by the streaming kernel into a view ``offset`` elements into a buffer of
+    sentinel bits; returns (grad_x, the buffer's words outside the view)."""
+    words = np.dtype(f"u{dtype.itemsize}")
+    buffer = np.full(offset + tokens * hidden + 64, 0x5A5A5A5A & np.iinfo(words).max, dtype=words)
+    out = buffer[offset:offset + tokens * hidden].view(dtype).reshape(tokens, hidden)
+    moe_init_routing_v2_grad(**call_kwargs, out=out)
+    return out, np.concatenate([buffer[:offset], buffer[offset + tokens * hidden:]])
+
+
+@pytest.mark.parametrize("offset", [0, 1, 13], ids=lambda o: f"offset{o}")
+@pytest.mark.parametrize("hidden", [1, 33, 150])
+@pytest.mark.parametrize("top_k", [2, 3, 8, 130])
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=lambda d: d.name)
+def test_streamed_grad_x_is_the_slow_loops_and_stays_in_its_rows(monkeypatch, stream_flags, dtype, top_k, hidden,
+                                                                  offset):
+    # grad_x past the caches (non-temporal stores of whole 64-byte lines, ordinary ones at either
+    # end of a row) for every size here; 256 bytes of bins make H = 150 several tiles
+    monkeypatch.setattr(_fast, "_STREAM_BYTES", 0)
+    monkeypatch.setattr(_fast, "_BIN_BYTES", 256)
+    rng = np.random.default_rng([top_k, hidden, offset, GRAD_DTYPES.index(dtype)])
+    tokens = 3 if top_k >= 127 else 9
+    grad, idx, drop_pad_mode, active_num = random_call(rng, "drop_pad", top_k, dtype, tokens, hidden)
+    kwargs = dict(grad_expanded_x=grad, expanded_row_idx=idx, top_k=top_k, drop_pad_mode=drop_pad_mode,
+                  active_num=active_num)
+    out, outside = streamed_into_offset_buffer(kwargs, tokens, hidden, dtype, offset)
+    assert stream_flags and all(stream_flags)
+    assert_bitwise_equal(out, slow_grad_x(grad, idx, top_k, drop_pad_mode, active_num))
+    assert np.all(outside == 0x5A5A5A5A & np.iinfo(outside.dtype).max)
+
+
+def test_a_grad_x_of_16_mib_is_streamed_and_a_smaller_one_is_not(stream_flags):
+    rng = np.random.default_rng(12)
+    for tokens, expected in ((1023, False), (1024, True)):  # H = 4096 float32: 16 KiB a row
+        grad = rng.standard_normal((tokens, 4096), dtype=np.float32)
+        idx = rng.permutation(tokens).astype(np.int32)
+        stream_flags.clear()
+        out = moe_init_routing_v2_grad(grad, idx, 1)
+        assert stream_flags and all(flag is expected for flag in stream_flags)
+        assert_bitwise_equal(out, grad[idx])  # K = 1: each token's row is its one slot's row
+
+
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=lambda d: d.name)
 def test_compiled_path_over_many_chunks_on_the_pool(monkeypatch, compiled_calls, dtype):
     # 1 KiB of input per chunk: 4 tokens of 256 bytes each, 75 chunks spread over the shared pool
