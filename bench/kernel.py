@@ -10,7 +10,9 @@ turns so that every method sees the same machine load:
   into a gradX buffer written before (``out=``); ``fast_new``: the same allocating its result;
 - ``fallback``: the same call on the NumPy path (what runs where numba is not installed);
 - ``naive``: ``grad_expanded_x.astype(float32)[idx.reshape(N, K)].sum(1)`` (not bit-exact; with the
-  skipped slots of W3/W4 pointed at row 0 beforehand, so it times the gather and sum only).
+  skipped slots of W3/W4 pointed at row 0 beforehand, so it times the gather and sum only);
+- ``gather``: the rows the call reads, read plainly (:func:`gather_rows`): what they take to arrive
+  from memory in the kernel's order, without its prefetch hints, computing or writing nothing.
 
 Each method's time is its best of the repetitions. Effective bandwidth = (bytes of the gathered
 rows that are read, skipped slots excluded + index bytes + grad_x bytes written) / time. Peak
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -149,6 +152,7 @@ def measure(w: Workload, repeats: int, slow_repeats: int, with_fallback: bool = 
     np.copyto(target, source)  # pages touched before timing
     fast_kernel = "numba" if _fast.available() else "numpy"
     fast = run_call(call, fast_kernel)  # compiles (or loads the cache) and starts the pool
+    gather = gather_rows(call)
     out = np.zeros_like(fast)  # gradX written in place, pages touched: like copyto's target
     same_bits = None
     methods = {
@@ -157,6 +161,8 @@ def measure(w: Workload, repeats: int, slow_repeats: int, with_fallback: bool = 
         "fast_new": lambda: run_call(call, fast_kernel),
         "naive": lambda: rows.astype(np.float32)[naive_index].sum(1),
     }
+    if gather is not None:
+        methods["gather"] = gather
     if with_fallback:
         methods["fallback"] = lambda: run_call(call, "numpy", out)
         fallback = run_call(call, "numpy")
@@ -212,6 +218,48 @@ def _probe_kernels():
 
         _probes = (read_stream, spin)
     return _probes or None
+
+
+_touch = None
+_touch_pool = None
+
+
+def gather_rows(call: MoeInitRoutingV2GradCall):
+    """What reading the call's rows costs: a function that loads one byte of every 64-byte line of
+    each row the call reads, slot by slot in the kernel's order, on as many threads as the kernel's
+    lanes (equal shares of the slots), with no prefetch hints, writing nothing. None without numba."""
+    global _touch
+    if _touch is None:
+        try:
+            from numba import njit
+        except ImportError:
+            return None
+
+        @njit(nogil=True, cache=True)
+        def touch(rows, index, start, stop):  # rows [R, row bytes] uint8
+            total = np.uint64(0)
+            for i in range(start, stop):
+                r = index[i]
+                if 0 <= r < rows.shape[0]:
+                    for j in range(0, rows.shape[1], 64):
+                        total += rows[r, j]
+            return total
+
+        _touch = touch
+    from concurrent.futures import ThreadPoolExecutor
+
+    grad = call.grad_expanded_x
+    rows = grad.reshape(-1, call.hidden_size).view(np.uint8)
+    index = np.ascontiguousarray(call.expanded_row_idx, dtype=np.int32)
+    lanes = max(1, _reference._workers())
+    bounds = np.linspace(0, index.size, lanes + 1).astype(int)
+    spans = list(itertools.pairwise(bounds))
+    _touch(rows, index, 0, min(8, index.size))
+    global _touch_pool
+    if _touch_pool is None or _touch_pool._max_workers != lanes:
+        _touch_pool = ThreadPoolExecutor(lanes, thread_name_prefix="gather")
+    pool = _touch_pool
+    return lambda: list(pool.map(lambda span: _touch(rows, index, *span), spans))
 
 
 def probe(repeats: int = 5) -> dict | None:
@@ -323,11 +371,15 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
         "pages); `fallback` = the NumPy path (no numba), into the caller's buffer; all three order ascend910b, "
         "bit-exact. `naive` = `grad_expanded_x.astype(float32)[idx.reshape(N, K)].sum(1)` (not bit-exact; "
         "skipped slots pointed at row 0 beforehand); its ratio is taken against `new gradX`, which allocates "
-        "as it does.",
+        "as it does. `gather` = the same rows read plainly: one load from every 64-byte line of each row "
+        "the call reads, slot by slot in the kernel's order, on the kernel's threads, with no prefetch "
+        "hints and nothing computed or written. `gather / fast` near 1 or above: the kernel takes about "
+        "what its rows take to arrive (rows at random places arrive slower than copyto's two streams).",
         "",
         "| workload | shape | moved MiB | copyto GB/s | fast ms | fast GB/s | fast / copyto (>= 0.7) "
-        "| new gradX ms | fallback ms | naive ms | naive / new gradX (>= 3) | fallback / fast | n | fast == fallback bits |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|---|",
+        "| gather ms | gather / fast | new gradX ms | fallback ms | naive ms | naive / new gradX (>= 3) "
+        "| fallback / fast | n | fast == fallback bits |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|",
     ]
     for r in results:
         w, best, n = r["workload"], r["best"], r["samples"]
@@ -341,9 +393,11 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
         bits = "-" if r["same_bits"] is None else ("yes" if r["same_bits"] else "**NO**")
         bw_cell = f"{ratio:.2f} {_verdict(ratio >= _BANDWIDTH_SHARE) if w.name in _TARGET_BANDWIDTH else ''}".strip()
         naive_cell = f"{speedup:.1f}x {_verdict(speedup >= 3) if w.name in _TARGET_NAIVE else ''}".strip()
+        gather = best.get("gather")
+        gather_cells = "- | -" if gather is None else f"{gather * 1e3:.1f} | {gather / best['fast']:.2f}"
         lines.append(
             f"| {w.name} | {w.describe()} | {r['moved'] / mib:.0f} | {copy_bw / 1e9:.2f} | {best['fast'] * 1e3:.1f} "
-            f"| {fast_bw / 1e9:.2f} | {bw_cell} | {best['fast_new'] * 1e3:.1f} | {fallback_ms} "
+            f"| {fast_bw / 1e9:.2f} | {bw_cell} | {gather_cells} | {best['fast_new'] * 1e3:.1f} | {fallback_ms} "
             f"| {best['naive'] * 1e3:.0f} | {naive_cell} | {fallback_ratio} "
             f"| {n['fast']}, {n['naive']}, {n.get('fallback', 0)} | {bits} |"
         )
