@@ -1028,10 +1028,37 @@ def batch_measure(url: str, pid: int, calls: int, rounds: int) -> dict[str, list
     return out
 
 
+MIXED_CALLS = 10_000  #: calls of a mixed batch: H = 1 .. MIXED_CALLS (N = K = 1, float32): 200 MB a body
+
+
+def mixed_batches(url: str, rounds: int) -> float:
+    """Send ``rounds`` batches of MIXED_CALLS calls of distinct shapes (each tensor under glibc's mmap
+    threshold, so it comes from the heap); returns the seconds of the slowest."""
+    from moegrad import Client, GradResult, MoeInitRoutingV2GradCall
+
+    rng = np.random.default_rng(3)
+    calls = [MoeInitRoutingV2GradCall(grad_expanded_x=rng.standard_normal((1, hidden), dtype=np.float32),
+                                      expanded_row_idx=np.zeros(1, dtype=np.int32), top_k=1)
+             for hidden in range(1, MIXED_CALLS + 1)]
+    slowest = 0.0
+    with Client(url, retries=0, timeout_s=600.0) as client:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            answers = client.batch(calls)
+            slowest = max(slowest, time.perf_counter() - t0)
+            for call, answer in zip(calls, answers, strict=True):  # K = 1, index 0: grad_x is the row itself
+                if not isinstance(answer, GradResult) or not np.array_equal(
+                        answer.grad_x.view(np.uint32), call.grad_expanded_x.view(np.uint32)):
+                    raise AssertionError(f"a mixed batch item is wrong: {answer!r}")
+            del answers
+    return slowest
+
+
 def wire_speed(*, s2_rounds: int = 5, sl_rounds: int = 2, batch_calls: int = 1000, batch_rounds: int = 3,
-               server_pythonpath: str | None = None) -> str:
+               mixed_rounds: int = 3, server_pythonpath: str | None = None) -> str:
     """Measure large calls against the loopback floor (S2 and SL), the server's memory per call and
-    idle, and the batch speedup; return the markdown tables."""
+    idle (after S2, SL and ``mixed_rounds`` batches of calls of distinct shapes), and the batch
+    speedup; return the markdown tables."""
     results: dict[str, Any] = {}
     with moegrad_server(pythonpath=server_pythonpath) as server:
         log(f"moegrad at {server.url} (pid {server.pid})")
@@ -1057,6 +1084,11 @@ def wire_speed(*, s2_rounds: int = 5, sl_rounds: int = 2, batch_calls: int = 100
         time.sleep(1.0)
         results["kept_mib"] = status_kib(server.pid, "VmRSS") / 1024
         results["end_mib"] = idle_rss_mib(server.pid)
+        if mixed_rounds:
+            log(f"mixed: {mixed_rounds} batches of {MIXED_CALLS:,} calls of distinct shapes")
+            results["mixed_s"] = mixed_batches(server.url, mixed_rounds)
+            results["mixed_rounds"] = mixed_rounds
+            results["mixed_mib"] = idle_rss_mib(server.pid)
     return _wire_tables(results)
 
 
@@ -1100,7 +1132,13 @@ def _wire_tables(r: dict[str, Any]) -> str:
     lines += ["", f"Server RSS: {r['start_mib']:.0f} MiB after warm-up, {r['settled_mib']:.0f} MiB idle after the S2 "
               f"rounds, {r['kept_mib']:.0f} MiB 1 s after the last round (its receive buffers kept), "
               f"{r['end_mib']:.0f} MiB idle after every round (SL included; receive_keep_s passed) "
-              f"({(r['end_mib'] / r['settled_mib'] - 1) * 100:+.0f}% of the settled value).", ""]
+              f"({(r['end_mib'] / r['settled_mib'] - 1) * 100:+.0f}% of the settled value)."]
+    if "mixed_mib" in r:
+        lines[-1] += (f" After {r['mixed_rounds']} batches of {MIXED_CALLS:,} calls of distinct shapes (N = K = 1, "
+                      f"float32, H = 1 .. {MIXED_CALLS:,}: 200 MB a body; the slowest {r['mixed_s']:.1f} s; every "
+                      f"answer checked bitwise): {r['mixed_mib']:.0f} MiB idle "
+                      f"({(r['mixed_mib'] / r['settled_mib'] - 1) * 100:+.0f}% of the settled value).")
+    lines.append("")
     batch = r["batch"]
     if not batch["batch"]:  # --batch-rounds 0
         return "\n".join(lines) + "\n"
@@ -1269,8 +1307,8 @@ def main(*, quick: bool = True, write: bool = True, server_pythonpath: str | Non
                                              mode.memory_s)
 
     log("wire speed: S2" + (" and SL" if not quick else "") + " against the floor, memory per call, batches")
-    wire_rounds = {"s2_rounds": 3, "sl_rounds": 0, "batch_rounds": 2} if quick else \
-        {"s2_rounds": 5, "sl_rounds": 2, "batch_rounds": 3}
+    wire_rounds = {"s2_rounds": 3, "sl_rounds": 0, "batch_rounds": 2, "mixed_rounds": 1} if quick else \
+        {"s2_rounds": 5, "sl_rounds": 2, "batch_rounds": 3, "mixed_rounds": 3}
     wire_tables = wire_speed(**wire_rounds, server_pythonpath=server_pythonpath)
     log("done")
     sections = {
@@ -1562,6 +1600,8 @@ def _cli(argv: list[str] | None = None) -> int:
     wire.add_argument("--s2-rounds", type=int, default=5)
     wire.add_argument("--sl-rounds", type=int, default=2, help="0 skips SL (~2 GB of RAM per process)")
     wire.add_argument("--batch-rounds", type=int, default=3, help="0 skips the batch table")
+    wire.add_argument("--mixed-rounds", type=int, default=3,
+                      help="batches of 10,000 calls of distinct shapes before the last idle RSS (0 skips them)")
     wire.add_argument("--write", action="store_true", help="also write the tables to bench/RESULTS.md (section 'wire')")
     load = sub.add_parser("load", help="(internal) the load-generating process")
     load.add_argument("--client", choices=["moegrad", "moegrad-threads", "raw", "triton"], required=True)
@@ -1586,12 +1626,13 @@ def _cli(argv: list[str] | None = None) -> int:
                                     args.warmup_s))
         return 0
     if args.command == "wire":
-        rounds = {"s2_rounds": args.s2_rounds, "sl_rounds": args.sl_rounds, "batch_rounds": args.batch_rounds}
+        rounds = {"s2_rounds": args.s2_rounds, "sl_rounds": args.sl_rounds, "batch_rounds": args.batch_rounds,
+                  "mixed_rounds": args.mixed_rounds}
         tables = wire_speed(**rounds, server_pythonpath=args.server_pythonpath)
         print(tables)
         if args.write:
             command = (f"`python -m bench.service wire --s2-rounds {args.s2_rounds} --sl-rounds {args.sl_rounds} "
-                       f"--batch-rounds {args.batch_rounds} --write`")
+                       f"--batch-rounds {args.batch_rounds} --mixed-rounds {args.mixed_rounds} --write`")
             write_section("wire", wire_section(tables, rounds, machine(), command))
         return 0
     sections = main(quick=args.quick, write=True, server_pythonpath=args.server_pythonpath)

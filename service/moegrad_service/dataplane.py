@@ -40,6 +40,7 @@ from moegrad import (
 )
 from moegrad_service.buffers import ReceiveBuffers
 from moegrad_service.engine import StreamPool, Timings
+from moegrad_service.heap import HeapTrimmer
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
@@ -107,6 +108,8 @@ class MemoryBudget:
         self._lock = threading.Lock()
         #: ``reclaim(nbytes) -> bytes released``: gives up buffers held with hold_spare.
         self.reclaim: Callable[[int], int] | None = None
+        #: ``released(nbytes)``: told of every release, on the releasing thread (moegrad_service.heap).
+        self.released: Callable[[int], None] | None = None
 
     @property
     def held_bytes(self) -> int:
@@ -189,6 +192,8 @@ class MemoryBudget:
         """Give back ``nbytes`` taken by :meth:`reserve` or :meth:`hold_spare`."""
         with self._lock:
             self._held -= nbytes
+        if self.released is not None:
+            self.released(nbytes)
 
 
 @dataclass(frozen=True)
@@ -350,6 +355,14 @@ class DataPlane:
         self.statistics = InferenceStatistics()
         self.budget = MemoryBudget(settings.max_inflight_bytes, retry_after_s=settings.retry_after_s)
         self.receive_buffers = ReceiveBuffers(self.budget, keep_s=settings.receive_keep_s)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # made off the event loop (a test): no heap trims
+            self.heap_trimmer = None
+        else:
+            buffers = self.receive_buffers
+            self.heap_trimmer = HeapTrimmer(loop, lambda: self.budget.held_bytes, lambda: buffers.kept_bytes)
+            self.budget.released = self.heap_trimmer.released
 
     def admit(self) -> None:
         """Refuse a call now, before its body is read, when the pool could not take it anyway.

@@ -1,0 +1,114 @@
+"""Giving the C heap's free pages back to the system once the service is quiet.
+
+Tensors under glibc's mmap threshold (128 KiB to 32 MiB: glibc raises the threshold to the size of
+the largest mapped block freed) live in the heap. When a batch of many such calls is answered they
+are all freed, but glibc returns only the free space at the very top of each arena to the system;
+the rest stays resident for the next allocations, so a server that has answered a batch of 10,000
+calls of different shapes stayed hundreds of MiB above its idle size (bench/RESULTS.md).
+``malloc_trim(0)`` returns the free pages of every arena (glibc 2.8 and later; the manual page
+malloc_trim(3)). :class:`HeapTrimmer` calls it once the service has released enough bytes of its
+in-flight budget and then held none for a moment, on a thread of the loop's default executor.
+Where the C library has no ``malloc_trim`` (musl, macOS), it does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable
+
+__all__ = ["HeapTrimmer", "trim_heap"]
+
+logger = logging.getLogger("moegrad_service.heap")
+
+#: Bytes released from the in-flight budget since the last trim that make a trim worth it.
+TRIM_AFTER_BYTES = 64 << 20
+#: Seconds the budget must hold no request's bytes before the heap is trimmed.
+QUIET_S = 1.0
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        function = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):  # no C library found, or one without malloc_trim
+        return None
+    function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    return function
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free pages to the system (``malloc_trim(0)``; ctypes releases the GIL
+    while it runs). True when memory was returned, False when none was or the C library has no
+    ``malloc_trim``."""
+    return bool(_MALLOC_TRIM(0)) if _MALLOC_TRIM is not None else False
+
+
+class HeapTrimmer:
+    """Trims the heap (:func:`trim_heap`) once ``after_bytes`` have been released from the in-flight
+    budget and the budget has then held nothing but ``spare()`` bytes (kept buffers) for ``quiet_s``
+    seconds.
+
+    Args:
+        loop: the service's event loop: the timer runs there, the trim on its default executor.
+        held: the bytes the budget holds now (requests and kept buffers).
+        spare: the bytes of those that are kept buffers (not requests).
+        after_bytes: bytes released that arm the trim (default TRIM_AFTER_BYTES).
+        quiet_s: seconds with no request's bytes held before it runs (default QUIET_S).
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        held: Callable[[], int],
+        spare: Callable[[], int],
+        *,
+        after_bytes: int | None = None,
+        quiet_s: float | None = None,
+    ) -> None:
+        self._loop = loop
+        self._held = held
+        self._spare = spare
+        self.after_bytes = TRIM_AFTER_BYTES if after_bytes is None else after_bytes
+        self.quiet_s = QUIET_S if quiet_s is None else quiet_s
+        self._released = 0  # since the last trim; only the loop's thread changes it
+        self._timer: asyncio.TimerHandle | None = None
+        self.trims = 0  #: trims run so far
+
+    def released(self, nbytes: int) -> None:
+        """The budget gave back ``nbytes``; on any thread."""
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._count, nbytes)
+
+    def _count(self, nbytes: int) -> None:
+        self._released += nbytes
+        if self._released >= self.after_bytes:
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(self.quiet_s, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self._held() > self._spare():  # a request holds bytes: wait for quiet again
+            self._arm()
+            return
+        self._released = 0
+        self.trims += 1
+        future = self._loop.run_in_executor(None, trim_heap)
+        future.add_done_callback(self._done)
+
+    @staticmethod
+    def _done(future: asyncio.Future[bool]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            logger.warning("trimming the heap failed: %s", future.exception())
