@@ -34,6 +34,8 @@ Numerics (docs/semantics.md), and how this code keeps them exact:
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -59,8 +61,6 @@ _F32 = ir.FloatType()
 
 def _hardware_half() -> bool:
     """Whether LLVM turns a half -> float conversion into one instruction here (else: a library call)."""
-    import platform
-
     from llvmlite import binding
 
     machine = platform.machine().lower()
@@ -70,7 +70,7 @@ def _hardware_half() -> bool:
 
 
 _HARDWARE_HALF = _hardware_half()
-_X86 = __import__("platform").machine().lower() in ("x86_64", "amd64")
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
 HARDWARE_HALF = _HARDWARE_HALF  #: whether float16 is widened and narrowed by the CPU's conversion instructions
 
 
@@ -184,7 +184,9 @@ def _order_stores(typingctx):
     """A full memory fence: every store before it, non-temporal ones included, is visible after it."""
 
     def codegen(context, builder, signature, args):
-        if _X86:  # LLVM's fence there is a locked add, which leaves write-combined stores unordered
+        # On x86, LLVM may make the fence a locked instruction (it did here: no mfence in the
+        # kernel's code), which the manuals do not promise orders non-temporal stores; sfence does.
+        if _X86:
             function_type = ir.FunctionType(ir.VoidType(), [])
             builder.call(cgutils.get_or_insert_function(builder.module, function_type, "llvm.x86.sse.sfence"), [])
         builder.fence("seq_cst")
