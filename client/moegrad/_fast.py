@@ -265,8 +265,10 @@ def accumulate_950(
 
 
 def _streams(out: np.ndarray) -> bool:
-    """Whether the kernel writes ``out`` past the caches: when it is _STREAM_BYTES or more."""
-    return out.nbytes >= _STREAM_BYTES
+    """Whether the kernel writes ``out`` past the caches: when it is _STREAM_BYTES or more and its
+    elements are aligned to their size (the streaming stores need whole 64-byte lines; a view of a
+    buffer at an odd byte offset has none, and takes ordinary stores)."""
+    return out.nbytes >= _STREAM_BYTES and out.flags.aligned
 
 
 def _run_spans(

@@ -498,7 +498,8 @@ def _fill(n, target, value):
 def _stream_row(n, source, target, line):
     """``n`` elements from ``source`` to ``target``: the whole 64-byte lines of ``target`` by
     :func:`_stream_line`, the partial lines at either end by ordinary stores. ``line`` is the
-    elements per 64 bytes; ``target`` is aligned to its element size (numpy arrays are)."""
+    elements per 64 bytes; ``target`` is aligned to its element size (``moegrad._fast._streams``
+    streams no other grad_x): otherwise no element would start a line, and the line stores fault."""
     head = min(n, ((-_address(target)) & 63) // (64 // line))
     for h in range(head):
         target[h] = source[h]

@@ -6,8 +6,9 @@ are all freed, but glibc returns only the free space at the very top of each are
 the rest stays resident for the next allocations, so a server that has answered a batch of 10,000
 calls of different shapes stayed hundreds of MiB above its idle size (bench/RESULTS.md).
 ``malloc_trim(0)`` returns the free pages of every arena (glibc 2.8 and later; the manual page
-malloc_trim(3)). :class:`HeapTrimmer` calls it once the service has released enough bytes of its
-in-flight budget and then held none for a moment, on a thread of the loop's default executor.
+malloc_trim(3)). :class:`HeapTrimmer` calls it a moment after the service has released enough bytes
+of its in-flight budget, at a time when no request holds any, on a thread of the loop's default
+executor.
 Where the C library has no ``malloc_trim`` (musl, macOS), it does nothing.
 """
 
@@ -25,8 +26,10 @@ logger = logging.getLogger("moegrad_service.heap")
 
 #: Bytes released from the in-flight budget since the last trim that make a trim worth it.
 TRIM_AFTER_BYTES = 64 << 20
-#: Seconds the budget must hold no request's bytes before the heap is trimmed.
+#: Seconds from the release that arms a trim to the trim (later while a request holds bytes).
 QUIET_S = 1.0
+#: Seconds between looks at the budget while a request holds bytes past that time.
+RECHECK_S = 0.1
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -52,16 +55,20 @@ def trim_heap() -> bool:
 
 
 class HeapTrimmer:
-    """Trims the heap (:func:`trim_heap`) once ``after_bytes`` have been released from the in-flight
-    budget and the budget has then held nothing but ``spare()`` bytes (kept buffers) for ``quiet_s``
-    seconds.
+    """Trims the heap (:func:`trim_heap`) ``quiet_s`` seconds after ``after_bytes`` have been
+    released from the in-flight budget, or as soon after that as the budget holds nothing but
+    ``spare()`` bytes (kept buffers): it looks again every RECHECK_S while a request holds bytes.
+
+    Releases after the arming one do not put the trim off, so a trickle of small calls does not
+    keep the heap from being trimmed; a request that arrives while the trim runs may wait for it
+    (it takes each arena's lock in turn: about 0.1 s per GB freed).
 
     Args:
         loop: the service's event loop: the timer runs there, the trim on its default executor.
         held: the bytes the budget holds now (requests and kept buffers).
         spare: the bytes of those that are kept buffers (not requests).
         after_bytes: bytes released that arm the trim (default TRIM_AFTER_BYTES).
-        quiet_s: seconds with no request's bytes held before it runs (default QUIET_S).
+        quiet_s: seconds from the arming release to the trim (default QUIET_S).
     """
 
     def __init__(
@@ -84,24 +91,21 @@ class HeapTrimmer:
 
     def released(self, nbytes: int) -> None:
         """The budget gave back ``nbytes``; on any thread."""
-        if self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(self._count, nbytes)
+        try:
+            self._loop.call_soon_threadsafe(self._count, nbytes)
+        except RuntimeError:  # the loop is closed: the service has stopped
+            pass
 
     def _count(self, nbytes: int) -> None:
         self._released += nbytes
-        if self._released >= self.after_bytes:
-            self._arm()
-
-    def _arm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_later(self.quiet_s, self._due)
+        if self._released >= self.after_bytes and self._timer is None:
+            self._timer = self._loop.call_later(self.quiet_s, self._due)
 
     def _due(self) -> None:
         self._timer = None
-        if self._held() > self._spare():  # a request holds bytes: wait for quiet again
-            self._arm()
+        spare = self._spare()  # first: a buffer kept between the two reads then counts as a request's
+        if self._held() > spare:  # a request holds bytes: look again shortly
+            self._timer = self._loop.call_later(RECHECK_S, self._due)
             return
         self._released = 0
         self.trims += 1

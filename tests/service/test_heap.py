@@ -2,8 +2,8 @@
 
 What is checked against something independent: the process's resident pages (/proc/self/statm)
 before and after ``malloc_trim`` over blocks freed with the C library's own ``free``; the rest is
-the trimmer's rule (docs/operations.md, "Memory"): released bytes arm it, and it runs once no
-request has held bytes for its quiet time, kept buffers aside.
+the trimmer's rule (docs/operations.md, "Resources"): released bytes arm it, and it runs its quiet
+time later, or as soon after as no request holds bytes, kept buffers aside.
 """
 
 from __future__ import annotations
@@ -91,6 +91,30 @@ def test_released_bytes_arm_a_trim_that_waits_for_no_request_to_hold_any():
         assert len(trims) == 1 and trimmer.trims == 1  # counting starts again after a trim
 
     trimmer_run(scenario)
+
+
+def test_a_trickle_of_small_releases_does_not_put_the_trim_off():
+    async def scenario(trimmer, held, trims):
+        trimmer.quiet_s = 0.1
+        trimmer.released(100)
+        armed = time.monotonic()
+        while time.monotonic() - armed < 0.5 and not trims:  # a small call answered every 10 ms
+            held[0] = 1
+            await asyncio.sleep(0.002)
+            held[0] = 0
+            trimmer.released(1)
+            await asyncio.sleep(0.008)
+        assert trims, "the trickle kept the heap from being trimmed"
+        assert trims[0] - armed >= 0.1
+
+    trimmer_run(scenario)
+
+
+def test_released_after_the_loop_closed_is_ignored():
+    loop = asyncio.new_event_loop()
+    trimmer = HeapTrimmer(loop, lambda: 0, lambda: 0, after_bytes=1, quiet_s=0.01)
+    loop.close()
+    trimmer.released(10)  # a worker's last release as the service stops: no error
 
 
 def test_kept_buffers_do_not_keep_the_heap_from_being_trimmed():

@@ -253,6 +253,20 @@ def test_streamed_grad_x_is_the_slow_loops_and_stays_in_its_rows(monkeypatch, st
     assert np.all(outside == 0x5A5A5A5A & np.iinfo(outside.dtype).max)
 
 
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=lambda d: d.name)
+def test_a_grad_x_at_an_odd_byte_offset_takes_ordinary_stores(monkeypatch, stream_flags, dtype):
+    # its elements start no 64-byte line: a line store there would fault (the process would die)
+    monkeypatch.setattr(_fast, "_STREAM_BYTES", 0)
+    rng = np.random.default_rng([GRAD_DTYPES.index(dtype), 61])
+    grad, idx, drop_pad_mode, active_num = random_call(rng, "dropless", 2, dtype, tokens=40, hidden=100)
+    buffer = np.zeros(40 * 100 * dtype.itemsize + 1, dtype=np.uint8)
+    out = buffer[1:].view(dtype).reshape(40, 100)
+    assert not out.flags.aligned
+    moe_init_routing_v2_grad(grad, idx, 2, drop_pad_mode, active_num, out=out)
+    assert stream_flags and not any(stream_flags)
+    assert_bitwise_equal(out, slow_grad_x(grad, idx, 2, drop_pad_mode, active_num))
+
+
 def test_a_grad_x_of_16_mib_is_streamed_and_a_smaller_one_is_not(stream_flags):
     rng = np.random.default_rng(12)
     for tokens, expected in ((1023, False), (1024, True)):  # H = 4096 float32: 16 KiB a row
