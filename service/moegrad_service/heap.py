@@ -18,6 +18,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import threading
 from collections.abc import Callable
 
 __all__ = ["HeapTrimmer", "trim_heap"]
@@ -85,29 +86,31 @@ class HeapTrimmer:
         self._spare = spare
         self.after_bytes = TRIM_AFTER_BYTES if after_bytes is None else after_bytes
         self.quiet_s = QUIET_S if quiet_s is None else quiet_s
-        self._released = 0  # since the last trim; only the loop's thread changes it
-        self._timer: asyncio.TimerHandle | None = None
+        self._lock = threading.Lock()
+        self._released = 0  # since the last trim
+        self._armed = False  # a trim is due (its timer set, or being set)
         self.trims = 0  #: trims run so far
 
     def released(self, nbytes: int) -> None:
-        """The budget gave back ``nbytes``; on any thread."""
+        """The budget gave back ``nbytes``; on any thread. Costs a lock and an add, except for the
+        release that arms the trim (it wakes the loop)."""
+        with self._lock:
+            self._released += nbytes
+            if self._armed or self._released < self.after_bytes:
+                return
+            self._armed = True
         try:
-            self._loop.call_soon_threadsafe(self._count, nbytes)
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.quiet_s, self._due)
         except RuntimeError:  # the loop is closed: the service has stopped
             pass
 
-    def _count(self, nbytes: int) -> None:
-        self._released += nbytes
-        if self._released >= self.after_bytes and self._timer is None:
-            self._timer = self._loop.call_later(self.quiet_s, self._due)
-
     def _due(self) -> None:
-        self._timer = None
         spare = self._spare()  # first: a buffer kept between the two reads then counts as a request's
         if self._held() > spare:  # a request holds bytes: look again shortly
-            self._timer = self._loop.call_later(RECHECK_S, self._due)
+            self._loop.call_later(RECHECK_S, self._due)
             return
-        self._released = 0
+        with self._lock:
+            self._released, self._armed = 0, False
         self.trims += 1
         future = self._loop.run_in_executor(None, trim_heap)
         future.add_done_callback(self._done)
