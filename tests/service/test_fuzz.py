@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from servicekit import MSGPACK_HEADERS
 
 from moegrad import InvalidArgument, MalformedRequest, MoeInitRoutingV2GradCall, decode_body
+from moegrad_service import heap
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
 
@@ -315,7 +316,10 @@ def warm_up_documents() -> list[dict]:
     return documents
 
 
-def test_endpoint_answers_every_fuzzed_body_with_a_4xx_problem_and_memory_stays_bounded():
+def test_endpoint_answers_every_fuzzed_body_with_a_4xx_problem_and_memory_stays_bounded(monkeypatch):
+    # the readings trim the heap themselves (rss_bytes); the service's own trims, at moments of its
+    # choosing on another thread, are kept out of them
+    monkeypatch.setattr(heap, "TRIM_AFTER_BYTES", 1 << 62)
     settings_ = Settings(backend="reference", max_elements=MAX_ELEMENTS, max_body_bytes=8 << 20)
     with TestClient(create_app(settings_), raise_server_exceptions=False) as client:
         for _ in range(3):
