@@ -1,7 +1,7 @@
 """Giving the C heap's free pages back to the system once the service is quiet.
 
-Tensors under glibc's mmap threshold (128 KiB to 32 MiB: glibc raises the threshold to the size of
-the largest mapped block freed) live in the heap. When a batch of many such calls is answered they
+Tensors under glibc's mmap threshold (4 MiB: ``moegrad-service serve`` fixes it there, see
+``moegrad_service.__main__``) live in the heap. When a batch of many such calls is answered they
 are all freed, but glibc returns only the free space at the very top of each arena to the system;
 the rest stays resident for the next allocations, so a server that has answered a batch of 10,000
 calls of different shapes stayed hundreds of MiB above its idle size (bench/RESULTS.md).
