@@ -84,7 +84,8 @@ class MemoryBudget:
     The last eighth of the budget is kept for small reservations (up to SMALL_BYTES each): clients
     holding large bodies, even slow or stalled ones, cannot keep a small call out. Spare room may
     hold buffers kept for reuse (:meth:`hold_spare`, moegrad_service.buffers); a reservation that
-    finds no room has ``reclaim`` give them up first. Thread-safe.
+    finds no room has ``reclaim`` give them up first. Every release is also told to ``released``
+    (the service's heap trimmer, moegrad_service.heap). Thread-safe.
 
     Args:
         limit_bytes: the budget.
