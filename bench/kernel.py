@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -33,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,7 +223,12 @@ def _probe_kernels():
 
 
 _touch = None
-_touch_pool = None
+
+
+@functools.cache
+def _gather_pool(lanes: int) -> ThreadPoolExecutor:
+    """The threads gather_rows reads on, one pool per lane count, kept for the run."""
+    return ThreadPoolExecutor(lanes, thread_name_prefix="gather")
 
 
 def gather_rows(call: MoeInitRoutingV2GradCall):
@@ -246,8 +253,6 @@ def gather_rows(call: MoeInitRoutingV2GradCall):
             return total
 
         _touch = touch
-    from concurrent.futures import ThreadPoolExecutor
-
     grad = call.grad_expanded_x
     rows = grad.reshape(-1, call.hidden_size).view(np.uint8)
     index = np.ascontiguousarray(call.expanded_row_idx, dtype=np.int32)
@@ -255,10 +260,7 @@ def gather_rows(call: MoeInitRoutingV2GradCall):
     bounds = np.linspace(0, index.size, lanes + 1).astype(int)
     spans = list(itertools.pairwise(bounds))
     _touch(rows, index, 0, min(8, index.size))
-    global _touch_pool
-    if _touch_pool is None or _touch_pool._max_workers != lanes:
-        _touch_pool = ThreadPoolExecutor(lanes, thread_name_prefix="gather")
-    pool = _touch_pool
+    pool = _gather_pool(lanes)
     return lambda: list(pool.map(lambda span: _touch(rows, index, *span), spans))
 
 
@@ -268,8 +270,6 @@ def probe(repeats: int = 5) -> dict | None:
     kernels = _probe_kernels()
     if kernels is None:
         return None
-    from concurrent.futures import ThreadPoolExecutor
-
     read_stream, spin = kernels
     words = np.ones(_COPY_BYTES // 8, dtype=np.uint64)
     halves = (words[: words.size // 2], words[words.size // 2:])

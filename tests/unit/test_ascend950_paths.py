@@ -12,7 +12,11 @@ import pytest
 from moegrad import _fast, _reference, moe_init_routing_v2_grad
 from test_ascend950 import BF16, REVISIONS, expected_chunk, slow950
 from test_reference import F32, GRAD_DTYPES, KS, MODES, assert_bitwise_equal, random_call, wide_values
-from test_reference_paths import streamed_into_offset_buffer, without_numba  # noqa: F401  (a fixture)
+from test_reference_paths import (  # noqa: F401  (without_numba: a fixture)
+    record_stream_flags,
+    streamed_into_offset_buffer,
+    without_numba,
+)
 
 pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
 
@@ -121,15 +125,7 @@ def test_streamed_grad_x_is_the_slow_loops_and_stays_in_its_rows(monkeypatch, co
 @pytest.fixture
 def compiled_stream_flags(monkeypatch):
     """The ``stream`` argument of each 950 kernel call (the kernel still runs)."""
-    flags = []
-    kernel = _fast_jit.run_rows_950
-
-    def recording(*args):
-        flags.append(args[7])
-        return kernel(*args)
-
-    monkeypatch.setattr(_fast_jit, "run_rows_950", recording)
-    return flags
+    return record_stream_flags(monkeypatch, "run_rows_950")
 
 
 def test_compiled_path_over_many_chunks_on_the_pool(monkeypatch, compiled_calls):

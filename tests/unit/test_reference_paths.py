@@ -208,18 +208,24 @@ def test_compiled_path_over_several_tiles_of_h(monkeypatch, dtype, top_k):
     assert_bitwise_equal(out, slow_grad_x(grad, idx, top_k, drop_pad_mode, active_num))
 
 
-@pytest.fixture
-def stream_flags(monkeypatch):
-    """The ``stream`` argument of each compiled kernel call (the kernel still runs)."""
+def record_stream_flags(monkeypatch, name: str) -> list[bool]:
+    """The ``stream`` argument of each call of ``_fast_jit.<name>`` (run_rows or run_rows_950, whose
+    eighth argument it is); the kernel still runs."""
     flags = []
-    kernel = _fast_jit.run_rows
+    kernel = getattr(_fast_jit, name)
 
     def recording(*args):
         flags.append(args[7])
         return kernel(*args)
 
-    monkeypatch.setattr(_fast_jit, "run_rows", recording)
+    monkeypatch.setattr(_fast_jit, name, recording)
     return flags
+
+
+@pytest.fixture
+def stream_flags(monkeypatch):
+    """The ``stream`` argument of each compiled kernel call (the kernel still runs)."""
+    return record_stream_flags(monkeypatch, "run_rows")
 
 
 def streamed_into_offset_buffer(call_kwargs, tokens, hidden, dtype, offset):
