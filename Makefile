@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SERVE_STAMP := $(VENV)/.installed-service
+# Every install takes its versions from the lock: the exact set `make test` last passed with (`make lock` renews it).
+LOCK := requirements.lock
 # The tests' torch: exactly this pin, which pip takes from a local CPU wheel (a range pulls a CUDA build).
 TORCH_TEST_PIN := torch==2.13.0
 # `make serve HOST=... PORT=... BACKEND=...`: each becomes a flag only when given, so MOEGRAD_* apply otherwise.
@@ -11,7 +13,7 @@ HOST ?=
 PORT ?=
 BACKEND ?=
 
-.PHONY: venv test test-all serve bench clean
+.PHONY: venv test test-all serve bench lock clean
 
 venv: $(STAMP)
 
@@ -22,14 +24,25 @@ $(BIN)/python:
 # pip byte-compiles what it installs (a minute of the install, for torch's thousands of files), and
 # that is worth it: where PYTHONDONTWRITEBYTECODE is set (this machine, CI) nothing else ever writes
 # .pyc files, and every test process and server would compile its imports from source each time.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[service,dev,plot]' '$(TORCH_TEST_PIN)'
+$(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --constraint $(LOCK) -e '.[service,dev,plot]' '$(TORCH_TEST_PIN)'
+	$(BIN)/python -m pip check
 	touch $(STAMP) $(SERVE_STAMP)
 
-# Serving needs only the service extra, not the test toolchain.
-$(SERVE_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[service]'
+# Serving needs only the service extra, not the test toolchain (at the locked versions all the same).
+$(SERVE_STAMP): pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --constraint $(LOCK) -e '.[service]'
 	touch $(SERVE_STAMP)
+
+# The lock: what pyproject.toml's ranges resolve to today, frozen from a fresh environment. Renew it on
+# purpose (then run `make test`, whose contract tests fail loudly if an upgrade moved a private member).
+lock: | $(BIN)/python
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet --upgrade pip
+	.lock-venv/bin/python -m pip install --quiet -e '.[service,dev,plot,torch]' '$(TORCH_TEST_PIN)'
+	{ echo "# The versions \`make test\` and CI install (pip --constraint). Renew with \`make lock\`; do not edit by hand."; \
+	  .lock-venv/bin/python -m pip freeze --exclude-editable; } > $(LOCK)
+	rm -rf .lock-venv
 
 # The kernels compile (numba, into its disk cache, so that every test server loads them) while mypy
 # runs: three processes on the cores. Then two pytest runs: everything not marked serial, three files
@@ -60,4 +73,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache
+	rm -rf $(VENV) .lock-venv build dist .pytest_cache
