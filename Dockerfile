@@ -17,11 +17,11 @@ ARG BASE_IMAGE=python:3.11-slim
 # temporary directory by overriding it).
 ARG APP_ROOT=/opt/moegrad
 
-# ---- requirements: the dependency list, from pyproject.toml alone ---------------------------------
+# ---- requirements: the dependency list, from pyproject.toml, at the versions of requirements.lock ---
 FROM ${BASE_IMAGE} AS requirements
 ARG APP_ROOT
 WORKDIR ${APP_ROOT}/requirements
-COPY pyproject.toml docker/requirements.py ./
+COPY pyproject.toml requirements.lock docker/requirements.py ./
 RUN python requirements.py pyproject.toml service > requirements.txt
 
 # ---- wheel: the moegrad wheel, from the source -----------------------------------------------------
@@ -51,9 +51,10 @@ ENV VIRTUAL_ENV=${APP_ROOT}/venv \
 WORKDIR ${APP_ROOT}
 RUN python -m venv "${VIRTUAL_ENV}"
 
-# Dependencies first: this layer is rebuilt only when the dependency list changes.
-COPY --from=requirements ${APP_ROOT}/requirements/requirements.txt ./
-RUN python -m pip install --no-cache-dir --requirement requirements.txt
+# Dependencies first: this layer is rebuilt only when the dependency list or the lock changes. The
+# lock (the versions `make test` passed with) constrains every version the list resolves to.
+COPY --from=requirements ${APP_ROOT}/requirements/requirements.txt ${APP_ROOT}/requirements/requirements.lock ./
+RUN python -m pip install --no-cache-dir --constraint requirements.lock --requirement requirements.txt
 
 # Then the project itself, without touching the dependencies.
 COPY --from=wheel ${APP_ROOT}/wheel/dist/ dist/

@@ -131,11 +131,14 @@ def test_base_image_is_python_311_slim_by_default_and_shared_by_every_stage(dock
 def test_dependencies_are_installed_in_a_layer_before_the_source(dockerfile):
     requirements = dockerfile.stage("requirements").instructions
     copied = [i.args.split()[:-1] for i in requirements if i.keyword == "COPY"]
-    assert copied == [["pyproject.toml", "docker/requirements.py"]], "the dependency list depends on pyproject.toml only"
+    assert copied == [["pyproject.toml", "requirements.lock", "docker/requirements.py"]], (
+        "the dependency list depends on pyproject.toml and the lock only"
+    )
 
     runtime = dockerfile.stage("runtime").instructions
     steps = [(i.keyword, i.flags.get("from"), i.args) for i in runtime]
     install_deps = next(n for n, (k, _, a) in enumerate(steps) if k == "RUN" and "--requirement" in a)
+    assert "--constraint requirements.lock" in steps[install_deps][2], "the image installs the tested versions"
     copy_wheel = next(n for n, (k, src, _) in enumerate(steps) if k == "COPY" and src == "wheel")
     install_project = next(n for n, (k, _, a) in enumerate(steps) if k == "RUN" and ".whl" in a)
     assert install_deps < copy_wheel < install_project
