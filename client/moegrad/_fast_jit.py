@@ -74,19 +74,22 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 HARDWARE_HALF = _HARDWARE_HALF  #: whether float16 is widened and narrowed by the CPU's conversion instructions
 
 
-def _compiled(function):
-    """njit(nogil=True), cached on disk where numba finds a writable place for its cache.
+def _compiled(function=None, **options):
+    """njit(nogil=True, **options), cached on disk where numba finds a writable place for its cache.
 
     numba looks beside this file, then in NUMBA_CACHE_DIR or the user's cache folder; with none
     writable (a read-only install and home, as in a container with a read-only root filesystem)
     ``cache=True`` raises at decoration time. The kernel then compiles once per process instead.
+    ``@_compiled`` or, with numba options, ``@_compiled(fastmath=...)``.
     """
+    if function is None:
+        return lambda function: _compiled(function, **options)
     try:
-        return njit(nogil=True, cache=True)(function)
+        return njit(nogil=True, cache=True, **options)(function)
     except RuntimeError as error:
         if "cannot cache" not in str(error):
             raise
-        return njit(nogil=True)(function)
+        return njit(nogil=True, **options)(function)
 
 
 def _inlined(function):

@@ -73,6 +73,9 @@ def warm_up_compare() -> bool:
 
 def _params(dtype: str, actual: str) -> np.ndarray:
     limits, actual_limits = DTYPE_LIMITS[dtype], DTYPE_LIMITS[actual]
+    # The kernel divides by these floors as products with their inverses, exact only for powers of two.
+    for floor in (limits.small_value, limits.accumulative_small_value):
+        assert math.frexp(floor)[0] == 0.5, f"{floor} is not a power of two"
     return np.array(
         [
             limits.small_value,

@@ -11,6 +11,13 @@ of, for candidate vs golden, device vs golden and candidate vs device, with the 
 :func:`moegrad.accuracy.metrics` (docs/accuracy.md, "Metrics"). Elements are widened through the
 same bit views as the reference kernel (:mod:`moegrad._fast_jit`): float32 as float32, float16 as
 int16 words, bfloat16 as uint16 words.
+
+The statistics are written so that LLVM turns each row's loop into SIMD code without changing a
+value: counts are integers (exact in any order); maxima of non-negative values are taken as the
+maxima of their bit patterns (integers, ordered as the values); a ULP is a power of two, so an
+error in ULPs is the error times the exact inverse power; only the float sums may be reassociated
+(their own function allows it, ``fastmath={"reassoc"}``), which moves their last bits, never a
+count, a maximum or an element picked. The golden's compensated sum is compiled apart, strictly.
 """
 
 from __future__ import annotations
@@ -18,11 +25,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from moegrad._fast_jit import _compiled, _widen
-
-_inline = njit(inline="always", nogil=True)  # the per-row statistics: inlined into the kernel
 
 # Per-row accumulator slots (the last axis of ``acc``), per comparison.
 FINITE, NORMAL, SMALL, SUM_ABS, SUM_SQ, MAX_ABS, MAX_REL, SUM_REL, SMALL_ERR, MAX_SMALL, MAX_ACC = range(11)
@@ -30,103 +37,213 @@ DOT_AA, DOT_EE, DOT_AE, EQUAL, MAX_ULP, SUM_ULP, ULP_GT1, WITHIN_2, WITHIN_3, WI
 NAN_MISMATCH, INF_MISMATCH, MATCHED, UP, DOWN, TOWARD, AWAY, BAD, BAD_COL, BAD_A, BAD_E, BAD_G = range(21, 33)
 SLOTS = 33
 
+_INT64_MIN = np.int64(-(2**63))
 
-@_inline
-def _row_stats(acc, i, k, a, e, g, m, p, ulp, bad):
-    """One row of one comparison: actual a [H], expected e [H], golden g [H], scale m [H], ULPs at g [H].
 
-    Branch-free (selects only); the sums stay in registers and are added to acc[i, k] once. Compiled
-    without fast-math: reassociation would cancel the golden's compensation in the same kernel, and
-    the NaN/Inf tests must keep their meaning. ``bad`` [H] receives each element's badness (the worst element's key).
-    """
-    small_value, small_atol, acc_small, overflow_at = p[0], p[1], p[2], p[5]
-    inf = math.inf
-    equal = nan_mismatch = inf_mismatch = matched = finite_n = normal_n = small_n = 0.0
-    sum_abs = sum_sq = max_abs = sum_rel = max_rel = max_small = small_err = max_acc = 0.0
-    dot_aa = dot_ee = dot_ae = max_ulp = sum_ulp = ulp_gt1 = within2 = within3 = within4 = 0.0
-    up = down = toward = away = 0.0
+@intrinsic
+def _bits(typingctx, value):
+    """The bits of a float64 as an int64. For values >= +0.0 (and +inf) the integers order as the values do."""
+    if value != types.float64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def _float(typingctx, bits):
+    """The float64 whose bits are ``bits`` (int64): the inverse of :func:`_bits`."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@njit(inline="always")
+def _larger(x, y):
+    """max(x, y) of two integers as a select: numba's builtin max is a call that no loop vectorises through."""
+    return x if x > y else y
+
+
+def _row_stats_for(checked):
+    """The statistics of one row of one comparison, compiled with or without the NaN/Inf
+    classification (``checked``, a constant numba folds)."""
+
+    @_compiled(fastmath={"reassoc"}, error_model="numpy")
+    def row_stats(o, a, e, g, m, p, inv_ulp, key):
+        """One row of one comparison into ``o`` [SLOTS]: actual a [H], expected e [H], golden g [H],
+        scale m [H], the inverse of one ULP at g [H] (an exact power of two); ``key`` [H] int64 receives
+        each element's badness as :func:`_bits` (inf: a NaN/Inf mismatch; the error; -1.0: not judged).
+
+        With ``checked`` False the caller vouches that every value of the row is finite and under
+        the format's overflow (:func:`_unexceptional`), and the classification is left out; the
+        figures are those ``checked`` gives for such a row. Branch-free (selects only). Only the
+        float sums may be reassociated (this function's ``reassoc``); the NaN/Inf tests keep their
+        meaning (no ``nnan``/``ninf``), and no product is fused into a sum (no ``contract``). NumPy's
+        error model: a division checked for a zero divisor (Python's) is a branch out of the loop,
+        which no loop vectorises; every divisor here is > 0.
+        """
+        small_value, small_atol, acc_small, overflow_at = p[0], p[1], p[2], p[5]
+        inv_small_value, inv_acc_small = 1.0 / small_value, 1.0 / acc_small  # exact: both are powers of two
+        inf = math.inf
+        equal = nan_mismatch = inf_mismatch = matched = finite_n = normal_n = small_n = 0
+        small_err = ulp_gt1 = within2 = within3 = within4 = up = down = toward = away = 0
+        sum_abs = sum_sq = sum_rel = dot_aa = dot_ee = dot_ae = sum_ulp = 0.0
+        max_abs = max_rel = max_small = max_acc = max_ulp = np.int64(0)
+        worst = _INT64_MIN
+        for h in range(a.shape[0]):
+            x, y, gh, mh = a[h], e[h], g[h], m[h]
+            same = (x == y) & (math.copysign(1.0, x) == math.copysign(1.0, y))
+            if checked:
+                x_nan, y_nan = x != x, y != y
+                equal += 1 if same | (x_nan & y_nan) else 0
+                # classes: 0 finite, 1 NaN, 2 +inf, 3 -inf; y as rounded to the actual's format
+                ca = 1 if x_nan else (2 if x == inf else (3 if x == -inf else 0))
+                cy = 1 if y_nan else (2 if y >= overflow_at else (3 if y <= -overflow_at else 0))
+                mismatch = ca != cy
+                nan_mismatch += 1 if mismatch & ((ca == 1) | (cy == 1)) else 0
+                inf_mismatch += 1 if mismatch & (ca != 1) & (cy != 1) else 0
+                fin = (not mismatch) & (ca == 0) & (abs(gh) < inf) & (mh < inf)
+                matched += 1 if (not mismatch) & (not fin) else 0
+            else:  # the caller found every value finite and under the format's overflow
+                equal += 1 if same else 0
+                mismatch, fin = False, True
+            err = (x - y) if fin else 0.0
+            ae = abs(err)
+            k = _bits(inf if mismatch else (ae if fin else -1.0))
+            key[h] = k
+            worst = k if k > worst else worst
+            finite_n += 1 if fin else 0
+            sum_abs += ae
+            sum_sq += err * err
+            max_abs = _larger(max_abs, _bits(ae))
+            normal = fin & (mh >= small_value)
+            small = fin & (mh < small_value)
+            # One division serves the three ratios: each divides by mh above its floor, and by the floor
+            # (a power of two: times its exact inverse) below it.
+            q = ae / mh
+            rel = q if normal else 0.0
+            normal_n += 1 if normal else 0
+            sum_rel += rel
+            max_rel = _larger(max_rel, _bits(rel))
+            small_abs = ae if small else 0.0
+            small_n += 1 if small else 0
+            max_small = _larger(max_small, _bits(small_abs))
+            small_err += 1 if small_abs > small_atol else 0
+            accumulated = (q if mh > acc_small else ae * inv_acc_small) if fin else 0.0
+            max_acc = _larger(max_acc, _bits(accumulated))
+            xf, yf = (x if fin else 0.0), (y if fin else 0.0)
+            dot_aa += xf * xf
+            dot_ee += yf * yf
+            dot_ae += xf * yf
+            u = ae * inv_ulp[h]  # exactly ae / ULP: the ULP is a power of two
+            max_ulp = _larger(max_ulp, _bits(u))
+            sum_ulp += u
+            ulp_gt1 += 1 if u > 1.0 else 0
+            scaled = (q if mh > small_value else ae * inv_small_value) if fin else inf
+            within2 += 1 if scaled <= 1e-2 else 0
+            within3 += 1 if scaled <= 1e-3 else 0
+            within4 += 1 if scaled <= 1e-4 else 0
+            up += 1 if err > 0.0 else 0
+            down += 1 if err < 0.0 else 0
+            toward += 1 if fin & (abs(xf) < abs(yf)) else 0
+            away += 1 if fin & (abs(xf) > abs(yf)) else 0
+        o[FINITE] += finite_n
+        o[NORMAL] += normal_n
+        o[SMALL] += small_n
+        o[SUM_ABS] += sum_abs
+        o[SUM_SQ] += sum_sq
+        o[MAX_ABS] = max(o[MAX_ABS], _float(max_abs))
+        o[MAX_REL] = max(o[MAX_REL], _float(max_rel))
+        o[SUM_REL] += sum_rel
+        o[SMALL_ERR] += small_err
+        o[MAX_SMALL] = max(o[MAX_SMALL], _float(max_small))
+        o[MAX_ACC] = max(o[MAX_ACC], _float(max_acc))
+        o[DOT_AA] += dot_aa
+        o[DOT_EE] += dot_ee
+        o[DOT_AE] += dot_ae
+        o[EQUAL] += equal
+        o[MAX_ULP] = max(o[MAX_ULP], _float(max_ulp))
+        o[SUM_ULP] += sum_ulp
+        o[ULP_GT1] += ulp_gt1
+        o[WITHIN_2] += within2
+        o[WITHIN_3] += within3
+        o[WITHIN_4] += within4
+        o[NAN_MISMATCH] += nan_mismatch
+        o[INF_MISMATCH] += inf_mismatch
+        o[MATCHED] += matched
+        o[UP] += up
+        o[DOWN] += down
+        o[TOWARD] += toward
+        o[AWAY] += away
+        if _float(worst) > o[BAD]:  # the first element with the largest badness (np.argmax's order)
+            for h in range(a.shape[0]):
+                if key[h] == worst:
+                    o[BAD], o[BAD_COL], o[BAD_A], o[BAD_E], o[BAD_G] = _float(worst), h, a[h], e[h], g[h]
+                    break
+
+    return row_stats
+
+
+_row_stats = _row_stats_for(True)
+_row_stats_finite = _row_stats_for(False)
+
+
+@_compiled
+def _unexceptional(a, d, g, m, overflow_at):
+    """Whether every a, d, m [H] is finite and every |g| [H] under ``overflow_at``: nothing to classify."""
+    ok = True
     for h in range(a.shape[0]):
-        x, y, gh, mh = a[h], e[h], g[h], m[h]
-        x_nan, y_nan = x != x, y != y
-        same = (x == y) & (math.copysign(1.0, x) == math.copysign(1.0, y))
-        equal += 1.0 if same | (x_nan & y_nan) else 0.0
-        # classes: 0 finite, 1 NaN, 2 +inf, 3 -inf; y as rounded to the actual's format
-        ca = 1 if x_nan else (2 if x == inf else (3 if x == -inf else 0))
-        cy = 1 if y_nan else (2 if y >= overflow_at else (3 if y <= -overflow_at else 0))
-        mismatch = ca != cy
-        nan_mismatch += 1.0 if mismatch & ((ca == 1) | (cy == 1)) else 0.0
-        inf_mismatch += 1.0 if mismatch & (ca != 1) & (cy != 1) else 0.0
-        fin = (not mismatch) & (ca == 0) & (abs(gh) < inf) & (mh < inf)
-        matched += 1.0 if (not mismatch) & (not fin) else 0.0
-        err = (x - y) if fin else 0.0
-        ae = abs(err)
-        bad[h] = inf if mismatch else (ae if fin else -1.0)
-        finite_n += 1.0 if fin else 0.0
-        sum_abs += ae
-        sum_sq += err * err
-        max_abs = ae if ae > max_abs else max_abs
-        normal = fin & (mh >= small_value)
-        small = fin & (mh < small_value)
-        rel = ae / mh if normal else 0.0
-        normal_n += 1.0 if normal else 0.0
-        sum_rel += rel
-        max_rel = rel if rel > max_rel else max_rel
-        small_abs = ae if small else 0.0
-        small_n += 1.0 if small else 0.0
-        max_small = small_abs if small_abs > max_small else max_small
-        small_err += 1.0 if small_abs > small_atol else 0.0
-        accumulated = ae / (mh if mh > acc_small else acc_small) if fin else 0.0
-        max_acc = accumulated if accumulated > max_acc else max_acc
-        xf, yf = (x if fin else 0.0), (y if fin else 0.0)
-        dot_aa += xf * xf
-        dot_ee += yf * yf
-        dot_ae += xf * yf
-        u = ae / ulp[h] if fin else 0.0
-        max_ulp = u if u > max_ulp else max_ulp
-        sum_ulp += u
-        ulp_gt1 += 1.0 if u > 1.0 else 0.0
-        scaled = ae / (mh if mh > small_value else small_value) if fin else inf
-        within2 += 1.0 if scaled <= 1e-2 else 0.0
-        within3 += 1.0 if scaled <= 1e-3 else 0.0
-        within4 += 1.0 if scaled <= 1e-4 else 0.0
-        up += 1.0 if err > 0.0 else 0.0
-        down += 1.0 if err < 0.0 else 0.0
-        toward += 1.0 if fin & (abs(xf) < abs(yf)) else 0.0
-        away += 1.0 if fin & (abs(xf) > abs(yf)) else 0.0
-    o = acc[i, k]
-    o[FINITE] += finite_n
-    o[NORMAL] += normal_n
-    o[SMALL] += small_n
-    o[SUM_ABS] += sum_abs
-    o[SUM_SQ] += sum_sq
-    o[MAX_ABS] = max(o[MAX_ABS], max_abs)
-    o[MAX_REL] = max(o[MAX_REL], max_rel)
-    o[SUM_REL] += sum_rel
-    o[SMALL_ERR] += small_err
-    o[MAX_SMALL] = max(o[MAX_SMALL], max_small)
-    o[MAX_ACC] = max(o[MAX_ACC], max_acc)
-    o[DOT_AA] += dot_aa
-    o[DOT_EE] += dot_ee
-    o[DOT_AE] += dot_ae
-    o[EQUAL] += equal
-    o[MAX_ULP] = max(o[MAX_ULP], max_ulp)
-    o[SUM_ULP] += sum_ulp
-    o[ULP_GT1] += ulp_gt1
-    o[WITHIN_2] += within2
-    o[WITHIN_3] += within3
-    o[WITHIN_4] += within4
-    o[NAN_MISMATCH] += nan_mismatch
-    o[INF_MISMATCH] += inf_mismatch
-    o[MATCHED] += matched
-    o[UP] += up
-    o[DOWN] += down
-    o[TOWARD] += toward
-    o[AWAY] += away
-    worst = o[BAD]
-    for h in range(a.shape[0]):  # the first element with the largest badness (np.argmax's order)
-        if bad[h] > worst:
-            worst = bad[h]
-            o[BAD], o[BAD_COL], o[BAD_A], o[BAD_E], o[BAD_G] = bad[h], h, a[h], e[h], g[h]
+        ok &= (abs(a[h]) < math.inf) & (abs(d[h]) < math.inf) & (abs(g[h]) < overflow_at) & (m[h] < math.inf)
+    return ok
+
+
+@_compiled
+def _golden_row(rows, index, i, mode, limit, total, comp, m, g):
+    """Row i's golden g [H] (Neumaier-compensated float64 sum of its summands, the plain sum where
+    that is not finite) and scale m [H] (the sum of their magnitudes). Strict IEEE order: compiled
+    apart from the statistics, so no reassociation reaches the compensation."""
+    hidden = g.shape[0]
+    total[:] = 0.0
+    comp[:] = 0.0
+    m[:] = 0.0
+    for t in range(index.shape[1]):
+        j = index[i, t]
+        if (mode == 1 and j < 0) or (mode == 2 and j >= limit):
+            continue  # a skipped slot adds nothing
+        for h in range(hidden):
+            v = np.float64(_widen(rows[j, h]))
+            s = total[h]
+            new = s + v
+            comp[h] += ((s - new) + v) if abs(s) >= abs(v) else ((v - new) + s)
+            total[h] = new
+            m[h] += abs(v)
+    for h in range(hidden):
+        s = total[h]
+        g[h] = s + comp[h] if abs(s) < math.inf else s
+
+
+@_compiled
+def _widen_row(source, i, out):
+    for h in range(out.shape[0]):
+        out[h] = np.float64(_widen(source[i, h]))
+
+
+@_compiled
+def _inverse_ulps(g, p_c, e_c, p_d, e_d, inv_c, inv_d):
+    """The inverse of one ULP at each g [H] in the candidate's and the device's format: 2^(p - max(e, emin))
+    with e the exponent of g (zero and subnormals: emin); exact powers of two."""
+    g_bits = g.view(np.uint64)
+    c_bits, d_bits = inv_c.view(np.uint64), inv_d.view(np.uint64)
+    for h in range(g.shape[0]):
+        exponent = np.int64((g_bits[h] >> np.uint64(52)) & np.uint64(0x7FF)) - 1023
+        c_bits[h] = np.uint64(1023 - (_larger(exponent, e_c) - p_c)) << np.uint64(52)
+        d_bits[h] = np.uint64(1023 - (_larger(exponent, e_d) - p_d)) << np.uint64(52)
 
 
 @_compiled
@@ -140,46 +257,29 @@ def compare_rows(rows, index, mode, limit, candidate, device, golden, has_golden
     and min exponent of the actual's dtype, and the overflow threshold of that dtype.
     """
     hidden = candidate.shape[1]
-    top_k = index.shape[1]
     total = np.empty(hidden)
     comp = np.empty(hidden)
     g = np.empty(hidden)
     m = np.empty(hidden)
     a = np.empty(hidden)
     d = np.empty(hidden)
-    bad = np.empty(hidden)
-    ulp_c = np.empty(hidden)
-    ulp_d = np.empty(hidden)
-    g_bits, ulp_c_bits, ulp_d_bits = g.view(np.uint64), ulp_c.view(np.uint64), ulp_d.view(np.uint64)
+    key = np.empty(hidden, dtype=np.int64)
+    inv_c = np.empty(hidden)
+    inv_d = np.empty(hidden)
     p_c, e_c, p_d, e_d = int(p_cand[3]), int(p_cand[4]), int(p_dev[3]), int(p_dev[4])
+    overflow_at = min(p_cand[5], p_dev[5])
     for i in range(start, stop):
-        total[:] = 0.0
-        comp[:] = 0.0
-        m[:] = 0.0
-        for t in range(top_k):
-            j = index[i, t]
-            if (mode == 1 and j < 0) or (mode == 2 and j >= limit):
-                continue  # a skipped slot adds nothing
-            for h in range(hidden):
-                v = np.float64(_widen(rows[j, h]))
-                s = total[h]
-                new = s + v
-                comp[h] += ((s - new) + v) if abs(s) >= abs(v) else ((v - new) + s)
-                total[h] = new
-                m[h] += abs(v)
-        for h in range(hidden):
-            if has_golden:
-                g[h] = golden[i, h]
-            else:
-                s = total[h]
-                g[h] = s + comp[h] if abs(s) < math.inf else s
-            a[h] = np.float64(_widen(candidate[i, h]))
-            d[h] = np.float64(_widen(device[i, h]))
-        for h in range(hidden):
-            # one ULP at g: 2^(max(e, emin) - p) with e the exponent of g (zero and subnormals: emin)
-            exponent = np.int64((g_bits[h] >> np.uint64(52)) & np.uint64(0x7FF)) - 1023
-            ulp_c_bits[h] = np.uint64(max(exponent, e_c) - p_c + 1023) << np.uint64(52)
-            ulp_d_bits[h] = np.uint64(max(exponent, e_d) - p_d + 1023) << np.uint64(52)
-        _row_stats(acc, i, 0, a, g, g, m, p_cand, ulp_c, bad)
-        _row_stats(acc, i, 1, d, g, g, m, p_dev, ulp_d, bad)
-        _row_stats(acc, i, 2, a, d, g, m, p_cand, ulp_c, bad)
+        _golden_row(rows, index, i, mode, limit, total, comp, m, g)
+        if has_golden:
+            g[:] = golden[i]
+        _widen_row(candidate, i, a)
+        _widen_row(device, i, d)
+        _inverse_ulps(g, p_c, e_c, p_d, e_d, inv_c, inv_d)
+        if _unexceptional(a, d, g, m, overflow_at):
+            _row_stats_finite(acc[i, 0], a, g, g, m, p_cand, inv_c, key)
+            _row_stats_finite(acc[i, 1], d, g, g, m, p_dev, inv_d, key)
+            _row_stats_finite(acc[i, 2], a, d, g, m, p_cand, inv_c, key)
+        else:
+            _row_stats(acc[i, 0], a, g, g, m, p_cand, inv_c, key)
+            _row_stats(acc[i, 1], d, g, g, m, p_dev, inv_d, key)
+            _row_stats(acc[i, 2], a, d, g, m, p_cand, inv_c, key)
