@@ -38,7 +38,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
-from moegrad_service.connections import _uvicorn_private as uv
+import moegrad_service.connections._uvicorn_private as uv
 from moegrad_service.connections._body import BODY_INTO, BodySink
 
 __all__ = ["LINGER_BYTES", "LINGER_S", "SHUTDOWN_IDLE_S", "GuardedProtocol", "guarded_protocol"]

@@ -14,7 +14,7 @@ from types import FrameType
 
 import uvicorn
 
-from moegrad_service.connections import _uvicorn_private as uv
+import moegrad_service.connections._uvicorn_private as uv
 from moegrad_service.connections._protocol import GuardedProtocol
 
 __all__ = ["DrainingServer"]
