@@ -8,11 +8,9 @@ serves protocol v2 over gRPC, on the same workers, draining with HTTP on SIGTERM
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import ctypes
 import functools
-import gc
 import importlib
 import logging
 import os
@@ -33,6 +31,8 @@ except ImportError:  # a client-only install (no service extra): main() says wha
     Settings = None  # type: ignore[assignment,misc]
 
 if typing.TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from moegrad_service.engine import Backend
 
 __all__ = ["main"]
@@ -155,77 +155,11 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         print(f"moegrad-service: {exc}", file=sys.stderr)
         return 2
 
-    from moegrad_service.connections import guarded_protocol
+    from moegrad_service.connections import DrainingServer, guarded_protocol
 
     protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s)
     _raise_fd_limit(settings.max_connections)
     _map_large_allocations()
-
-    class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT: stop admitting at once (every new call 503 + Connection: close,
-        readiness 503) while the port stays open for ``shutdown_drain_s``; then uvicorn's own
-        shutdown closes the port and lets every admitted call finish before the lifespan closes the
-        backend. A second signal stops at once."""
-
-        draining = False
-
-        def handle_exit(self, sig, frame) -> None:
-            if self.draining or not self.started or settings.shutdown_drain_s == 0:
-                self._begin_drain()
-                super().handle_exit(sig, frame)
-                return
-            self._begin_drain()
-            timer = threading.Timer(settings.shutdown_drain_s, super().handle_exit, (sig, frame))
-            timer.daemon = True
-            timer.start()
-
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            # Everything made while starting (the imported modules, numba's compiled kernels) lives
-            # as long as the process: keep it out of the collector's full passes, which otherwise
-            # stall the event loop for 100-200 ms at a time under load.
-            gc.collect()
-            gc.freeze()
-
-        async def shutdown(self, sockets=None) -> None:
-            await self._answer_backlog()
-            await super().shutdown(sockets)
-
-        async def _answer_backlog(self) -> None:
-            """Serve the connections the kernel has accepted but uvicorn has not yet: closing a
-            listening socket resets every connection still in its backlog, and a client that has
-            already sent its request would read that reset instead of an answer."""
-            loop = asyncio.get_running_loop()
-            for listener in [sock for server in self.servers for sock in server.sockets]:
-                own = socket.socket(fileno=os.dup(listener.fileno()))  # stays listening once asyncio closes its fd
-                own.setblocking(False)
-                with contextlib.suppress(OSError):
-                    own.listen(0)  # from now on the backlog holds at most one
-                for server in self.servers:
-                    server.close()  # asyncio stops accepting: every pending connection is ours
-                with own:
-                    while True:
-                        try:
-                            connection, _ = own.accept()
-                        except (BlockingIOError, InterruptedError, OSError):
-                            break
-                        made = protocol(
-                            config=self.config, server_state=self.server_state, app_state=self.lifespan.state
-                        )
-                        with contextlib.suppress(OSError):
-                            await loop.connect_accepted_socket(functools.partial(_same, made), sock=connection)
-
-        def _begin_drain(self) -> None:
-            if self.draining:
-                return
-            self.draining = True
-            protocol.draining = True
-            drain = getattr(app.state, "drain", None)
-            if drain is not None:
-                drain()
-            for connection in list(self.server_state.connections):
-                if hasattr(connection, "drain"):
-                    connection.drain()
 
     config = uvicorn.Config(
         app,
@@ -242,14 +176,16 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         limit_concurrency=settings.max_connections,
         log_config=None,
     )
-    server = DrainingServer(config)
+    server = DrainingServer(
+        config, protocol=protocol, drain_s=settings.shutdown_drain_s, on_drain=functools.partial(_stop_admitting, app)
+    )
 
     def after_drain(signum: int, frame: object) -> None:
         # uvicorn, once its graceful shutdown is done, restores the SIGTERM / SIGINT handler it found
         # and raises the signal again (so that the default action would end the process as -SIGTERM,
         # or Python's raise KeyboardInterrupt with a traceback). A drained stop is a clean stop: let
         # it return 0. Before uvicorn has started, stop at once.
-        if not server.started:
+        if not server.has_started():
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
@@ -261,7 +197,7 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return 0 if server.started else 1
+    return 0 if server.has_started() else 1
 
 
 #: Allocations from this size up get pages of their own, given back to the OS when freed (glibc's
@@ -310,9 +246,11 @@ def _raise_fd_limit(max_connections: int) -> None:
         )
 
 
-def _same(protocol: asyncio.BaseProtocol) -> asyncio.BaseProtocol:
-    """A protocol factory that hands out one protocol already made (for connect_accepted_socket)."""
-    return protocol
+def _stop_admitting(app: FastAPI) -> None:
+    """The app stops admitting calls (``app.state.drain``, set once its lifespan has started)."""
+    drain = getattr(app.state, "drain", None)
+    if drain is not None:
+        drain()
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             opened, streams=settings.streams, max_queue=settings.max_queue, retry_after_s=settings.retry_after_s
         )
         await pool.start()
-        if settings.warm_up and getattr(opened, "warm_up", True):
+        if settings.warm_up and opened.warm_up:
             # in the background: readiness waits for the kernel, not for this (a cold numba cache
             # compiles it in 20 s to 2 minutes); a comparison arriving meanwhile waits for numba's lock
             threading.Thread(target=_warm_up_compare, name="moegrad-warm-up-compare", daemon=True).start()

@@ -395,7 +395,7 @@ class DataPlane:
     def device_order(self) -> str | None:
         """The order the device's chip computes (from its SoC name), or None: the emulation, or a
         chip whose order moegrad does not know."""
-        return None if self.emulation else getattr(self.pool.backend, "order", None)
+        return None if self.emulation else self.pool.backend.order
 
     @property
     def default_order(self) -> str:

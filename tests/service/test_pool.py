@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import moegrad
-from moegrad_service.engine import ReferenceBackend, StreamPool
+from moegrad_service.engine import BackendWorker, ReferenceBackend, StreamPool
 
 
 @pytest.mark.asyncio
@@ -36,7 +36,7 @@ async def test_the_pool_holds_no_reference_to_a_finished_call():
         await pool.close(grace_s=5)
 
 
-class _FailingTogether:
+class _FailingTogether(BackendWorker):
     """A reference slot whose run_many raises (or declines): the pool must run each call alone."""
 
     def __init__(self, worker, declines: bool) -> None:

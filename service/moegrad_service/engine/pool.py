@@ -13,7 +13,7 @@ Life of a call::
         └─(queue full, not ready, closing, no worker can run calls)─> DeviceBusy (503 + Retry-After)
 
 Capacity: a worker counts while it can run calls. One whose backend slot says it cannot
-(``accepts_calls()`` False: the ascend worker with too many kernels still running past their
+(:meth:`BackendWorker.accepts_calls` False: the ascend worker with too many kernels still running past their
 deadline) stops taking calls and asks again every CAPACITY_POLL_S seconds; an abandoned worker
 counts again once its replacement has opened. With none left the pool is not ready and refuses
 calls (503) instead of letting them fail one by one.
@@ -41,7 +41,7 @@ from moegrad import (
     MoegradError,
     MoeInitRoutingV2GradCall,
 )
-from moegrad_service.engine.base import Backend
+from moegrad_service.engine.base import Backend, BackendWorker
 
 __all__ = ["PartOutcome", "StreamPool", "Timings"]
 
@@ -336,8 +336,8 @@ class StreamPool:
     ) -> tuple[list[PartOutcome], Timings]:
         """Run a batch's share as one queue entry: each part a run of validated, non-empty calls (as
         :meth:`run_many` runs them) or a :class:`moegrad.CallGroup` (through the worker's
-        ``run_group`` where it has one: all members in one computation; else one member after
-        another). However many parts, the batch takes one place in the queue.
+        :meth:`~BackendWorker.run_group` unless it declines: all members in one computation; else
+        one member after another). However many parts, the batch takes one place in the queue.
 
         Returns:
             (one outcome per part, in order: for calls, [(grad_x, None) or (None, error)]; for a
@@ -394,6 +394,12 @@ class StreamPool:
         me = threading.current_thread()
         try:
             worker = self.backend.open_worker(index)
+            if not isinstance(worker, BackendWorker):  # every member is declared: none is probed later
+                missing = [name for name in vars(BackendWorker) if name[0] != "_" and not hasattr(worker, name)]
+                raise TypeError(
+                    f"{type(worker).__name__} is not a BackendWorker (it lacks {', '.join(missing)}): "
+                    "subclass moegrad_service.engine.BackendWorker for the optional members' defaults"
+                )
         except BaseException as exc:  # reported to start()
             outcome[0] = exc
             with self._lock:
@@ -438,7 +444,7 @@ class StreamPool:
             except Exception:
                 log.exception("closing backend worker %d failed", index)
 
-    def _wait_for_capacity(self, index: int, worker) -> bool:
+    def _wait_for_capacity(self, index: int, worker: BackendWorker) -> bool:
         """Return once ``worker`` can run calls (True), or when the pool closes first (False)."""
         if self._accepts(worker):
             return True
@@ -456,18 +462,15 @@ class StreamPool:
         return False
 
     @staticmethod
-    def _accepts(worker) -> bool:
-        accepts = getattr(worker, "accepts_calls", None)
-        if accepts is None:
-            return True
+    def _accepts(worker: BackendWorker) -> bool:
         try:
-            return bool(accepts())
+            return bool(worker.accepts_calls())
         except Exception:  # a slot that cannot even answer this cannot run calls
             log.exception("asking a backend worker whether it can run calls failed")
             return False
 
     @staticmethod
-    def _execute(worker, job: _Job) -> tuple[Any, BaseException | None]:
+    def _execute(worker: BackendWorker, job: _Job) -> tuple[Any, BaseException | None]:
         work = job.call
         assert work is not None  # only a settled job has let go of its call
         if isinstance(work, _Parts):  # run_parts: each part's own outcome, in order
@@ -483,7 +486,7 @@ class StreamPool:
 
     @staticmethod
     def _execute_part(
-        worker, part: tuple[MoeInitRoutingV2GradCall, ...] | CallGroup, deadline: float | None
+        worker: BackendWorker, part: tuple[MoeInitRoutingV2GradCall, ...] | CallGroup, deadline: float | None
     ) -> PartOutcome:
         if isinstance(part, CallGroup):
             stacked = StreamPool._execute_group(worker, part, deadline)
@@ -497,40 +500,38 @@ class StreamPool:
 
     @staticmethod
     def _execute_together(
-        worker, calls: tuple[MoeInitRoutingV2GradCall, ...], deadline: float | None
+        worker: BackendWorker, calls: tuple[MoeInitRoutingV2GradCall, ...], deadline: float | None
     ) -> list[tuple[np.ndarray | None, BaseException | None]] | None:
-        """The calls through the worker's optional ``run_many`` (all of them at once), or None: the
-        worker has none or declines (returns None), or it raised, and each call then runs on its own
-        so that each gets its own answer."""
-        run_many = getattr(worker, "run_many", None)
+        """The calls through the worker's :meth:`~BackendWorker.run_many` (all of them at once), or
+        None: the worker declines (the default), it raised, or the deadline passed, and each call then
+        runs on its own so that each gets its own answer."""
         remaining = None if deadline is None else deadline - time.monotonic()
-        if run_many is None or (remaining is not None and remaining <= 0):
+        if remaining is not None and remaining <= 0:
             return None
         try:
-            results = run_many(calls, timeout_s=remaining)
+            results = worker.run_many(calls, timeout_s=remaining)
         except Exception:
             log.exception("the backend's run_many failed; running the calls one by one")
             return None
         return None if results is None else [(grad_x, None) for grad_x in results]
 
     @staticmethod
-    def _execute_group(worker, group: CallGroup, deadline: float | None) -> np.ndarray | None:
-        """The group through the worker's optional ``run_group``, or None (no such method, it
-        declines or raises, or the deadline passed): then each member runs on its own and gets its
+    def _execute_group(worker: BackendWorker, group: CallGroup, deadline: float | None) -> np.ndarray | None:
+        """The group through the worker's :meth:`~BackendWorker.run_group`, or None (it declines, the
+        default, or raises, or the deadline passed): then each member runs on its own and gets its
         own answer."""
-        run_group = getattr(worker, "run_group", None)
         remaining = None if deadline is None else deadline - time.monotonic()
-        if run_group is None or (remaining is not None and remaining <= 0):
+        if remaining is not None and remaining <= 0:
             return None
         try:
-            return run_group(group, timeout_s=remaining)
+            return worker.run_group(group, timeout_s=remaining)
         except Exception:
             log.exception("the backend's run_group failed; running the members one by one")
             return None
 
     @staticmethod
     def _execute_one(
-        worker, call: MoeInitRoutingV2GradCall, deadline: float | None, out: np.ndarray | None = None
+        worker: BackendWorker, call: MoeInitRoutingV2GradCall, deadline: float | None, out: np.ndarray | None = None
     ) -> tuple[np.ndarray | None, BaseException | None]:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:

@@ -17,6 +17,7 @@ from moegrad import (
     moe_init_routing_v2_grad_many,
 )
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad_service.engine.base import Backend, BackendWorker
 
 __all__ = ["ReferenceBackend"]
 
@@ -25,7 +26,7 @@ log = logging.getLogger("moegrad_service.engine")
 FaultHook = Callable[[MoeInitRoutingV2GradCall, float | None], None]
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     """Runs calls with :func:`moegrad.moe_init_routing_v2_grad` on the CPU, in the call's ``order``.
 
     Args:
@@ -72,7 +73,7 @@ class ReferenceBackend:
         """Nothing to release."""
 
 
-class _ReferenceWorker:
+class _ReferenceWorker(BackendWorker):
     def __init__(self, backend: ReferenceBackend) -> None:
         self._backend = backend
 

@@ -18,7 +18,10 @@ Modules, in the direction of their imports::
     _abi      enum values, error codes, C prototypes, library loading (ascend_available)
     _buffers  host arrays in the device's layout, the per-stream device buffer cache
     _device   ACL references, the per-thread device context, streams, tensors, frees
-    _backend  AscendBackend and its workers (one stream each)
+    _call     one call as the device takes it: the SoC -> order table, the arguments marshalled
+              on the host, what a phase-one status means
+    _worker   AscendWorker: one stream, its buffers, the two-phase run of one call, retirement
+    _backend  AscendBackend: the device opened and probed, workers made, health, the ordered close
 
 Threads and streams. The device context is per thread in CANN, so every thread that touches the
 device calls ``aclrtSetDevice`` first (a thread-local flag remembers it; each call is one reference
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 from moegrad import DeviceFault  # noqa: F401 - the base of CannUnavailable, reachable from here as before
 from moegrad_service.engine.ascend._abi import ACL_DATA_TYPES, CannUnavailable, ascend_available
-from moegrad_service.engine.ascend._backend import SOC_ORDERS, AscendBackend, order_of_soc
+from moegrad_service.engine.ascend._backend import AscendBackend
+from moegrad_service.engine.ascend._call import SOC_ORDERS, order_of_soc
 
 __all__ = ["ACL_DATA_TYPES", "SOC_ORDERS", "AscendBackend", "CannUnavailable", "ascend_available", "order_of_soc"]

@@ -1,4 +1,4 @@
-"""Connection limits below the application: request-head size and time, answered on the socket.
+"""The HTTP protocol: uvicorn's httptools protocol with a bounded request head and a lingering close.
 
 uvicorn's httptools protocol puts no bound on a request's head (request line plus headers): a client
 can send hundreds of MiB of header, or one byte a second forever, and each such connection holds a
@@ -13,14 +13,6 @@ subclass of that protocol that bounds both, per request:
 Both answers carry ``Connection: close`` and a problem+json body naming the setting. Each refusal
 is logged at warning level with the client's address.
 
-A request body of declared length can also be read straight into the handler's buffer
-(:data:`BODY_INTO`, an ASGI scope extension): the protocol hands the socket to a
-:class:`asyncio.BufferedProtocol` that the event loop fills with ``recv_into`` until the body is
-all in, then takes the socket back with a fresh parser for the next request. Through uvicorn's
-own path every body byte is copied five times after the kernel's copy (the loop's read buffer into
-a ``bytes``, the parser's ``on_body`` slice, the cycle's bytearray, ``receive()``'s ``bytes``, the
-handler's buffer), 256 KiB at a time.
-
 Every close of a connection whose request is not all in -- these two answers, and any answer the
 application gives before reading the whole body (413, 415, 503 ...), which it sends with
 ``Connection: close`` -- is *lingering*: the write side is shut, what the client still sends is read
@@ -28,10 +20,13 @@ and discarded for up to LINGER_S seconds or LINGER_BYTES bytes, then the socket 
 with unread bytes would make the kernel send a reset, which can destroy the answer before the
 client reads it.
 
+The protocol also offers a request's body to its handler through :data:`~._body.BODY_INTO` (the
+body sink, :mod:`._body`), and answers ``Connection: close`` from the moment the server drains
+(:mod:`._server`). It reaches uvicorn's private members only through :mod:`._uvicorn_private`.
+
 The guard is a subclass rather than uvicorn's ``http="h11"`` (whose ``h11_max_incomplete_event_size``
 bounds the head, answered 400, with no head timeout): h11 parses in Python and costs more server
-CPU per small call than httptools (see docs/operations.md, "Limits").
-"""
+CPU per small call than httptools (see docs/operations.md, "Limits")."""
 
 from __future__ import annotations
 
@@ -40,12 +35,13 @@ import json
 import logging
 from typing import Any
 
-import httptools
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["BODY_INTO", "LINGER_BYTES", "LINGER_S", "guarded_protocol"]
+import moegrad_service.connections._uvicorn_private as uv
+from moegrad_service.connections._body import BODY_INTO, BodySink
+
+__all__ = ["LINGER_BYTES", "LINGER_S", "SHUTDOWN_IDLE_S", "GuardedProtocol", "guarded_protocol"]
 
 log = logging.getLogger("moegrad_service.connections")
 
@@ -58,14 +54,6 @@ LINGER_PACE_S = 0.05
 #: on its way (answered 503 + Connection: close) before it is closed, in seconds.
 SHUTDOWN_IDLE_S = 0.5
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
-#: The scope extension (``scope["extensions"][BODY_INTO]``) of a plain-TCP request with a body:
-#: ``await body_into(scope, view)`` reads the whole body, whose Content-Length is ``len(view)``,
-#: into ``view``. It returns False, having read nothing, when the body is not this connection's
-#: to give (the handler already received part of it, or it is not the request being parsed):
-#: read it with ``receive()`` then. Raises starlette's ClientDisconnect when the client goes.
-BODY_INTO = "moegrad.body_into"
-#: Bytes discarded at a time by a body sink whose handler stopped waiting.
-_SCRATCH_BYTES = 256 << 10
 
 
 def _answer(status: int, detail: str) -> bytes:
@@ -80,7 +68,7 @@ def _answer(status: int, detail: str) -> bytes:
 class _LingeringTransport:
     """The connection's transport as uvicorn sees it: ``close()`` lingers while the request is not all in."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: _GuardedProtocol) -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedProtocol) -> None:
         self._transport, self._protocol = transport, protocol
 
     def close(self) -> None:
@@ -93,8 +81,14 @@ class _LingeringTransport:
         return getattr(self._transport, name)
 
 
-class _GuardedProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol with a bounded request head (see the module docstring)."""
+class GuardedProtocol(uv.HttpToolsProtocol):
+    """HttpToolsProtocol with a bounded request head and a lingering close (see the module docstring).
+
+    Made per server by :func:`guarded_protocol`, which sets the two limits. The state it adds to
+    uvicorn's instance: ``_raw_transport``, ``_guarded_transport``, ``_peer``, ``_lost``, ``_head_bytes``,
+    ``_lingering``, ``_message_done``, ``_deferred``, ``_unparsed``, ``_cycles``, ``_head_timer``
+    (names uvicorn's protocol does not use).
+    """
 
     max_header_bytes: int = 64 << 10
     header_timeout_s: float = 10.0
@@ -103,8 +97,11 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._raw_transport = transport
+        self._guarded_transport = _LingeringTransport(transport, self)  # what uvicorn and this class write to
+        peer = transport.get_extra_info("peername")
+        self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, (list, tuple)) and len(peer) >= 2 else "a client"
         self._lost = False
-        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
+        super().connection_made(self._guarded_transport)  # type: ignore[arg-type]
         self._head_bytes: int | None = 0  # bytes of the current request head so far; None: head complete
         self._lingering = 0  # > 0: answered early, discarding what the client still sends
         self._message_done = True  # the parser has seen the whole of the current request (body too)
@@ -112,17 +109,18 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._unparsed = False  # answered 400: the bytes after the bad ones are never parsed
         # the requests of this connection not yet answered: uvicorn's ``cycle`` is only the newest
         # (a pipelined one once parsed), so its connection_lost tells no earlier one it is gone
-        self._cycles: list[Any] = []
-        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout_s, self._head_late)
+        self._cycles: list[uv.RequestResponseCycle] = []
+        self._head_timer: asyncio.TimerHandle | None = uv.event_loop(self).call_later(
+            self.header_timeout_s, self._head_late
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._cancel_head_timer()
         super().connection_lost(exc)
         for cycle in self._cycles:  # a reply being sent when the client went: it stops, as uvicorn's own does
-            if not cycle.response_complete:
-                cycle.disconnected = True
-                cycle.message_event.set()
+            if not uv.answered(cycle):
+                uv.client_gone(cycle)
         self._cycles.clear()
 
     def data_received(self, data: bytes) -> None:
@@ -134,7 +132,7 @@ class _GuardedProtocol(HttpToolsProtocol):
             return
         if self._head_bytes is not None:
             if self._head_bytes == 0 and self._head_timer is None:  # the first byte of a keep-alive request
-                self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+                self._head_timer = uv.event_loop(self).call_later(self.header_timeout_s, self._head_late)
             self._head_bytes += len(data)
             if self._head_bytes > self.max_header_bytes and not self._head_fits(data):
                 return
@@ -162,43 +160,52 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._raw_transport.close()
         else:  # paced: what is only being thrown away must not crowd out the requests being served
             self._raw_transport.pause_reading()
-            self.loop.call_later(LINGER_PACE_S, self._resume_lingering)
+            uv.event_loop(self).call_later(LINGER_PACE_S, self._resume_lingering)
 
     def on_headers_complete(self) -> None:
         self._head_bytes = None
         self._cancel_head_timer()
         super().on_headers_complete()
-        if self.cycle is None or self.cycle.scope is not self.scope:
+        cycle, scope = uv.current_cycle(self), uv.parsing_scope(self)
+        if cycle is None or uv.cycle_scope(cycle) is not scope:
             return  # an upgrade: no cycle of this request
-        self._cycles = [cycle for cycle in self._cycles if not cycle.response_complete] + [self.cycle]
+        self._cycles = [each for each in self._cycles if not uv.answered(each)] + [cycle]
         if self.draining:
-            self.cycle.keep_alive = False
-        if self.scheme == "http":  # under TLS the bytes are decrypted into a buffer anyway
-            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+            uv.close_after_answer(cycle)
+        if scope["scheme"] == "http":  # under TLS the bytes are decrypted into a buffer anyway
+            extensions: dict[str, Any] = scope.setdefault("extensions", {})
             extensions[BODY_INTO] = self._body_into
 
     async def _body_into(self, scope: Scope, view: memoryview) -> bool:
         """See :data:`BODY_INTO`."""
-        cycle = self.cycle
+        cycle = uv.current_cycle(self)
         if (
             cycle is None
-            or cycle.scope is not scope
+            or uv.cycle_scope(cycle) is not scope
             or self._message_done
             or self._lingering
             or self._lost
-            or cycle.disconnected
-            or len(cycle.body) >= len(view)  # all in already (or more than declared: refused later)
+            or uv.is_client_gone(cycle)
+            or uv.parsed_body_bytes(cycle) >= len(view)  # all in already (or more than declared: refused later)
         ):
             return False
-        if cycle.waiting_for_100_continue and not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            cycle.waiting_for_100_continue = False
-        filled = len(cycle.body)  # what the parser has already passed on of the body
-        view[:filled] = cycle.body
-        cycle.body = bytearray()
-        sink = _BodySink(self, view, filled)
+        if uv.continue_awaited(cycle) and not self._guarded_transport.is_closing():
+            self._guarded_transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            uv.continue_sent(cycle)
+        parsed = uv.take_parsed_body(cycle)  # what the parser has already passed on of the body
+        filled = len(parsed)
+        view[:filled] = parsed
+        del parsed
+        sink = BodySink(
+            view,
+            filled,
+            delegate=self,
+            loop=uv.event_loop(self),
+            on_complete=self._body_read,
+            on_discarded=self._sink_discarded,
+        )
         self._raw_transport.set_protocol(sink)
-        self.flow.resume_reading()
+        uv.resume_reading(self)
         try:
             complete = await sink.done
         finally:
@@ -212,32 +219,39 @@ class _GuardedProtocol(HttpToolsProtocol):
     def _body_read(self) -> None:
         """The sink has read the whole body: the socket is the parser's again, for the next request."""
         self._raw_transport.set_protocol(self)
-        self.parser = httptools.HttpRequestParser(self)  # the old one still counts the body's bytes
-        try:  # as uvicorn sets up its parser (an answer to the first of pipelined requests)
-            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
-        except AttributeError:  # httptools < 0.6.3
-            pass
+        uv.renew_parser(self)  # the old one still counts the body's bytes
         self.on_message_complete()
+
+    def _sink_discarded(self, nbytes: int) -> None:
+        """The sink threw ``nbytes`` of an abandoned body away: counted when the connection lingers."""
+        if self._lingering:
+            self._discarded(nbytes)
 
     def drain(self) -> None:
         """The server is draining: the request in progress, if any, is answered with Connection: close
         (an idle keep-alive connection stays open until its next request or its idle timeout, so
         that no request the client is sending now meets a closed socket)."""
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
+        cycle = uv.current_cycle(self)
+        if cycle is not None and not uv.answered(cycle):
+            uv.close_after_answer(cycle)
 
     def shutdown(self) -> None:
         """uvicorn's shutdown: a request in progress ends the connection once answered; a connection
         with none gets SHUTDOWN_IDLE_S more for a request already on its way (closing at once would
         reset it), then is closed unless one has begun."""
         self.drain()
-        if self.cycle is not None and not self.cycle.response_complete:
+        if not self._idle():
             return
-        self.loop.call_later(SHUTDOWN_IDLE_S, self._close_if_idle)
+        uv.event_loop(self).call_later(SHUTDOWN_IDLE_S, self._close_if_idle)
+
+    def _idle(self) -> bool:
+        """No request is being answered (none came yet, or the newest one's answer is all sent)."""
+        cycle = uv.current_cycle(self)
+        return cycle is None or uv.answered(cycle)
 
     def _close_if_idle(self) -> None:
-        if self._head_bytes == 0 and (self.cycle is None or self.cycle.response_complete):
-            self.transport.close()
+        if self._head_bytes == 0 and self._idle():
+            self._guarded_transport.close()
 
     def on_message_begin(self) -> None:
         self._message_done = False
@@ -253,11 +267,11 @@ class _GuardedProtocol(HttpToolsProtocol):
         if self._deferred is None:
             self._next_head()
             return
-        if self.pipeline or self._answering():
+        if uv.pipelined(self) or self._answering():
             return  # the refusal waits for every answer before it
         deferred, self._deferred = self._deferred, None
         if isinstance(deferred, bytes):  # a pipelined head refused while the requests before it were answered
-            self.transport.write(deferred)
+            self._guarded_transport.write(deferred)
             self._linger()
         else:  # bytes that are no request, after requests being answered
             self.send_400_response(deferred)
@@ -266,16 +280,16 @@ class _GuardedProtocol(HttpToolsProtocol):
         # Once a request's body is all in (an early answer's unread body is parsed and dropped by
         # uvicorn), what follows is the next request's head, pipelined or after the answer: its size
         # is counted, and its time from its first byte.
-        if self._message_done and self._head_bytes is None and not self.transport.is_closing():
+        if self._message_done and self._head_bytes is None and not self._guarded_transport.is_closing():
             self._head_bytes = 0
 
     def _answering(self) -> bool:
         """A request before the bytes being parsed is still being answered: its body is all in, or
         the parser has begun another message (whose head is not complete: it has no cycle yet)."""
-        cycle = self.cycle
-        if cycle is None or cycle.response_complete:
+        cycle = uv.current_cycle(self)
+        if cycle is None or uv.answered(cycle):
             return False
-        return self._message_done or cycle.scope is not self.scope
+        return self._message_done or uv.cycle_scope(cycle) is not uv.parsing_scope(self)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are no HTTP request; after the answer of a request still
@@ -290,15 +304,15 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def _head_late(self) -> None:
         self._head_timer = None
-        if self._head_bytes is None or self.transport.is_closing():
+        if self._head_bytes is None or self._guarded_transport.is_closing():
             return
-        if self._head_bytes == 0 and self.cycle is None:
+        if self._head_bytes == 0 and uv.current_cycle(self) is None:
             log.warning(
                 "%s: closed a connection that sent nothing within %g s (header_timeout_s)",
-                self._peer(),
+                self._peer,
                 self.header_timeout_s,
             )
-            self.transport.close()
+            self._guarded_transport.close()
             return
         if self._head_bytes == 0:  # an idle keep-alive connection: uvicorn's idle timeout closes it
             return
@@ -309,14 +323,14 @@ class _GuardedProtocol(HttpToolsProtocol):
         )
 
     def _refuse(self, status: int, detail: str) -> None:
-        log.warning("%s: %d %s", self._peer(), status, detail)
+        log.warning("%s: %d %s", self._peer, status, detail)
         self._cancel_head_timer()
         self._head_bytes = None
         if self._answering():  # a pipelined head: refused once the request before it is answered
             self._deferred = _answer(status, detail)
             self._raw_transport.pause_reading()
             return
-        self.transport.write(_answer(status, detail))
+        self._guarded_transport.write(_answer(status, detail))
         self._linger()
 
     def _body_unread(self) -> bool:
@@ -334,7 +348,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         if transport.can_write_eof():
             transport.write_eof()
         transport.resume_reading()  # uvicorn may have paused it while its buffer was full
-        self.loop.call_later(LINGER_S, transport.close)
+        uv.event_loop(self).call_later(LINGER_S, transport.close)
 
     def _resume_lingering(self) -> None:
         if not self._raw_transport.is_closing():
@@ -346,68 +360,8 @@ class _GuardedProtocol(HttpToolsProtocol):
             timer.cancel()
             self._head_timer = None
 
-    def _peer(self) -> str:
-        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
-
-class _BodySink(asyncio.BufferedProtocol):
-    """The connection's protocol while one request body is read into ``view`` from ``filled`` on.
-
-    The event loop reads the socket straight into the view (``recv_into``), never past the body's
-    end, so a pipelined next request stays in the socket for the parser. Once abandoned (the
-    handler stopped waiting), the rest of the body is read into a scratch buffer and discarded,
-    counted as lingering when the connection lingers. Everything else the transport reports goes
-    to the HTTP protocol.
-    """
-
-    def __init__(self, protocol: _GuardedProtocol, view: memoryview, filled: int) -> None:
-        self._protocol = protocol
-        self._view: memoryview | None = view
-        self._filled = filled
-        self._left = len(view) - filled
-        self._scratch: memoryview | None = None
-        #: True once the body is all in, False when the connection was lost first.
-        self.done: asyncio.Future[bool] = protocol.loop.create_future()
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._view is not None:
-            return self._view[self._filled :]
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
-        return self._scratch[: self._left]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._left -= nbytes
-        if self._view is not None:
-            self._filled += nbytes
-        elif self._protocol._lingering:
-            self._protocol._discarded(nbytes)
-        if self._left == 0:
-            self._view = None
-            self._protocol._body_read()
-            if not self.done.done():
-                self.done.set_result(True)
-
-    def abandon(self) -> None:
-        self._view = None  # the handler's buffer is the handler's again
-
-    def eof_received(self) -> None:
-        self._protocol.eof_received()  # uvicorn's: None, so the transport closes
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._view = None
-        if not self.done.done():
-            self.done.set_result(False)
-        self._protocol.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self._protocol.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._protocol.resume_writing()
-
-
-def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[_GuardedProtocol]:
+def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[GuardedProtocol]:
     """The protocol class to pass as uvicorn's ``http``.
 
     Args:
@@ -417,6 +371,6 @@ def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[
     """
     return type(
         "GuardedHttpToolsProtocol",
-        (_GuardedProtocol,),
+        (GuardedProtocol,),
         {"max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s},
     )
