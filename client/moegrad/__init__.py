@@ -27,6 +27,8 @@ from moegrad._errors import (
     TransportError,
     Unauthorized,
 )
+from moegrad._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
+from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
 from moegrad._reference import (
     accumulation_schedule,
     bin_count,
@@ -47,21 +49,14 @@ from moegrad._spec import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCa
 from moegrad._version import __version__
 from moegrad._wire import (
     DTYPES,
-    FRAMES_MEDIA_TYPE,
-    MAX_BATCH_CALLS,
-    MAX_RANK,
-    REQUEST_LIMITS,
-    StructureLimits,
     brief,
     decode_batch,
     decode_body,
-    decode_frames,
     decode_tensor,
     dtype_name,
     encode_batch,
     encode_body,
     encode_body_view,
-    encode_frames,
     encode_tensor,
 )
 from moegrad.accuracy import (

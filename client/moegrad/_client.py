@@ -70,23 +70,14 @@ from moegrad._errors import (
     TransportError,
     Unauthorized,
 )
+from moegrad._frames import FRAMES_MEDIA_TYPE, FramesReader, encode_frames
+from moegrad._limits import MAX_BATCH_CALLS
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import to_numpy, to_torch
 from moegrad._transport import async_http_transport, http_transport, raw_socket, receive_into
 from moegrad._version import __version__
-from moegrad._wire import (
-    FRAMES_MEDIA_TYPE,
-    MAX_BATCH_CALLS,
-    FramesReader,
-    decode_body,
-    decode_tensor,
-    dtype_name,
-    encode_batch,
-    encode_body_view,
-    encode_frames,
-    encode_tensor,
-)
+from moegrad._wire import decode_body, decode_tensor, dtype_name, encode_batch, encode_body_view, encode_tensor
 from moegrad.accuracy import (
     CaseResult,
     ComparisonReport,
