@@ -29,15 +29,9 @@ from moegrad._errors import (
 )
 from moegrad._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
 from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
-from moegrad._reference import (
-    accumulation_schedule,
-    bin_count,
-    moe_init_routing_v2_grad,
-    moe_init_routing_v2_grad_golden,
-    moe_init_routing_v2_grad_group,
-    moe_init_routing_v2_grad_many,
-    warm_up,
-)
+from moegrad._orders import accumulation_schedule, bin_count
+from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
+from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
 from moegrad._results import CompareResult, GradResult
 from moegrad._routing import (
     MoeInitRoutingV2Result,
