@@ -13,7 +13,7 @@
 """
 
 from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
-from moegrad._client import AsyncClient, BatchCompare, Client
+from moegrad._client import AsyncClient, Client
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -32,6 +32,7 @@ from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, Structure
 from moegrad._orders import accumulation_schedule, bin_count
 from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
 from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad._requests import BatchCompare
 from moegrad._results import CompareResult, GradResult
 from moegrad._routing import (
     MoeInitRoutingV2Result,
