@@ -13,7 +13,7 @@
 """
 
 from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
-from moegrad._client import AsyncClient, BatchCompare, Client
+from moegrad._client import AsyncClient, Client
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -27,15 +27,12 @@ from moegrad._errors import (
     TransportError,
     Unauthorized,
 )
-from moegrad._reference import (
-    accumulation_schedule,
-    bin_count,
-    moe_init_routing_v2_grad,
-    moe_init_routing_v2_grad_golden,
-    moe_init_routing_v2_grad_group,
-    moe_init_routing_v2_grad_many,
-    warm_up,
-)
+from moegrad._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
+from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
+from moegrad._orders import accumulation_schedule, bin_count
+from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
+from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad._requests import BatchCompare
 from moegrad._results import CompareResult, GradResult
 from moegrad._routing import (
     MoeInitRoutingV2Result,
@@ -47,21 +44,14 @@ from moegrad._spec import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCa
 from moegrad._version import __version__
 from moegrad._wire import (
     DTYPES,
-    FRAMES_MEDIA_TYPE,
-    MAX_BATCH_CALLS,
-    MAX_RANK,
-    REQUEST_LIMITS,
-    StructureLimits,
     brief,
     decode_batch,
     decode_body,
-    decode_frames,
     decode_tensor,
     dtype_name,
     encode_batch,
     encode_body,
     encode_body_view,
-    encode_frames,
     encode_tensor,
 )
 from moegrad.accuracy import (

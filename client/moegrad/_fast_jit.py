@@ -3,6 +3,10 @@
 Importing this module imports numba; :mod:`moegrad._fast` does so lazily, on the first call that can
 use it, and falls back to the NumPy path when numba is missing.
 
+Why one file of 800 lines: numba's on-disk cache (``cache=True``) checks only the source file of
+the function it cached, so the intrinsics and inlined helpers that the kernels compile in must live
+in the kernels' own file, or an edit to them would be served stale from the cache.
+
 Numerics (docs/semantics.md), and how this code keeps them exact:
 
 - The element type travels as a bit view that also names the format: float32 rows as ``float32``,

@@ -3,20 +3,8 @@
 ``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]`` with the skip rules of
 docs/semantics.md: an index >= active_num is skipped in active mode, -1 is skipped in drop/pad
 mode. Rows are widened exactly to float32, every add is float32 round-to-nearest-even, and the
-result is rounded once to the input dtype. What differs between orders is only the order of adds.
-
-``order="ascend910b"`` reproduces the Atlas A2/A3 kernel (ascend910b, ascend910_93) bit for bit:
-B = 64 bins when K >= 128, else 2**max(floor(log2 K) - 1, 0);
-S1 ``bin[b] = v[2b]`` for b < B (a skipped slot sets +0.0);
-S2 ``bin[(t/2) % B] += v[t]`` for even t >= 2B, increasing;
-S3 ``bin[((t-1)/2) % B] += v[t]`` for odd t, increasing (a skipped slot in S2/S3 adds nothing);
-S4 a pairwise tree ``bin[j-s] += bin[j]`` for s = 1, 2, 4, ... < B and j = s, 3s, 5s, ... < B.
-``order="sequential"`` is Huawei's public test golden: float32 from +0.0, t = 0..K-1.
-``order="ascend950"`` reproduces the Ascend 950PR/950DT kernel (:mod:`moegrad._ascend950`): one
-float32 accumulator from +0.0, groups of four slots added as ``s += ((v0 + v1) + (v2 + v3))``,
-leftovers one by one, the groups restarting at each chunk of slots the tiling picks (which depends
-on N, K, H, the dtype, the UB size and the vector core count); a skipped slot adds +0.0.
-``"ascend950@2025-12"`` is that kernel's earlier revision, a plain chain.
+result is rounded once to the input dtype. What differs between orders is only the order of adds
+(:mod:`moegrad._orders` writes each one out; many small calls run as one in :mod:`moegrad._reference_many`).
 
 Nothing materialises an [N, K, H] intermediate: rows are processed in chunks whose float32 bins fit
 in a few MiB, the chunks spread over the machine's cores (NumPy releases the GIL while it copies
@@ -34,109 +22,20 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
 
 import numpy as np
 
 from moegrad import _fast
 from moegrad._ascend950 import ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._spec import ORDERS, CallGroup, MoeInitRoutingV2GradCall, Order
+from moegrad._orders import accumulation_schedule
+from moegrad._spec import MoeInitRoutingV2GradCall
 
-__all__ = [
-    "accumulation_schedule",
-    "bin_count",
-    "moe_init_routing_v2_grad",
-    "moe_init_routing_v2_grad_golden",
-    "moe_init_routing_v2_grad_group",
-    "moe_init_routing_v2_grad_many",
-    "warm_up",
-]
+__all__ = ["moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden", "warm_up"]
 
 _CHUNK_BYTES = 2 << 20  # float32 bins of one chunk: small enough to stay in cache
-#: moe_init_routing_v2_grad_many stacks calls of at most this many input bytes (a larger call runs
-#: alone: stacking would copy it for no saving), into stacks of at most _STACK_BYTES.
-_STACK_CALL_BYTES = 1 << 20
-_STACK_BYTES = 16 << 20
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
-
-
-def bin_count(top_k: int) -> int:
-    """B, the number of float32 accumulators the A2/A3 kernel uses for ``top_k`` slots (docs/semantics.md)."""
-    if top_k >= 128:
-        return 64
-    return 2 ** max(top_k.bit_length() - 2, 0)
-
-
-def accumulation_schedule(
-    top_k: int,
-    order: str = "ascend910b",
-    *,
-    dtype: object = None,
-    num_tokens: int | None = None,
-    hidden_size: int | None = None,
-    ub_size_bytes: int = UB_SIZE_BYTES,
-    vector_core_count: int = VECTOR_CORE_COUNT,
-) -> tuple[tuple[str, int, int], ...]:
-    """The adds of one output row, in the order the kernel performs them.
-
-    Args:
-        top_k: K >= 1.
-        order: one of :data:`~moegrad.ORDERS`.
-        dtype, num_tokens, hidden_size: grad_expanded_x's dtype, N and H; required for the
-            Ascend 950 orders, whose tiling (and so whose order) depends on them; ignored otherwise.
-        ub_size_bytes, vector_core_count: the 950 platform's UB size in bytes and vector core
-            count (defaults: Ascend 950PR/950DT, docs/semantics.md section 7.4).
-
-    Returns:
-        A tuple of steps ``(op, dst, src)``: ``("zero", b, 0)`` bin b = +0.0, ``("set", b, t)`` bin
-        b = slot t (+0.0 when skipped), ``("add", b, t)`` bin b += slot t (nothing when skipped),
-        ``("merge", b, c)`` bin b += bin c. The row's result is bin 0.
-
-    Raises:
-        ValueError: an unknown order, ``top_k < 1``, or a 950 order without dtype, num_tokens
-            and hidden_size.
-    """
-    if order in ASCEND950_ORDERS:
-        missing = [
-            name
-            for name, value in (("dtype", dtype), ("num_tokens", num_tokens), ("hidden_size", hidden_size))
-            if value is None
-        ]
-        if missing:
-            raise ValueError(
-                f"order={order!r} needs {', '.join(missing)}: the 950's tiling, and so its order, "
-                "depends on the dtype, N and H"
-            )
-        if top_k < 1:
-            raise ValueError(f"top_k={top_k} must be >= 1")
-        assert num_tokens is not None and hidden_size is not None  # checked just above: missing is empty
-        tiling = ascend950_tiling(
-            dtype, num_tokens, top_k, hidden_size, ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count
-        )
-        return ascend950_schedule(top_k, tiling.k_chunk, ASCEND950_ORDERS[order])
-    return _a2_schedule(top_k, order)
-
-
-@functools.lru_cache(maxsize=512)
-def _a2_schedule(top_k: int, order: str) -> tuple[tuple[str, int, int], ...]:
-    if top_k < 1:
-        raise ValueError(f"top_k={top_k} must be >= 1")
-    if order == "sequential":
-        return (("zero", 0, 0), *(("add", 0, t) for t in range(top_k)))
-    if order != "ascend910b":
-        raise ValueError(f"order={order!r} is not one of {', '.join(map(repr, ORDERS))}")
-    bins = bin_count(top_k)
-    steps = [("set", b, 2 * b) for b in range(bins)]
-    steps += [("add", (t // 2) % bins, t) for t in range(2 * bins, top_k, 2)]
-    steps += [("add", ((t - 1) // 2) % bins, t) for t in range(1, top_k, 2)]
-    stride = 1
-    while stride < bins:
-        steps += [("merge", j - stride, j) for j in range(stride, bins, 2 * stride)]
-        stride *= 2
-    return tuple(steps)
-
 
 _KERNEL = "auto"  # the float32 path: "auto" (numba when it imports), "numba" (required) or "numpy"
 _executor: ThreadPoolExecutor | None = None
@@ -425,163 +324,6 @@ def moe_init_routing_v2_grad(
     grouped = ASCEND950_ORDERS[call.order]
     return _accumulate(
         call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk, grouped), out, chunking=(tiling.k_chunk, grouped)
-    )
-
-
-def moe_init_routing_v2_grad_many(
-    calls: Sequence[MoeInitRoutingV2GradCall],
-    *,
-    ub_size_bytes: int = UB_SIZE_BYTES,
-    vector_core_count: int = VECTOR_CORE_COUNT,
-) -> list[np.ndarray]:
-    """grad_x of each of many validated calls: bit for bit what :func:`moe_init_routing_v2_grad`
-    gives each one, for a fraction of the per-call cost when the calls are small.
-
-    Every row of grad_x depends only on its own K slots, and the order of its adds only on K and the
-    order (the 950 orders: also on the tiling's k_chunk). So small calls that share the dtype, K, H,
-    the order and its k_chunk are computed as one: their rows stacked, each call's indices shifted
-    past the rows before it, a skipped slot (-1 in drop/pad mode, >= active_num in active mode)
-    marked -1, and the result rows split back. Calls of more than 1 MiB of input run alone.
-
-    Args:
-        calls: validated calls (:class:`MoeInitRoutingV2GradCall`), any modes, dtypes and orders.
-        ub_size_bytes, vector_core_count: as for :func:`moe_init_routing_v2_grad` (950 orders only).
-
-    Returns:
-        One grad_x per call, in order: [N, H], C-contiguous, the call's dtype in native byte order.
-        The grad_x of stacked calls are row ranges of one array.
-
-    Raises:
-        ValueError / TypeError: ``ub_size_bytes`` or ``vector_core_count`` is not a positive integer.
-    """
-    results: list[np.ndarray | None] = [None] * len(calls)
-    stacks: dict[tuple, list[int]] = {}
-    for position, call in enumerate(calls):
-        tokens, hidden = call.num_tokens, call.hidden_size
-        grad = call.grad_expanded_x
-        if tokens == 0 or hidden == 0 or grad.nbytes > _STACK_CALL_BYTES:
-            results[position] = moe_init_routing_v2_grad(
-                call, ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count
-            )
-            continue
-        chunking = _chunking(call, ub_size_bytes, vector_core_count)
-        stacks.setdefault((grad.dtype, call.top_k, hidden, call.order, chunking), []).append(position)
-    for (_, top_k, hidden, order, chunking), positions in stacks.items():
-        schedule = _stack_schedule(top_k, order, chunking)
-        start = 0
-        while start < len(positions):  # stacks of at most _STACK_BYTES of input
-            stop, size = start, 0
-            while stop < len(positions) and (stop == start or size < _STACK_BYTES):
-                size += calls[positions[stop]].grad_expanded_x.nbytes
-                stop += 1
-            members = [calls[position] for position in positions[start:stop]]
-            stacked = _stacked(members, top_k, hidden, schedule, chunking)
-            for position, grad_x in zip(positions[start:stop], stacked, strict=True):
-                results[position] = grad_x
-            start = stop
-    return cast(list[np.ndarray], results)
-
-
-def _chunking(call: MoeInitRoutingV2GradCall, ub_size_bytes: int, vector_core_count: int) -> tuple[int, bool] | None:
-    """A non-empty call's 950 tiling as (k_chunk, grouped), which its order of adds depends on; None
-    for the other orders."""
-    if call.order not in ASCEND950_ORDERS:
-        return None
-    tiling = ascend950_tiling(
-        call.dtype_name,
-        call.num_tokens,
-        call.top_k,
-        call.hidden_size,
-        ub_size_bytes=ub_size_bytes,
-        vector_core_count=vector_core_count,
-    )
-    return tiling.k_chunk, ASCEND950_ORDERS[call.order]
-
-
-def _stack_schedule(top_k: int, order: str, chunking: tuple[int, bool] | None) -> Sequence[tuple[str, int, int]]:
-    """The schedule of adds of stacked calls with this K, order and :func:`_chunking`."""
-    return accumulation_schedule(top_k, order) if chunking is None else ascend950_schedule(top_k, *chunking)
-
-
-def _stacked(
-    members: list[MoeInitRoutingV2GradCall],
-    top_k: int,
-    hidden: int,
-    schedule: Sequence[tuple[str, int, int]],
-    chunking: tuple[int, bool] | None,
-) -> list[np.ndarray]:
-    """The members' grad_x, computed as one drop/pad call over their stacked rows (see
-    :func:`moe_init_routing_v2_grad_many`); they share dtype, K, H and schedule."""
-    rows = np.concatenate([member.grad_expanded_x.reshape(-1, hidden) for member in members])
-    row_counts = np.array([member.grad_expanded_x.size // hidden for member in members], dtype=np.int64)
-    slot_counts = np.array([member.expanded_row_idx.shape[0] for member in members], dtype=np.int64)
-    index = np.concatenate([member.expanded_row_idx for member in members]).astype(np.int64)
-    first_row = np.repeat(np.cumsum(row_counts) - row_counts, slot_counts)
-    # each member's own skip rule in one: a valid index is below its own row count (dropless: N*K,
-    # active: A, drop/pad: E*C), and what is skipped (-1, or >= A) is outside [0, rows)
-    skipped = (index < 0) | (index >= np.repeat(row_counts, slot_counts))
-    stacked_index = np.where(skipped, -1, index + first_row).astype(np.int32)
-    out = _run_stacked(rows, stacked_index, top_k, members[0].order, schedule, chunking)
-    bounds = np.cumsum(slot_counts // top_k).tolist()
-    return [out[stop - tokens : stop] for stop, tokens in zip(bounds, (slot_counts // top_k).tolist(), strict=True)]
-
-
-def _run_stacked(
-    rows: np.ndarray,
-    stacked_index: np.ndarray,
-    top_k: int,
-    order: Order,
-    schedule: Sequence[tuple[str, int, int]],
-    chunking: tuple[int, bool] | None,
-) -> np.ndarray:
-    """grad_x of one drop/pad call over ``rows`` ([M, H]) with ``stacked_index`` ([S] int32, -1 for
-    a skipped slot): the stacked form of many calls (:func:`_stacked`, :func:`moe_init_routing_v2_grad_group`)."""
-    hidden = rows.shape[1]
-    stacked = MoeInitRoutingV2GradCall.model_construct(  # valid by construction: the members were validated
-        grad_expanded_x=rows.reshape(-1, 1, hidden),
-        expanded_row_idx=stacked_index,
-        top_k=top_k,
-        drop_pad_mode=1,
-        active_num=0,
-        order=order,
-        allow_duplicate_indices=True,
-    )
-    out = np.empty((stacked_index.shape[0] // top_k, hidden), dtype=rows.dtype.newbyteorder("="))
-    return _accumulate(stacked, _F32, schedule, out, chunking=chunking)
-
-
-def moe_init_routing_v2_grad_group(
-    group: CallGroup, *, ub_size_bytes: int = UB_SIZE_BYTES, vector_core_count: int = VECTOR_CORE_COUNT
-) -> np.ndarray:
-    """grad_x of every member of a :class:`~moegrad.CallGroup`, computed as one: bit for bit
-    what :func:`moe_init_routing_v2_grad` gives each member (the stacking of
-    :func:`moe_init_routing_v2_grad_many`, with no per-call work).
-
-    Args:
-        group: B validated calls of one shape, dtype and attribute set, stacked.
-        ub_size_bytes, vector_core_count: as for :func:`moe_init_routing_v2_grad` (950 orders only).
-
-    Returns:
-        [B, N, H], C-contiguous, the members' dtype in native byte order: member b's grad_x is ``[b]``.
-
-    Raises:
-        ValueError / TypeError: ``ub_size_bytes`` or ``vector_core_count`` is not a positive integer.
-    """
-    like = group.like
-    members, tokens, hidden = len(group), like.num_tokens, like.hidden_size
-    if members == 0 or tokens == 0 or hidden == 0:
-        return np.zeros((members, tokens, hidden), dtype=like.grad_expanded_x.dtype.newbyteorder("="))
-    chunking = _chunking(like, ub_size_bytes, vector_core_count)
-    schedule = _stack_schedule(like.top_k, like.order, chunking)
-    row_count = like.grad_expanded_x.size // hidden  # dropless N*K, active A, drop/pad E*C
-    rows = group.grad_expanded_x.reshape(members * row_count, hidden)
-    index = group.expanded_row_idx.astype(np.int64)
-    # a valid slot is in [0, row_count); what is skipped (-1, or >= A in active mode) is not
-    skipped = (index < 0) | (index >= row_count)
-    first_row = (np.arange(members, dtype=np.int64) * row_count)[:, None]
-    stacked_index = np.where(skipped, -1, index + first_row).astype(np.int32).reshape(-1)
-    return _run_stacked(rows, stacked_index, like.top_k, like.order, schedule, chunking).reshape(
-        members, tokens, hidden
     )
 
 

@@ -1,4 +1,4 @@
-"""The clients' default httpx transports: httpx's own, over a network backend that moves large bodies in fewer steps.
+"""The clients' transport details: httpx's transports over a faster network backend; the frames readers.
 
 httpcore reads a response 64 KiB at a time, and each read goes through h11's buffer and a Python
 generator on its way to the caller: a 16 MiB grad_x is 256 reads. Its sync stream also sends a
@@ -9,7 +9,14 @@ writes step through a ``memoryview`` of the chunk.
 
 :func:`http_transport` and :func:`async_http_transport` build ``httpx.HTTPTransport`` /
 ``httpx.AsyncHTTPTransport`` as httpx's clients build their default one (the same TLS context,
-limits and HTTP/1.1), with the connection pool over this backend.
+limits and HTTP/1.1), with the connection pool over this backend. httpx takes no network backend,
+so the pool is put in place through the transport's private ``_pool``: the one private member of
+httpx or httpcore the client touches, set in one function (:func:`_install_pool`) and listed in
+:data:`PRIVATE_MEMBERS`.
+
+:func:`read_frames` and :func:`aread_frames` stream a frames reply into its
+:class:`~moegrad._frames.FramesReader`; the sync one receives the rest of a large reply (1 MiB or
+more left) from the plain TCP socket straight into the result's arrays, past h11's copies.
 """
 
 from __future__ import annotations
@@ -21,11 +28,32 @@ import typing
 import httpcore
 import httpx
 
-__all__ = ["READ_BYTES", "async_http_transport", "http_transport", "raw_socket", "receive_into"]
+from moegrad._errors import MalformedRequest
+from moegrad._frames import FramesReader
+
+__all__ = [
+    "DIRECT_READ_MIN_BYTES",
+    "PRIVATE_MEMBERS",
+    "READ_BYTES",
+    "aread_frames",
+    "async_http_transport",
+    "http_transport",
+    "raw_socket",
+    "read_frames",
+    "receive_into",
+]
 
 #: The most bytes one read of a response asks for.
 READ_BYTES = 1 << 20
 _LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)  # httpx's defaults
+
+#: The sync client receives the rest of a frames reply straight from the socket once this much is left.
+DIRECT_READ_MIN_BYTES = 1 << 20
+#: Every private member of httpx or httpcore that moegrad's client reads or sets: (class, attribute).
+PRIVATE_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("httpx.HTTPTransport", "_pool"),
+    ("httpx.AsyncHTTPTransport", "_pool"),
+)
 
 Verify = ssl.SSLContext | str | bool
 
@@ -139,7 +167,7 @@ def http_transport(verify: Verify) -> httpx.HTTPTransport:
     its connection pool over the large-read backend."""
     context = httpx.create_ssl_context(verify=verify)  # honours SSL_CERT_FILE / SSL_CERT_DIR, as httpx's clients do
     transport = httpx.HTTPTransport(verify=context)
-    transport._pool = httpcore.ConnectionPool(network_backend=_Backend(), **_pool_options(context))
+    _install_pool(transport, httpcore.ConnectionPool(network_backend=_Backend(), **_pool_options(context)))
     return transport
 
 
@@ -147,8 +175,24 @@ def async_http_transport(verify: Verify) -> httpx.AsyncHTTPTransport:
     """:func:`http_transport` for ``httpx.AsyncClient`` (asyncio or trio, through AnyIO)."""
     context = httpx.create_ssl_context(verify=verify)
     transport = httpx.AsyncHTTPTransport(verify=context)
-    transport._pool = httpcore.AsyncConnectionPool(network_backend=_AsyncBackend(), **_pool_options(context))
+    _install_pool(transport, httpcore.AsyncConnectionPool(network_backend=_AsyncBackend(), **_pool_options(context)))
     return transport
+
+
+def _install_pool(
+    transport: httpx.HTTPTransport | httpx.AsyncHTTPTransport,
+    pool: httpcore.ConnectionPool | httpcore.AsyncConnectionPool,
+) -> None:
+    """Put ``pool`` in place of the one ``transport`` built for itself.
+
+    PRIVATE: this sets httpx's private ``HTTPTransport._pool`` / ``AsyncHTTPTransport._pool`` (the
+    transport sends every request through it, and its constructor takes no network backend). It is
+    the only private member of httpx or httpcore the client touches (:data:`PRIVATE_MEMBERS`, which
+    the contract test names). An httpx that keeps its pool elsewhere keeps its own pool here:
+    correct, without the large reads.
+    """
+    if hasattr(transport, "_pool"):
+        transport._pool = pool
 
 
 def _pool_options(context: ssl.SSLContext) -> dict[str, typing.Any]:
@@ -186,3 +230,67 @@ def receive_into(sock: socket.socket, room: memoryview, timeout: float | None, r
         raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
     except OSError as exc:
         raise httpx.ReadError(str(exc), request=request) from exc
+
+
+def read_frames(response: httpx.Response, reader: FramesReader) -> None:
+    """Stream a frames reply's body into ``reader``; a malformed body is kept as ``reader.error``.
+
+    Through httpx, or, once the rest of a large body (DIRECT_READ_MIN_BYTES or more) is left to
+    come on a plain TCP socket of the client's own transport, straight from the socket into the
+    reply's arrays: on its way through h11 each byte is copied three more times. h11 then has not
+    seen the body's end, so the connection is closed when the response is, not reused (a new
+    connection costs far less than those copies of a large body).
+
+    Raises:
+        httpx.ReadTimeout, httpx.ReadError, httpx.RemoteProtocolError: as httpx raises them.
+    """
+    if response.is_stream_consumed:  # a response built with its content (a mock transport) is not a stream
+        chunks: typing.Iterable[bytes] = [response.content]
+    else:
+        chunks = response.iter_raw()
+    sock = raw_socket(response)
+    length = reader.length
+    try:
+        for chunk in chunks:
+            reader.feed(chunk)
+            if sock is not None and length is not None and length - reader.received >= DIRECT_READ_MIN_BYTES:
+                break
+        else:
+            return
+        assert sock is not None and length is not None  # only they break out of the loop
+        timeout = response.request.extensions.get("timeout", {}).get("read")
+        while reader.received < length:
+            left = length - reader.received
+            room = reader.room()
+            if room is None:  # padding between tensors, or bytes past the last one: fed as they come
+                piece = bytearray(min(left, 1 << 16))
+                got = receive_into(sock, memoryview(piece), timeout, response.request)
+                if got:
+                    reader.feed(memoryview(piece)[:got])
+            else:
+                got = receive_into(sock, room[:left], timeout, response.request)
+                reader.advance(got)
+            if not got:
+                raise httpx.RemoteProtocolError(
+                    f"peer closed connection without sending complete message body (received "
+                    f"{reader.received} bytes, expected {length})",
+                    request=response.request,
+                )
+    except MalformedRequest as exc:
+        reader.error = exc
+
+
+async def aread_frames(response: httpx.Response, reader: FramesReader) -> None:
+    """:func:`read_frames` for ``httpx.AsyncClient``: every byte through httpx (no direct socket reads).
+
+    Raises:
+        httpx.ReadTimeout, httpx.ReadError, httpx.RemoteProtocolError: as httpx raises them.
+    """
+    try:
+        if response.is_stream_consumed:  # a response built with its content (a mock transport)
+            reader.feed(response.content)
+        else:
+            async for chunk in response.aiter_raw():
+                reader.feed(chunk)
+    except MalformedRequest as exc:
+        reader.error = exc

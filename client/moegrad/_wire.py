@@ -3,15 +3,15 @@
 A tensor travels as the map ``{"dtype": str, "shape": [int, ...], "data": bin}`` where ``data`` is
 the C-order, little-endian bytes of the array. bfloat16 travels as raw 2-byte words
 (``ml_dtypes.bfloat16``). No msgpack ext types are sent or accepted, and nothing is ever unpickled.
+A body is one msgpack map (one call or reply), or an array of them (a batch). The bounds on a
+body's structure are :mod:`moegrad._limits`'; the frames form of a body is :mod:`moegrad._frames`.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -19,26 +19,20 @@ import msgpack
 import numpy as np
 
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest, PayloadTooLarge
+from moegrad._limits import MAX_BATCH_CALLS, MAX_DEPTH, MAX_RANK, StructureLimits
 
 __all__ = [
     "DTYPES",
-    "FRAMES_ALIGN",
-    "FRAMES_MAGIC",
-    "FRAMES_MEDIA_TYPE",
-    "MAX_BATCH_CALLS",
-    "MAX_RANK",
-    "REQUEST_LIMITS",
-    "StructureLimits",
+    "TENSOR_KEYS",
+    "Segment",
     "brief",
     "decode_batch",
     "decode_body",
-    "decode_frames",
     "decode_tensor",
     "dtype_name",
     "encode_batch",
     "encode_body",
     "encode_body_view",
-    "encode_frames",
     "encode_tensor",
 ]
 
@@ -50,7 +44,8 @@ DTYPES: Mapping[str, np.dtype] = {
     "int32": np.dtype("<i4"),
 }
 _NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
-_TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+#: The keys of a tensor map, exactly.
+TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
 #: Dtype names that exist (NumPy's, and the Open Inference Protocol's lower-cased) but that the
 #: operator does not take: such a tensor is the operator's 161002, not a malformed body.
 _UNSUPPORTED_DTYPES = frozenset(
@@ -70,36 +65,20 @@ _UNSUPPORTED_DTYPES = frozenset(
         "float8_e5m2",
     }
 )
-#: The highest rank a wire tensor may have (the operator takes ranks 1 to 3).
-MAX_RANK = 8
-#: The deepest container nesting a body may have (a request is 3 deep: map, tensor map, shape list).
-#: msgpack's own stack stops at 1024; this keeps every value far from Python's recursion limit too,
-#: which ``repr`` of a ~1000-deep list in an error message would otherwise hit (a 500, not a 400).
-MAX_DEPTH = 16
 
 
-@dataclass(frozen=True)
-class StructureLimits:
-    """Bounds on a msgpack document's structure that hold whatever its size, so that decoding costs
-    at most the body plus a small constant (a 1-byte empty map would otherwise become a 64-byte
-    Python dict: a body of them decodes to ~100x its size).
+class Segment:
+    """A tensor's bytes inside a frames body (:func:`moegrad.decode_frames`): a read-only memoryview
+    that :func:`decode_tensor` takes as it takes a msgpack ``bin`` (a bare memoryview is refused
+    there: msgpack never decodes one)."""
 
-    Attributes:
-        max_containers: maps and arrays in the whole document, counted while it is parsed.
-        max_map_len: pairs in one map.
-        max_array_len: items in one array.
-        max_str_len: bytes in one string (keys, dtype and order names).
-    """
+    __slots__ = ("view",)
 
-    max_containers: int
-    max_map_len: int
-    max_array_len: int
-    max_str_len: int
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
 
-
-#: A request of one call: the body map (16 keys at most, compare's included), three tensor maps and
-#: their shapes (rank <= MAX_RANK), a list of standard names; with room to name what is wrong.
-REQUEST_LIMITS = StructureLimits(max_containers=32, max_map_len=32, max_array_len=64, max_str_len=1024)
+    def __len__(self) -> int:
+        return len(self.view)
 
 
 def dtype_name(dtype: np.dtype | type) -> str | None:
@@ -166,9 +145,9 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
         raise MalformedRequest(
             f"{field} must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}", field=field
         )
-    if len(obj) != 3 or not _TENSOR_KEYS.issuperset(obj):
+    if len(obj) != 3 or not TENSOR_KEYS.issuperset(obj):
         keys = set(obj)
-        missing, extra = sorted(_TENSOR_KEYS - keys), sorted(map(str, keys - _TENSOR_KEYS))
+        missing, extra = sorted(TENSOR_KEYS - keys), sorted(map(str, keys - TENSOR_KEYS))
         raise MalformedRequest(
             f"{field} must have exactly the keys dtype, shape, data (missing {missing}, unknown {extra})", field=field
         )
@@ -186,7 +165,7 @@ def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> n
         raise MalformedRequest(
             f"{field}.shape={brief(shape)} must be a list of at most {MAX_RANK} non-negative integers", field=field
         )
-    if isinstance(data, _Segment):  # a frames body's tensor bytes (decode_frames), viewed in place
+    if isinstance(data, Segment):  # a frames body's tensor bytes (decode_frames), viewed in place
         data = data.view
     elif not isinstance(data, bytes):
         raise MalformedRequest(f"{field}.data must be msgpack bin, got {type(data).__name__}", field=field)
@@ -327,9 +306,6 @@ def _deeper_than(document: dict[str, Any], limit: int) -> bool:
 # Batches: one body of many independent calls
 # --------------------------------------------------------------------------------------------------
 
-#: The most calls one batch body may carry.
-MAX_BATCH_CALLS = 10_000
-
 
 def encode_batch(items: list[Mapping[str, Any]]) -> memoryview:
     """Pack a batch body: a msgpack array of call documents (tensors already encoded), unpadded."""
@@ -435,291 +411,3 @@ def decode_batch(
             f"batch body is not a valid msgpack array{where} ({type(exc).__name__}: {reason})"
         ) from None
     return items
-
-
-# --------------------------------------------------------------------------------------------------
-# Frames: a msgpack header, then the tensors' bytes unpacked (zero-copy both ways)
-# --------------------------------------------------------------------------------------------------
-
-#: The media type of a frames body (docs/protocol.md, "Frames").
-FRAMES_MEDIA_TYPE = "application/vnd.moegrad.frames"
-#: The first 4 bytes of a frames body; a little-endian uint32 header length follows.
-FRAMES_MAGIC = b"MGF1"
-#: Every tensor's bytes start at a multiple of this offset from the body's start.
-FRAMES_ALIGN = 16
-_PREFIX = len(FRAMES_MAGIC) + 4
-_SEGMENT_KEYS = frozenset({"dtype", "shape", "offset", "nbytes"})
-
-
-class _Segment:
-    """A tensor's bytes inside a frames body: a read-only memoryview that :func:`decode_tensor` takes
-    as it takes a msgpack ``bin`` (a bare memoryview is refused there: msgpack never decodes one)."""
-
-    __slots__ = ("view",)
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-
-    def __len__(self) -> int:
-        return len(self.view)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // FRAMES_ALIGN) * FRAMES_ALIGN
-
-
-def encode_frames(document: Mapping[str, Any]) -> tuple[list[memoryview | bytes], int]:
-    """A document as a frames body: its parts (to send in order, none copied) and their total length.
-
-    Every top-level value that is a tensor map (:func:`encode_tensor`) travels as a segment: its
-    header entry is ``{"dtype", "shape", "offset", "nbytes"}`` and its bytes follow the header,
-    each at a 16-byte aligned offset (zero padding between). Other values stay in the header.
-
-    Returns:
-        (parts, length): ``parts[0]`` is prefix + header + padding; the rest are the tensors' own
-        memoryviews and padding.
-    """
-    header: dict[str, Any] = {}
-    segments: list[memoryview] = []
-    for key, value in document.items():
-        if isinstance(value, dict) and isinstance(value.get("data"), memoryview) and set(value) == _TENSOR_KEYS:
-            header[key] = {
-                "dtype": value["dtype"],
-                "shape": value["shape"],
-                "offset": 0,
-                "nbytes": value["data"].nbytes,
-            }
-            segments.append(value["data"])
-        else:
-            header[key] = value
-    # Offsets depend on the header's length, which depends on the offsets' encoded widths: pack with
-    # 64-bit-wide placeholders first (msgpack's widest int), then with the real offsets, padded to the same end.
-    tensor_keys = [k for k, v in header.items() if isinstance(v, dict) and set(v) == _SEGMENT_KEYS]
-    for key in tensor_keys:
-        header[key]["offset"] = 1 << 40
-    packed = msgpack.packb(header, use_bin_type=True)
-    start = _aligned(_PREFIX + len(packed))
-    offset = start
-    for key, data in zip(tensor_keys, segments, strict=True):
-        header[key]["offset"] = offset
-        offset = _aligned(offset + data.nbytes)
-    packed = msgpack.packb(header, use_bin_type=True)
-    assert _PREFIX + len(packed) <= start
-    head = bytearray(start)
-    head[:_PREFIX] = FRAMES_MAGIC + len(packed).to_bytes(4, "little")
-    head[_PREFIX : _PREFIX + len(packed)] = packed
-    parts: list[memoryview | bytes] = [memoryview(head)]
-    position = start
-    for key, data in zip(tensor_keys, segments, strict=True):
-        parts.append(data.cast("B") if data.format != "B" else data)
-        position += data.nbytes
-        pad = _aligned(position) - position
-        if pad and key != tensor_keys[-1]:
-            parts.append(bytes(pad))
-            position += pad
-    return parts, position
-
-
-def decode_frames(body: bytes | bytearray | memoryview, limits: StructureLimits | None = None) -> dict[str, Any]:
-    """Unpack a frames body into a document whose tensor maps view the body (no copy).
-
-    Args:
-        body: the whole body (its start 16-byte aligned for the arrays to be aligned).
-        limits: bounds on the header's structure, as :func:`decode_body`'s.
-
-    Returns:
-        The header map with each segment entry replaced by ``{"dtype", "shape", "data"}``, ``data``
-        a read-only view of the body's bytes that :func:`decode_tensor` takes as it takes a ``bin``.
-
-    Raises:
-        MalformedRequest: no magic, a header length past the body, a header that is not a valid
-            map (as :func:`decode_body`), a segment entry without exactly dtype/shape/offset/nbytes,
-            an offset that is not a multiple of 16, before the end of the header or past the body,
-            segments that overlap, or bytes after the last segment.
-    """
-    view = memoryview(body).cast("B") if not isinstance(body, memoryview) or body.format != "B" else body
-    view = view.toreadonly()
-    if len(view) < _PREFIX or bytes(view[: len(FRAMES_MAGIC)]) != FRAMES_MAGIC:
-        raise MalformedRequest(
-            f"a frames body starts with {FRAMES_MAGIC!r} and a 4-byte header length (docs/protocol.md, Frames)"
-        )
-    length = int.from_bytes(view[len(FRAMES_MAGIC) : _PREFIX], "little")
-    if _PREFIX + length > len(view):
-        raise MalformedRequest(f"the frames header of {length} bytes runs past the body of {len(view)} bytes")
-    document = decode_body(view[_PREFIX : _PREFIX + length], limits)
-    end = _PREFIX + length
-    spans: list[tuple[int, int, str]] = []
-    for key, value in document.items():
-        if not (isinstance(value, dict) and "offset" in value):
-            continue
-        if set(value) != _SEGMENT_KEYS:
-            raise MalformedRequest(
-                f"{key} must have exactly the keys dtype, shape, offset, nbytes in a frames "
-                f"header, got {brief(sorted(map(str, value)))}",
-                field=key,
-            )
-        offset, nbytes = value["offset"], value["nbytes"]
-        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
-            raise MalformedRequest(f"{key}.offset and {key}.nbytes must be non-negative integers", field=key)
-        if offset % FRAMES_ALIGN:
-            raise MalformedRequest(f"{key}.offset={offset} must be a multiple of {FRAMES_ALIGN}", field=key)
-        if offset < end or offset + nbytes > len(view):
-            raise MalformedRequest(
-                f"{key}'s bytes [{offset}, {offset + nbytes}) must lie after the header "
-                f"(ends at {end}) and inside the body of {len(view)} bytes",
-                field=key,
-            )
-        spans.append((offset, offset + nbytes, key))
-        segment = _Segment(view[offset : offset + nbytes])
-        document[key] = {"dtype": value["dtype"], "shape": value["shape"], "data": segment}
-    spans.sort()
-    for (_, first_end, first), (second_start, _, second) in itertools.pairwise(spans):
-        if second_start < first_end:
-            raise MalformedRequest(f"the bytes of {first} and {second} overlap", field=second)
-    last = max([end] + [stop for _, stop, _ in spans])
-    if last != len(view):
-        raise MalformedRequest(f"the frames body has {len(view) - last} bytes after its last segment")
-    return document
-
-
-class FramesReader:
-    """Reads a frames body as it arrives, each tensor's bytes copied once, into an array of its own.
-
-    For a client reading its server's reply: feed the chunks in order, then :meth:`document`. The
-    header is parsed as soon as it is complete; each segment's bytes then go straight into a fresh
-    ``numpy.empty`` array of the segment's dtype and shape (padding is skipped), so a result is an
-    owned, writable, C-contiguous array with no further copy.
-
-    Args:
-        length: the body's length (Content-Length), or None when unknown.
-    """
-
-    def __init__(self, length: int | None = None) -> None:
-        self.length = length
-        #: The error the body earned, set by whoever feeds it (it stops feeding then); raised by the reader's user.
-        self.error: MalformedRequest | None = None
-        self._head = bytearray()
-        self._header: dict[str, Any] | None = None
-        self._segments: list[tuple[int, int, np.ndarray]] = []  # (offset, nbytes, array) sorted by offset
-        self._position = 0
-        self._segment = 0
-
-    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
-        """Take the next bytes of the body.
-
-        Raises:
-            MalformedRequest: the bytes so far are not a valid frames body (see :func:`decode_frames`).
-        """
-        view = memoryview(chunk).cast("B") if not isinstance(chunk, bytes) else memoryview(chunk)
-        while self._header is None:  # only the header's own bytes are gathered; the rest is read in place
-            need = _PREFIX if len(self._head) < _PREFIX else _PREFIX + self._frame_header_length()
-            take = min(need - len(self._head), len(view))
-            self._head += view[:take]
-            view = view[take:]
-            if len(self._head) < need:
-                return
-            if need > _PREFIX:
-                self._parse_header(need - _PREFIX)
-                self._position = need
-                self._head = bytearray()
-        while len(view):
-            if self._segment < len(self._segments):
-                offset, nbytes, array = self._segments[self._segment]
-                end = offset + nbytes
-            else:
-                offset = end = self._position + len(view)  # the body's end: nothing should follow
-                if self.length is not None and end > self.length:
-                    raise MalformedRequest("the frames body is longer than its Content-Length")
-                self._position = end
-                return
-            if self._position < offset:  # padding before the segment
-                skip = min(offset - self._position, len(view))  # padding is not checked
-                view = view[skip:]
-                self._position += skip
-                continue
-            take = min(end - self._position, len(view))
-            target = array.reshape(-1).view(np.uint8).data if array.size else memoryview(b"")
-            start = self._position - offset
-            target[start : start + take] = view[:take]
-            view = view[take:]
-            self._position += take
-            if self._position == end:
-                self._segment += 1
-
-    @property
-    def received(self) -> int:
-        """The bytes of the body taken so far (fed or advanced over)."""
-        return self._position if self._header is not None else len(self._head)
-
-    def room(self) -> memoryview | None:
-        """Where the body's next bytes go when they are a tensor's: a writable view of the rest of
-        that tensor's bytes, to receive into (then :meth:`advance`); None while the header, padding
-        or the body's end comes next (:meth:`feed` those bytes)."""
-        if self._header is None or self._segment >= len(self._segments):
-            return None
-        offset, nbytes, array = self._segments[self._segment]
-        if self._position < offset:
-            return None
-        return array.reshape(-1).view(np.uint8).data[self._position - offset : nbytes]
-
-    def advance(self, count: int) -> None:
-        """Take ``count`` bytes written into :meth:`room` as the body's next bytes.
-
-        Raises:
-            ValueError: there is no room, or less than ``count`` bytes of it.
-        """
-        room = self.room()
-        if room is None or not 0 <= count <= len(room):
-            raise ValueError(f"advance({count}) past the room of {0 if room is None else len(room)} bytes")
-        self._position += count
-        offset, nbytes, _ = self._segments[self._segment]
-        if self._position == offset + nbytes:
-            self._segment += 1
-
-    def _frame_header_length(self) -> int:
-        if bytes(self._head[: len(FRAMES_MAGIC)]) != FRAMES_MAGIC:
-            raise MalformedRequest(f"a frames body starts with {FRAMES_MAGIC!r}")
-        return int.from_bytes(self._head[len(FRAMES_MAGIC) : _PREFIX], "little")
-
-    def _parse_header(self, length: int) -> None:
-        header = decode_body(memoryview(self._head)[_PREFIX : _PREFIX + length])
-        end = _PREFIX + length
-        segments = []
-        for key, value in header.items():
-            if not (isinstance(value, dict) and "offset" in value):
-                continue
-            if set(value) != _SEGMENT_KEYS:
-                raise MalformedRequest(f"{key} must have exactly the keys dtype, shape, offset, nbytes", field=key)
-            name, shape, offset, nbytes = value["dtype"], value["shape"], value["offset"], value["nbytes"]
-            if name not in DTYPES or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-                raise MalformedRequest(f"{key} has dtype {brief(name)} and shape {brief(shape)}", field=key)
-            if type(offset) is not int or type(nbytes) is not int or offset < end or offset % FRAMES_ALIGN:
-                raise MalformedRequest(
-                    f"{key}.offset={brief(offset)} is not a 16-byte aligned offset after the header", field=key
-                )
-            dtype = DTYPES[name]
-            if nbytes != math.prod(shape) * dtype.itemsize:
-                raise MalformedRequest(f"{key}.nbytes={nbytes} does not match shape {shape} of {name}", field=key)
-            array = np.empty(shape, dtype=dtype)
-            segments.append((offset, nbytes, array))
-            header[key] = array
-        segments.sort(key=lambda segment: segment[0])
-        for (first, size, _), (second, _, _) in itertools.pairwise(segments):
-            if second < first + size:
-                raise MalformedRequest("two segments of the frames body overlap")
-        self._header, self._segments = header, segments
-
-    def document(self) -> dict[str, Any]:
-        """The body's header map, each tensor entry replaced by its filled array.
-
-        Raises:
-            MalformedRequest: the body ended before its header or a segment was complete, or its
-                length differs from the Content-Length.
-        """
-        if self._header is None:
-            raise MalformedRequest("the frames body ended inside its header")
-        if self._segment < len(self._segments):
-            raise MalformedRequest("the frames body ended inside a tensor's bytes")
-        if self.length is not None and self._position != self.length:
-            raise MalformedRequest(f"the frames body has {self._position} of its {self.length} bytes")
-        return self._header

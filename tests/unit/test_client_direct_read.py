@@ -1,4 +1,4 @@
-"""The sync client receives a large frames reply's tensors straight from the socket (moegrad._client._read_frames).
+"""The sync client receives a large frames reply's tensors straight from the socket (moegrad._transport.read_frames).
 
 A local HTTP/1.1 responder answers with a frames reply built here from docs/protocol.md (magic
 ``MGF1``, the header's length, the msgpack header, the tensor at the next 16-byte aligned offset),
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import moegrad
-from moegrad import _client
+from moegrad import _transport
 from test_transport import Responder
 
 N, K, H = 2048, 2, 512  # grad_x 4 MiB of float32
@@ -79,14 +79,14 @@ def call():
 @pytest.fixture
 def counted(monkeypatch):
     calls = []
-    receive = _client.receive_into
+    receive = _transport.receive_into
 
     def counting(sock, room, timeout, request):
         got = receive(sock, room, timeout, request)
         calls.append(got)
         return got
 
-    monkeypatch.setattr(_client, "receive_into", counting)
+    monkeypatch.setattr(_transport, "receive_into", counting)
     return calls
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moegrad import InvalidArgument, MoeInitRoutingV2GradCall, _reference, ascend950_tiling
-from moegrad._reference import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad import InvalidArgument, MoeInitRoutingV2GradCall, _reference, _reference_many, ascend950_tiling
+from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
 from moegrad._spec import CallGroup
 from test_ascend950 import slow950
 from test_reference import GRAD_DTYPES, MODES, assert_bitwise_equal, random_call, slow_grad_x
@@ -92,8 +92,8 @@ def test_the_documented_example_in_a_stack():
 
 
 def test_empty_large_and_split_stacks_keep_the_bits(monkeypatch, path):
-    monkeypatch.setattr(_reference, "_STACK_CALL_BYTES", 600)  # some calls now run alone
-    monkeypatch.setattr(_reference, "_STACK_BYTES", 1000)  # and the rest in several stacks
+    monkeypatch.setattr(_reference_many, "_STACK_CALL_BYTES", 600)  # some calls now run alone
+    monkeypatch.setattr(_reference_many, "_STACK_BYTES", 1000)  # and the rest in several stacks
     calls = mixed_calls(2, 40)
     empty = [
         MoeInitRoutingV2GradCall(

@@ -18,16 +18,7 @@ standard, with the thresholds per dtype and their sources.
   :func:`write_summary`.
 """
 
-from moegrad.accuracy._cases import (
-    SUMMARY_COLUMNS,
-    CaseResult,
-    compare_cases,
-    compare_in_process,
-    find_cases,
-    load_case,
-    save_case,
-    write_summary,
-)
+from moegrad.accuracy._cases import SUMMARY_COLUMNS, CaseResult, find_cases, load_case, save_case, write_summary
 from moegrad.accuracy._compare import (
     check_compare_arguments,
     compare,
@@ -65,6 +56,7 @@ from moegrad.accuracy._results import (
     ZeroRowCheck,
 )
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
+from moegrad.accuracy._sweep import compare_cases, compare_in_process
 
 __all__ = [
     "DEFAULT_STANDARDS",

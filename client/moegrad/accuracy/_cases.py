@@ -1,4 +1,6 @@
-"""Bulk checking: one ``.npz`` file per case, a run that never stops on a bad case, one summary worst first.
+"""Bulk checking's files: one ``.npz`` file per case, each case's result, one summary worst first.
+
+The run over the cases (it never stops on a bad one) is :mod:`moegrad.accuracy._sweep`'s.
 
 A case file (:func:`save_case`, :func:`load_case`; docs/accuracy.md, "Bulk checking") is a NumPy
 ``.npz`` archive holding the call and the candidate:
@@ -19,20 +21,15 @@ from __future__ import annotations
 import csv
 import math
 import os
-import sys
-import time
 import zipfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, Literal
 
 import ml_dtypes
 import numpy as np
 
-from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad.accuracy._compare import compare, report_context, with_context
 from moegrad.accuracy._report import MSPROBE_STATUS
 from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
@@ -41,8 +38,6 @@ __all__ = [
     "SUMMARY_COLUMNS",
     "CaseResult",
     "CaseStatus",
-    "compare_cases",
-    "compare_in_process",
     "find_cases",
     "load_case",
     "save_case",
@@ -172,155 +167,6 @@ def find_cases(directory: str | os.PathLike[str]) -> list[Path]:
     if not folder.is_dir():
         raise NotADirectoryError(f"{folder} is not a folder of .npz cases")
     return sorted(p for p in folder.iterdir() if p.suffix == ".npz" and p.is_file())
-
-
-class _Progress:
-    """A one-line progress bar on a terminal (``[=====>    ] 12/40 name``); silent elsewhere."""
-
-    def __init__(self, total: int, stream: TextIO | None, enabled: bool | None) -> None:
-        self.total, self.stream = total, stream if stream is not None else sys.stderr
-        self.enabled = (self.stream.isatty() and total > 1) if enabled is None else enabled
-        self.started = time.monotonic()
-
-    def show(self, done: int, name: str) -> None:
-        if not self.enabled or not self.total:
-            return
-        width = 30
-        filled = width * done // self.total
-        elapsed = time.monotonic() - self.started
-        eta = f", {elapsed / done * (self.total - done):.0f} s left" if done else ""
-        self.stream.write(f"\r[{'=' * filled}{' ' * (width - filled)}] {done}/{self.total} {name[:40]:<40}{eta}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.total:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-#: compare_one(name, fields, candidate) -> the report of one case (raise for a bad one).
-CompareOne = Callable[[str, Mapping[str, Any], np.ndarray], ComparisonReport]
-
-
-#: compare_batch([(name, fields, candidate), ...]) -> per case, its report or the exception it raised.
-CompareBatch = Callable[[list[tuple[str, Mapping[str, Any], np.ndarray]]], list["ComparisonReport | Exception"]]
-#: compare_cases sends a batch once it holds this many cases or this many input bytes.
-BATCH_CASES = 64
-BATCH_BYTES = 32 << 20
-
-
-def compare_cases(
-    cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
-    compare_one: CompareOne | None = None,
-    *,
-    compare_batch: CompareBatch | None = None,
-    progress: bool | None = None,
-    progress_stream: TextIO | None = None,
-    on_result: Callable[[CaseResult], None] | None = None,
-) -> list[CaseResult]:
-    """Judge every case, and never stop on a bad one.
-
-    Args:
-        cases: case files (:func:`load_case`) or ``(name, fields, candidate)`` tuples.
-        compare_one: judges one case (``moegrad compare --cases`` passes the in-process comparison).
-        compare_batch: judges many cases at once (``Client.compare_many`` passes the service's batch
-            endpoint); cases are loaded and sent in batches of at most BATCH_CASES cases and about
-            BATCH_BYTES bytes of inputs. Give this or ``compare_one``.
-        progress: draw a progress bar on ``progress_stream``; None: when it is a terminal.
-        progress_stream: default ``sys.stderr``.
-        on_result: called with each case's result as it is known (e.g. to write its report).
-
-    Returns:
-        One :class:`CaseResult` per case, in the order given. A file that cannot be read or a call
-        the operator rejects is ``"invalid"``; a service failure is ``"error"``.
-    """
-    if (compare_one is None) == (compare_batch is None):
-        raise TypeError("give exactly one of compare_one and compare_batch")
-    items = list(cases)
-    bar = _Progress(len(items), progress_stream, progress)
-    results: list[CaseResult] = []
-
-    def done(result: CaseResult) -> None:
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
-
-    pending: list[tuple[str, str | None, Mapping[str, Any], np.ndarray]] = []
-
-    def flush() -> None:
-        if not pending:
-            return
-        assert compare_batch is not None
-        try:
-            outcomes = compare_batch([(name, fields, candidate) for name, _, fields, candidate in pending])
-        except MoegradError as exc:  # the whole batch failed (transport): each case is an error
-            outcomes = [exc] * len(pending)
-        for (name, path, _, _), outcome in zip(pending, outcomes, strict=True):
-            done(_classified(name, path, outcome))
-        pending.clear()
-
-    try:
-        for index, item in enumerate(items):
-            name, path = (item[0], None) if isinstance(item, tuple) else (Path(item).stem, os.fspath(item))
-            bar.show(index, name)
-            loaded = _load(name, path, item)
-            if isinstance(loaded, CaseResult):
-                flush()  # keep the order of the results
-                done(loaded)
-                continue
-            fields, candidate = loaded
-            if compare_one is not None:
-                try:
-                    outcome: ComparisonReport | Exception = compare_one(name, fields, candidate)
-                except MoegradError as exc:
-                    outcome = exc
-                except (TypeError, ValueError) as exc:
-                    outcome = exc
-                done(_classified(name, path, outcome))
-                continue
-            pending.append((name, path, fields, candidate))
-            if len(pending) >= BATCH_CASES or sum(_nbytes(case) for case in pending) >= BATCH_BYTES:
-                flush()
-        flush()
-        bar.show(len(items), "done")
-    finally:
-        bar.close()
-    return results
-
-
-def _nbytes(case: tuple[str, str | None, Mapping[str, Any], np.ndarray]) -> int:
-    _, _, fields, candidate = case
-    return int(candidate.nbytes) + sum(int(np.asarray(v).nbytes) for v in fields.values() if isinstance(v, np.ndarray))
-
-
-def _load(name: str, path: str | None, item: Any) -> tuple[Mapping[str, Any], np.ndarray] | CaseResult:
-    """The case's call fields and candidate, or its ``"invalid"`` result when it cannot be read."""
-    try:
-        return (item[1], item[2]) if path is None else load_case(path)
-    except (OSError, ValueError) as exc:
-        return CaseResult(name, "invalid", None, f"{type(exc).__name__}: {exc}", path)
-
-
-def _classified(name: str, path: str | None, outcome: ComparisonReport | Exception) -> CaseResult:
-    """A case's result: its report's verdict; ``"invalid"`` for a call the operator or moegrad
-    refused; ``"error"`` for a failure of the service or the transport."""
-    if isinstance(outcome, (InvalidArgument, MalformedRequest, TypeError, ValueError)):
-        return CaseResult(name, "invalid", None, f"{type(outcome).__name__}: {outcome}", path)
-    if isinstance(outcome, Exception):
-        return CaseResult(name, "error", None, f"{type(outcome).__name__}: {outcome}", path)
-    return CaseResult(name, outcome.verdict, outcome, None, path)
-
-
-def compare_in_process(standards: Iterable[str] | str | None = None, require_exact: bool = False) -> CompareOne:
-    """A ``compare_one`` for :func:`compare_cases` that judges each case in this process (:func:`compare`),
-    against the bit-exact emulation, and records its :class:`ReportContext`."""
-
-    def one(name: str, fields: Mapping[str, Any], candidate: np.ndarray) -> ComparisonReport:
-        call = MoeInitRoutingV2GradCall(**fields)
-        report = compare(call, candidate, standards=standards, require_exact=require_exact)
-        return with_context(report, report_context(call, candidate, case=name))
-
-    return one
 
 
 def _ratio(report: ComparisonReport, measure: str) -> float:

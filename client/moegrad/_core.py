@@ -1,0 +1,229 @@
+"""The clients' sans-I/O core: one *flow* per endpoint, with the retries and the deadline.
+
+A flow is a generator that yields what it wants done and is sent back what happened:
+
+- it yields an ``httpx.Request`` and is sent the ``httpx.Response`` (body read) or the
+  ``httpx.HTTPError`` the transport raised;
+- it yields a ``float`` (seconds to wait before a retry) and is sent ``None``;
+- it returns the call's result, or raises the mapped :class:`~moegrad.MoegradError`.
+
+The core builds every request (:mod:`moegrad._requests`), maps every response and every network
+error (:mod:`moegrad._status`, :mod:`moegrad._replies`) and decides every retry; it does no I/O.
+``Client`` and ``AsyncClient`` (:mod:`moegrad._client`) only drive flows, the same dozen lines in
+each, differing by ``await``. A new endpoint is one flow here plus one short method in each client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterable, Mapping
+from typing import Any, TypeVar
+
+import httpx
+
+from moegrad._config import ClientConfig
+from moegrad._errors import DeadlineExceeded, DeviceBusy, MoegradError, TransportError
+from moegrad._frames import FRAMES_MEDIA_TYPE, encode_frames
+from moegrad._limits import MAX_BATCH_CALLS
+from moegrad._replies import batch_answer, parse_batch, parse_compare, parse_grad, parse_json
+from moegrad._requests import (
+    BATCH_PATH,
+    COMPARE_PATH,
+    FRAMES_ACCEPT,
+    GRAD_PATH,
+    INFO_PATH,
+    JSON,
+    MSGPACK,
+    Body,
+    RequestBuilder,
+    batch_items,
+    call_document,
+    compare_body,
+    grad_body,
+)
+from moegrad._results import CompareResult, GradResult
+from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad._status import error_from_response, error_from_transport
+from moegrad._wire import encode_batch
+from moegrad.accuracy import rejudge
+
+__all__ = ["FRAMES_MIN_BYTES", "ClientCore", "Flow"]
+
+T = TypeVar("T")
+#: What a flow yields (a request to send, or seconds to sleep), is sent, and returns.
+Flow = Generator["httpx.Request | float", "httpx.Response | httpx.HTTPError | None", T]
+
+#: A call whose tensors hold at least this many bytes travels as frames (``wire="auto"``), when the
+#: server offers them; smaller calls are cheaper as one msgpack document.
+FRAMES_MIN_BYTES = 1 << 16
+_MIN_ATTEMPT_S = 0.001  # less time than this left: the deadline has passed
+
+
+class ClientCore:
+    """Request building, response parsing and retry decisions for one client: no I/O at all.
+
+    Args:
+        config: the client's configuration.
+        clock: monotonic seconds (the deadline's clock).
+        async_body: request bodies as async iterables (httpx.AsyncClient takes no others).
+    """
+
+    def __init__(
+        self, config: ClientConfig, *, clock: Callable[[], float] = time.monotonic, async_body: bool = False
+    ) -> None:
+        self.config = config
+        self.requests = RequestBuilder(config, async_body=async_body)
+        self._clock = clock
+        self._server_frames: bool | None = None  # whether the server offers frames (learnt from /v1/info)
+
+    def exchange(
+        self,
+        method: str,
+        path: str,
+        *,
+        accept: str,
+        timeout_s: float | None,
+        retries: int,
+        body: Body | None = None,
+        content_type: str = MSGPACK,
+    ) -> Flow[httpx.Response]:
+        """Send one logical request, retrying 503 and connection errors; return its 2xx response."""
+        request_id = uuid.uuid4().hex
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        attempt = 0
+        while True:
+            remaining_s = None if deadline is None else deadline - self._clock()
+            if remaining_s is not None and remaining_s < _MIN_ATTEMPT_S:
+                raise DeadlineExceeded(
+                    f"{method} {path}: the deadline of {timeout_s} s passed before a reply"
+                    + (f" ({attempt} attempts)" if attempt else "")
+                )
+            request = self.requests.build(
+                method,
+                path,
+                accept=accept,
+                request_id=request_id,
+                remaining_s=remaining_s,
+                body=body,
+                content_type=content_type,
+            )
+            outcome = yield request
+            if isinstance(outcome, httpx.Response):
+                if outcome.is_success:
+                    return outcome
+                error, retryable, cause = error_from_response(outcome), outcome.status_code == 503, None
+            elif isinstance(outcome, httpx.HTTPError):
+                passed = deadline is not None and self._clock() >= deadline
+                error, retryable = error_from_transport(outcome, request, timeout_s, passed)
+                cause = outcome
+            else:  # pragma: no cover - a driver bug
+                raise TypeError(f"a flow was sent {type(outcome).__name__}")
+            if retryable and attempt < retries:
+                retry_after_s = error.retry_after_s if isinstance(error, DeviceBusy) else None
+                delay_s = self.config.retries.delay_s(attempt, retry_after_s)
+                if deadline is None or self._clock() + delay_s + _MIN_ATTEMPT_S < deadline:
+                    yield delay_s
+                    attempt += 1
+                    continue
+            raise error from cause
+
+    def grad_flow(self, call: MoeInitRoutingV2GradCall | Mapping[str, Any], timeout_s: Any) -> Flow[GradResult]:
+        """One call (``POST /v1/moe_init_routing_v2_grad``): msgpack, or frames when :meth:`frames_for` says so."""
+        timeout_s = self.config.call_timeout_s(timeout_s)
+        retries = self.config.retries.count
+        if isinstance(call, MoeInitRoutingV2GradCall) and (yield from self.frames_for(call)):
+            parts, _ = encode_frames(call_document(call))
+            response = yield from self.exchange(
+                "POST",
+                GRAD_PATH,
+                accept=FRAMES_ACCEPT,
+                timeout_s=timeout_s,
+                retries=retries,
+                body=parts,
+                content_type=FRAMES_MEDIA_TYPE,
+            )
+            return parse_grad(response, call)
+        body, checked = grad_body(call, validate=self.config.validate)
+        response = yield from self.exchange(
+            "POST", GRAD_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=retries, body=body
+        )
+        return parse_grad(response, checked)
+
+    def frames_for(self, call: MoeInitRoutingV2GradCall) -> Flow[bool]:
+        """Whether ``call`` travels as frames: ``wire="frames"`` always; ``"auto"`` when its tensors
+        hold FRAMES_MIN_BYTES or more and the server's ``/v1/info`` lists ``"frames"`` in
+        ``wire_formats`` (asked once per client; a server that cannot say gets msgpack)."""
+        if self.config.wire != "auto":
+            return self.config.wire == "frames"
+        if call.grad_expanded_x.nbytes + call.expanded_row_idx.nbytes < FRAMES_MIN_BYTES:
+            return False
+        if self._server_frames is None:
+            try:
+                info = yield from self.info_flow()
+            except MoegradError:
+                info = {}
+            formats = info.get("wire_formats")
+            self._server_frames = isinstance(formats, list) and "frames" in formats
+        return self._server_frames
+
+    def batch_flow(self, items: Iterable[Any], timeout_s: Any) -> Flow[list[GradResult | CompareResult | MoegradError]]:
+        """Send the items in batches of at most MAX_BATCH_CALLS; one answer (or exception) per item, in order."""
+        timeout_s = self.config.call_timeout_s(timeout_s)
+        documents, sent = batch_items(items, validate=self.config.validate)
+        answers: list[GradResult | CompareResult | MoegradError | None] = [
+            document if isinstance(document, MoegradError) else None for document in documents
+        ]
+        indices = [index for index, document in enumerate(documents) if not isinstance(document, MoegradError)]
+        for start in range(0, len(indices), MAX_BATCH_CALLS):
+            chunk = indices[start : start + MAX_BATCH_CALLS]
+            try:
+                body = encode_batch([documents[index] for index in chunk])  # type: ignore[misc]
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"the batch cannot be packed as msgpack: {exc}") from None
+            response = yield from self.exchange(
+                "POST", BATCH_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=self.config.retries.count, body=body
+            )
+            results = parse_batch(response, len(chunk))
+            request_id = response.headers.get("x-request-id")  # once: a header lookup costs more than a small answer
+            for index, result in zip(chunk, results, strict=True):
+                answers[index] = batch_answer(response, result, *sent[index], request_id)
+        return answers  # type: ignore[return-value]
+
+    def compare_flow(
+        self,
+        call: MoeInitRoutingV2GradCall | dict[str, Any],
+        candidate: Any,
+        standards: Any,
+        return_grad_x: Any,
+        timeout_s: Any,
+        require_exact: Any = False,
+    ) -> Flow[CompareResult]:
+        """One comparison (``POST /v1/moe_init_routing_v2_grad/compare``, docs/accuracy.md)."""
+        if not isinstance(require_exact, bool):
+            raise TypeError(f"require_exact must be a bool, got {type(require_exact).__name__}")
+        timeout_s = self.config.call_timeout_s(timeout_s)
+        body, checked = compare_body(call, candidate, standards, return_grad_x)
+        response = yield from self.exchange(
+            "POST", COMPARE_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=self.config.retries.count, body=body
+        )
+        result = parse_compare(response, checked, return_grad_x)
+        if require_exact:  # the report states exactness either way; requiring it only changes the verdict
+            result = dataclasses.replace(result, report=rejudge(result.report, require_exact=True))
+        return result
+
+    def info_flow(self) -> Flow[dict[str, Any]]:
+        """``GET /v1/info``: the service's JSON object."""
+        response = yield from self.exchange(
+            "GET", INFO_PATH, accept=JSON, timeout_s=self.config.timeouts.call_s, retries=self.config.retries.count
+        )
+        return parse_json(response)
+
+    def probe_flow(self, path: str) -> Flow[bool]:
+        """A health probe: True on 2xx, False when unreachable, busy (503) or out of time; no retries."""
+        try:
+            yield from self.exchange("GET", path, accept=JSON, timeout_s=self.config.timeouts.call_s, retries=0)
+        except (TransportError, DeviceBusy, DeadlineExceeded):
+            return False
+        return True
