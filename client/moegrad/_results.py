@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from moegrad.accuracy import ComparisonReport
+from moegrad.accuracy._results import ComparisonReport
 
 __all__ = ["CompareResult", "GradResult"]
 
