@@ -16,12 +16,16 @@ import asyncio
 import inspect
 import socket
 
+import httpcore
 import httptools
+import httpx
 import pytest
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
+
+from moegrad._transport import PRIVATE_MEMBERS
 
 # ---- uvicorn's httptools protocol -------------------------------------------------------------------
 
@@ -173,3 +177,18 @@ def test_a_started_server_has_every_member_read():
 @pytest.mark.parametrize("name", ("handle_exit", "startup", "shutdown"))
 def test_server_defines_each_overridden_method(name):
     assert callable(getattr(uvicorn.Server, name, None)), f"uvicorn.Server.{name} is gone"
+
+
+# ---- httpx's transports (the client) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("owner", "name"), PRIVATE_MEMBERS)
+def test_httpx_transport_keeps_its_pool_where_the_client_replaces_it(owner, name):
+    cls = getattr(httpx, owner.removeprefix("httpx."))
+    transport = cls()
+    pool = getattr(transport, name, None)
+    wanted = httpcore.AsyncConnectionPool if cls is httpx.AsyncHTTPTransport else httpcore.ConnectionPool
+    assert isinstance(pool, wanted), f"{owner}.{name} is not an httpcore pool: {type(pool)}"
+    method = cls.handle_async_request if cls is httpx.AsyncHTTPTransport else cls.handle_request
+    assert f"self.{name}" in inspect.getsource(method), f"{owner} no longer sends its requests through self.{name}"
+    assert "network_backend" in inspect.signature(wanted).parameters, "httpcore's pool takes no network backend"
