@@ -6,7 +6,9 @@ dependency graph on every request, which costs more server CPU than a small call
 The app's lifespan puts ``settings``, ``dataplane`` and ``metrics`` in every request's state
 (``create_app``); the accessors below only give them their types. :func:`read_body` admits the
 request (``DataPlane.admit``) and keeps its :class:`~moegrad_service.memory.Admission` in the
-request's state (api/state.py); the route releases it once the answer is sent (api/routing.py).
+request's state under :data:`ADMISSION`, the one key a request adds there; the route releases it
+once the answer is sent (:func:`release_admission`, api/routing.py), and the access log and the
+early-answer check read it (:func:`admission_of`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Scope
 
 from moegrad import MalformedRequest, MoegradError, PayloadTooLarge, brief
 from moegrad_service.api.errors import RequestTimeout, UnsupportedMediaType
-from moegrad_service.api.state import hold_admission
 from moegrad_service.connections import BODY_INTO
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.memory import Admission
@@ -29,8 +31,10 @@ from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
 __all__ = [
+    "ADMISSION",
     "INLINE_DECODE_BYTES",
     "MSGPACK_MEDIA_TYPES",
+    "admission_of",
     "byte_count",
     "dataplane_of",
     "disconnected",
@@ -38,6 +42,7 @@ __all__ = [
     "metrics_of",
     "off_loop",
     "read_body",
+    "release_admission",
     "request_timeout",
     "settings_of",
 ]
@@ -98,6 +103,23 @@ def metrics_of(request: Request) -> Metrics:
     return request.state.metrics
 
 
+#: The request state's key of the request's Admission.
+ADMISSION = "admission"
+
+
+def admission_of(scope: Scope) -> Admission | None:
+    """The request's admission (:func:`read_body` made it), or None: its body was not read."""
+    return scope.get("state", {}).get(ADMISSION)
+
+
+def release_admission(scope: Scope) -> None:
+    """Give back what the request holds of the service's memory (:meth:`Admission.release`), once
+    its answer is sent."""
+    admission = admission_of(scope)
+    if admission is not None:
+        admission.release()
+
+
 async def read_body(
     request: Request,
     limit: int,
@@ -139,7 +161,7 @@ async def read_body(
         if expected > limit:
             raise PayloadTooLarge(f"Content-Length {brief(declared)} is over the limit of {limit} bytes")
     admission = dataplane_of(request).admit(expected, per_byte=hold_per_byte)
-    hold_admission(request.scope, admission)
+    request.scope["state"][ADMISSION] = admission  # released by the route (release_admission)
     try:
         async with asyncio.timeout(settings_of(request).body_timeout_s):
             return await _receive(request, admission, limit, expected, lead)

@@ -32,6 +32,7 @@ from moegrad_service.api.errors import answer_for
 from moegrad_service.api.inputs import (
     INLINE_DECODE_BYTES,
     MSGPACK_MEDIA_TYPES,
+    admission_of,
     dataplane_of,
     disconnected,
     media_type_of,
@@ -43,7 +44,6 @@ from moegrad_service.api.inputs import (
 )
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute, msgpack_operation
-from moegrad_service.api.state import admission_of
 from moegrad_service.api.v1.codec import (
     batch_reply,
     compare_reply,

@@ -27,17 +27,18 @@ from fastapi import APIRouter, Request, Response
 from moegrad import MalformedRequest
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.inputs import (
+    admission_of,
     dataplane_of,
     disconnected,
     metrics_of,
     off_loop,
     read_body,
+    release_admission,
     request_timeout,
     settings_of,
 )
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute
-from moegrad_service.api.state import admission_of, release_admission
 from moegrad_service.api.v2.codec import (
     HEADER_LENGTH,
     INLINE_ENCODE_ELEMENTS,
