@@ -260,14 +260,14 @@ class DataPlane:
         """Run a batch of independent calls and comparisons; answer each in order, alone.
 
         Each item's named order is checked first (a refused item answers its InvalidArgument and is
-        not counted in :attr:`statistics`). The rest run as :func:`~moegrad_service.dataplane.
-        batching.plan_batch` plans them: on the pool in one share per worker
-        (:meth:`StreamPool.run_parts`: one queue entry and one hand-off each, however many calls
-        and groups, and never more shares than the queue holds, so a batch alone is never refused
-        for its own size; a group's chunk in one computation where the backend can), all under the
-        batch's one deadline; then the comparisons are judged, one after another on one thread. A
-        call that fails gets its own error in its place; its neighbours are unaffected (a share the
-        pool refuses or that runs out of time answers that error for each of its calls).
+        not counted in :attr:`statistics`). The rest run as
+        :func:`~moegrad_service.dataplane.batching.plan_batch` plans them: on the pool in one share
+        per worker (:meth:`StreamPool.run_parts`: one queue entry and one hand-off each, however
+        many calls and groups, and never more shares than the queue holds, so a batch alone is never
+        refused for its own size; a group's chunk in one computation where the backend can), all
+        under the batch's one deadline; then the comparisons are judged, one after another on one
+        thread. A call that fails gets its own error in its place; its neighbours are unaffected (a
+        share the pool refuses or that runs out of time answers that error for each of its calls).
 
         Args:
             items: validated calls (:meth:`infer`; a :class:`GradRequest` for one that names an
