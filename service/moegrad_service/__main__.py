@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import importlib
 import logging
@@ -143,6 +142,7 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
     import uvicorn
 
     from moegrad_service.app import create_app
+    from moegrad_service.memory import map_large_allocations
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     problem = _port_problem(settings.host, settings.port)
@@ -159,7 +159,7 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
 
     protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s)
     _raise_fd_limit(settings.max_connections)
-    _map_large_allocations()
+    map_large_allocations()
 
     config = uvicorn.Config(
         app,
@@ -198,26 +198,6 @@ def serve(settings: Settings, *, backend: Backend | None = None) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return 0 if server.has_started() else 1
-
-
-#: Allocations from this size up get pages of their own, given back to the OS when freed (glibc's
-#: M_MMAP_THRESHOLD, fixed: by default glibc raises it after each large free, up to 32 MiB, so that
-#: request bodies and tensors end up in the heap, whose freed pages stay resident).
-MMAP_THRESHOLD_BYTES = 4 << 20
-_M_MMAP_THRESHOLD = -3  # malloc.h
-
-
-def _map_large_allocations() -> None:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES (not when MALLOC_MMAP_THRESHOLD_ is set,
-    nor on a C library without ``mallopt``): RSS returns to its settled size after large calls."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 #: File descriptors kept beyond max_connections: the listener, logs, the device, the worker threads' files.

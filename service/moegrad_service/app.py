@@ -15,13 +15,14 @@ from fastapi import FastAPI
 
 from moegrad import __version__
 from moegrad.accuracy import warm_up_compare
-from moegrad_service.api import compare, health, v1, v2
+from moegrad_service.api import health, v1, v2
 from moegrad_service.api.auth import Authenticator, AuthMiddleware
 from moegrad_service.api.errors import install_error_handlers
 from moegrad_service.api.middleware import RequestLogMiddleware
 from moegrad_service.api.routing import openapi_with_endpoints
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.engine import Backend, StreamPool, open_backend
+from moegrad_service.memory import Memory
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
@@ -58,11 +59,13 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             slowed or faulty one); the app closes it on shutdown all the same.
 
     The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers,
-    starts compiling the accuracy comparison in the background (:func:`moegrad.accuracy.warm_up_compare`,
-    unless ``settings.warm_up`` or the backend's ``warm_up`` is False) so that the first comparison
-    does not, yields
-    them as request state (``settings``, ``dataplane`` over the pool, ``metrics``) and, on shutdown,
-    stops admitting, lets admitted calls finish (``shutdown_grace_s``) and closes the backend.
+    builds the service's :class:`~moegrad_service.memory.Memory` (the in-flight budget of
+    ``max_inflight_bytes``, the receive buffers kept ``receive_keep_s``, the heap trimmer) and the
+    :class:`DataPlane` over both, starts compiling the accuracy comparison in the background
+    (:func:`moegrad.accuracy.warm_up_compare`, unless ``settings.warm_up`` or the backend's
+    ``warm_up`` is False) so that the first comparison does not, yields them as request state
+    (``settings``, ``dataplane``, ``metrics``) and, on shutdown, stops admitting, lets admitted
+    calls finish (``shutdown_grace_s``) and closes the backend.
     ``app.state.drain()`` stops admitting at once (new calls get 503, readiness turns 503) while
     admitted calls finish; ``moegrad-service serve`` calls it when SIGTERM arrives. With
     ``settings.grpc_port`` set, the lifespan also serves protocol v2 over gRPC on the same dataplane
@@ -87,7 +90,13 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             # in the background: readiness waits for the kernel, not for this (a cold numba cache
             # compiles it in 20 s to 2 minutes); a comparison arriving meanwhile waits for numba's lock
             threading.Thread(target=_warm_up_compare, name="moegrad-warm-up-compare", daemon=True).start()
-        dataplane = DataPlane(settings, pool, metrics)
+        memory = Memory(
+            settings.max_inflight_bytes,
+            retry_after_s=settings.retry_after_s,
+            keep_s=settings.receive_keep_s,
+            loop=asyncio.get_running_loop(),
+        )
+        dataplane = DataPlane(settings, pool, metrics, memory)
         grpc_server = None
         if settings.grpc_port is not None:
             from moegrad_service.api.grpc import GrpcServer  # grpcio only when gRPC is on
@@ -100,7 +109,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             app.state.grpc_port = grpc_server.port
         app.state.drain = partial(_drain, pool, grpc_server)  # called on SIGTERM, before uvicorn stops serving
         metrics.bind(lambda: pool.queue_depth, lambda: pool.in_flight)
-        metrics.bind_memory(lambda: dataplane.budget.held_bytes, lambda: dataplane.receive_buffers.kept_bytes)
+        metrics.bind_memory(lambda: memory.budget.held_bytes, lambda: memory.buffers.kept_bytes)
         log.info(
             "moegrad %s ready: backend=%s device=%s streams=%d",
             __version__,
@@ -124,7 +133,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
     )
     install_error_handlers(app)
     # The tensor-carrying POST routes first (they are matched on every inference call), then the rest.
-    app.router.routes[:0] = [*v1.routes, *compare.routes, *v2.routes]
+    app.router.routes[:0] = [*v1.routes, *v2.routes]
     for router in (health.router, v1.router, v2.router):
         app.include_router(router)
     app.openapi = openapi_with_endpoints(app)  # type: ignore[method-assign]

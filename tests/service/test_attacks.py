@@ -28,7 +28,7 @@ import pytest
 from servicekit import example_document, post
 
 import moegrad
-from moegrad_service.dataplane import MemoryBudget
+from moegrad_service.memory import MemoryBudget
 from moegrad_service.engine import ReferenceBackend
 from moegrad_service.engine import pool as pool_module
 

@@ -369,8 +369,7 @@ def test_a_receive_buffer_is_reused_only_when_nothing_views_it(client):
     """A large body's buffer is kept once its call is answered and taken by the next body of its size;
     the second call's bits are its own (nothing of the first survives), and a buffer that an array
     still views is never kept."""
-    from moegrad_service.buffers import ReceiveBuffers
-    from moegrad_service.dataplane import MemoryBudget
+    from moegrad_service.memory import MemoryBudget, ReceiveBuffers
 
     results = []
     for seed in (1, 2):

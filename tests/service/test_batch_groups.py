@@ -16,7 +16,7 @@ import pytest
 from servicekit import DOC_GRAD, DOC_IDX, example_document, post
 
 from moegrad import REQUEST_LIMITS, DeviceFault, decode_batch
-from moegrad_service.api.grouping import GROUP_CALL_BYTES, group_calls
+from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES, group_calls
 from moegrad_service.dataplane import GroupMember
 from moegrad_service.engine import ReferenceBackend
 
@@ -272,7 +272,7 @@ def test_a_refused_calls_problem_says_when_to_retry():
     """A batch call refused as busy (its share found the queue full) carries ``retry_after_s``: what
     the single call's Retry-After header says; other problems carry no such field."""
     from moegrad import DeviceBusy, InvalidArgument
-    from moegrad_service.api.v1 import problem_document
+    from moegrad_service.api.v1.codec import problem_document
 
     busy = problem_document(DeviceBusy("the queue is full (1 calls waiting)", retry_after_s=7.0))
     assert (busy["status"], busy["retry_after_s"]) == (503, 7.0)

@@ -1,4 +1,4 @@
-"""Receive buffers kept inside the in-flight budget (moegrad_service.buffers, MemoryBudget).
+"""Receive buffers kept inside the in-flight budget (moegrad_service.memory: ReceiveBuffers, MemoryBudget).
 
 The rules (docs/operations.md, "Limits"): a kept buffer's bytes are held in the budget; a buffer is
 kept only when the budget has room for it outside the part kept for small calls; a reservation
@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 import moegrad
-from moegrad_service.buffers import ReceiveBuffers
-from moegrad_service.dataplane import MemoryBudget
 from moegrad_service.engine.reference import ReferenceBackend
+from moegrad_service.memory import MemoryBudget, ReceiveBuffers
 
 MiB = 1 << 20
 
@@ -138,23 +137,24 @@ def test_bodies_of_nearly_the_same_size_share_a_buffer():
 @pytest.fixture
 def watched(monkeypatch):
     """What the service's ReceiveBuffers hand out and keep: [(nbytes, weakref to the buffer)] per
-    take, and the weakrefs of the buffers a give kept (weak, so that watching adds no reference
-    to the counts a give checks)."""
+    take, and the weakrefs of the buffers kept (every way a buffer comes back ends in ``keep``;
+    weak, so that watching adds no reference to the counts a give checks)."""
     taken, kept_by_give = [], []
-    take, give = ReceiveBuffers.take, ReceiveBuffers.give
+    take, keep = ReceiveBuffers.take, ReceiveBuffers.keep
 
     def watching_take(self, nbytes):
         buffer = take(self, nbytes)
         taken.append((nbytes, weakref.ref(buffer)))
         return buffer
 
-    def watching_give(self, buffer, references):
-        give(self, buffer, references + 1)  # this frame's parameter is one more reference
-        if any(kept is buffer for kept, _ in self._kept):
+    def watching_keep(self, buffer):
+        kept = keep(self, buffer)
+        if kept:
             kept_by_give.append(weakref.ref(buffer))
+        return kept
 
     monkeypatch.setattr(ReceiveBuffers, "take", watching_take)
-    monkeypatch.setattr(ReceiveBuffers, "give", watching_give)
+    monkeypatch.setattr(ReceiveBuffers, "keep", watching_keep)
     return taken, kept_by_give
 
 

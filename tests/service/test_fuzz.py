@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from servicekit import MSGPACK_HEADERS
 
 from moegrad import InvalidArgument, MalformedRequest, MoeInitRoutingV2GradCall, decode_body
-from moegrad_service import heap
+from moegrad_service.memory import heap
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
 

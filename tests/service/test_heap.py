@@ -1,4 +1,4 @@
-"""Trimming the C heap once the service is quiet (moegrad_service.heap).
+"""Trimming the C heap once the service is quiet (moegrad_service.memory.heap).
 
 What is checked against something independent: the process's resident pages (/proc/self/statm)
 before and after ``malloc_trim`` over blocks freed with the C library's own ``free``; the rest is
@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from moegrad_service import heap
-from moegrad_service.heap import HeapTrimmer
+from moegrad_service.memory import heap
+from moegrad_service.memory.heap import HeapTrimmer
 
 MiB = 1 << 20
 
@@ -154,4 +154,4 @@ def test_the_service_trims_its_heap_after_a_large_call_once_quiet(serve, monkeyp
         while not trims:
             assert time.monotonic() < deadline, "the service never trimmed its heap"
             time.sleep(0.02)
-        assert client.app_state["dataplane"].heap_trimmer.trims == 1
+        assert client.app_state["dataplane"].memory.trimmer.trims == 1

@@ -95,7 +95,7 @@ async def test_a_batch_runs_one_by_one_when_run_many_fails_or_declines(declines)
 def test_a_refused_batch_item_holds_no_tensor_of_its_neighbours(collector_off):
     from types import SimpleNamespace
 
-    from moegrad_service.api.v1 import decode_batch_items
+    from moegrad_service.api.v1.codec import decode_batch_items
     from servicekit import example_document
 
     dataplane = SimpleNamespace(default_order="ascend910b", check_order=lambda order: None)

@@ -311,10 +311,10 @@ def test_a_content_length_of_thousands_of_digits_is_refused_not_an_error(declare
 
     import moegrad
     from moegrad_service.api.inputs import read_body
-    from moegrad_service.dataplane import MemoryBudget
+    from moegrad_service.memory import Memory
     from moegrad_service.settings import Settings
 
-    admitting = SimpleNamespace(admit=lambda: None, budget=MemoryBudget(1 << 30))  # the app's, less the pool
+    admitting = SimpleNamespace(admit=Memory(1 << 30).admit)  # the app's, less the pool
     scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
              "headers": [(b"content-type", b"application/msgpack"), (b"content-length", declared.encode())],
              "state": {"dataplane": admitting, "settings": Settings(backend="reference")}}

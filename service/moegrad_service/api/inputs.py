@@ -1,10 +1,14 @@
-"""What a handler reads from its request: the app's services, a size-limited body, the call, the deadline.
+"""What a handler reads from its request: the app's services, its admission, a size-limited body, the deadline.
 
 Plain functions that the handlers call, not FastAPI dependencies: FastAPI re-solves a route's whole
 dependency graph on every request, which costs more server CPU than a small call's compute.
 
 The app's lifespan puts ``settings``, ``dataplane`` and ``metrics`` in every request's state
-(``create_app``); the accessors below only give them their types.
+(``create_app``); the accessors below only give them their types. :func:`read_body` admits the
+request (``DataPlane.admit``) and keeps its :class:`~moegrad_service.memory.Admission` in the
+request's state under :data:`ADMISSION`, the one key a request adds there; the route releases it
+once the answer is sent (:func:`release_admission`, api/routing.py), and the access log and the
+early-answer check read it (:func:`admission_of`).
 """
 
 from __future__ import annotations
@@ -14,33 +18,23 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Scope
 
-from moegrad import (
-    FRAMES_MEDIA_TYPE,
-    REQUEST_LIMITS,
-    MalformedRequest,
-    MoegradError,
-    MoeInitRoutingV2GradCall,
-    PayloadTooLarge,
-    brief,
-    decode_body,
-    decode_frames,
-)
+from moegrad import MalformedRequest, MoegradError, PayloadTooLarge, brief
 from moegrad_service.api.errors import RequestTimeout, UnsupportedMediaType
-from moegrad_service.buffers import REUSE_MIN_BYTES
 from moegrad_service.connections import BODY_INTO
 from moegrad_service.dataplane import DataPlane
+from moegrad_service.memory import Admission
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
 __all__ = [
+    "ADMISSION",
     "INLINE_DECODE_BYTES",
     "MSGPACK_MEDIA_TYPES",
-    "V1_MEDIA_TYPES",
+    "admission_of",
     "byte_count",
     "dataplane_of",
     "disconnected",
@@ -48,11 +42,8 @@ __all__ = [
     "metrics_of",
     "off_loop",
     "read_body",
-    "read_call",
-    "read_document",
-    "release_reserved",
+    "release_admission",
     "request_timeout",
-    "result_buffer",
     "settings_of",
 ]
 
@@ -76,8 +67,6 @@ async def off_loop(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 MSGPACK_MEDIA_TYPES = frozenset({"application/msgpack", "application/x-msgpack"})
-#: What a v1 call's body may be: msgpack, or frames (a msgpack header, then the tensors' bytes).
-V1_MEDIA_TYPES = MSGPACK_MEDIA_TYPES | {FRAMES_MEDIA_TYPE}
 #: Bodies larger than this are decoded and validated on a worker thread, not on the event loop.
 INLINE_DECODE_BYTES = 1 << 20
 
@@ -114,6 +103,23 @@ def metrics_of(request: Request) -> Metrics:
     return request.state.metrics
 
 
+#: The request state's key of the request's Admission.
+ADMISSION = "admission"
+
+
+def admission_of(scope: Scope) -> Admission | None:
+    """The request's admission (:func:`read_body` made it), or None: its body was not read."""
+    return scope.get("state", {}).get(ADMISSION)
+
+
+def release_admission(scope: Scope) -> None:
+    """Give back what the request holds of the service's memory (:meth:`Admission.release`), once
+    its answer is sent."""
+    admission = admission_of(scope)
+    if admission is not None:
+        admission.release()
+
+
 async def read_body(
     request: Request,
     limit: int,
@@ -129,8 +135,9 @@ async def read_body(
     ready, queue full) or what the body holds (twice its bytes: MemoryBudget.reserve_body) does not
     fit the in-flight budget now (``max_inflight_bytes``). A body without Content-Length is counted
     against both as it arrives.
-    408 when the body takes longer than ``body_timeout_s`` to arrive. The bytes reserved from the
-    budget are given back by the route once the answer is sent (api/routing.py).
+    408 when the body takes longer than ``body_timeout_s`` to arrive. The request's admission
+    (``DataPlane.admit``: the bytes reserved, the buffer the body is read into) is released by the
+    route once the answer is sent (api/routing.py).
 
     ``lead`` > 0 puts that many zero bytes before the body in its buffer (whose start CPython
     aligns to 16 bytes) and returns a memoryview of the body alone: a caller that knows where
@@ -139,15 +146,12 @@ async def read_body(
 
     ``hold_per_byte``: what the request holds per byte of its body, when not a single call's
     (MemoryBudget.HOLD_PER_BODY_BYTE): a batch passes MemoryBudget.BATCH_HOLD_PER_BODY_BYTE."""
-    if hold_per_byte is not None:
-        request.scope["state"]["hold_per_byte"] = hold_per_byte
     if media_types is not None:
         media_type = media_type_of(request)
         if media_type not in media_types:
             raise UnsupportedMediaType(
                 f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}"
             )
-    dataplane = dataplane_of(request)
     declared = request.headers.get("content-length")
     expected = None
     if declared is not None:
@@ -156,12 +160,11 @@ async def read_body(
             raise MalformedRequest(f"Content-Length {brief(declared)} is not a byte count")
         if expected > limit:
             raise PayloadTooLarge(f"Content-Length {brief(declared)} is over the limit of {limit} bytes")
-    dataplane.admit()
-    if expected is not None:
-        _reserve(request, dataplane, expected)
+    admission = dataplane_of(request).admit(expected, per_byte=hold_per_byte)
+    request.scope["state"][ADMISSION] = admission  # released by the route (release_admission)
     try:
         async with asyncio.timeout(settings_of(request).body_timeout_s):
-            return await _receive(request, dataplane, limit, expected, lead)
+            return await _receive(request, admission, limit, expected, lead)
     except TimeoutError:
         raise RequestTimeout(
             f"the body did not arrive within {settings_of(request).body_timeout_s:g} s "
@@ -170,37 +173,33 @@ async def read_body(
 
 
 async def _receive(
-    request: Request, dataplane: DataPlane, limit: int, expected: int | None, lead: int
+    request: Request, admission: Admission, limit: int, expected: int | None, lead: int
 ) -> bytearray | memoryview:
     if expected is not None:
-        return await _receive_declared(request, expected, lead)
+        return await _receive_declared(request, admission, expected, lead)
     # Without a Content-Length the body grows as bytes arrive (each chunk reserved from the budget first).
     body = bytearray(lead)
     async for chunk in request.stream():
         if len(body) - lead + len(chunk) > limit:
             raise PayloadTooLarge(f"the body grew past the limit of {limit} bytes")
-        _reserve(request, dataplane, len(chunk))
+        admission.reserve(len(chunk))
         body += chunk
-    request.scope["state"]["body_complete"] = True
+    admission.body_complete = True
     return memoryview(body)[lead:] if lead else body
 
 
-async def _receive_declared(request: Request, expected: int, lead: int) -> memoryview:
+async def _receive_declared(request: Request, admission: Admission, expected: int, lead: int) -> memoryview:
     # The declared length is already reserved from the in-flight budget, so the buffer is taken
     # whole and each chunk is copied once, in place.
-    if lead + expected >= REUSE_MIN_BYTES:
-        buffer = dataplane_of(request).receive_buffers.take(lead + expected)
-        request.scope["state"]["receive_buffer"] = buffer  # given back once the answer is sent
-    else:
-        buffer = np.empty(lead + expected, dtype=np.uint8)
+    buffer = admission.body_buffer(lead + expected)  # a large one is given back once the answer is sent
     view = buffer.data[: lead + expected]
     filled = lead
     if lead:
         buffer[:lead] = 0
     body_into = request.scope.get("extensions", {}).get(BODY_INTO)
     if body_into is not None and expected and await body_into(request.scope, view[lead:]):
-        request.scope["state"]["body_complete"] = True
-        request.scope["state"]["bytes_in"] = expected  # not seen by receive(): for the access log
+        admission.body_complete = True
+        admission.read_in_place = expected  # not seen by receive(): for the access log
         return view[lead:]
     async for chunk in request.stream():
         end = filled + len(chunk)
@@ -208,100 +207,15 @@ async def _receive_declared(request: Request, expected: int, lead: int) -> memor
             raise MalformedRequest("the body is longer than its Content-Length")
         view[filled:end] = chunk
         filled = end
-    request.scope["state"]["body_complete"] = True
+    admission.body_complete = True
     if filled - lead != expected:
         raise MalformedRequest(f"the body ended after {filled - lead} of {expected} bytes")
     return view[lead:]
 
 
-def _reserve(request: Request, dataplane: DataPlane, nbytes: int) -> None:
-    """Take what ``nbytes`` of body hold of the in-flight budget (MemoryBudget.reserve_body) for this
-    request (given back by release_reserved)."""
-    state = request.scope["state"]
-    per_byte = state.get("hold_per_byte", dataplane.budget.HOLD_PER_BODY_BYTE)
-    so_far = state.get("reserved_bytes", 0) // per_byte
-    held = dataplane.budget.reserve_body(nbytes, so_far=so_far, per_byte=per_byte)
-    state["reserved_bytes"] = state.get("reserved_bytes", 0) + held
-
-
-def result_buffer(request: Request, call: MoeInitRoutingV2GradCall) -> np.ndarray | None:
-    """Where the worker writes this call's grad_x ([N, H], grad_expanded_x's dtype in native byte
-    order): when grad_x has REUSE_MIN_BYTES or more, an array lent by the receive buffers
-    (:meth:`ReceiveBuffers.lend`: a buffer an answered call left behind, pages resident, so the
-    kernel's writes fault none in; it goes back once the reply is sent and the worker is done);
-    None (the backend allocates) for a smaller grad_x. The request's reservation already counts
-    grad_x (MemoryBudget.HOLD_PER_BODY_BYTE)."""
-    dtype = call.grad_expanded_x.dtype.newbyteorder("=")
-    shape = (call.num_tokens, call.hidden_size)
-    if shape[0] * shape[1] * dtype.itemsize < REUSE_MIN_BYTES:
-        return None
-    return dataplane_of(request).receive_buffers.lend(shape, dtype)
-
-
-def release_reserved(scope: Scope) -> None:
-    """Give back what this request reserved of the in-flight budget, and its receive buffer for
-    reuse when nothing views it any more (once its answer is sent)."""
-    state = scope.get("state", {})
-    reserved = state.pop("reserved_bytes", 0)
-    if reserved:
-        state["dataplane"].budget.release(reserved)
-    buffer = state.pop("receive_buffer", None)
-    if buffer is not None:
-        state["dataplane"].receive_buffers.give(buffer, references=1)
-        del buffer
-
-
-async def read_document(request: Request) -> dict[str, Any]:
-    """The v1 body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`), its
-    bytes counted: msgpack, or frames (:func:`moegrad.decode_frames`: the tensors' data views the
-    body, no copy); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
-    body = await read_body(request, settings_of(request).max_body_bytes, V1_MEDIA_TYPES)
-    metrics_of(request).bytes_in.inc(len(body))
-    if media_type_of(request) == FRAMES_MEDIA_TYPE:  # the call's arrays will view the body
-        if len(body) > INLINE_DECODE_BYTES:
-            return await off_loop(decode_frames, body, REQUEST_LIMITS)
-        return decode_frames(body, REQUEST_LIMITS)
-    if len(body) > INLINE_DECODE_BYTES:
-        document = await off_loop(decode_body, body, REQUEST_LIMITS)
-    else:
-        document = decode_body(body, REQUEST_LIMITS)
-    # msgpack copied every bin out of the body: let the body go now, not after the reply
-    del body
-    buffer = request.scope["state"].pop("receive_buffer", None)
-    if buffer is not None:
-        dataplane_of(request).receive_buffers.give(buffer, references=1)
-        del buffer
-    return document
-
-
 def media_type_of(request: Request) -> str:
     """The request's Content-Type without parameters, lower-cased ("" when absent)."""
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
-
-
-async def read_call(request: Request) -> MoeInitRoutingV2GradCall:
-    """The v1 body as a call validated with the app's limits and default order (InvalidArgument,
-    422, names the field and the aclnn code); large tensors are validated on a worker thread."""
-    document = await read_document(request)
-    dataplane = dataplane_of(request)
-    dataplane.check_order(document.get("order"))
-    max_elements, default_order = settings_of(request).max_elements, dataplane.default_order
-
-    def build() -> MoeInitRoutingV2GradCall:
-        return MoeInitRoutingV2GradCall.from_wire(document, max_elements=max_elements, default_order=default_order)
-
-    if _tensor_bytes(document) > INLINE_DECODE_BYTES:
-        return await off_loop(build)
-    return build()
-
-
-def _tensor_bytes(document: dict[str, Any]) -> int:
-    total = 0
-    for value in document.values():
-        data = value.get("data") if isinstance(value, dict) else None
-        if data is not None and not isinstance(data, (str, list, dict)) and hasattr(data, "__len__"):
-            total += len(data)  # a msgpack bin, or a frames body's segment
-    return total
 
 
 def request_timeout(request: Request) -> float:

@@ -9,6 +9,8 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from moegrad_service.api.inputs import admission_of
+
 __all__ = ["RequestLogMiddleware"]
 
 log = logging.getLogger("moegrad_service.access")
@@ -51,13 +53,14 @@ class RequestLogMiddleware:
             await self.app(scope, counting_receive, tagging_send)
         finally:
             if log.isEnabledFor(logging.INFO):
+                admission = admission_of(scope)  # a body read in place is not seen by receive()
                 log.info(
                     "request_id=%s method=%s path=%s status=%d bytes_in=%d bytes_out=%d duration_ms=%.3f",
                     request_id,
                     scope["method"],
                     scope["path"],
                     seen["status"] or 500,
-                    seen["in"] + state.get("bytes_in", 0),
+                    seen["in"] + (admission.read_in_place if admission is not None else 0),
                     seen["out"],
                     (time.perf_counter() - start) * 1e3,
                 )

@@ -24,7 +24,7 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from moegrad_service.api.errors import error_response
-from moegrad_service.api.inputs import release_reserved
+from moegrad_service.api.inputs import admission_of, release_admission
 
 __all__ = ["EndpointRoute", "msgpack_operation", "openapi_with_endpoints"]
 
@@ -49,11 +49,12 @@ class _Endpoint:
                     response.headers["connection"] = "close"  # connection lingering (connections.py)
             await response(scope, receive, send)
         finally:
-            release_reserved(scope)
+            release_admission(scope)  # the answer is sent: the request's bytes and buffers go back
 
 
 def _body_unread(request: Request) -> bool:
-    if request.scope.get("state", {}).get("body_complete"):
+    admission = admission_of(request.scope)
+    if admission is not None and admission.body_complete:
         return False
     return request.headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in request.headers
 

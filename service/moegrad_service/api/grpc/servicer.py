@@ -92,11 +92,10 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
     @functools.wraps(method)
     async def handler(self: InferenceServicer, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         started = time.perf_counter()
-        reserved = 0
+        admission = None
         try:
             if infer:  # admitted as an HTTP body is: the queue and the in-flight byte budget
-                self.dataplane.admit()
-                reserved = self.dataplane.budget.reserve_body(len(raw))
+                admission = self.dataplane.admit(len(raw))
             if len(raw) > INLINE_DECODE_BYTES:
                 request = await off_loop(_parse, request_type, raw)
             else:
@@ -123,8 +122,8 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
             await context.abort(code, details)
             raise AssertionError("context.abort raises") from None
         finally:
-            if reserved:
-                self.dataplane.budget.release(reserved)
+            if admission is not None:
+                admission.release()
 
     return handler
 
@@ -215,11 +214,12 @@ class InferenceServicer:
             decode_infer_request, request, max_elements=settings.max_elements, default_order=dataplane.default_order
         )
         decoded = await off_loop(decode) if _declared_bytes(request) > INLINE_DECODE_BYTES else decode()
-        dataplane.check_order(decoded.named_order)
         if decoded.timeout_s is not None:
             timeout_s = min(timeout_s, decoded.timeout_s)
         # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).
-        outcome = await dataplane.infer(decoded.call, timeout_s=timeout_s, received_s=started)
+        outcome = await dataplane.infer(
+            decoded.call, named_order=decoded.named_order, timeout_s=timeout_s, received_s=started
+        )
         if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS:
             response = await off_loop(encode_infer_response, outcome, decoded.id)
         else:

@@ -27,13 +27,14 @@ from fastapi import APIRouter, Request, Response
 from moegrad import MalformedRequest
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.inputs import (
+    admission_of,
     dataplane_of,
     disconnected,
     metrics_of,
     off_loop,
     read_body,
+    release_admission,
     request_timeout,
-    result_buffer,
     settings_of,
 )
 from moegrad_service.api.outputs import PartsResponse
@@ -135,10 +136,13 @@ async def get_model_statistics(request: Request, model_name: str) -> dict[str, A
 
 @router.post("/v2/repository/index", summary="v2 repository index: the one model, READY")
 async def get_repository_index(request: Request) -> list[dict[str, str]]:
-    body = await read_body(request, 1 << 16, media_types=None)
+    try:
+        body = bytes(await read_body(request, 1 << 16, media_types=None))
+    finally:  # a FastAPI route: no EndpointRoute releases its admission after the answer
+        release_admission(request.scope)
     ready = False
-    if bytes(body).strip():
-        document = parse_repository_request(bytes(body))
+    if body.strip():
+        document = parse_repository_request(body)
         ready = document.get("ready", False)
     return repository_index(ready)
 
@@ -199,15 +203,15 @@ async def infer(request: Request) -> Response:
         default_order=dataplane.default_order,
     )
     decoded = await off_loop(decode) if len(body) > INLINE_JSON_BYTES else decode()
-    dataplane.check_order(decoded.named_order)
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
     outcome = await dataplane.infer(
         decoded.call,
+        named_order=decoded.named_order,
         timeout_s=timeout_s,
         disconnected=partial(disconnected, request),
         received_s=started,
-        out=result_buffer(request, decoded.call),
+        admission=admission_of(request.scope),
     )
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
     response = await off_loop(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()

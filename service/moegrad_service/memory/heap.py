@@ -1,10 +1,10 @@
 """Giving the C heap's free pages back to the system once the service is quiet.
 
 Tensors under glibc's mmap threshold (4 MiB: ``moegrad-service serve`` fixes it there, see
-``moegrad_service.__main__``) live in the heap. When a batch of many such calls is answered they
-are all freed, but glibc returns only the free space at the very top of each arena to the system;
-the rest stays resident for the next allocations, so a server that has answered a batch of 10,000
-calls of different shapes stayed hundreds of MiB above its idle size (bench/RESULTS.md).
+:mod:`moegrad_service.memory.allocator`) live in the heap. When a batch of many such calls is
+answered they are all freed, but glibc returns only the free space at the very top of each arena to
+the system; the rest stays resident for the next allocations, so a server that has answered a batch
+of 10,000 calls of different shapes stayed hundreds of MiB above its idle size (bench/RESULTS.md).
 ``malloc_trim(0)`` returns the free pages of every arena (glibc 2.8 and later; the manual page
 malloc_trim(3)). :class:`HeapTrimmer` calls it a moment after the service has released enough bytes
 of its in-flight budget, at a time when no request holds any, on a thread of the loop's default

@@ -4,9 +4,12 @@ A buffer over glibc's mmap threshold is a fresh mapping: every 4 KiB page of it 
 zeroed, as the body arrives. A DeepSeek-V3 body (448 MiB) costs about as much in page faults as
 the loopback copy of its bytes (measured in bench/RESULTS.md). :class:`ReceiveBuffers` keeps the
 buffers of answered calls, pages resident, for the next body of their size, and lends them for
-grad_x (:meth:`ReceiveBuffers.lend`), to come back once the reply is sent and the worker is done.
+grad_x (:meth:`ReceiveBuffers.loan`): a loan comes back when its borrower gives it back, done with
+it (:meth:`Loan.give_back`: the request's admission, once the reply is sent and the worker has
+written it), or else once the lent array and every view of it are gone (a worker still writing
+after its call was given up on lets go of it when it is done).
 
-What is kept is part of the in-flight budget (:class:`~moegrad_service.dataplane.MemoryBudget`),
+What is kept is part of the in-flight budget (:class:`~moegrad_service.memory.budget.MemoryBudget`),
 held as a request's bytes are: a buffer is kept only while the budget has room for it beside what
 requests hold, a reservation that finds no room gives up kept buffers first, and a kept buffer
 unused for ``keep_s`` seconds is given up, so that an idle server returns its memory.
@@ -22,21 +25,15 @@ import sys
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from moegrad_service.dataplane import MemoryBudget
+from moegrad_service.memory.budget import MemoryBudget
 
-__all__ = ["HUGE_PAGE_MIN_BYTES", "REUSE_MIN_BYTES", "ReceiveBuffers", "fresh_buffer"]
+__all__ = ["HUGE_PAGE_MIN_BYTES", "REUSE_MIN_BYTES", "Loan", "ReceiveBuffers", "fresh_buffer"]
 
 #: Bodies of at least this many bytes are read into reusable buffers (smaller ones cost no page faults).
 REUSE_MIN_BYTES = 1 << 20
-#: How often, and how far apart in seconds, a lent buffer that comes back while its array's
-#: memoryview still holds it (that array's deallocation is finishing on another thread) is given again.
-RETURN_RETRIES = 50
-RETURN_RETRY_S = 0.002
 #: Fresh buffers of at least this many bytes are mapped with transparent huge pages where the
 #: kernel offers them (``madvise``): one fault per 2 MiB instead of per 4 KiB as the body arrives.
 HUGE_PAGE_MIN_BYTES = 16 << 20
@@ -56,6 +53,43 @@ def fresh_buffer(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
+class Loan:
+    """A buffer lent for one result (:meth:`ReceiveBuffers.loan`).
+
+    Attributes:
+        array: the C-contiguous array over the buffer that the borrower writes (None once given
+            back or forgotten).
+
+    The buffer comes back once: by :meth:`give_back` (the borrower is done with it: nothing writes
+    or reads it any more), or, when the borrower lets go of it (:meth:`forget`), once ``array``
+    and every view of it are gone, on whichever thread lets go of the last one.
+    """
+
+    def __init__(self, buffers: ReceiveBuffers, buffer: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        count = math.prod(shape)
+        # every view of the result has this array as its base (numpy collapses bases to it), and it
+        # holds ``buffer`` through its memoryview: it goes only when they all have
+        flat = np.frombuffer(buffer.data, dtype=dtype, count=count)
+        self._back = weakref.finalize(flat, buffers._lent_back, buffer)
+        self._back.atexit = False
+        self._buffers = buffers
+        self.array: np.ndarray | None = flat.reshape(shape)
+
+    def give_back(self) -> None:
+        """The borrower is done with the buffer: it is kept for the next call now (if the budget
+        has room), whatever still references the array. Idempotent."""
+        self.array = None
+        back = self._back.detach()  # None when it already came back
+        if back is not None:
+            _, _, (buffer,), _ = back
+            self._buffers.keep(buffer)
+
+    def forget(self) -> None:
+        """The borrower lets go of ``array`` while something else may still write it (a worker whose
+        call was given up on): the buffer comes back once the last view of it is gone."""
+        self.array = None
+
+
 class ReceiveBuffers:
     """Buffers of answered calls' bodies, kept inside the in-flight budget for the next body of their size.
 
@@ -64,8 +98,8 @@ class ReceiveBuffers:
     reservation on any thread may :meth:`reclaim`.
 
     Args:
-        budget: the in-flight budget the kept bytes are held in; its ``reclaim`` is set to this
-            pool's :meth:`reclaim`.
+        budget: the in-flight budget the kept bytes are held in (with :meth:`reclaim`, which a
+            reservation that finds no room calls).
         keep_s: how long a buffer is kept unused, in seconds (0: never kept).
         max_kept: the most buffers kept at once.
     """
@@ -77,18 +111,16 @@ class ReceiveBuffers:
         self._kept: list[tuple[np.ndarray, float]] = []  # oldest first, with when each was kept
         self._lock = threading.Lock()
         self._timer: asyncio.TimerHandle | None = None
-        # lent buffers back, not yet given, each with the number of times its give was put off
-        self._returned: collections.deque[tuple[np.ndarray, int]] = collections.deque()
-        self._loop: asyncio.AbstractEventLoop | None = None  # where trims run: the loop it is made on, or gives on
+        self._returned: collections.deque[np.ndarray] = collections.deque()  # lent buffers back, not yet kept
+        self._loop: asyncio.AbstractEventLoop | None = None  # where trims run: the loop it is made on, or keeps on
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             pass
-        budget.reclaim = self.reclaim
 
     @property
     def kept_bytes(self) -> int:
-        self._give_returned()
+        self._keep_returned()
         with self._lock:
             return sum(buffer.nbytes for buffer, _ in self._kept)
 
@@ -99,7 +131,7 @@ class ReceiveBuffers:
         A fresh one is rounded up to a granule of 1/16 to 1/8 of its size (2 MiB at least), so that
         bodies of nearly the same size (one call in msgpack, frames or v2 form) share a kept buffer;
         pages past the body are never written, so never resident."""
-        self._give_returned()
+        self._keep_returned()
         with self._lock:
             for index, (buffer, _) in enumerate(self._kept):
                 if nbytes <= buffer.nbytes <= 2 * nbytes:
@@ -109,61 +141,59 @@ class ReceiveBuffers:
         granule = max(2 << 20, 1 << max(0, nbytes.bit_length() - 4))
         return fresh_buffer(-(-nbytes // granule) * granule)
 
+    def loan(self, shape: tuple[int, ...], dtype: np.dtype) -> Loan:
+        """A C-contiguous ``shape`` array of ``dtype`` (``loan.array``) over a buffer from
+        :meth:`take`, for a result the service writes and sends; it comes back by
+        :meth:`Loan.give_back`, or once the array and every view of it are gone (see :class:`Loan`).
+
+        A worker that times out still holds its result, so the buffer of a call given up on comes
+        back only when the worker is done writing."""
+        return Loan(self, self.take(math.prod(shape) * dtype.itemsize), shape, dtype)
+
     def lend(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A C-contiguous ``shape`` array of ``dtype`` over a buffer from :meth:`take`, given back
-        (:meth:`give`) once that array and every view of it are gone, on whichever thread lets go
-        of the last one.
+        """``loan(shape, dtype).array``, forgotten at once: the buffer comes back once that array
+        and every view of it are gone."""
+        loan = self.loan(shape, dtype)
+        array = loan.array
+        loan.forget()
+        assert array is not None
+        return array
 
-        For results the service writes and sends: a worker that times out still holds its result,
-        so its buffer comes back only when the worker is done writing, and a reply the transport is
-        still sending holds views of it until the last byte is out."""
-        count = math.prod(shape)
-        buffer = self.take(count * dtype.itemsize)
-        # every view of the result has this array as its base (numpy collapses bases to it), and it
-        # holds ``buffer`` through its memoryview: it goes only when they all have
-        flat = np.frombuffer(buffer.data, dtype=dtype, count=count)
-        weakref.finalize(flat, self._lent_back, [buffer]).atexit = False
-        return flat.reshape(shape)
-
-    def _lent_back(self, holder: list[np.ndarray]) -> None:
-        # No lock here: a collection may finalize a lent array inside any allocation, one made
-        # under this pool's lock on this very thread included. The buffer waits in ``_returned``
-        # (a deque: appending takes no lock) until the loop, or the next take, gives it.
-        self._returned.append((holder.pop(), 0))
+    def _lent_back(self, buffer: np.ndarray) -> None:
+        # The last view of a forgotten loan is gone: its buffer is free. No lock here: a collection
+        # may finalize a lent array inside any allocation, one made under this pool's lock on this
+        # very thread included. The buffer waits in ``_returned`` (a deque: appending takes no
+        # lock) until the loop, or the next take, keeps it.
+        self._returned.append(buffer)
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._give_returned)
+            loop.call_soon_threadsafe(self._keep_returned)
 
-    def _give_returned(self) -> None:
-        # The finalizer runs as the lent array is deallocated, before the array lets go of the
-        # memoryview it was made over (which holds the buffer); on another thread, that can still be
-        # under way here (the finalizer's wake-up of the loop releases the GIL). A buffer still held
-        # so is given again a moment later, a few times, rather than dropped for being viewed.
-        later = []
+    def _keep_returned(self) -> None:
         while True:
             try:
-                buffer, put_off = self._returned.popleft()
+                buffer = self._returned.popleft()
             except IndexError:
-                break
-            if sys.getrefcount(buffer) > 2 and put_off < RETURN_RETRIES:  # this name and the argument
-                later.append((buffer, put_off + 1))
-            else:
-                self.give(buffer, references=1)
+                return
+            self.keep(buffer)
             del buffer
-        if later:
-            self._returned.extend(later)
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(loop.call_later, RETURN_RETRY_S, self._give_returned)
 
     def give(self, buffer: np.ndarray, references: int) -> None:
-        """Keep ``buffer`` if nothing but the caller's ``references`` holds it (no array of the
-        finished call still views it), it is at least REUSE_MIN_BYTES, and the budget has room for it."""
+        """Keep ``buffer`` (:meth:`keep`) if nothing but the caller's ``references`` holds it: no
+        array of the finished call still views it (a body whose call's arrays view it)."""
         # getrefcount counts its own argument and this parameter besides the caller's references
-        if sys.getrefcount(buffer) - 2 > references or buffer.nbytes < REUSE_MIN_BYTES or self.keep_s <= 0:
+        if sys.getrefcount(buffer) - 2 > references:
             return
-        if not self.budget.hold_spare(buffer.nbytes):
-            return
+        self.keep(buffer)
+
+    def keep(self, buffer: np.ndarray) -> bool:
+        """Keep ``buffer``, which the caller owns outright (nothing writes or reads it any more), for
+        the next body of its size if it is at least REUSE_MIN_BYTES and the budget has room for it;
+        True when kept."""
+        if buffer.nbytes < REUSE_MIN_BYTES or self.keep_s <= 0:
+            return False
+        if not self.budget.hold_spare(buffer.nbytes, self.reclaim):
+            return False
         dropped = []
         with self._lock:
             self._kept.append((buffer, time.monotonic()))
@@ -172,6 +202,7 @@ class ReceiveBuffers:
         for old in dropped:
             self.budget.release(old.nbytes)
         self._schedule_trim()
+        return True
 
     def reclaim(self, nbytes: int) -> int:
         """Give up kept buffers, oldest first, until ``nbytes`` are free or none is left; returns

@@ -80,7 +80,8 @@ def _key(item: dict[str, Any]) -> tuple | None:
 
 def _like(item: dict[str, Any], dataplane: DataPlane, max_elements: int) -> MoeInitRoutingV2GradCall | None:
     """The group's shared call: the first member's document with an index that keeps rule 7,
-    validated; None when its rules 1-6 (or the device's order) refuse it, or it is empty."""
+    validated; None when its rules 1-6 refuse it, or it is empty. The order it names is the
+    dataplane's to check, for every member at once (it is part of what they share)."""
     idx = item["expanded_row_idx"]
     if idx["dtype"] != "int32" or len(idx["shape"]) != 1 or item.get("drop_pad_mode", 0) not in (0, 1):
         return None
@@ -90,7 +91,6 @@ def _like(item: dict[str, Any], dataplane: DataPlane, max_elements: int) -> MoeI
     values = np.full(slots, -1, np.int32) if item.get("drop_pad_mode", 0) == 1 else np.arange(slots, dtype=np.int32)
     document = {**item, "expanded_row_idx": {**idx, "data": values.astype("<i4").tobytes()}}
     try:
-        dataplane.check_order(item.get("order"))
         like = MoeInitRoutingV2GradCall.from_wire(
             document, max_elements=max_elements, default_order=dataplane.default_order
         )
@@ -107,7 +107,7 @@ def group_calls(
     Args:
         items: the batch's decoded items (:func:`moegrad.decode_batch`): call maps, or the error
             an item already earned.
-        dataplane: its ``default_order`` and ``check_order`` are the single call's.
+        dataplane: its ``default_order`` is the single call's.
         max_elements: the largest element count a tensor may have (as the single call's).
 
     Returns:
@@ -130,8 +130,9 @@ def group_calls(
             log.exception("grouping %d calls of one shape failed; checking them one by one", len(members))
             continue
         if group is not None:
+            named_order = cast(dict[str, Any], items[members[0]]).get("order")
             for member, index in enumerate(group[1]):
-                placed[index] = GroupMember(group[0], member)
+                placed[index] = GroupMember(group[0], member, named_order)
     return placed
 
 

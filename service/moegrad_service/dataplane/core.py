@@ -1,0 +1,446 @@
+"""The dataplane: what every protocol shares, with no HTTP in it.
+
+The protocol endpoints (``api/``: v1 msgpack and compare, v2 over HTTP and gRPC) admit a request
+(:meth:`DataPlane.admit`), decode it into a validated call, hand the call (and the order its request
+named) to the :class:`DataPlane`, and encode what it answers. The dataplane checks the named order
+against its backend, runs the call through the :class:`~moegrad_service.engine.StreamPool` (a large
+grad_x into the admission's result buffer), answers empty calls without the device, computes the
+compare report, reports health and metadata, and observes the engine's metrics. It speaks
+:mod:`moegrad`'s arrays, calls and domain errors only, so a new protocol is a new decoder and
+encoder around the same methods::
+
+    api/v1 ───┐                          ┌─> StreamPool ─> Backend (reference | ascend)
+    api/v2 ───┼─> DataPlane (this) ──────┼─> moegrad.compare (float64 golden, standards)
+    api/grpc ─┘                          └─> memory.Memory (budget, buffers: the admissions)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from moegrad import (
+    MAX_BATCH_CALLS,
+    AclnnStatus,
+    CallGroup,
+    ComparisonReport,
+    DeviceBusy,
+    DeviceFault,
+    InvalidArgument,
+    MoegradError,
+    MoeInitRoutingV2GradCall,
+    __version__,
+    compare,
+)
+from moegrad_service.dataplane.batching import Part, plan_batch
+from moegrad_service.dataplane.records import (
+    BatchAnswer,
+    BatchItem,
+    ClientDisconnected,
+    CompareOutcome,
+    Comparison,
+    GradOutcome,
+    GradRequest,
+    GroupMember,
+    GroupOutcome,
+    MemberOutcome,
+)
+from moegrad_service.dataplane.statistics import InferenceStatistics
+from moegrad_service.engine import StreamPool, Timings
+from moegrad_service.memory import Admission, Memory
+from moegrad_service.metrics import Metrics
+from moegrad_service.settings import Settings
+
+__all__ = ["HEALTH_CHECK_TIMEOUT_S", "DataPlane"]
+
+T = TypeVar("T")
+#: Longest a readiness check waits for the backend's health check, in seconds.
+HEALTH_CHECK_TIMEOUT_S = 5.0
+
+
+class DataPlane:
+    """Runs validated calls for every protocol endpoint.
+
+    Args:
+        settings: the service's configuration (limits, default order).
+        pool: the stream pool over the opened backend.
+        metrics: the app's metrics; queue and compute durations are observed here.
+        memory: the service's memory (built by the app); None: one of ``settings``' sizes, with
+            heap trims when made on the event loop.
+    """
+
+    def __init__(self, settings: Settings, pool: StreamPool, metrics: Metrics, memory: Memory | None = None) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.metrics = metrics
+        self.statistics = InferenceStatistics()
+        if memory is None:
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:  # made off the event loop (a test): no heap trims
+                loop = None
+            memory = Memory(
+                settings.max_inflight_bytes,
+                retry_after_s=settings.retry_after_s,
+                keep_s=settings.receive_keep_s,
+                loop=loop,
+            )
+        self.memory = memory
+
+    def admit(self, body_bytes: int | None = None, *, per_byte: int | None = None) -> Admission:
+        """Admit a request before its body is read: refused now when the pool could not take its
+        call anyway, else what its body holds is reserved of the in-flight budget
+        (:meth:`moegrad_service.memory.Memory.admit`: ``per_byte`` times ``body_bytes``, or as the
+        body arrives when None). Release the admission once the answer is sent.
+
+        Raises:
+            DeviceBusy: (503 + Retry-After) not admitting (starting, draining), no worker can run
+                calls, the queue is full, or the body does not fit the in-flight budget now.
+            PayloadTooLarge: (413) the body could never fit the in-flight budget.
+        """
+        pool = self.pool
+        if not pool.ready:
+            raise DeviceBusy(pool.not_ready_reason or "the service is not ready", retry_after_s=pool.retry_after_s)
+        if pool.queue_depth >= pool.max_queue:
+            raise DeviceBusy(f"the queue is full ({pool.max_queue} calls waiting)", retry_after_s=pool.retry_after_s)
+        return self.memory.admit(body_bytes, per_byte=per_byte)
+
+    @property
+    def backend_name(self) -> str:
+        return self.pool.backend.name
+
+    @property
+    def device(self) -> str | None:
+        return self.pool.backend.device
+
+    @property
+    def emulation(self) -> bool:
+        """True when the backend emulates (the reference backend computes whichever order a call names)."""
+        return self.backend_name == "reference"
+
+    @property
+    def device_order(self) -> str | None:
+        """The order the device's chip computes (from its SoC name), or None: the emulation, or a
+        chip whose order moegrad does not know."""
+        return None if self.emulation else self.pool.backend.order
+
+    @property
+    def default_order(self) -> str:
+        """The order of calls that name none: the chip's own on a device that reports a known SoC,
+        else ``settings.order``."""
+        return self.device_order or self.settings.order
+
+    def _check_order(self, named: object) -> None:
+        """Refuse, before anything runs, a call that names an order its device does not compute.
+
+        Args:
+            named: the order the request names, or None when it names none.
+
+        Raises:
+            InvalidArgument: (161002, field ``order``) on a device, an order other than its chip's
+                (an Atlas A2/A3 computes ``ascend910b``, an Ascend 950 ``ascend950``), or any order
+                on a chip whose order is unknown; the emulation (reference backend) takes every order.
+        """
+        if named is None or self.emulation:
+            return
+        device = self.device or self.backend_name
+        if self.device_order is None:
+            raise InvalidArgument(
+                f"order={named!r}: {device} is an SoC whose order of adds moegrad does not know; leave order "
+                "unnamed (the reply then says order 'unknown'), or call a server with backend=reference for an "
+                "emulated order",
+                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+                field="order",
+            )
+        if named != self.device_order:
+            raise InvalidArgument(
+                f"order={named!r}: {device} computes {self.device_order!r}; leave order unnamed or name "
+                f"{self.device_order!r}, or call a server with backend=reference for the {named!r} emulation",
+                aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
+                field="order",
+            )
+
+    @property
+    def answer_order(self) -> str | None:
+        """The order a device's results follow (``"unknown"`` on an unknown chip); None on the
+        emulation, whose results follow each call's order."""
+        return None if self.emulation else (self.device_order or "unknown")
+
+    # --- calls ---------------------------------------------------------------------------------
+
+    async def infer(
+        self,
+        call: MoeInitRoutingV2GradCall,
+        *,
+        named_order: object = None,
+        timeout_s: float,
+        disconnected: Callable[[], Awaitable[object]] | None = None,
+        received_s: float | None = None,
+        admission: Admission | None = None,
+    ) -> GradOutcome:
+        """grad_x for a validated call: an empty one (N = 0 or H = 0) is answered at once, the rest
+        run on the pool. Every call that passes the order check is counted in :attr:`statistics`.
+
+        Args:
+            call: the validated call.
+            named_order: the order its request named, or None when it named none (the call then
+                carries the default order, :attr:`default_order`).
+            timeout_s: seconds from now until the call's deadline.
+            disconnected: a coroutine function that returns once the caller has gone (an HTTP
+                disconnect); a call still queued then is dropped unrun and a running one's result
+                discarded.
+            received_s: the ``time.perf_counter()`` reading when the call's request arrived, or
+                None (the statistics then start the call here).
+            admission: the request's admission: a grad_x of REUSE_MIN_BYTES or more is written into
+                its result buffer (:meth:`Admission.result_buffer`), given back when it is released;
+                None: the backend allocates grad_x.
+
+        Raises:
+            InvalidArgument: (161002, field ``order``) ``named_order`` is not one its device computes.
+            DeviceBusy: (503) the queue is full or the service is not ready.
+            DeadlineExceeded: (504) the deadline passed.
+            InvalidArgument: the device's phase one rejected the call (its aclnn code).
+            DeviceFault: the device failed.
+            ClientDisconnected: ``disconnected`` returned first.
+        """
+        self._check_order(named_order)
+        entered = time.perf_counter()
+        received = entered if received_s is None else min(received_s, entered)
+        try:
+            if call.num_tokens == 0 or call.hidden_size == 0:  # the documentation allows empty tensors
+                grad_x = np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype)
+                timings = Timings(0.0, 0.0)
+            else:
+                out = None
+                if admission is not None:
+                    dtype = call.grad_expanded_x.dtype.newbyteorder("=")
+                    out = admission.result_buffer((call.num_tokens, call.hidden_size), dtype)
+                run = self.pool.run(call, timeout_s=timeout_s, out=out)
+                grad_x, timings = await (run if disconnected is None else _unless(disconnected, run))
+                if admission is not None:
+                    admission.result_written()
+                self.metrics.queue_duration.observe(timings.queue_s)
+                self.metrics.compute_duration.observe(timings.compute_s)
+            computed = time.perf_counter()
+            outcome = self._outcome(call, grad_x, timings)
+        except BaseException:
+            self.statistics.fail.add(time.perf_counter() - received)
+            raise
+        self.statistics.count_success(received, entered, computed, timings)
+        return outcome
+
+    def _outcome(self, call: MoeInitRoutingV2GradCall, grad_x: np.ndarray, timings: Timings) -> GradOutcome:
+        return GradOutcome(grad_x, timings, self.backend_name, self.answer_order or call.order, self.device)
+
+    async def compare(
+        self, comparison: Comparison, *, timeout_s: float, disconnected: Callable[[], Awaitable[object]] | None = None
+    ) -> CompareOutcome:
+        """Run the call, then judge the candidate against its result and the float64 golden (on a
+        worker thread: CPU work in float64).
+
+        Raises:
+            The errors of :meth:`infer` (the order check is of ``comparison.named_order``).
+        """
+        self._check_order(comparison.named_order)
+        grad = await self.infer(comparison.call, timeout_s=timeout_s, disconnected=disconnected)
+        report, golden_s, compare_s = await asyncio.to_thread(_judge, comparison, grad.grad_x)
+        return CompareOutcome(grad, report, golden_s, compare_s)
+
+    async def infer_batch(
+        self,
+        items: Sequence[BatchItem],
+        *,
+        timeout_s: float,
+        disconnected: Callable[[], Awaitable[object]] | None = None,
+    ) -> list[BatchAnswer]:
+        """Run a batch of independent calls and comparisons; answer each in order, alone.
+
+        Each item's named order is checked first (a refused item answers its InvalidArgument and is
+        not counted in :attr:`statistics`). The rest run as
+        :func:`~moegrad_service.dataplane.batching.plan_batch` plans them: on the pool in one share
+        per worker (:meth:`StreamPool.run_parts`: one queue entry and one hand-off each, however
+        many calls and groups, and never more shares than the queue holds, so a batch alone is never
+        refused for its own size; a group's chunk in one computation where the backend can), all
+        under the batch's one deadline; then the comparisons are judged, one after another on one
+        thread. A call that fails gets its own error in its place; its neighbours are unaffected (a
+        share the pool refuses or that runs out of time answers that error for each of its calls).
+
+        Args:
+            items: validated calls (:meth:`infer`; a :class:`GradRequest` for one that names an
+                order), members of validated groups, validated comparisons (:meth:`compare`), or
+                the error an item already earned while it was decoded (passed through in place).
+            timeout_s: seconds from now until the batch's deadline.
+            disconnected: as for :meth:`infer`: once it returns, the shares still queued are
+                dropped unrun, the running ones' results discarded, and ClientDisconnected raised.
+
+        Returns:
+            One entry per item, in order: a GradOutcome, a MemberOutcome (a group member's), a
+            CompareOutcome, or the exception (MoegradError: DeviceBusy, DeadlineExceeded,
+            InvalidArgument, DeviceFault ...) that item alone raised, without its traceback: a
+            caught exception kept in a list that its own traceback's frames reach is a reference
+            cycle, which would hold the batch's tensors until the garbage collector next runs (an
+            idle server may not run it for a long time).
+
+        Raises:
+            ClientDisconnected: ``disconnected`` returned first.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        answers: list[Any] = [self._order_refusal(item) or item for item in items]  # each place, filled in
+        workers = max(1, min(self.settings.streams, self.pool.max_queue))  # a batch alone always fits the queue
+        plan = plan_batch(answers, workers=workers)
+        for index, call in plan.empty:
+            answers[index] = self._outcome(
+                call, np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype), Timings(0.0, 0.0)
+            )
+        running = asyncio.gather(*(self._run_share(share, answers, deadline) for share in plan.shares))
+        await (running if disconnected is None else _unless(disconnected, running))
+        judged = [
+            (index, comparison, answers[index])
+            for index, comparison in plan.comparisons
+            if type(answers[index]) is GradOutcome
+        ]
+        if judged:
+            await asyncio.to_thread(_judge_each, judged, answers)
+        return answers
+
+    def _order_refusal(self, item: BatchItem) -> InvalidArgument | None:
+        """The refusal of a batch item whose named order its device does not compute, else None."""
+        named = item.named_order if isinstance(item, (GradRequest, GroupMember, Comparison)) else None
+        try:
+            self._check_order(named)
+        except InvalidArgument as exc:
+            return exc.with_traceback(None)  # kept as an answer: see infer_batch's Returns
+        return None
+
+    async def _run_share(self, share: list[Part], answers: list[Any], deadline: float) -> None:
+        """One worker's share of a batch: runs of calls and chunks of groups, one queue entry; each
+        call's answer goes to its place in ``answers``."""
+        loop = asyncio.get_running_loop()
+        entered = time.perf_counter()
+        try:
+            outcomes, timings = await self.pool.run_parts(
+                [part.work for part in share], timeout_s=max(deadline - loop.time(), 1e-6)
+            )
+        except MoegradError as exc:  # the whole share was refused or timed out: each of its calls says so
+            exc.with_traceback(None)  # kept as an answer: see infer_batch's Returns
+            refused = [index for part in share for index in part.places]
+            for index in refused:
+                answers[index] = exc
+            self.statistics.fail.add(time.perf_counter() - entered, len(refused))
+            return
+        computed = time.perf_counter()
+        self.metrics.queue_duration.observe(timings.queue_s)
+        self.metrics.compute_duration.observe(timings.compute_s)
+        each = Timings(timings.queue_s, timings.compute_s / sum(len(part.places) for part in share))
+        for (work, places), outcome in zip(share, outcomes, strict=True):
+            if isinstance(outcome, np.ndarray):  # a group's members, run as one
+                assert isinstance(work, CallGroup)
+                together = GroupOutcome(
+                    outcome, each, self.backend_name, self.answer_order or work.like.order, self.device
+                )
+                for member, index in enumerate(places):
+                    answers[index] = MemberOutcome(together, member)
+                self.statistics.count_success(entered, entered, computed, each, len(places))
+                continue
+            # each call's own answer, from a part whose calls ran one by one
+            calls = [work.like] * len(places) if isinstance(work, CallGroup) else work
+            failed = 0
+            for index, call, (grad_x, error) in zip(places, calls, outcome, strict=True):
+                if error is not None:
+                    answers[index] = error
+                    failed += 1
+                else:
+                    assert grad_x is not None
+                    answers[index] = self._outcome(call, grad_x, each)
+            if failed:
+                self.statistics.fail.add(computed - entered, failed)
+            if failed < len(places):
+                self.statistics.count_success(entered, entered, computed, each, len(places) - failed)
+
+    # --- health and metadata ---------------------------------------------------------------------
+
+    async def check_ready(self) -> None:
+        """Return when the pool admits calls and the backend's health check passes.
+
+        Raises:
+            DeviceBusy: (503) not admitting, the check failed, or it took over HEALTH_CHECK_TIMEOUT_S.
+        """
+        pool = self.pool
+        if not pool.ready:
+            raise DeviceBusy(pool.not_ready_reason or "the service is not ready", retry_after_s=pool.retry_after_s)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(pool.backend.check_health), HEALTH_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise DeviceBusy(
+                f"the backend's health check took over {HEALTH_CHECK_TIMEOUT_S} s", retry_after_s=pool.retry_after_s
+            ) from None
+        except DeviceFault as exc:
+            raise DeviceBusy(f"the backend is unhealthy: {exc}", retry_after_s=pool.retry_after_s) from None
+
+    def info(self) -> dict[str, Any]:
+        """Version, backend, device, default order and limits (sizes in bytes, times in seconds)."""
+        settings = self.settings
+        return {
+            "version": __version__,
+            "backend": self.backend_name,
+            "device": self.device,
+            "order": self.default_order,
+            "device_order": self.answer_order,
+            "streams": settings.streams,
+            "max_queue": settings.max_queue,
+            "max_body_bytes": settings.max_body_bytes,
+            "max_elements": settings.max_elements,
+            "request_timeout_s": settings.request_timeout_s,
+            "wire_formats": ["msgpack", "frames"],
+            "max_batch_calls": MAX_BATCH_CALLS,
+        }
+
+
+def _judge(comparison: Comparison, device_result: np.ndarray) -> tuple[ComparisonReport, float, float]:
+    """The report, and the seconds it took: the golden is computed within the comparison (one
+    compiled pass with the metrics), so its own share is 0."""
+    started = time.perf_counter()
+    report = compare(comparison.call, comparison.candidate, device_result=device_result, standards=comparison.standards)
+    return report, 0.0, time.perf_counter() - started
+
+
+def _judge_each(judged: list[tuple[int, Comparison, GradOutcome]], answers: list[Any]) -> None:
+    """Each comparison whose call succeeded, against its device result (on a worker thread)."""
+    for index, comparison, grad in judged:
+        try:
+            report, golden_s, compare_s = _judge(comparison, grad.grad_x)
+        except MoegradError as exc:
+            answers[index] = exc.with_traceback(None)
+        else:
+            answers[index] = CompareOutcome(grad, report, golden_s, compare_s)
+
+
+async def _unless(gone: Callable[[], Awaitable[object]], work: Awaitable[T]) -> T:
+    """Await ``work`` unless ``gone()`` returns first; then cancel it and raise ClientDisconnected.
+
+    One watcher task per call, which cancels this task when ``gone()`` returns; ``work`` is awaited
+    in place (a task of its own plus asyncio.wait cost more server CPU per small call than the
+    call's compute).
+    """
+    current = asyncio.current_task()
+    assert current is not None
+    watcher = asyncio.get_running_loop().create_task(_cancel_after(gone, current))
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not (watcher.done() and not watcher.cancelled() and watcher.exception() is None):
+            raise  # cancelled for another reason (e.g. shutdown)
+        current.uncancel()
+        raise ClientDisconnected("the client disconnected before its result was ready") from None
+    finally:
+        watcher.cancel()
+
+
+async def _cancel_after(gone: Callable[[], Awaitable[object]], task: asyncio.Task) -> None:
+    await gone()
+    task.cancel()

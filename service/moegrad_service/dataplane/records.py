@@ -1,0 +1,156 @@
+"""What the dataplane is handed and what it answers: validated requests and their outcomes, no HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from moegrad import (
+    CallGroup,
+    ComparisonReport,
+    MoegradError,
+    MoeInitRoutingV2GradCall,
+    check_compare_arguments,
+)
+from moegrad_service.engine import Timings
+
+__all__ = [
+    "BatchAnswer",
+    "BatchItem",
+    "ClientDisconnected",
+    "CompareOutcome",
+    "Comparison",
+    "GradOutcome",
+    "GradRequest",
+    "GroupMember",
+    "GroupOutcome",
+    "MemberOutcome",
+]
+
+
+class ClientDisconnected(MoegradError):
+    """The caller went away before its answer was ready (logged as 499; nobody reads the answer)."""
+
+
+class GradRequest(NamedTuple):
+    """A batch's validated grad call that names an order: the call (its ``order`` the named one) and
+    the order as its request named it, which the dataplane checks against its backend before the
+    call runs (a batch's call that names none is passed as the bare call)."""
+
+    call: MoeInitRoutingV2GradCall
+    named_order: object
+
+
+class GroupMember(NamedTuple):
+    """One call of a batch, validated with the others of its shape: member ``member`` of ``group``
+    (:class:`moegrad.CallGroup`), run with them by ``DataPlane.infer_batch``; ``named_order``: the
+    order the members' requests named (one for all: it is part of what they share), or None."""
+
+    group: CallGroup
+    member: int
+    named_order: object = None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A validated compare request: a call, a candidate grad_x and the options.
+
+    Attributes:
+        call: the validated call.
+        candidate: [N, H], the call's dtype or float32 (checked by :func:`moegrad.check_compare_arguments`).
+        standards: the standards to judge, or None for the default set.
+        return_grad_x: also answer the device's grad_x.
+        named_order: the order the request named (None: none), checked by the dataplane against its backend.
+    """
+
+    call: MoeInitRoutingV2GradCall
+    candidate: np.ndarray
+    standards: tuple[str, ...] | None
+    return_grad_x: bool
+    named_order: object = None
+
+    @classmethod
+    def checked(
+        cls,
+        call: MoeInitRoutingV2GradCall,
+        candidate: np.ndarray | None,
+        standards: Sequence[str] | None,
+        return_grad_x: bool,
+        *,
+        named_order: object = None,
+    ) -> Comparison:
+        """A comparison whose candidate and standards are checked before anything runs.
+
+        Raises:
+            InvalidArgument: the candidate is missing (161001) or has the wrong dtype or shape, or a
+                standard is unknown (161002).
+        """
+        names = check_compare_arguments(call, candidate, standards)
+        assert candidate is not None  # check_compare_arguments refuses a missing one
+        return cls(call, candidate, None if standards is None else tuple(names), return_grad_x, named_order)
+
+
+@dataclass(frozen=True)
+class GradOutcome:
+    """One call's answer.
+
+    Attributes:
+        grad_x: [N, H], the dtype of the call's grad_expanded_x, C-contiguous, owned by the caller.
+        timings: seconds queued and computing (zero for an empty call, which never reaches a worker).
+        backend: the backend's name (``"reference"`` or ``"ascend"``).
+        order: the accumulation order the result follows (``"unknown"`` from a chip whose order
+            moegrad does not know).
+        device: the device that computed it (``"Ascend910B3 #0"``), or None for the CPU emulation.
+    """
+
+    grad_x: np.ndarray
+    timings: Timings
+    backend: str
+    order: str
+    device: str | None
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """The answer of group members run together, all of them successfully.
+
+    Attributes:
+        grad_x: [B, N, H], the members' dtype, C-contiguous: member b's grad_x is ``grad_x[b]``.
+        timings: each member's share: the run's seconds queued, and its compute seconds over B.
+        backend, order, device: as :class:`GradOutcome`'s, the same for every member.
+    """
+
+    grad_x: np.ndarray
+    timings: Timings
+    backend: str
+    order: str
+    device: str | None
+
+
+class MemberOutcome(NamedTuple):
+    """One batch call's answer as member ``member`` of a :class:`GroupOutcome`."""
+
+    outcome: GroupOutcome
+    member: int
+
+
+@dataclass(frozen=True)
+class CompareOutcome:
+    """A compare request's answer: the device's result and the report, with the seconds each step took."""
+
+    grad: GradOutcome
+    report: ComparisonReport
+    golden_s: float
+    compare_s: float
+
+
+#: One item of a batch (``DataPlane.infer_batch``): a validated call (bare: it names no order), a
+#: call that names an order, a member of a validated group, a validated comparison, or the error the
+#: item already earned while it was decoded (passed through in place).
+BatchItem = MoeInitRoutingV2GradCall | GradRequest | GroupMember | Comparison | BaseException
+#: One item's answer: a GradOutcome, a MemberOutcome (a group member's), a CompareOutcome, or the
+#: exception that item alone raised.
+BatchAnswer = GradOutcome | MemberOutcome | CompareOutcome | BaseException

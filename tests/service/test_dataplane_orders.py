@@ -1,0 +1,94 @@
+"""The dataplane checks the order each request named against its backend, with no HTTP.
+
+The rule (docs/semantics.md, "Which chip answered"): a device computes its chip's order; a call
+that names another is refused with 161002 (field ``order``) before it runs, and is not counted in
+the statistics; a call that names none, or the chip's, runs and answers the chip's order. The
+device here is the emulation under another name, reporting an Atlas A2/A3 (``ascend910b``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+import moegrad
+from moegrad import CallGroup, MoeInitRoutingV2GradCall
+from moegrad_service.dataplane import Comparison, DataPlane, GradOutcome, GradRequest, GroupMember, MemberOutcome
+from moegrad_service.engine import ReferenceBackend, StreamPool
+from moegrad_service.metrics import Metrics
+from moegrad_service.settings import Settings
+
+PARAM_INVALID = 161002
+
+
+class Atlas910(ReferenceBackend):
+    """The emulation, presented as a device whose chip computes ascend910b."""
+
+    name = "ascend"
+    device = "Ascend910B3 #0"
+    order = "ascend910b"
+
+
+def call(order: str = "ascend910b") -> MoeInitRoutingV2GradCall:
+    grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], np.float32)
+    return MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.array([2, 0, 1, 3], np.int32),
+                                    top_k=2, order=order)
+
+
+def refused_for_its_order(answer: object) -> bool:
+    return (isinstance(answer, moegrad.InvalidArgument) and answer.field == "order"
+            and answer.aclnn_status == PARAM_INVALID)
+
+
+@contextlib.asynccontextmanager
+async def device_dataplane() -> AsyncIterator[DataPlane]:
+    pool = StreamPool(Atlas910(warm_up=False), streams=1, max_queue=4)
+    await pool.start()
+    try:
+        yield DataPlane(Settings(backend="reference", streams=1, max_queue=4), pool, Metrics())
+    finally:
+        await pool.close(grace_s=5)
+
+
+@pytest.mark.asyncio
+async def test_a_single_call_and_a_comparison_naming_another_order_are_refused_before_they_run():
+    async with device_dataplane() as dataplane:
+        with pytest.raises(moegrad.InvalidArgument) as refused:
+            await dataplane.infer(call("ascend950"), named_order="ascend950", timeout_s=30)
+        assert refused_for_its_order(refused.value) and "ascend910b" in str(refused.value)
+        comparison = Comparison.checked(call("ascend950"), np.zeros((2, 2), np.float32), None, False,
+                                        named_order="ascend950")
+        with pytest.raises(moegrad.InvalidArgument) as refused:
+            await dataplane.compare(comparison, timeout_s=30)
+        assert refused_for_its_order(refused.value)
+        assert dataplane.statistics.fail.count == 0 and dataplane.statistics.success.count == 0
+        named = await dataplane.infer(call(), named_order="ascend910b", timeout_s=30)
+        unnamed = await dataplane.infer(call(), timeout_s=30)
+        assert named.order == unnamed.order == "ascend910b"
+        assert dataplane.statistics.success.count == 2
+
+
+@pytest.mark.asyncio
+async def test_a_batch_refuses_each_item_naming_another_order_in_its_place():
+    async with device_dataplane() as dataplane:
+        like = call()
+        stacked = CallGroup(like, np.stack([like.grad_expanded_x] * 2), np.stack([like.expanded_row_idx] * 2))
+        other = CallGroup(call("ascend950"), stacked.grad_expanded_x, stacked.expanded_row_idx)
+        items = [
+            call(),  # names none
+            GradRequest(call("ascend950"), "ascend950"),
+            GradRequest(call(), "ascend910b"),
+            GroupMember(stacked, 0), GroupMember(stacked, 1),  # name none
+            GroupMember(other, 0, "ascend950"), GroupMember(other, 1, "ascend950"),
+            Comparison.checked(call("ascend950"), np.zeros((2, 2), np.float32), None, False, named_order="ascend950"),
+        ]
+        answers = await dataplane.infer_batch(items, timeout_s=30)
+        refused = [refused_for_its_order(answer) for answer in answers]
+        assert refused == [False, True, False, False, False, True, True, True]
+        assert isinstance(answers[0], GradOutcome) and isinstance(answers[2], GradOutcome)
+        assert isinstance(answers[3], MemberOutcome) and answers[3].outcome.order == "ascend910b"
+        assert answers[0].order == answers[2].order == "ascend910b"
+        assert dataplane.statistics.success.count == 4 and dataplane.statistics.fail.count == 0
