@@ -12,7 +12,6 @@ import contextlib
 import functools
 import importlib
 import logging
-import os
 import signal
 import socket
 import sys
