@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from bench._procs import REFERENCE_FLAGS, ServerProcess, free_port, moegrad_server, stop_on_sigterm
 from bench.service import MIB, MODEL, OUT_DIR, Payload, cpu_s, descendants, percentile, s1, s2
+from support.launch import REFERENCE_FLAGS, ServerProcess, free_port, moegrad_server, stop_on_sigterm
 
 __all__ = ["main"]
 

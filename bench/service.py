@@ -54,9 +54,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import _procs
-from bench._procs import REFERENCE_FLAGS, ServerProcess, free_port, log_tail, stop_on_sigterm
 from bench._results import QUICK_BUDGET_S, machine, write_section
+from support import launch as _procs
+from support.launch import REFERENCE_FLAGS, ServerProcess, free_port, log_tail, stop_on_sigterm
 
 __all__ = ["FULL", "QUICK", "Mode", "Payload", "main", "s1", "s2"]
 
