@@ -21,7 +21,7 @@ HEADER = """# moegrad benchmark results
 
 Written by `make bench` (`python -m bench.run`; quick mode unless `BENCH_ARGS=--full`). Each section
 is replaced by the run that measures it and names the machine it ran on; bench/kernel.py and
-bench/service.py define the workloads (W1-W4, S1, S2). Numbers from a shared or noisy machine are only
+bench/service/ define the workloads (W1-W4, S1, S2). Numbers from a shared or noisy machine are only
 comparable as ratios measured side by side in one run.
 
 Machine when this file was created: {machine}

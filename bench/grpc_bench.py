@@ -3,7 +3,7 @@
 One ``moegrad-service serve`` process (reference backend, 2 streams) serves HTTP and gRPC
 (``--grpc-port``); the same payloads go to it through ``tritonclient.grpc`` (raw tensor contents)
 and ``tritonclient.http`` (binary tensor data), in alternating blocks so both protocols see the same
-machine state. Every reply is checked bitwise against the result computed here (bench/service.py's
+machine state. Every reply is checked bitwise against the result computed here (bench/service/payloads.py's
 payloads: S1 is the documentation's example, S2 is N=1024, K=2, H=4096 float32 dropless, 32 MiB in
 and 16 MiB out).
 
@@ -28,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from bench._procs import REFERENCE_FLAGS, ServerProcess, free_port, moegrad_server, stop_on_sigterm
-from bench.service import MIB, MODEL, OUT_DIR, Payload, cpu_s, descendants, percentile, s1, s2
+from bench.service.common import MIB, MODEL, OUT_DIR, percentile
+from bench.service.payloads import Payload, s1, s2
+from bench.service.procs import cpu_s, descendants
+from support.launch import REFERENCE_FLAGS, ServerProcess, free_port, moegrad_server, stop_on_sigterm
 
 __all__ = ["main"]
 

@@ -500,7 +500,7 @@ def _cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bench._procs import stop_on_sigterm
+    from support.launch import stop_on_sigterm
 
     stop_on_sigterm()
     sys.exit(_cli())

@@ -27,8 +27,8 @@ import sys
 import time
 import traceback
 
-from bench._procs import stop_on_sigterm
 from bench._results import HEADER, QUICK_BUDGET_S, RESULTS_PATH, machine, write_section
+from support.launch import stop_on_sigterm
 
 __all__ = ["main"]
 

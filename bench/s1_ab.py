@@ -16,7 +16,9 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.service import RawCaller, check, cpu_s, moegrad_server, s1
+from bench.service.clients import RawCaller
+from bench.service.payloads import check, s1
+from bench.service.procs import cpu_s, moegrad_server
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,8 @@ from ascend_cases import DTYPE_NAMES, K_VALUES, MODES, assert_bitwise, make_call
 import moegrad
 from moegrad import DeadlineExceeded, DeviceFault, InvalidArgument, MoeInitRoutingV2GradCall
 from moegrad_service.engine.ascend import AscendBackend, CannUnavailable
+from support.docexample import DOC_GRAD, DOC_IDX
 
-DOC_GRAD = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-DOC_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
 #: Device buffers one call holds: gradExpandedX, expandedRowIdx, out, and the workspace.
 BUFFERS_PER_CALL = 4
 

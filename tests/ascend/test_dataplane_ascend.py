@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from dataplane_cases import SCENARIOS
+
+from support.dataplane_cases import SCENARIOS
 
 LIVE = ("allocations", "tensors", "executors", "streams", "pending")
 

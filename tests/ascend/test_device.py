@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import pytest
 
 from moegrad import DeadlineExceeded, MoeInitRoutingV2GradCall
 from moegrad_service.engine.ascend import AscendBackend
 from moegrad_service.engine.ascend._abi import ACL_ERROR_RT_STREAM_SYNC_TIMEOUT, load
 from moegrad_service.engine.ascend._device import Device, timeout_ms
+from support.docexample import DOC_GRAD, DOC_IDX
 
 DOC_CALL = MoeInitRoutingV2GradCall(
-    grad_expanded_x=np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32),
-    expanded_row_idx=np.array([2, 0, 1, 3], dtype=np.int32), top_k=2)
+    grad_expanded_x=DOC_GRAD, expanded_row_idx=DOC_IDX, top_k=2)
 BUFFERS_PER_CALL = 4
 
 

@@ -14,10 +14,11 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from servicekit import example_document, pack, post
 
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
+from support.docexample import example_document
+from support.servicekit import pack, post
 
 
 @contextlib.contextmanager

@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 from ascend_cases import DTYPE_NAMES, K_VALUES, MODES, assert_bitwise, make_call
 from fastapi.testclient import TestClient
-from servicekit import example_document, grad_x_of, post
 
 import moegrad
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
+from support.docexample import example_document
+from support.servicekit import grad_x_of, post
 
 LIVE = ("allocations", "tensors", "executors", "streams", "pending", "device_refs", "initialized")
 

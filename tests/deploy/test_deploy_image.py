@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from bench._procs import ServerProcess, free_port
 from deploy._dockerfile import (
     SandboxEscape,
     UnsupportedInstruction,
@@ -33,6 +32,7 @@ from deploy._dockerfile import (
 )
 from deploy._manifests import kustomize
 from deploy._routes import serves_get
+from support.launch import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"

@@ -2,7 +2,7 @@
 
 ``server_url`` is one reference-backend server for the whole session; ``server_factory(**settings)``
 starts further servers with custom settings (passed as ``MOEGRAD_<NAME>`` environment variables) and
-stops them when the test ends. Servers are started by :func:`bench._procs.moegrad_server`, the
+stops them when the test ends. Servers are started by :func:`support.launch.moegrad_server`, the
 launcher the benchmarks use too; a server that fails to start raises with the tail of its log.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from bench._procs import ServerProcess, moegrad_server
+from support.launch import ServerProcess, moegrad_server
 
 READY_WITHIN_S = 60.0  # startup budget: importing numpy/fastapi and binding, on a slow CI runner
 STOP_WITHIN_S = 15.0

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 
 import pytest
-from servicekit import example_document, pack
+
+from support.docexample import example_document
+from support.rawhttp import answer, connect
+from support.servicekit import pack
 
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 
@@ -23,30 +25,6 @@ def head(url: str, length: int) -> bytes:
     host = url.removeprefix("http://")
     return (f"POST {GRAD_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/msgpack\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
-
-
-def answer(sock: socket.socket, within_s: float) -> tuple[int, dict[str, str], bytes]:
-    """Status, headers and body of the one answer on ``sock``, read within ``within_s`` seconds."""
-    sock.settimeout(within_s)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed with no answer after {data!r}"
-        data += chunk
-    top, _, body = data.partition(b"\r\n\r\n")
-    lines = top.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    while len(body) < int(headers.get("content-length", 0)):
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
-
-
-def connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
 
 
 # An 8 MiB budget: a large call may take seven eighths (7 MiB), and a body holds twice its size.

@@ -1,10 +1,10 @@
-"""The attack suite against a real ``moegrad-service``: bench/attack.py's attacks at their quick size.
+"""The attack suite against a real ``moegrad-service``: support.attacks' attacks at their quick size.
 
-One reference-backend server on a free 127.0.0.1 port (bench.attack.ATTACK_SETTINGS: a 64 MiB
+One reference-backend server on a free 127.0.0.1 port (support.attacks.ATTACK_SETTINGS: a 64 MiB
 in-flight budget, max_queue 2, 2 s body/header/idle timeouts, 300 connections) serves every
 attack, watched by a probe process (``GET /health/live`` every 20 ms, the documentation's example
 call every 200 ms, fresh connections). Each attack asserts its own figure, and the rules that
-bench/attack.py judges every attack by:
+support.attacks judges every attack by:
 
 - the example call succeeds within 1 s every time (at the connection cap it is answered 503 +
   Connection: close, which is the cap's point);
@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from bench import attack
-from bench._procs import moegrad_server
+from support import attacks as attack
+from support.launch import moegrad_server
 
 pytestmark = pytest.mark.serial  # the probes' latency rules need the machine to themselves
 
@@ -130,7 +130,7 @@ def test_rss_after_mixed_load_returns_near_its_start(target):
 
 
 def test_unauthenticated_probing_is_401(tmp_path):
-    with attack._auth_server(tmp_path, SETTINGS) as server, \
+    with attack.auth_server(tmp_path, SETTINGS) as server, \
             attack.Probes(server.port, tmp_path, token=attack.AUTH_TOKEN) as probes:
         attack.example_call(server.port, timeout_s=120, token=attack.AUTH_TOKEN)
         outcome = attack.unauthenticated_probing(server, probes, True, BUDGET)

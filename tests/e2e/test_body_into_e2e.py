@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 import pytest
-from test_admission import answer, connect
 
 import moegrad
-from bench._procs import moegrad_server
+from support.launch import moegrad_server
+from support.rawhttp import answer, connect
 
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 

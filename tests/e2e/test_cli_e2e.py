@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 import moegrad
-
-EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
-EXAMPLE_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)  # 0.3, 0.70000005
+from support.docexample import DOC_GRAD as EXAMPLE_X
+from support.docexample import DOC_IDX as EXAMPLE_IDX
+from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
 
 
 def moegrad_cli(*argv: str, console_script: bool = False, **env: str) -> subprocess.CompletedProcess:

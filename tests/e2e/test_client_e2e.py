@@ -25,24 +25,20 @@ from moegrad import (
     TransportError,
     Unauthorized,
 )
+from support.bits import bits
+from support.docexample import DOC_GRAD as EXAMPLE_X
+from support.docexample import DOC_IDX as EXAMPLE_IDX
+from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
 
-try:  # the forward-routing generator a colleague keeps in tests/routing.py
-    import routing
+try:  # the forward-routing generator a colleague keeps in tests/support/routing.py
+    from support import routing
 except ImportError:  # pragma: no cover - depends on the tree
     routing = None
 
-EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
-EXAMPLE_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)  # 0.3, 0.70000005
 assert np.array_equal(np.array([[0.3, 0.3], [0.70000005, 0.70000005]], np.float32).view(np.uint32), EXAMPLE_BITS)
 
 NULLPTR, INVALID, TILING = 161001, 161002, 561002  # documentation, "Return Value"
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-UINT = {2: np.uint16, 4: np.uint32}
-
-
-def bits(array: np.ndarray) -> np.ndarray:
-    return array.view(UINT[array.dtype.itemsize])
 
 
 def closed_port_url() -> str:

@@ -26,8 +26,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-import routing
-from oracle import (
+
+import moegrad
+from moegrad._cli import main
+from support import routing
+from support.oracle import (
     ALL_STANDARDS,
     device_k2,
     float32_statuses,
@@ -35,9 +38,6 @@ from oracle import (
     oracle_call,
     oracle_candidate,
 )
-
-import moegrad
-from moegrad._cli import main
 
 MODES = ("dropless", "active", "drop_pad")
 TOLERANCE = ("dual_thousandth", "threshold", "benchmark", "accumulative")

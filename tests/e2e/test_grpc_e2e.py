@@ -25,11 +25,11 @@ import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 import tritonclient.http as triton_http
 import trustme
-from bench._procs import REFERENCE_FLAGS, ServerProcess, free_port, moegrad_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from grpckit import (
+from support.bits import same_bits
+from support.grpckit import (
     DOC_BITS,
     DTYPES,
     INVALID,
@@ -41,8 +41,8 @@ from grpckit import (
     inputs,
     parameters_of,
     routed_call,
-    same_bits,
 )
+from support.launch import REFERENCE_FLAGS, ServerProcess, free_port, moegrad_server
 
 LAUNCHER = Path(__file__).with_name("slow_server.py")
 READY_WITHIN_S = 60.0
@@ -59,7 +59,7 @@ def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition") -> N
 
 @dataclass
 class Server:
-    """A started server (bench/_procs.py's launcher) and the ``host:port`` of its gRPC side."""
+    """A started server (support.launch's launcher) and the ``host:port`` of its gRPC side."""
 
     process: ServerProcess
     target: str

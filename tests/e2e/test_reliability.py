@@ -21,7 +21,7 @@ What is proved:
   shortens a call's deadline but never lengthens it past request_timeout_s;
 - TLS with a CA and a certificate made in the test: ``moegrad.Client(verify=<CA bundle>)`` gets the
   right result (with a bearer token, over TLS); a client that does not trust the CA gets TransportError;
-- a 10 s soak (bench/soak.py) with 16 clients, two 32 MiB calls among them: see that module; every answer well formed, every valid
+- a 10 s soak (tests/support/soak.py) with 16 clients, two 32 MiB calls among them: see that module; every answer well formed, every valid
   one bitwise right, no status but 200/400/422/503, every 503 retried to success, the server's RSS
   settles, and the server exits 0 on SIGTERM.
 """
@@ -39,13 +39,12 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-import routing
 import trustme
 
 import moegrad
-
-from bench import soak
-from bench._procs import REFERENCE_FLAGS, ServerProcess, moegrad_server
+from support import routing, soak
+from support.bits import same_bits
+from support.launch import REFERENCE_FLAGS, ServerProcess, moegrad_server
 
 LAUNCHER = Path(__file__).with_name("slow_server.py")
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
@@ -106,10 +105,6 @@ def routed_call(seed: int, *, mode: str = "dropless", hidden: int = 8, dtype=np.
     grad = rng.standard_normal(r.grad_shape(hidden), dtype=np.float32).astype(dtype)
     kwargs = {"grad_expanded_x": grad, **r.kwargs()}
     return kwargs, moegrad.moe_init_routing_v2_grad(**kwargs)
-
-
-def same_bits(got: np.ndarray, want: np.ndarray) -> bool:
-    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
 
 
 def wire_body(kwargs: dict) -> bytes:

@@ -7,11 +7,11 @@ import gc
 
 import pytest
 from fastapi.testclient import TestClient
-from servicekit import GateHook
 
 from moegrad_service.app import create_app
 from moegrad_service.engine import ReferenceBackend
 from moegrad_service.settings import Settings
+from support.servicekit import GateHook
 
 
 @pytest.fixture

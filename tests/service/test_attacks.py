@@ -25,12 +25,13 @@ import tracemalloc
 import msgpack
 import numpy as np
 import pytest
-from servicekit import example_document, post
 
 import moegrad
 from moegrad_service.memory import MemoryBudget
 from moegrad_service.engine import ReferenceBackend
 from moegrad_service.engine import pool as pool_module
+from support.docexample import example_document
+from support.servicekit import post
 
 MIB = 1 << 20
 INFER = "/v2/models/moe_init_routing_v2_grad/infer"

@@ -17,10 +17,11 @@ import hmac
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from servicekit import example_document, grad_x_of, pack, post
 
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
+from support.docexample import example_document
+from support.servicekit import grad_x_of, pack, post
 
 F32_03, F32_07 = np.float32(0.3).view(np.uint32), np.float32(0.70000005).view(np.uint32)
 SHA256_DIGEST_BYTES = 32  # FIPS 180-4: SHA-256 digests are 256 bits

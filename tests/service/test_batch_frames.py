@@ -18,13 +18,21 @@ import pytest
 
 import moegrad
 from moegrad import GradResult, InvalidArgument, MalformedRequest
-from servicekit import DOC_GRAD, DOC_IDX, example_document, grad_x_of, pack, post
+from support.docexample import DOC_GRAD, DOC_IDX, example_document
+from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
+from support.servicekit import (
+    FRAMES,
+    frames_body,
+    frames_reply,
+    gauge,
+    grad_x_of,
+    pack,
+    post,
+    post_frames_call,
+    random_call,
+)
 
 BATCH = "/v1/moe_init_routing_v2_grad/batch"
-FRAMES = "application/vnd.moegrad.frames"
-F32_03 = np.float32(0.3).view(np.uint32)
-F32_07 = np.float32(0.70000005).view(np.uint32)
-EXAMPLE_BITS = np.array([[F32_03, F32_03], [F32_07, F32_07]], dtype=np.uint32)
 PROBLEM_FIELDS = ("status", "title", "detail", "field", "aclnn_status", "aclnn_name")
 
 
@@ -118,7 +126,7 @@ def test_a_batch_answers_in_order_with_each_calls_own_bits(client):
 def test_every_mode_dtype_and_order_in_one_batch_gives_the_single_call_bits(client):
     """Calls of every mode, dtype and order, several of each shape (the CPU emulation computes such
     calls of a batch together): each result has the bits the single-call endpoint answers."""
-    import routing
+    from support import routing
 
     rng = np.random.default_rng(11)
     items = []
@@ -214,52 +222,6 @@ def test_the_client_batch_returns_results_and_exceptions_in_order(client):
 DTYPE_CASES = [("float32", np.float32), ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)]
 
 
-def random_call(dtype, *, n=37, k=3, h=13, seed=0):
-    rng = np.random.default_rng(seed)
-    grad = rng.standard_normal((n * k, h)).astype(dtype)
-    idx = rng.permutation(n * k).astype(np.int32)
-    return grad, idx, k
-
-
-def frames_body(document: dict) -> bytes:
-    """A frames body built here from docs/protocol.md (not by moegrad): magic, header length, header,
-    each tensor's bytes at the next 16-byte aligned offset."""
-    header, blobs = {}, []
-    for key, value in document.items():
-        if isinstance(value, dict) and "data" in value:
-            header[key] = {"dtype": value["dtype"], "shape": value["shape"], "offset": 0, "nbytes": len(value["data"])}
-            blobs.append((key, value["data"]))
-        else:
-            header[key] = value
-    for key, _ in blobs:
-        header[key]["offset"] = 1 << 32  # a fixed width for the offsets: uint64
-    start = -(-(8 + len(msgpack.packb(header))) // 16) * 16
-    offset = start
-    for key, data in blobs:
-        header[key]["offset"] = offset
-        offset = -(-(offset + len(data)) // 16) * 16
-    packed = msgpack.packb(header)
-    body = bytearray(b"MGF1" + struct.pack("<I", len(packed)) + packed)
-    for key, data in blobs:
-        body += bytes(header[key]["offset"] - len(body)) + data
-    return bytes(body)
-
-
-def frames_reply(response) -> tuple[dict, dict[str, np.ndarray]]:
-    """A frames reply read per docs/protocol.md (not by moegrad): the header and its tensors."""
-    body = response.content
-    assert body[:4] == b"MGF1"
-    (length,) = struct.unpack("<I", body[4:8])
-    header = msgpack.unpackb(body[8:8 + length], raw=False)
-    tensors = {}
-    for key, value in header.items():
-        if isinstance(value, dict) and "offset" in value:
-            assert value["offset"] % 16 == 0 and value["offset"] >= 8 + length
-            data = body[value["offset"]:value["offset"] + value["nbytes"]]
-            tensors[key] = np.frombuffer(data, dtype=moegrad.DTYPES[value["dtype"]]).reshape(value["shape"])
-    return header, tensors
-
-
 @pytest.mark.parametrize(("name", "dtype"), DTYPE_CASES)
 @pytest.mark.parametrize("accept", ["application/msgpack", FRAMES])
 def test_frames_and_msgpack_bodies_give_the_same_bits_for_every_dtype(client, name, dtype, accept):
@@ -349,20 +311,6 @@ def test_a_v2_binary_reply_sent_from_its_parts_has_the_header_then_grad_x(client
     assert int(response.headers["content-length"]) == len(response.content) == length + 16
     assert json.loads(response.content[:length])["outputs"][0]["parameters"] == {"binary_data_size": 16}
     assert (np.frombuffer(response.content[length:], np.uint32).reshape(2, 2) == EXAMPLE_BITS).all()
-
-
-def post_frames_call(client, grad: np.ndarray, idx: np.ndarray, top_k: int, headers: dict | None = None):
-    """POST a float32 call as a frames body to the v1 grad route; the response."""
-    document = example_document(
-        grad_expanded_x={"dtype": "float32", "shape": list(grad.shape), "data": grad.tobytes()},
-        expanded_row_idx={"dtype": "int32", "shape": list(idx.shape), "data": idx.tobytes()}, top_k=top_k)
-    return client.post("/v1/moe_init_routing_v2_grad", content=frames_body(document),
-                       headers={"content-type": FRAMES, **(headers or {})})
-
-
-def gauge(client, name: str) -> float:
-    line = next(line for line in client.get("/metrics").text.splitlines() if line.startswith(name + " "))
-    return float(line.split()[1])
 
 
 def test_a_receive_buffer_is_reused_only_when_nothing_views_it(client):

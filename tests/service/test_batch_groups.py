@@ -13,17 +13,17 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-from servicekit import DOC_GRAD, DOC_IDX, example_document, post
 
 from moegrad import REQUEST_LIMITS, DeviceFault, decode_batch
 from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES, group_calls
 from moegrad_service.dataplane import GroupMember
 from moegrad_service.engine import ReferenceBackend
+from support.docexample import DOC_GRAD, DOC_IDX, example_document
+from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
+from support.servicekit import post
 
 BATCH = "/v1/moe_init_routing_v2_grad/batch"
 PROBLEM_FIELDS = ("status", "title", "detail", "field", "aclnn_status", "aclnn_name")
-# docs/operator.md's example: [[0.3, 0.3], [0.70000005, 0.70000005]] float32
-EXAMPLE_BITS = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32).view(np.uint32)
 
 
 def index(values) -> dict:
@@ -168,9 +168,8 @@ def test_a_shape_every_member_breaks_goes_alone_with_each_members_error(client):
 def test_many_members_of_every_mode_and_dtype_give_the_single_call_bits(client):
     """Forty calls each of three shapes (dropless, active, drop/pad; float16, bfloat16, float32),
     random values and routing, interleaved: each result has the single call's bytes."""
-    import routing
-
     import moegrad
+    from support import routing
 
     rng = np.random.default_rng(3)
     items = []

@@ -106,7 +106,7 @@ def test_a_buffer_unused_for_keep_s_is_given_up():
 
 
 def test_an_idle_service_gives_its_kept_buffers_up(serve):
-    from test_batch_frames import gauge, post_frames_call, random_call
+    from support.servicekit import gauge, post_frames_call, random_call
 
     with serve(receive_keep_s=0.3) as client:
         grad, idx, k = random_call(np.float32, n=8192, k=2, h=64, seed=3)  # 4 MiB
@@ -161,7 +161,7 @@ def watched(monkeypatch):
 def test_a_large_grad_x_is_written_into_a_kept_buffer_and_kept_again(serve, watched):
     """grad_x of 1 MiB or more is written into a buffer an answered call left behind (no fresh pages),
     and every call's bits are its own."""
-    from test_batch_frames import grad_x_of, post_frames_call, random_call
+    from support.servicekit import grad_x_of, post_frames_call, random_call
 
     taken, kept_by_give = watched
     grad_x_bytes = 8192 * 64 * 4  # 2 MiB
@@ -194,7 +194,7 @@ def test_the_grad_x_buffer_of_a_timed_out_call_comes_back_only_once_its_worker_i
     """A call answered 504 while its worker still runs: its grad_x buffer is not kept while the worker
     (gated, so it has not written yet) holds it; it comes back once the worker is done, and the next
     call that reuses it gets its own bits."""
-    from test_batch_frames import grad_x_of, post_frames_call, random_call
+    from support.servicekit import grad_x_of, post_frames_call, random_call
 
     taken, kept_by_give = watched
     grad, idx, k = random_call(np.float32, n=8192, k=2, h=64, seed=4)

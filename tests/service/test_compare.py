@@ -17,8 +17,10 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
-import routing
-from oracle import (
+
+import moegrad
+from support import routing
+from support.oracle import (
     ALL_STANDARDS,
     ORACLE_CASES,
     device_k2,
@@ -28,9 +30,7 @@ from oracle import (
     oracle_call,
     oracle_candidate,
 )
-from servicekit import MSGPACK_HEADERS, pack
-
-import moegrad
+from support.servicekit import MSGPACK_HEADERS, pack
 
 PATH = "/v1/moe_init_routing_v2_grad/compare"
 MODES = ("dropless", "active", "drop_pad")

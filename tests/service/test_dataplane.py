@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from dataplane_cases import SCENARIOS
 
 from moegrad_service.engine import ReferenceBackend
+from support.dataplane_cases import SCENARIOS
 
 
 @pytest.mark.asyncio

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import moegrad
-from dataplane_cases import doc_call, open_dataplane
 from moegrad_service.engine import ReferenceBackend
+from support.dataplane_cases import doc_call, open_dataplane
 
 
 @pytest.mark.asyncio

@@ -27,18 +27,18 @@ import math
 import msgpack
 import numpy as np
 import pytest
-import routing
 import schemathesis
 from schemathesis.specs.openapi.checks import status_code_conformance, unsupported_method
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servicekit import MSGPACK_HEADERS
 
 from moegrad import InvalidArgument, MalformedRequest, MoeInitRoutingV2GradCall, decode_body
 from moegrad_service.memory import heap
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
+from support import routing
+from support.servicekit import MSGPACK_HEADERS
 
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 #: Statuses a fuzzed v1 body may get (docs/protocol.md, "Errors"; 415 cannot happen: the type is right).

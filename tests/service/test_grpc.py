@@ -26,7 +26,10 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 import moegrad
-from grpckit import (
+from moegrad_service.app import create_app
+from moegrad_service.settings import Settings
+from support.bits import same_bits
+from support.grpckit import (
     DOC_BITS,
     DTYPES,
     INVALID,
@@ -38,10 +41,7 @@ from grpckit import (
     inputs,
     parameters_of,
     routed_call,
-    same_bits,
 )
-from moegrad_service.app import create_app
-from moegrad_service.settings import Settings
 
 SERVICE = "inference.GRPCInferenceService"
 

@@ -26,9 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
-from grpckit import DOC_BITS, DOC_GRAD, DOC_IDX, MODEL
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
+from support.docexample import DOC_GRAD, DOC_IDX
+from support.grpckit import DOC_BITS, MODEL
 
 SERVICE = "inference.GRPCInferenceService"
 METHODS = [m.name for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods

@@ -13,9 +13,10 @@ import msgpack
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from servicekit import MSGPACK_HEADERS, example_document, grad_x_of, pack, post
 
 from moegrad_service.settings import Settings
+from support.docexample import example_document
+from support.servicekit import MSGPACK_HEADERS, grad_x_of, pack, post
 
 K, H, TOKENS = 17, 8, 3
 

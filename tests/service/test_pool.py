@@ -96,7 +96,7 @@ def test_a_refused_batch_item_holds_no_tensor_of_its_neighbours(collector_off):
     from types import SimpleNamespace
 
     from moegrad_service.api.v1.codec import decode_batch_items
-    from servicekit import example_document
+    from support.docexample import example_document
 
     dataplane = SimpleNamespace(default_order="ascend910b", check_order=lambda order: None)
     decoded = decode_batch_items([example_document(), example_document(top_k=0)], dataplane, max_elements=1 << 20)
@@ -108,7 +108,7 @@ def test_a_refused_batch_item_holds_no_tensor_of_its_neighbours(collector_off):
 
 @pytest.mark.asyncio
 async def test_a_timed_out_batch_holds_no_tensor_once_answered(collector_off):
-    from dataplane_cases import open_dataplane
+    from support.dataplane_cases import open_dataplane
 
     async with open_dataplane(ReferenceBackend(warm_up=False), streams=2) as dataplane:
         grads = [np.full((64, 8), float(n), np.float32) for n in range(8)]
@@ -132,11 +132,12 @@ def test_a_refused_large_request_frees_its_body_without_the_collector(collector_
     import tracemalloc
 
     from fastapi.testclient import TestClient
-    from servicekit import MSGPACK_HEADERS, example_document, pack
 
     from moegrad_service.api.inputs import INLINE_DECODE_BYTES
     from moegrad_service.app import create_app
     from moegrad_service.settings import Settings
+    from support.docexample import example_document
+    from support.servicekit import MSGPACK_HEADERS, pack
 
     grad = np.zeros((4096, 256), np.float32)
     assert grad.nbytes > INLINE_DECODE_BYTES
@@ -164,7 +165,7 @@ def test_a_refused_large_request_frees_its_body_without_the_collector(collector_
 
 @pytest.mark.asyncio
 async def test_a_timed_out_call_holds_no_tensor_once_answered(collector_off):
-    from dataplane_cases import open_dataplane
+    from support.dataplane_cases import open_dataplane
 
     async with open_dataplane(ReferenceBackend(warm_up=False), streams=1) as dataplane:
         grad = np.ones((4096, 64), np.float32)

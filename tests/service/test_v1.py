@@ -8,10 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 import msgpack
 import numpy as np
 import pytest
-from servicekit import DOC_GRAD, DOC_IDX, example_document, grad_x_of, pack, post
 
 from moegrad import DeviceFault
 from moegrad_service.engine import ReferenceBackend, pool as pool_module
+from support.docexample import DOC_GRAD, DOC_IDX, example_document
+from support.servicekit import grad_x_of, pack, post
 
 F32_03 = np.float32(0.3).view(np.uint32)
 F32_07 = np.float32(0.70000005).view(np.uint32)

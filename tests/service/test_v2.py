@@ -11,16 +11,16 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-from servicekit import DOC_GRAD, DOC_IDX
 
 import moegrad
 from moegrad import DeviceFault
 from moegrad_service.engine import ReferenceBackend, pool as pool_module
+from support.docexample import DOC_GRAD, DOC_IDX, DOC_RESULT_BITS
 
 MODEL = "moe_init_routing_v2_grad"
 INFER = f"/v2/models/{MODEL}/infer"
 ENDPOINT = "/v2/models/{model_name}/infer"
-DOC_BITS = [0x3E99999A, 0x3E99999A, 0x3F333334, 0x3F333334]  # [[0.3, 0.3], [0.70000005, 0.70000005]]
+DOC_BITS = DOC_RESULT_BITS.ravel().tolist()  # [[0.3, 0.3], [0.70000005, 0.70000005]]
 
 
 def example(parameters=None, inputs=None, **fields) -> dict:

@@ -16,16 +16,6 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
-from oracle import (
-    ALL_STANDARDS,
-    ORACLE_CASES,
-    device_k2,
-    figures,
-    float32_statuses,
-    golden_and_scale,
-    oracle_call,
-    oracle_candidate,
-)
 
 import moegrad
 from moegrad import (
@@ -43,6 +33,16 @@ from moegrad import (
     skipped_rows,
 )
 from moegrad import accuracy
+from support.oracle import (
+    ALL_STANDARDS,
+    ORACLE_CASES,
+    device_k2,
+    figures,
+    float32_statuses,
+    golden_and_scale,
+    oracle_call,
+    oracle_candidate,
+)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)

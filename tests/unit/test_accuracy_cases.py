@@ -12,10 +12,10 @@ import io
 import ml_dtypes
 import numpy as np
 import pytest
-from oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 from moegrad import accuracy
 from moegrad._cli import main
+from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -15,10 +15,10 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from oracle import device_k2, oracle_call, oracle_candidate
 
 import moegrad
 from moegrad import accuracy
+from support.oracle import device_k2, oracle_call, oracle_candidate
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MSPROBE = ["API Name", "Bench Dtype", "DEVICE Dtype", "Shape", "余弦相似度", "最大绝对误差", "双百指标", "双千指标", "双万指标",

@@ -4,65 +4,34 @@ The expected values never come from moegrad's 950 code: templates come from the 
 tests of the arch35 kernel (hicann/ops-transformer's
 ``moe/moe_init_routing_v2_grad/tests/ut/op_host/test_moe_init_routing_v2_grad_tiling.cpp``, as
 published in the yjyang62/CANN mirror at commit 001035253680c9423cff9cfb095f689d53ed7556) and from
-kUbFactor values worked out by hand below; sums come from a slow per-row loop written here from
-docs/semantics.md section 7.2, the IEEE rounding helper of test_reference.py, and hand-written
-expressions, checked unique among every add tree.
+kUbFactor values worked out by hand below; sums come from a slow per-row loop written from
+docs/semantics.md section 7.2 with the IEEE rounding helper (both in tests/support/slow_loops.py,
+checked by hand here), and hand-written expressions, checked unique among every add tree.
 """
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import moegrad
 from moegrad import InvalidArgument, ascend950_tiling, moe_init_routing_v2_grad
-from test_reference import (GRAD_DTYPES, KS, MODES, assert_bitwise_equal, bits, double_factorial, every_add_tree,
-                            random_call, round_from_float32, slow_grad_x, wide_values)
-
-F16 = np.dtype(np.float16)
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-REVISIONS = {"ascend950": True, "ascend950@2025-12": False}  # docs 7.5: groups of four, or a plain chain
-
+from support.bits import assert_bitwise_equal, bits
+from support.inputs import BF16, F16, F32, GRAD_DTYPES, KS, MODES, random_call, wide_values
+from support.slow_loops import (
+    REVISIONS,
+    ascend950_row,
+    double_factorial,
+    every_add_tree,
+    expected_chunk,
+    round_from_float32,
+    slow950,
+    slow_grad_x,
+)
 
 # --------------------------------------------------------------------------------------------------
-# The slow loop, from docs/semantics.md section 7.2.
+# The slow loop (tests/support/slow_loops.py, from docs/semantics.md section 7.2), checked by hand.
 # --------------------------------------------------------------------------------------------------
-
-def ascend950_row(values: list[np.ndarray | None], hidden: int, chunk: int, grouped: bool) -> np.ndarray:
-    """One row in the 950's order; None (a skipped slot) is a row of +0.0, added in its place."""
-    rows = [np.zeros(hidden, dtype=np.float32) if v is None else v for v in values]
-    total = np.zeros(hidden, dtype=np.float32)  # the accumulator starts at +0.0
-    for first in range(0, len(rows), chunk):  # one pass per chunk of slots
-        block = rows[first:first + chunk]
-        j = 0
-        while grouped and len(block) - j >= 4:  # a group of four: s += ((x0 + x1) + (x2 + x3))
-            total = total + ((block[j] + block[j + 1]) + (block[j + 2] + block[j + 3]))
-            j += 4
-        for value in block[j:]:  # the leftovers, one by one
-            total = total + value
-    return total
-
-
-def slow950(grad, idx, top_k, drop_pad_mode=0, active_num=0, *, chunk=None, grouped=True) -> np.ndarray:
-    """gradX one token and one slot at a time in the 950's order (chunk None: all K slots at once)."""
-    hidden = grad.shape[-1]
-    flat = grad.reshape(-1, hidden)
-    tokens = idx.shape[0] // top_k
-    out = np.empty((tokens, hidden), dtype=grad.dtype.newbyteorder("="))
-    with np.errstate(all="ignore"):
-        for i in range(tokens):
-            values: list[np.ndarray | None] = []
-            for t in range(top_k):
-                j = int(idx[i * top_k + t])
-                skipped = j == -1 if drop_pad_mode == 1 else active_num > 0 and j >= active_num
-                values.append(None if skipped else flat[j].astype(np.float32))
-            total = ascend950_row(values, hidden, chunk or top_k, grouped)
-            for h in range(hidden):
-                out[i, h] = round_from_float32(total[h], out.dtype)
-    return out
-
 
 def test_slow_loop_by_hand():
     v = [np.array([x], dtype=np.float32) for x in (1.0, 2.0**-24, 3 * 2.0**-24, 2.0**-23, 5.0, 7.0, 0.5, 0.25, 3.0)]
@@ -233,16 +202,6 @@ def test_schedule_needs_the_shape_for_950_orders():
 # --------------------------------------------------------------------------------------------------
 # The emulation against the slow loop: modes x dtypes x K x revisions, whole-row and chunked tilings.
 # --------------------------------------------------------------------------------------------------
-
-def expected_chunk(dtype: np.dtype, top_k: int, hidden: int, ub: int) -> int:
-    """The K chunk for the sweep's shapes (N <= 5, H <= 67, so never SplitH), by docs/semantics.md 7.1."""
-    item = dtype.itemsize
-    align = -(-hidden * item // 32) * 32 // item
-    if (2 * top_k + 1) * item * align <= ub or top_k <= 10:
-        return top_k
-    factor = (ub - (item + 4) * align) // (2 * item * align) if (3 * item + 4) * align <= ub else 1
-    return min(factor, top_k)
-
 
 @pytest.mark.parametrize("ub", [253952, 600], ids=lambda ub: f"ub{ub}")
 @pytest.mark.parametrize("order", sorted(REVISIONS))

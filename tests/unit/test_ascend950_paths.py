@@ -1,6 +1,6 @@
 """Both paths of the Ascend 950 order, the compiled one (numba) and the NumPy one, bit for bit.
 
-Expected values come from the slow per-row loop of tests/unit/test_ascend950.py (written from
+Expected values come from the slow per-row loop of tests/support/slow_loops.py (written from
 docs/semantics.md section 7.2); NaN is compared by position (see tests/unit/test_reference_paths.py).
 """
 
@@ -10,17 +10,14 @@ import numpy as np
 import pytest
 
 from moegrad import _fast, _reference, moe_init_routing_v2_grad
-from test_ascend950 import BF16, REVISIONS, expected_chunk, slow950
-from test_reference import F32, GRAD_DTYPES, KS, MODES, assert_bitwise_equal, random_call, wide_values
-from test_reference_paths import (  # noqa: F401  (without_numba: a fixture)
-    record_stream_flags,
-    streamed_into_offset_buffer,
-    without_numba,
-)
 
 pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
 
 from moegrad import _fast_jit  # noqa: E402  (imports numba)
+from support.bits import assert_bitwise_equal
+from support.inputs import BF16, F32, GRAD_DTYPES, KS, MODES, random_call, wide_values
+from support.kernel_paths import record_stream_flags, streamed_into_offset_buffer
+from support.slow_loops import REVISIONS, expected_chunk, slow950
 
 
 @pytest.fixture(params=["numba", "numpy"])
@@ -167,7 +164,7 @@ def test_warm_up_compiles_the_950_kernel_too():
     assert len(_fast_jit.run_rows_950.signatures) >= 3
 
 
-def test_without_numba_auto_uses_numpy(without_numba):  # noqa: F811
+def test_without_numba_auto_uses_numpy(without_numba):
     rng = np.random.default_rng(12)
     grad, idx, drop_pad_mode, active_num = random_call(rng, "drop_pad", 17, BF16, tokens=5, hidden=33)
     assert not _fast.available()
@@ -176,7 +173,7 @@ def test_without_numba_auto_uses_numpy(without_numba):  # noqa: F811
                                       chunk=expected_chunk(BF16, 17, 33, 600)))
 
 
-def test_without_numba_forcing_it_is_an_error(without_numba, monkeypatch):  # noqa: F811
+def test_without_numba_forcing_it_is_an_error(without_numba, monkeypatch):
     monkeypatch.setattr(_reference, "_KERNEL", "numba")
     with pytest.raises(RuntimeError, match="moegrad\\[fast\\]"):
         moe_init_routing_v2_grad(np.ones((4, 3), np.float32), np.arange(4, dtype=np.int32), 2, order="ascend950")

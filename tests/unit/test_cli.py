@@ -15,7 +15,12 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-from oracle import (
+
+from moegrad._cli import load_npy, main, save_npy
+from support.docexample import DOC_GRAD as EXAMPLE_X
+from support.docexample import DOC_IDX as EXAMPLE_IDX
+from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
+from support.oracle import (
     ALL_STANDARDS,
     ORACLE_CASES,
     device_k2,
@@ -24,13 +29,6 @@ from oracle import (
     oracle_call,
     oracle_candidate,
 )
-
-from moegrad._cli import load_npy, main, save_npy
-
-EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
-# documentation: [[0.3, 0.3], [0.7, 0.7]]; as float32 bits 0.3 -> 0x3E99999A, 0.70000005 -> 0x3F333334
-EXAMPLE_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)
 
 
 @pytest.fixture

@@ -34,15 +34,15 @@ from moegrad import (
     Unauthorized,
 )
 from moegrad._client import USE_CLIENT_DEFAULT
+from support.docexample import DOC_GRAD as EXAMPLE_X
+from support.docexample import DOC_IDX as EXAMPLE_IDX
+from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
 
 BASE = "http://moegrad.test"
 GRAD_URL = BASE + "/v1/moe_init_routing_v2_grad"
 
 # The operator documentation's example: gradX = [[0.3, 0.3], [0.7, 0.7]]; float32 0.2+0.1 = 0.3,
 # 0.4+0.3 = 0.70000005 (bits 0x3E99999A, 0x3F333334).
-EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
-EXAMPLE_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)
 
 WIRE = {"float16": np.dtype("<f2"), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype("<f4"),
         "int32": np.dtype("<i4")}

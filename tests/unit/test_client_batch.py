@@ -9,12 +9,11 @@ import pytest
 
 import moegrad
 from moegrad import DeviceBusy, GradResult, InvalidArgument, MalformedRequest, ServiceError
+from support.docexample import DOC_GRAD as GRAD
+from support.docexample import DOC_IDX as IDX
+from support.docexample import DOC_RESULT_BITS as BITS
 
 BASE = "http://moegrad.test"
-GRAD = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-IDX = np.array([2, 0, 1, 3], dtype=np.int32)
-# The documentation's example result: 0.2 + 0.1 = 0.3 and 0.3 + 0.4 = 0.70000005 in float32.
-BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)
 GOOD = {"grad_x": {"dtype": "float32", "shape": [2, 2], "data": BITS.tobytes()}, "backend": "reference",
         "order": "ascend910b", "device": None, "timings_ms": {"queue": 0.1, "compute": 0.1}}
 

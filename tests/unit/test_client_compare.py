@@ -18,7 +18,6 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
-from oracle import device_k2, oracle_call, oracle_candidate
 
 import moegrad
 from moegrad import (
@@ -32,15 +31,16 @@ from moegrad import (
     MoeInitRoutingV2GradCall,
     ServiceError,
 )
+from support.docexample import DOC_GRAD as EXAMPLE_X
+from support.docexample import DOC_IDX as EXAMPLE_IDX
+from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
+from support.oracle import device_k2, oracle_call, oracle_candidate
 
 BASE = "http://moegrad.test"
 COMPARE_URL = BASE + "/v1/moe_init_routing_v2_grad/compare"
 
 # The operator documentation's example: gradX = [[0.3, 0.3], [0.7, 0.7]]; float32 0.2+0.1 = 0.3,
 # 0.4+0.3 = 0.70000005 (bits 0x3E99999A, 0x3F333334).
-EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
-EXAMPLE_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)
 EXAMPLE = EXAMPLE_BITS.view(np.float32)
 NULLPTR, INVALID, TILING = 161001, 161002, 561002  # documentation, "Return Value"
 

@@ -20,7 +20,7 @@ import pytest
 
 import moegrad
 from moegrad import _transport
-from test_transport import Responder
+from support.rawhttp import Responder
 
 N, K, H = 2048, 2, 512  # grad_x 4 MiB of float32
 

@@ -11,182 +11,23 @@ from __future__ import annotations
 import math
 import tracemalloc
 
-import ml_dtypes
 import numpy as np
 import pytest
 
-import routing
 import moegrad._reference
 from moegrad import InvalidArgument, moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
-
-F16 = np.dtype(np.float16)
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-GRAD_DTYPES = [F16, BF16, F32]
-KS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 127, 128, 129, 130, 256]
-MODES = ["dropless", "active", "drop_pad"]
-ORDERS = ["ascend910b", "sequential"]
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-# --------------------------------------------------------------------------------------------------
-# Independent helpers: bits, IEEE rounding, the slow loop.
-# --------------------------------------------------------------------------------------------------
-
-def bits(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array).view(_UINT[array.dtype.itemsize])
-
-
-def assert_bitwise_equal(actual: np.ndarray, expected: np.ndarray) -> None:
-    """Same dtype and shape; NaN at the same places; every other element the same bit pattern."""
-    assert actual.dtype == expected.dtype
-    assert actual.shape == expected.shape
-    nan_actual = np.isnan(actual.astype(np.float32))
-    nan_expected = np.isnan(expected.astype(np.float32))
-    np.testing.assert_array_equal(nan_actual, nan_expected)
-    mismatch = bits(actual)[~nan_actual] != bits(expected)[~nan_expected]
-    assert not mismatch.any(), (
-        f"{int(mismatch.sum())} of {mismatch.size} elements differ; first: "
-        f"{actual[~nan_actual][mismatch][:4]} != {expected[~nan_expected][mismatch][:4]}"
-    )
-
-
-# (mantissa bits, smallest normal exponent, largest finite value) of the narrow formats.
-_FORMATS = {
-    F16: (10, -14, 65504.0),
-    BF16: (7, -126, (2.0 - 2.0**-7) * 2.0**127),
-}
-
-
-def round_from_float32(value: np.float32, dtype: np.dtype):
-    """float32 -> dtype with IEEE round-half-to-even, from the definition (not NumPy's cast)."""
-    if dtype == F32:
-        return np.float32(value)
-    v = float(value)
-    if math.isnan(v) or math.isinf(v) or v == 0.0:
-        return dtype.type(v)
-    mantissa_bits, min_exponent, max_finite = _FORMATS[dtype]
-    _, e2 = math.frexp(v)  # v = m * 2**e2 with 0.5 <= |m| < 1, so floor(log2 |v|) = e2 - 1
-    ulp = 2.0 ** (max(e2 - 1, min_exponent) - mantissa_bits)
-    rounded = round(v / ulp) * ulp  # v / ulp is exact; Python's round() breaks ties to even
-    if abs(rounded) > max_finite:
-        rounded = math.copysign(math.inf, v)
-    if rounded == 0.0:
-        rounded = math.copysign(0.0, v)
-    return dtype.type(rounded)  # exact: rounded is representable
-
-
-def floor_log2(k: int) -> int:
-    e = 0
-    while (2 << e) <= k:
-        e += 1
-    return e
-
-
-def device_order_row(values: list[np.ndarray | None], hidden: int) -> np.ndarray:
-    """One row in the A2/A3 kernel's order (docs/semantics.md section 3.1); None is a skipped slot."""
-    k = len(values)
-    nbins = 64 if k >= 128 else 2 ** max(floor_log2(k) - 1, 0)
-    zero = np.zeros(hidden, dtype=np.float32)  # +0.0
-    bins = [zero.copy() if values[2 * b] is None else values[2 * b].copy() for b in range(nbins)]  # S1
-    for t in range(2 * nbins, k, 2):  # S2: even slots after the first 2B, increasing
-        if values[t] is not None:
-            bins[(t // 2) % nbins] = bins[(t // 2) % nbins] + values[t]
-    for t in range(1, k, 2):  # S3: odd slots, increasing
-        if values[t] is not None:
-            bins[((t - 1) // 2) % nbins] = bins[((t - 1) // 2) % nbins] + values[t]
-    stride = 1
-    while stride < nbins:  # S4: pairwise tree
-        for j in range(stride, nbins, 2 * stride):
-            bins[j - stride] = bins[j - stride] + bins[j]
-        stride *= 2
-    return bins[0]
-
-
-def sequential_row(values: list[np.ndarray | None], hidden: int) -> np.ndarray:
-    """Huawei's golden: float32 from +0.0, slot 0 to K-1."""
-    total = np.zeros(hidden, dtype=np.float32)
-    for value in values:
-        if value is not None:
-            total = total + value
-    return total
-
-
-def slow_grad_x(grad, idx, top_k, drop_pad_mode=0, active_num=0, order="ascend910b") -> np.ndarray:
-    """gradX, one token and one slot at a time, from docs/semantics.md section 2."""
-    hidden = grad.shape[-1]
-    flat = grad.reshape(-1, hidden)
-    tokens = idx.shape[0] // top_k
-    out = np.empty((tokens, hidden), dtype=grad.dtype.newbyteorder("="))
-    row_of = device_order_row if order == "ascend910b" else sequential_row
-    with np.errstate(all="ignore"):
-        for i in range(tokens):
-            values: list[np.ndarray | None] = []
-            for t in range(top_k):
-                j = int(idx[i * top_k + t])
-                if drop_pad_mode == 1:
-                    skipped = j == -1
-                else:
-                    skipped = active_num > 0 and j >= active_num
-                values.append(None if skipped else flat[j].astype(np.float32))
-            total = row_of(values, hidden)
-            for h in range(hidden):
-                out[i, h] = round_from_float32(total[h], out.dtype)
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Random inputs.
-# --------------------------------------------------------------------------------------------------
-
-def wide_values(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, top_k: int) -> np.ndarray:
-    """Values over a wide dynamic range, with +0.0, -0.0, +inf, -inf and quiet NaN sprinkled in.
-
-    Infinities and NaN are rare enough (0.06/K per slot each) that about 5 in 6 output elements stay finite.
-    A value past the format's range (float16 from 65520, the top binade of the others) is inf.
-    """
-    size = math.prod(shape)
-    # exponents: mostly a 32-binade window; now and then (about twice per output element) the whole
-    # range of the format, subnormals included, up to the largest binade.
-    narrow, full = {F16: ((-14, 8), (-26, 16)), BF16: ((-20, 12), (-135, 128)), F32: ((-20, 12), (-150, 128))}[dtype]
-    exponent = np.where(rng.random(size) < min(0.1, 2 / top_k), rng.integers(*full, size), rng.integers(*narrow, size))
-    values = rng.choice([-1.0, 1.0], size) * (1.0 + rng.random(size)) * np.exp2(exponent.astype(np.float64))
-    u = rng.random(size)
-    p = 0.06 / top_k
-    values[u < 0.05] = 0.0
-    values[(u >= 0.05) & (u < 0.10)] = -0.0
-    values[(u >= 0.10) & (u < 0.10 + p)] = np.inf
-    values[(u >= 0.10 + p) & (u < 0.10 + 2 * p)] = -np.inf
-    values[(u >= 0.10 + 2 * p) & (u < 0.10 + 3 * p)] = np.nan
-    with np.errstate(all="ignore"):  # values past the format's range become inf, by design
-        return values.astype(dtype).reshape(shape)
-
-
-def random_call(rng: np.random.Generator, mode: str, top_k: int, dtype: np.dtype, tokens: int, hidden: int):
-    """(grad, idx, drop_pad_mode, active_num) with token 0's slots all skipped where the mode skips."""
-    slots = tokens * top_k
-    if mode == "dropless":
-        idx = rng.permutation(slots)
-        grad_rows: tuple[int, ...] = (slots,)
-        drop_pad_mode, active_num = 0, 0
-    elif mode == "active":  # needs tokens >= 2
-        active_num = int(rng.integers(1, slots - top_k + 1))
-        never_materialised = rng.choice(np.arange(active_num, slots), size=top_k, replace=False)
-        rest = rng.permutation(np.setdiff1d(np.arange(slots), never_materialised))
-        idx = np.concatenate([never_materialised, rest])
-        grad_rows = (active_num,)
-        drop_pad_mode = 0
-    else:
-        capacity = int(rng.integers(1, 6))
-        experts = -(-(slots + 3) // capacity)
-        idx = rng.choice(experts * capacity, size=slots, replace=False)
-        idx[rng.random(slots) < 0.3] = -1
-        idx[:top_k] = -1
-        grad_rows = (experts, capacity)
-        drop_pad_mode, active_num = 1, 0
-    grad = wide_values(rng, (*grad_rows, hidden), dtype, top_k)
-    return grad, idx.astype(np.int32), drop_pad_mode, active_num
-
+from support import routing
+from support.bits import assert_bitwise_equal, bits
+from support.docexample import DOC_GRAD, DOC_IDX
+from support.inputs import BF16, F16, F32, GRAD_DTYPES, KS, MODES, ORDERS, random_call, wide_values
+from support.slow_loops import (
+    device_order_row,
+    double_factorial,
+    every_add_tree,
+    round_from_float32,
+    sequential_row,
+    slow_grad_x,
+)
 
 # --------------------------------------------------------------------------------------------------
 # The slow loop, checked on a few cases by hand, before it is trusted.
@@ -221,9 +62,7 @@ def test_slow_loop_orders_by_hand():
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_documentation_example(order):
-    grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-    idx = np.array([2, 0, 1, 3], dtype=np.int32)
-    out = moe_init_routing_v2_grad(grad, idx, 2, 0, 0, order=order)
+    out = moe_init_routing_v2_grad(DOC_GRAD, DOC_IDX, 2, 0, 0, order=order)
     assert out.dtype == np.float32 and out.shape == (2, 2)
     expected = np.array([[0.3, 0.3], [0.70000005, 0.70000005]], dtype=np.float32)
     np.testing.assert_array_equal(bits(out), bits(expected))
@@ -273,42 +112,6 @@ def test_byte_order_and_strides_do_not_change_the_result():
 # --------------------------------------------------------------------------------------------------
 # Hand-derived orders: K=3, 6, 8, proved unique among every order of adds.
 # --------------------------------------------------------------------------------------------------
-
-def every_add_tree(values: np.ndarray) -> np.ndarray:
-    """values [K, H] float32 -> [T, H]: the result of every binary tree of float32 adds over the K
-    slots (each slot used once; a + b == b + a in IEEE, so unordered trees: T = (2K-3)!!)."""
-    k = values.shape[0]
-    memo: dict[int, np.ndarray] = {}
-
-    def trees(mask: int) -> np.ndarray:
-        if mask in memo:
-            return memo[mask]
-        members = [i for i in range(k) if mask >> i & 1]
-        if len(members) == 1:
-            result = values[members[0]][None, :]
-        else:
-            lowest = 1 << members[0]
-            rest = mask ^ lowest
-            parts = []
-            subset = rest
-            while True:  # every split {lowest + subset, rest - subset} with a non-empty right side
-                if rest ^ subset:
-                    left, right = trees(lowest | subset), trees(rest ^ subset)
-                    parts.append((left[:, None, :] + right[None, :, :]).reshape(-1, values.shape[1]))
-                if subset == 0:
-                    break
-                subset = (subset - 1) & rest
-            result = np.concatenate(parts)
-        memo[mask] = result
-        return result
-
-    with np.errstate(all="ignore"):
-        return trees((1 << k) - 1)
-
-
-def double_factorial(n: int) -> int:
-    return math.prod(range(n, 0, -2))
-
 
 HAND_ORDERS = {
     3: lambda v: (v[0] + v[2]) + v[1],

@@ -1,7 +1,7 @@
 """Many small calls computed as one (``moe_init_routing_v2_grad_many``), bit for bit each call's own.
 
 Expected values come from the independent slow loops (docs/semantics.md sections 2 and 7.2:
-tests/unit/test_reference.py and tests/unit/test_ascend950.py) and from the documentation's example,
+tests/support/slow_loops.py) and from the documentation's example,
 never from the function under test; both kernel paths (compiled and NumPy) run every case.
 """
 
@@ -13,8 +13,10 @@ import pytest
 from moegrad import InvalidArgument, MoeInitRoutingV2GradCall, _reference, _reference_many, ascend950_tiling
 from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
 from moegrad._spec import CallGroup
-from test_ascend950 import slow950
-from test_reference import GRAD_DTYPES, MODES, assert_bitwise_equal, random_call, slow_grad_x
+from support.bits import assert_bitwise_equal
+from support.docexample import DOC_GRAD, DOC_IDX
+from support.inputs import GRAD_DTYPES, MODES, random_call
+from support.slow_loops import slow950, slow_grad_x
 
 ALL_ORDERS = ["ascend910b", "sequential", "ascend950", "ascend950@2025-12"]
 
@@ -79,8 +81,7 @@ def test_each_result_is_the_slow_loops_bits(path):
 def test_the_documented_example_in_a_stack():
     """docs/operator.md's example, three times over with a different call between: [[0.3, 0.3],
     [0.70000005, 0.70000005]] float32 each time."""
-    grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-    example = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.array([2, 0, 1, 3], np.int32), top_k=2)
+    example = MoeInitRoutingV2GradCall(grad_expanded_x=DOC_GRAD, expanded_row_idx=DOC_IDX, top_k=2)
     other = MoeInitRoutingV2GradCall(
         grad_expanded_x=np.ones((2, 2), np.float32), expanded_row_idx=np.array([1, 0], np.int32), top_k=2
     )
@@ -172,8 +173,7 @@ def test_the_documented_example_as_a_group():
     """docs/operator.md's example as three members, the middle one with its rows swapped: the
     example's [[0.3, 0.3], [0.70000005, 0.70000005]] float32, and for the swapped rows
     [[0.2 + 0.4, ...], [0.1 + 0.3, ...]]."""
-    grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-    idx = np.array([2, 0, 1, 3], np.int32)
+    grad, idx = DOC_GRAD, DOC_IDX
     example = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=2)
     swapped = np.array([0, 2, 3, 1], np.int32)
     group = CallGroup(example, np.stack([grad, grad, grad]), np.stack([idx, swapped, idx]))

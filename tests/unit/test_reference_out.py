@@ -1,7 +1,7 @@
 """The reference's ``out=`` buffer and its strided inputs, against independent computations.
 
-Expected values come from the slow per-row loops of tests/unit/test_reference.py and
-tests/unit/test_ascend950.py (written from docs/semantics.md sections 3 and 7), never from moegrad.
+Expected values come from the slow per-row loops of tests/support/slow_loops.py
+(written from docs/semantics.md sections 3 and 7), never from moegrad.
 Memory is measured with tracemalloc (NumPy reports its allocations to it).
 """
 
@@ -14,8 +14,9 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 from moegrad import InvalidArgument, _fast, _reference, ascend950_tiling, moe_init_routing_v2_grad
-from test_ascend950 import slow950
-from test_reference import F16, F32, GRAD_DTYPES, MODES, assert_bitwise_equal, bits, random_call, slow_grad_x
+from support.bits import assert_bitwise_equal, bits
+from support.inputs import F16, F32, GRAD_DTYPES, MODES, random_call
+from support.slow_loops import slow950, slow_grad_x
 
 ALL_ORDERS = ["ascend910b", "sequential", "ascend950", "ascend950@2025-12"]
 PATHS = ["numba", "numpy"] if _fast.available() else ["numpy"]

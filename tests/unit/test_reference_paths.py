@@ -1,7 +1,7 @@
 """Both paths of the reference numerics, the compiled one (numba) and the NumPy one, bit for bit.
 
 Every expected value comes from an independent computation: the slow per-row loop and the IEEE
-rounding of tests/unit/test_reference.py (written from docs/semantics.md section 3), NumPy's and ml_dtypes'
+rounding of tests/support/slow_loops.py (written from docs/semantics.md section 3), NumPy's and ml_dtypes'
 own casts for the compiled conversions, and hand-worked roundings.
 
 NaN: results are compared NaN position for NaN position, and bit for bit everywhere else. Which
@@ -13,25 +13,22 @@ device is not known to follow x86 either.
 
 from __future__ import annotations
 
-import sys
 import threading
 
-import ml_dtypes
 import numpy as np
 import pytest
 
-import moegrad
 from moegrad import MoeInitRoutingV2GradCall, _fast, _reference, moe_init_routing_v2_grad
-from test_reference import GRAD_DTYPES, KS, MODES, ORDERS, assert_bitwise_equal, random_call, slow_grad_x
 
 pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
 
 from moegrad import _fast_jit  # noqa: E402  (imports numba)
+from support.bits import assert_bitwise_equal
+from support.inputs import BF16, F16, F32, GRAD_DTYPES, KS, MODES, ORDERS, random_call
+from support.kernel_paths import record_stream_flags, streamed_into_offset_buffer
+from support.slow_loops import slow_grad_x
 
 PATHS = ["numba", "numpy"]
-F16 = np.dtype(np.float16)
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
 
 
 @pytest.fixture(params=PATHS)
@@ -208,34 +205,10 @@ def test_compiled_path_over_several_tiles_of_h(monkeypatch, dtype, top_k):
     assert_bitwise_equal(out, slow_grad_x(grad, idx, top_k, drop_pad_mode, active_num))
 
 
-def record_stream_flags(monkeypatch, name: str) -> list[bool]:
-    """The ``stream`` argument of each call of ``_fast_jit.<name>`` (run_rows or run_rows_950, whose
-    eighth argument it is); the kernel still runs."""
-    flags = []
-    kernel = getattr(_fast_jit, name)
-
-    def recording(*args):
-        flags.append(args[7])
-        return kernel(*args)
-
-    monkeypatch.setattr(_fast_jit, name, recording)
-    return flags
-
-
 @pytest.fixture
 def stream_flags(monkeypatch):
     """The ``stream`` argument of each compiled kernel call (the kernel still runs)."""
     return record_stream_flags(monkeypatch, "run_rows")
-
-
-def streamed_into_offset_buffer(call_kwargs, tokens, hidden, dtype, offset):
-    """grad_x written by the streaming kernel into a view ``offset`` elements into a buffer of
-    sentinel bits; returns (grad_x, the buffer's words outside the view)."""
-    words = np.dtype(f"u{dtype.itemsize}")
-    buffer = np.full(offset + tokens * hidden + 64, 0x5A5A5A5A & np.iinfo(words).max, dtype=words)
-    out = buffer[offset:offset + tokens * hidden].view(dtype).reshape(tokens, hidden)
-    moe_init_routing_v2_grad(**call_kwargs, out=out)
-    return out, np.concatenate([buffer[:offset], buffer[offset + tokens * hidden:]])
 
 
 @pytest.mark.parametrize("offset", [0, 1, 13], ids=lambda o: f"offset{o}")
@@ -361,16 +334,6 @@ def test_byte_swapped_or_strided_index_still_takes_the_compiled_path(compiled_ca
         out = run(grad, sample, 4, drop_pad_mode, active_num, kernel="numba")
         assert_bitwise_equal(out, expected)
     assert len(compiled_calls) == 2
-
-
-@pytest.fixture
-def without_numba(monkeypatch):
-    """As if numba were not installed: its import fails and the fast module has not loaded it yet."""
-    monkeypatch.setitem(sys.modules, "numba", None)
-    monkeypatch.setitem(sys.modules, "moegrad._fast_jit", None)
-    monkeypatch.delattr(moegrad, "_fast_jit", raising=False)  # else `from moegrad import` finds it
-    monkeypatch.setattr(_fast, "_jit", None)
-    monkeypatch.setattr(_fast, "_jit_missing", False)
 
 
 def test_without_numba_auto_uses_numpy(without_numba):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracle import device_k2, oracle_call, oracle_candidate
 
 from moegrad import InvalidArgument
 from moegrad.testing import assert_close
+from support.oracle import device_k2, oracle_call, oracle_candidate
 
 
 def args(call) -> tuple:

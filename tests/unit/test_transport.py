@@ -11,48 +11,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import socket
-import threading
 
 import httpx
 import pytest
 
 from moegrad._transport import READ_BYTES, async_http_transport, http_transport
-
-BODY = bytes(range(256)) * (6 << 12)  # 6 MiB
-
-
-class Responder:
-    """Answers each request on a connection with BODY; records each request body's SHA-256."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/"
-        self.digests: list[str] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
-
-    def _answer(self, connection: socket.socket) -> None:
-        with connection:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += connection.recv(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length")), 0)
-            while len(body) < length:
-                body += connection.recv(1 << 20)
-            self.digests.append(hashlib.sha256(body).hexdigest())
-            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(BODY) + BODY)
-
-    def close(self) -> None:
-        self.listener.close()
+from support.rawhttp import BODY, Responder
 
 
 @pytest.fixture

@@ -13,7 +13,9 @@ import ml_dtypes
 import numpy as np
 
 import moegrad
-import routing
+
+from . import routing
+from .docexample import DOC_GRAD, DOC_IDX, DOC_RESULT_BITS
 
 MODEL = "moe_init_routing_v2_grad"
 MODES = ("dropless", "active", "drop_pad")
@@ -21,15 +23,13 @@ DTYPES = (np.float16, ml_dtypes.bfloat16, np.float32)
 DATATYPE_NAMES = {np.dtype(np.float16): "FP16", np.dtype(ml_dtypes.bfloat16): "BF16",
                   np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64", np.dtype(np.int32): "INT32",
                   np.dtype(np.int64): "INT64"}
-DOC_GRAD = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-DOC_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
-#: The documentation's result: 0.2 + 0.1 = 0.3 (0x3E99999A), 0.3 + 0.4 = 0.70000005 (0x3F333334).
-DOC_BITS = [[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]]
+#: The documentation's result as nested lists: 0.2 + 0.1 = 0.3 (0x3E99999A), 0.3 + 0.4 = 0.70000005 (0x3F333334).
+DOC_BITS = DOC_RESULT_BITS.tolist()
 
 
 def routed_call(seed: int, mode: str = "dropless", dtype=np.float32, *, tokens: int = 6, top_k: int = 3,
                 hidden: int = 16) -> dict:
-    """Keyword arguments of a valid call (tests/routing.py: a real forward routing) in ``mode``."""
+    """Keyword arguments of a valid call (support.routing: a real forward routing) in ``mode``."""
     rng = np.random.default_rng(seed)
     r = routing.route(rng, tokens=tokens, top_k=top_k, experts=max(5, top_k + 2), mode=mode)
     grad = rng.standard_normal(r.grad_shape(hidden), dtype=np.float32).astype(dtype)
@@ -42,14 +42,6 @@ def expected(call: dict, **options) -> np.ndarray:
 
 def attributes(call: dict) -> dict:
     return {name: call[name] for name in ("top_k", "drop_pad_mode", "active_num") if name in call}
-
-
-def same_bits(got: np.ndarray, want: np.ndarray) -> bool:
-    """Equal dtype, shape and bits (viewed as unsigned integers of the itemsize)."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return False
-    uint = {2: np.uint16, 4: np.uint32}[want.dtype.itemsize]
-    return bool(np.array_equal(got.view(uint), want.view(uint)))
 
 
 def inputs(client_module, call: dict) -> list:

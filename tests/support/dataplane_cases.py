@@ -20,11 +20,7 @@ from moegrad_service.engine import Backend, StreamPool
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
 
-DOC_GRAD = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-DOC_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
-#: The documentation's result: row 0 = 0.2 + 0.1 = 0.3 (float32 0x3e99999a), row 1 = 0.3 + 0.4 =
-#: 0.70000005 (0x3f333334), each added in float32 from the float32 inputs.
-DOC_RESULT_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)
+from .docexample import DOC_GRAD, DOC_IDX, DOC_RESULT_BITS
 
 
 def doc_call(**overrides) -> moegrad.MoeInitRoutingV2GradCall:

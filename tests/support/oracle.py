@@ -76,7 +76,8 @@ def _imbalance(a: np.ndarray, e: np.ndarray) -> float:
     return max(abs(up - down), abs(away - toward)) / nonzero if nonzero >= 64 else float("nan")
 
 
-def float32_statuses(candidate: np.ndarray, device: np.ndarray, golden: np.ndarray, scale: np.ndarray) -> dict[str, str]:
+def float32_statuses(candidate: np.ndarray, device: np.ndarray, golden: np.ndarray,
+                     scale: np.ndarray) -> dict[str, str]:
     """Each standard's status for a float32 candidate with no NaN/Inf, no skipped rows and no small
     values (scale >= 2^-20 everywhere, so the benchmark's small-value criterion is not assessed)."""
     c, d = figures(candidate, golden, scale), figures(device, golden, scale)

@@ -1,7 +1,7 @@
 """Server processes for tests and benchmarks: start one on a free loopback port, wait until ready, stop it.
 
 The one launcher that tests/e2e, tests/deploy and bench/ share. It imports only the standard
-library and httpx (nothing else of bench/), so the tests that use it load no benchmark code.
+library and httpx (nothing of moegrad), so a test or benchmark that uses it loads nothing else.
 
 - :class:`ServerProcess` runs any server command in its own process group, polls
   ``GET <url><ready_path>`` until it answers 200, and stops it with SIGTERM (then SIGKILL to the
@@ -181,8 +181,8 @@ def _clear_group(pgid: int) -> None:
 
 def moegrad_server(log_dir: Path, *, flags: Sequence[str] = REFERENCE_FLAGS,
                    settings: Mapping[str, object] | None = None, command: Sequence[str] = SERVE_COMMAND,
-                   env: Mapping[str, str] | None = None, tls_ca: Path | None = None, cwd: Path | None = None, ready_within_s: float = 60.0,
-                   stop_within_s: float = 30.0, name: str = "moegrad") -> ServerProcess:
+                   env: Mapping[str, str] | None = None, tls_ca: Path | None = None, cwd: Path | None = None,
+                   ready_within_s: float = 60.0, stop_within_s: float = 30.0, name: str = "moegrad") -> ServerProcess:
     """Start ``command --host 127.0.0.1 --port PORT *flags`` on a free port and wait until it is ready.
 
     Args:

@@ -14,7 +14,7 @@ expert-sorted tensor. The backward reads gradExpandedX at those rows (docs/opera
 
 Usage::
 
-    import routing
+    from support import routing
     r = routing.route(np.random.default_rng(0), tokens=5, top_k=3, experts=8, mode="drop_pad", capacity=2)
     grad = rng.standard_normal(r.grad_shape(hidden=4)).astype(np.float32)
     moe_init_routing_v2_grad(grad, **r.kwargs())
