@@ -50,7 +50,7 @@ def closed_port_url() -> str:
 def random_call(rng: np.random.Generator, mode: str, dtype, top_k: int, tokens: int = 7, hidden: int = 33) -> dict:
     """Keyword arguments of one valid call: a forward routing's expanded_row_idx and a random gradient.
 
-    Uses the forward-routing generator ``tests/routing.py`` when the tree has it, else random
+    Uses the forward-routing generator ``tests/support/routing.py`` when the tree has it, else random
     permutations with the same shapes and ranges.
     """
     if routing is not None:

@@ -99,7 +99,7 @@ def launch(tmp_path):
 
 def routed_call(seed: int, *, mode: str = "dropless", hidden: int = 8, dtype=np.float32, tokens: int = 6,
                 top_k: int = 3) -> tuple[dict, np.ndarray]:
-    """Keyword arguments of a valid call (tests/routing.py) and its grad_x computed in this process."""
+    """Keyword arguments of a valid call (tests/support/routing.py) and its grad_x computed in this process."""
     rng = np.random.default_rng(seed)
     r = routing.route(rng, tokens=tokens, top_k=top_k, experts=5, mode=mode)
     grad = rng.standard_normal(r.grad_shape(hidden), dtype=np.float32).astype(dtype)

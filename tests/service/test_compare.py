@@ -2,7 +2,7 @@
 
 Requests are packed here by hand (msgpack and raw little-endian bytes, as docs/protocol.md
 describes). Oracles: ``test_metrics_and_verdicts_match_an_independent_float64_computation`` takes
-every expected figure and each standard's status from tests/oracle.py (float64 arithmetic and the
+every expected figure and each standard's status from tests/support/oracle.py (float64 arithmetic and the
 thresholds docs/accuracy.md lists), and bit mismatches are counted with NumPy here. The device
 result is :func:`moegrad.moe_init_routing_v2_grad` (bit-exact emulation, tested against a slow loop
 in tests/unit), Huawei's golden the same with ``order="sequential"``. Transport only:
@@ -50,7 +50,7 @@ def from_tensor(obj: dict) -> np.ndarray:
 
 
 def make_call(mode: str, dtype=np.float32, *, tokens: int = 24, top_k: int = 4, hidden: int = 32, seed: int = 0):
-    """A routed call (tests/routing.py) with normally distributed gradients."""
+    """A routed call (tests/support/routing.py) with normally distributed gradients."""
     rng = np.random.default_rng(seed)
     r = routing.route(rng, tokens, top_k, 8, mode)
     grad = rng.standard_normal(r.grad_shape(hidden)).astype(dtype)

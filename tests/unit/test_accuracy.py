@@ -1,7 +1,7 @@
 """moegrad accuracy: metric values by hand, each standard's boundary, and operator-level cases.
 
 Oracles: expected numbers come from hand arithmetic on tiny arrays (exact in binary), from the
-dtype's own bit patterns (ULPs), from the float64 computation of tests/oracle.py, or from the
+dtype's own bit patterns (ULPs), from the float64 computation of tests/support/oracle.py, or from the
 thresholds docs/accuracy.md gives; never from the module under test. The operator-level cases
 that use the emulation as the candidate (``test_the_emulation_*``) check that the thresholds leave
 room for the device's own rounding; they are not oracles for the bitwise standard.

@@ -1,6 +1,6 @@
 """Bulk checking: case files, a run over a generated directory that never stops, the summary worst first.
 
-Oracles: each case's expected status comes from tests/oracle.py (float64 figures and the thresholds
+Oracles: each case's expected status comes from tests/support/oracle.py (float64 figures and the thresholds
 of docs/accuracy.md) or from the documented rules for invalid input; never from the comparison.
 """
 

@@ -1,7 +1,7 @@
 """moegrad.accuracy's reports: CSV against hand figures, JSON read back, markdown provenance, the plot.
 
 Oracles: the CSV's values are checked against figures computed by hand on a 1x4 case (exact in
-binary); the verdict a read-back report reproduces is the one the oracle cases of tests/oracle.py
+binary); the verdict a read-back report reproduces is the one the oracle cases of tests/support/oracle.py
 fix; column names are msprobe's, as docs/accuracy.md lists them.
 """
 

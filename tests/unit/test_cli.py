@@ -1,7 +1,7 @@
 """The moegrad command with no server: `local`, `compare --local`, .npy handling (bfloat16), usage errors, exit codes.
 
 Expected values come from the operator documentation's example, from plain float32 adds here, or
-(for `compare`) from the independent float64 computation of tests/oracle.py: the exit code a
+(for `compare`) from the independent float64 computation of tests/support/oracle.py: the exit code a
 candidate must get is derived from the oracle's statuses, never from ``moegrad.compare``.
 """
 

@@ -400,7 +400,7 @@ def example_fields() -> dict:
 def test_require_exact_decides_the_verdict_on_the_client():
     call = oracle_call()
     device = device_k2(call)
-    port = oracle_candidate("one_ulp_noise", device)  # a correct port (tests/oracle.py): tolerances pass
+    port = oracle_candidate("one_ulp_noise", device)  # a correct port (tests/support/oracle.py): tolerances pass
     fields = {"grad_expanded_x": call.grad_expanded_x, "expanded_row_idx": call.expanded_row_idx, "top_k": 2}
     fake = FakeCompare()
     with client(fake) as c:

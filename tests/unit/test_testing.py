@@ -1,7 +1,7 @@
 """moegrad.testing.assert_close: passes a correct port, fails with a message that names what and where.
 
 Oracles: the candidates are the K=2 device result computed without moegrad, and hand-made
-departures from it (tests/oracle.py); the row named as worst is the row the test corrupted.
+departures from it (tests/support/oracle.py); the row named as worst is the row the test corrupted.
 """
 
 from __future__ import annotations
