@@ -6,6 +6,7 @@ cluster). Where kubectl is not installed, the tests that need rendered manifests
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from functools import cache
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-__all__ = ["kustomize"]
+__all__ = ["kustomize", "quantity"]
 
 RENDER_TIMEOUT_S = 120
 
@@ -39,3 +40,14 @@ def kustomize(directory: Path) -> list[dict]:
     import copy
 
     return copy.deepcopy(list(_render(Path(directory).resolve())))
+
+
+def quantity(value: str | int) -> float:
+    """A Kubernetes quantity (``4Gi``, ``500m``, ``1``) as a number."""
+    match = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(value))
+    if match is None:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity")
+    number, suffix = float(match.group(1)), match.group(2)
+    scale = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+             "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    return number * scale[suffix]

@@ -122,11 +122,15 @@ def _broken(variant: str, kind: str, path: tuple, value: object) -> dict:
     ("ClusterServingRuntime", ("spec", "protocolVersion"), ["v2"]),            # a misspelt KServe field
     ("ClusterServingRuntime", ("spec", "containers"), KeyError),               # required by KServe
     ("ClusterServingRuntime", ("spec", "multiModel"), "no"),                   # a bool
-    ("ClusterServingRuntime", ("spec", "containers", 0, "livenessProbe", "httpGet", "paht"), "/x"),  # Kubernetes, strict
+    # Kubernetes, strict:
+    ("ClusterServingRuntime", ("spec", "containers", 0, "livenessProbe", "httpGet", "paht"), "/x"),
     ("ClusterServingRuntime", ("apiVersion",), "serving.kserve.io/v1beta1"),
     ("InferenceService", ("spec", "predictor", "model", "modelFormat"), KeyError),  # required by KServe
     ("InferenceService", ("spec", "predictor", "model", "runtimeName"), "moegrad"),
     ("InferenceService", ("spec", "predictor", "minReplicas"), "1"),           # an integer
+    ("InferenceService", ("spec", "predictor", "autoScaling", "metrics", 0, "external", "metric", "promql"), "x"),
+    ("InferenceService", ("spec", "predictor", "autoScaling", "metrics", 0, "external", "target"), KeyError),
+    ("InferenceService", ("spec", "predictor", "autoScaling", "behavior", "scaleDown", "window"), 600),  # Kubernetes'
 ])
 def test_the_schema_refuses_what_kserve_refuses(kind, path, value):
     resource = _broken("npu", kind, path, value)
@@ -248,6 +252,35 @@ def test_npu_pods_ask_for_exactly_one_npu_on_the_device_plugins_nodes():
     assert container("npu")["image"] == "moegrad:npu"
     startup = container("npu")["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "device init can take minutes"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_autoscaling_follows_the_servers_queue(variant):
+    from moegrad_service.metrics import Metrics
+
+    isvc = one(variant, "InferenceService")
+    predictor = isvc["spec"]["predictor"]
+    # KServe's KEDA autoscaler, which runs only in raw deployment mode.
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/autoscalerClass"] == "keda"
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    assert 1 <= predictor["minReplicas"] < predictor["maxReplicas"]
+    (metric,) = predictor["autoScaling"]["metrics"]
+    assert metric["type"] == "External" and metric["external"]["metric"]["backend"] == "prometheus"
+    query = metric["external"]["metric"]["query"]
+    # The gauge of calls waiting for a worker, by the name the service's own registry gives it.
+    (queue,) = Metrics().pending.describe()
+    assert queue.type == "gauge"
+    assert set(re.findall(r"\bmoegrad_\w+", query)) == {queue.name}
+    # Summed over this InferenceService's predictor pods (KServe names them <name>-predictor-...).
+    assert f'pod=~"{isvc["metadata"]["name"]}-predictor-.*"' in query and query.startswith("sum(")
+    # KServe reads target.value (KEDA's threshold, per replica): below a full queue, which refuses with 503.
+    target = metric["external"]["target"]
+    assert target["type"] == "Value"
+    assert 0 < float(target["value"]) < int(env(variant)["MOEGRAD_MAX_QUEUE"])
+    # No replica is given back sooner than a new one may take to start.
+    startup = container(variant)["startupProbe"]
+    window_s = predictor["autoScaling"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"]
+    assert window_s >= startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
 
 
 def test_cpu_pods_use_the_emulation_and_no_npu():

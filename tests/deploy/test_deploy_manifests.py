@@ -1,23 +1,22 @@
 """The Kubernetes manifests (deploy/k8s): rendered by kustomize, schema-valid, and consistent with the app.
 
-Each variant (the base and the cpu / npu overlays) is rendered to plain resources by
-``kubectl kustomize`` (the tests skip where kubectl is not installed), validated against the Kubernetes OpenAPI schemas that the
-``kubernetes-validate`` wheel ships (strict: unknown fields are errors; no network), and checked
-against the facts it must agree with: the routes ``create_app`` really serves, the service's
-``Settings``, the image (its port and user), one NPU and one worker per pod, and a termination grace
-period long enough for the graceful shutdown.
+Each variant (the base and the cpu / npu overlays) is rendered to plain resources by ``kubectl
+kustomize`` (the tests skip where kubectl is not installed), validated against the Kubernetes
+OpenAPI schemas that the ``kubernetes-validate`` wheel ships (strict: unknown fields are errors; no
+network), and checked against the facts it must agree with: the routes ``create_app`` really serves,
+the service's ``Settings``, the image (its port and user), one NPU and one worker per pod, and a
+termination grace period long enough for the graceful shutdown.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from functools import cache
 from pathlib import Path, PurePosixPath
 
 import pytest
 
-from deploy._manifests import kustomize
+from deploy._manifests import kustomize, quantity
 from deploy._routes import serves_get
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,15 +52,6 @@ def container(variant: str) -> dict:
 
 def config(variant: str) -> dict[str, str]:
     return one(variant, "ConfigMap")["data"]
-
-
-def quantity(value: str | int) -> float:
-    """A Kubernetes quantity (``4Gi``, ``500m``, ``1``) as a number."""
-    match = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(value))
-    number, suffix = float(match.group(1)), match.group(2)
-    scale = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-             "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-    return number * scale[suffix]
 
 
 # ---- schema --------------------------------------------------------------------------------------
@@ -223,7 +213,8 @@ def test_npu_startup_probe_allows_minutes_for_device_init():
     startup = container("npu")["startupProbe"]
     budget_s = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
     assert budget_s >= 300
-    assert budget_s > container("cpu")["startupProbe"]["periodSeconds"] * container("cpu")["startupProbe"]["failureThreshold"]
+    cpu_startup = container("cpu")["startupProbe"]
+    assert budget_s > cpu_startup["periodSeconds"] * cpu_startup["failureThreshold"]
 
 
 def test_cpu_pods_use_the_emulation_and_no_npu():
