@@ -433,7 +433,7 @@ environment, read by the bench functions at each call:
                           grad (msprobe raises float16 and bfloat16 to float32)
 
 exit codes: 0 ok, 1 msprobe missing, too old, not writable or not as expected (the reason is
-printed), 2 usage. moegrad docs/accuracy.md, section "msprobe", has the details.
+printed), 2 usage. moegrad's docs/msprobe.md has the details.
 """
 
 

@@ -3,8 +3,8 @@
 msprobe (PyPI ``mindstudio-probe`` >= 26.2.0) checks an NPU API by running a *bench function* on the
 CPU with the dumped inputs and comparing its outputs, and through autograd its input gradients,
 with the NPU's. It has none for these two operators. ``python -m moegrad.msprobe register`` installs
-the four functions below into an installed msprobe; docs/accuracy.md, section "msprobe", says what
-msprobe concludes with them on each product line.
+the four functions below into an installed msprobe; docs/msprobe.md says what msprobe concludes
+with them on each product line, and gives the sources.
 
 The functions (torch_npu's signatures; outputs are CPU tensors):
 
@@ -132,7 +132,7 @@ class Profile:
     routing_order: str
 
 
-#: Profiles by name (module docstring, "Profiles"; docs/accuracy.md, "msprobe", gives the sources).
+#: Profiles by name (module docstring, "Profiles"; docs/msprobe.md gives the sources).
 PROFILES: dict[str, Profile] = {
     "ascend910b": Profile("ascend910b", "sequential", "ascend910b"),
     "ascend950": Profile("ascend950", "ascend950", "ascend950"),

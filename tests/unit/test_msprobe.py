@@ -83,7 +83,7 @@ def bits(array: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------------
-# Oracles: slow loops from the documented orders (docs/semantics.md; docs/accuracy.md, "msprobe")
+# Oracles: slow loops from the documented orders (docs/semantics.md, docs/msprobe.md)
 # --------------------------------------------------------------------------------------------------
 
 
