@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 SERVE_STAMP := $(VENV)/.installed-service
 # Every install takes its versions from the lock: the exact set `make test` last passed with (`make lock` renews it).
 LOCK := requirements.lock
+MSPROBE_LOCK := requirements-msprobe.lock
+MSPROBE_DIR := $(VENV)/msprobe
 # The tests' torch: exactly this pin, which pip takes from a local CPU wheel (a range pulls a CUDA build).
 TORCH_TEST_PIN := torch==2.13.0
 # `make serve HOST=... PORT=... BACKEND=...`: each becomes a flag only when given, so MOEGRAD_* apply otherwise.
@@ -24,9 +26,11 @@ $(BIN)/python:
 # pip byte-compiles what it installs (a minute of the install, for torch's thousands of files), and
 # that is worth it: where PYTHONDONTWRITEBYTECODE is set (this machine, CI) nothing else ever writes
 # .pyc files, and every test process and server would compile its imports from source each time.
-$(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
+$(STAMP): pyproject.toml $(LOCK) $(MSPROBE_LOCK) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --constraint $(LOCK) -e '.[service,dev,plot]' '$(TORCH_TEST_PIN)'
 	$(BIN)/python -m pip check
+	rm -rf $(MSPROBE_DIR)
+	$(BIN)/python -m pip install --quiet --no-deps --target $(MSPROBE_DIR) --requirement $(MSPROBE_LOCK)
 	touch $(STAMP) $(SERVE_STAMP)
 
 # Serving needs only the service extra, not the test toolchain (at the locked versions all the same).
@@ -60,7 +64,7 @@ test: $(STAMP)
 	$(BIN)/python -c "import moegrad.accuracy; moegrad.accuracy.warm_up_compare()" & compare=$$!; \
 	$(BIN)/mypy; typed=$$?; wait $$kernel; compiled=$$?; wait $$compare; \
 	[ $$? -eq 0 ] && [ $$compiled -eq 0 ] && [ $$typed -eq 0 ]
-	$(BIN)/python -m pytest -q $(PYTEST_LANES) -m "not serial and not slow" $(PYTEST_ARGS)
+	MOEGRAD_MSPROBE_TEST_PATH=$(MSPROBE_DIR) $(BIN)/python -m pytest -q $(PYTEST_LANES) -m "not serial and not slow" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
 
 test-all: test

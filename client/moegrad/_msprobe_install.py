@@ -38,7 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from moegrad._version import __version__
-from moegrad.msprobe import ORDER_ENV, URL_ENV
+
+#: The environment variable naming the profile (a key of :data:`moegrad.msprobe.PROFILES`).
+ORDER_ENV = "MOEGRAD_MSPROBE_ORDER"
+#: The environment variable with a moegrad service's base URL: the backwards are computed there.
+URL_ENV = "MOEGRAD_MSPROBE_URL"
+#: The environment variable with the service's bearer token.
+TOKEN_ENV = "MOEGRAD_MSPROBE_TOKEN"
+#: The environment variable fixing the dtype a float32 grad is narrowed to (moegrad.msprobe's docstring, "Dtypes").
+DTYPE_ENV = "MOEGRAD_MSPROBE_DTYPE"
 
 __all__ = [
     "MIN_MSPROBE_VERSION",

@@ -88,6 +88,7 @@ except ImportError as _missing:  # pragma: no cover - the extra installs torch
 
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad._client import Client
+from moegrad._msprobe_install import DTYPE_ENV, ORDER_ENV, TOKEN_ENV, URL_ENV
 from moegrad._reference import moe_init_routing_v2_grad
 from moegrad._routing import MoeInitRoutingV2Result, invert_expanded_row_idx, moe_init_routing_v2
 from moegrad._tensors import to_numpy, to_torch
@@ -106,15 +107,6 @@ __all__ = [
     "npu_moe_token_permute",
     "npu_moe_token_permute_grad",
 ]
-
-#: The environment variable naming the profile (a key of :data:`PROFILES`).
-ORDER_ENV = "MOEGRAD_MSPROBE_ORDER"
-#: The environment variable with a moegrad service's base URL: the backwards are computed there.
-URL_ENV = "MOEGRAD_MSPROBE_URL"
-#: The environment variable with the service's bearer token.
-TOKEN_ENV = "MOEGRAD_MSPROBE_TOKEN"
-#: The environment variable fixing the dtype a float32 grad is narrowed to (module docstring, "Dtypes").
-DTYPE_ENV = "MOEGRAD_MSPROBE_DTYPE"
 
 
 @dataclass(frozen=True)
