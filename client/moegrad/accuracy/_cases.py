@@ -47,6 +47,7 @@ __all__ = [
     "load_case",
     "save_case",
     "shard_of",
+    "worst_first",
     "write_summary",
 ]
 
@@ -280,6 +281,12 @@ def _summary_row(result: CaseResult) -> dict[str, str]:
     return row
 
 
+def worst_first(results: Iterable[CaseResult]) -> list[CaseResult]:
+    """The results worst first: invalid/error, fail, warning, pass; then the larger RMSE ratio
+    first; cases that tie keep their order."""
+    return sorted(results, key=_badness, reverse=True)
+
+
 def write_summary(
     results: Iterable[CaseResult], csv_path: str | os.PathLike[str], markdown_path: str | os.PathLike[str] | None = None
 ) -> list[CaseResult]:
@@ -296,7 +303,7 @@ def write_summary(
     Raises:
         OSError: a file cannot be written.
     """
-    ordered = sorted(results, key=_badness, reverse=True)
+    ordered = worst_first(results)
     rows = [_summary_row(result) for result in ordered]
     with open(os.fspath(csv_path), "w", encoding="utf-8-sig", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(SUMMARY_COLUMNS))
