@@ -116,8 +116,7 @@ class _ClientBase:
 
     @contextlib.contextmanager
     def _sweep(self, cases: Iterable[Any], standards: Any, require_exact: bool, output: Any, concurrency: Any) -> Any:
-        """compare_many's arguments for a sweep: the cases, the results file (opened and closed
-        here when a path), the requests in flight (default 2 per replica named, at least 4)."""
+        """compare_many's cases, results file (a path opened here) and concurrency (2 per replica, at least 4)."""
         items = list(cases)
         with sweep_output(output, cases=len(items), standards=standards, require_exact=require_exact) as ledger:
             yield {
@@ -377,7 +376,7 @@ class Client(_ClientBase):
             output: a results file (JSON lines, docs/accuracy.md "Sweeps"): each judged case is
                 written as it is known, and a case already in it with the same name and file digest
                 is skipped, its recorded result returned (``output.skipped`` counts them when
-                ``output`` is a :class:`~moegrad.accuracy._ledger.SweepFile`).
+                ``output`` is a :class:`~moegrad.accuracy.SweepFile`).
 
         Returns:
             One :class:`~moegrad.accuracy.CaseResult` per case, in the order given; each report

@@ -9,7 +9,7 @@ docs/accuracy.md, "Bulk checking" and "Sweeps".
 The batches are judged by ``concurrency`` worker threads (daemon threads: an interrupted sweep never
 waits for a request in flight) or asyncio tasks; the loading stays one case ahead of them at most
 ``concurrency`` batches, so memory is bounded. Each result is recorded under one lock: its line in
-the results file (:class:`~moegrad.accuracy._ledger.SweepFile`) written whole, the progress line,
+the results file (:class:`~moegrad.accuracy.SweepFile`) written whole, the progress line,
 ``on_result``. Once the sweep is stopped (Ctrl-C: KeyboardInterrupt in the main thread, or a
 cancelled task), nothing more is recorded, so a case is written whole or not at all.
 """
