@@ -122,7 +122,7 @@ class _ClientBase:
             yield {
                 "cases": items,
                 "output": ledger,
-                "concurrency": concurrency or max(4, 2 * len(self._core.config.replicas)),
+                "concurrency": max(4, 2 * len(self._core.config.replicas)) if concurrency is None else concurrency,
             }
 
 

@@ -102,7 +102,7 @@ class Timeouts:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Retries:
-    """How a call is retried after a connection error or a 503 (4xx, 500 and 504 never are).
+    """How a call is retried after a connection error or a 503 (a 504 only on another replica; 4xx and 500 never).
 
     Attributes:
         count: retries after the first attempt (>= 0).

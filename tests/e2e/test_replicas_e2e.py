@@ -111,6 +111,19 @@ def test_calls_spread_over_the_replicas_and_a_4xx_is_never_retried(servers):
     assert info.value.aclnn_status == 561002 and failures_seen(urls) - before == 1  # one request, one answer
 
 
+def test_a_dns_name_s_addresses_are_the_replicas(servers):
+    """``dns+http://localhost:PORT``: the name's addresses (127.0.0.1, and ::1 where the resolver
+    gives it, where nothing listens: set aside) are the replicas, each request naming the host."""
+    port = servers[0].port
+    call = oracle_call(seed=6)
+    with moegrad.Client(f"dns+http://localhost:{port}", retries=3) as client:
+        for _ in range(10):
+            assert np.array_equal(client.run(call).grad_x.view(np.uint32), device_k2(call).view(np.uint32))
+        stats = {s.url: s for s in client.stats}
+    assert stats[f"http://127.0.0.1:{port}"].served == 10
+    assert all(s.served == 0 for url, s in stats.items() if url != f"http://127.0.0.1:{port}")
+
+
 def test_a_sweep_reports_a_refused_case_once_and_the_async_client_judges_alike(servers, tmp_path):
     urls = [server.url for server in servers]
     expected = write_cases(tmp_path / "cases", 60)

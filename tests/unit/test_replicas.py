@@ -294,3 +294,26 @@ def test_when_every_replica_refused_the_call_waits_the_backoff_before_trying_aga
     # both refused: the second retry waits 0.05 s doubled once (Retries: backoff_base_s 0.05, doubling)
     assert flow.send(httpx.ConnectError("refused")) == pytest.approx(0.1)
     assert isinstance(flow.send(None), httpx.Request)
+
+
+def test_both_clients_resolve_a_dns_name_and_send_its_host_to_each_address():
+    seen: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, request.headers["host"]))
+        return reply_example(request)
+
+    with Client("dns+http://localhost:8000", transport=httpx.MockTransport(handler)) as client:
+        client.run(example_call())
+        assert repr(client) == "Client(base_url='dns+http://localhost:8000')"
+
+    async def run_async():
+        async with AsyncClient("dns+http://localhost:8000", transport=httpx.MockTransport(handler)) as client:
+            await client.run(example_call())
+            return client.stats
+
+    stats = asyncio.run(run_async())
+    addresses = {a[4][0] for a in socket.getaddrinfo("localhost", 8000, type=socket.SOCK_STREAM)}
+    assert {host for host, _ in seen} <= addresses and len(seen) == 2  # the resolver's own answer
+    assert {header for _, header in seen} == {"localhost:8000"}
+    assert sum(s.served for s in stats) == 1
