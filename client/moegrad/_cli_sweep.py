@@ -16,8 +16,9 @@ status  over all the cases of the run (its shard; for ``--merge``, the sweep), t
 1       a case failed a standard
 0       every case passed (warnings pass)
 2       usage (bad flags, FILE written for another shard, files that are not one sweep)
-130/143 interrupted by SIGINT / SIGTERM: the lines written are whole; requests in flight are
-        abandoned (the sweep's threads are daemons), so the command ends at once
+130/143 interrupted by SIGINT / SIGTERM: the lines written are whole; the workers finish the
+        batch in hand for up to 2 s, then requests still in flight are abandoned (the process
+        ends at once), so the command ends within seconds
 ======  ==================================================================================
 """
 
@@ -28,6 +29,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ from moegrad.accuracy import CaseResult, compare_cases, compare_in_process, find
 from moegrad.accuracy._cases import shard_of, worst_first
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergeError, merge_sweeps
+from moegrad.accuracy._sweep import SWEEP_THREAD
 
 __all__ = ["run_cases", "run_merge", "sweep_status"]
 
@@ -71,6 +74,16 @@ def _sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_now_if_a_worker_is_left(status: int) -> None:
+    """End the process with ``status`` at once when a sweep worker still waits on a request after
+    the sweep's grace period: a daemon thread that wakes while the interpreter finalizes is ended
+    by pthread_exit, which a C++ frame under it (a compiled kernel) may turn into an abort."""
+    if any(t.name.startswith(SWEEP_THREAD) and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def sweep_status(results: Sequence[CaseResult], *, missing: bool = False) -> int:
@@ -151,7 +164,11 @@ def run_cases(
     except (KeyboardInterrupt, _Terminated) as exc:
         written = f"; {ledger.written} cases written to {args.output}, run again to resume" if ledger else ""
         print(f"\nmoegrad: interrupted{written}", file=sys.stderr)
-        return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
+        status = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
+        if ledger is not None:
+            ledger.close()
+        _exit_now_if_a_worker_is_left(status)
+        return status
     finally:
         if ledger is not None:
             ledger.close()

@@ -44,6 +44,8 @@ __all__ = [
     "BATCH_BYTES",
     "BATCH_CASES",
     "BATCH_MIN_CASES",
+    "STOP_GRACE_S",
+    "SWEEP_THREAD",
     "AsyncCompareBatch",
     "AsyncSendCompares",
     "CompareBatch",
@@ -71,6 +73,11 @@ BATCH_BYTES = 32 << 20
 #: ... and, so that a sweep spreads over its workers, about total / (2 x concurrency) cases, at least this many.
 BATCH_MIN_CASES = 8
 _DRAW_EVERY_S = 0.1
+_POLL_S = 0.1
+#: The names of the sweep's worker threads start with this.
+SWEEP_THREAD = "moegrad-sweep"
+#: Seconds an interrupted sweep waits for its workers to finish the batch in hand.
+STOP_GRACE_S = 2.0
 
 
 class _Progress:
@@ -214,6 +221,10 @@ class _Sweep:
         with self._lock:
             self._stopped = True
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     def finish(self) -> list[CaseResult]:
         self.bar.show(self.done, self.judged, self.failed, self.errors, final=True)
         self.bar.close()
@@ -232,14 +243,22 @@ def _judge_one(compare_one: CompareOne, batch: list[_Pending]) -> list[Compariso
 
 
 def _run_threads(sweep: _Sweep, judge: Callable[[list[_Pending]], list[ComparisonReport | Exception]]) -> None:
-    """Judge the sweep's batches on ``sweep.concurrency`` daemon threads; the caller's thread loads them."""
+    """Judge the sweep's batches on ``sweep.concurrency`` daemon threads; the caller's thread loads them.
+
+    Stopped (an exception in the caller's thread, KeyboardInterrupt say), the workers end after
+    their batch in hand, and the caller waits for them up to STOP_GRACE_S seconds: a worker still
+    waiting on a request then is abandoned (a daemon thread; its result is not recorded)."""
     work: queue.Queue[list[_Pending] | None] = queue.Queue(maxsize=sweep.concurrency)
     failures: list[BaseException] = []
 
     def worker() -> None:
-        while (batch := work.get()) is not None:
-            if failures:
+        while not sweep.stopped:
+            try:
+                batch = work.get(timeout=_POLL_S)
+            except queue.Empty:
                 continue
+            if batch is None:
+                return
             try:
                 try:
                     outcomes = judge(batch)
@@ -248,30 +267,31 @@ def _run_threads(sweep: _Sweep, judge: Callable[[list[_Pending]], list[Compariso
                 sweep.record_batch(batch, outcomes)
             except BaseException as exc:  # a bug: stop the sweep and raise it in the caller's thread
                 failures.append(exc)
+                sweep.stop()
 
     threads = [
-        threading.Thread(target=worker, name=f"moegrad-sweep-{i}", daemon=True) for i in range(sweep.concurrency)
+        threading.Thread(target=worker, name=f"{SWEEP_THREAD}-{i}", daemon=True) for i in range(sweep.concurrency)
     ]
     for thread in threads:
         thread.start()
     try:
         for item in _then_stop(sweep.batches(), len(threads)):
-            while not failures:
+            while not sweep.stopped:
                 try:
-                    work.put(item, timeout=_DRAW_EVERY_S)
+                    work.put(item, timeout=_POLL_S)
                     break
                 except queue.Full:
                     continue
-            if failures:
-                break
         for thread in threads:
-            while thread.is_alive() and not failures:
-                thread.join(_DRAW_EVERY_S)
+            while thread.is_alive():
+                thread.join(_POLL_S)
     except BaseException:
         sweep.stop()
+        grace_ends = time.monotonic() + STOP_GRACE_S
+        for thread in threads:
+            thread.join(max(0.0, grace_ends - time.monotonic()))
         raise
     if failures:
-        sweep.stop()
         raise failures[0]
 
 
