@@ -130,7 +130,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="the service's root URL; repeat it for each replica, or give dns+http://NAME:PORT for "
         "the addresses of NAME (a headless Service), resolved again every 30 s (default: $MOEGRAD_URL, "
-        f"else {_DEFAULT_URL}; now {default_urls()})",
+        f"else {_DEFAULT_URL}; now {', '.join(default_urls())})",
     )
     group.add_argument(
         "--timeout",
