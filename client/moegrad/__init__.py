@@ -2,7 +2,8 @@
 
 ``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]``
 
-- :class:`Client` / :class:`AsyncClient` call a moegrad service (the NPU, or its bit-exact emulation);
+- :class:`Client` / :class:`AsyncClient` call a moegrad service (the NPU, or its bit-exact emulation),
+  or several replicas of it (``client.stats``: a :class:`ReplicaStats` per replica);
 - :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order;
 - :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does.
 - :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
@@ -32,6 +33,7 @@ from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, Structure
 from moegrad._orders import accumulation_schedule, bin_count
 from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
 from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad._replicas import ReplicaStats
 from moegrad._requests import BatchCompare
 from moegrad._results import CompareResult, GradResult
 from moegrad._routing import (
@@ -111,6 +113,7 @@ __all__ = [
     "MoeInitRoutingV2Result",
     "MoegradError",
     "PayloadTooLarge",
+    "ReplicaStats",
     "ServiceError",
     "StandardVerdict",
     "StructureLimits",

@@ -17,7 +17,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from moegrad._cli_parser import build_parser
+from moegrad._cli_parser import (
+    EXIT_FAILURE,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_USAGE,
+    UsageError,
+    build_parser,
+    default_urls,
+)
+from moegrad._cli_sweep import run_cases, run_merge
 from moegrad._client import Client
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
 from moegrad._reference import moe_init_routing_v2_grad
@@ -27,9 +37,6 @@ from moegrad.accuracy import (
     CaseResult,
     ComparisonReport,
     compare,
-    compare_cases,
-    compare_in_process,
-    find_cases,
     format_report,
     load_case,
     report_context,
@@ -37,16 +44,10 @@ from moegrad.accuracy import (
     write_csv_report,
     write_json_report,
     write_markdown_report,
-    write_summary,
 )
 
 __all__ = ["load_npy", "main", "save_npy"]
 
-EXIT_OK = 0
-EXIT_MISMATCH = 1
-EXIT_USAGE = 2
-EXIT_REJECTED = 3
-EXIT_FAILURE = 4
 
 # The documentation's example (docs/operator.md, "The documentation's example"): the expected gradX
 # is [[0.3, 0.3], [0.7, 0.7]]; in float32, 0.2 + 0.1 rounds to 0.3 and 0.4 + 0.3 to 0.70000005.
@@ -92,28 +93,24 @@ def save_npy(path: str | os.PathLike[str], array: np.ndarray) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class _UsageError(Exception):
-    """A file named on the command line cannot be read or written (exit 2)."""
-
-
 def _client(args: argparse.Namespace) -> Client:
     try:
         return Client(
-            args.url,
+            args.url[0] if len(args.url) == 1 else args.url,
             timeout_s=args.timeout,
             retries=args.retries,
             token=args.token,
             verify=args.cacert if args.cacert else True,
         )
     except (TypeError, ValueError) as exc:  # e.g. a --url that is not an http(s) URL
-        raise _UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _load(path: str, flag: str) -> np.ndarray:
     try:
         return load_npy(path)
     except (OSError, ValueError) as exc:
-        raise _UsageError(f"cannot read {flag} {path}: {exc}") from None
+        raise UsageError(f"cannot read {flag} {path}: {exc}") from None
 
 
 def _call_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,14 +132,14 @@ def _check_writable(path: str) -> None:
     """Refuse an output path whose folder does not exist, before any work is done."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise _UsageError(f"cannot write -o {path}: the folder {folder} does not exist")
+        raise UsageError(f"cannot write -o {path}: the folder {folder} does not exist")
 
 
 def _write(path: str, grad_x: np.ndarray) -> None:
     try:
         save_npy(path, grad_x)
     except OSError as exc:
-        raise _UsageError(f"cannot write -o {path}: {exc}") from None
+        raise UsageError(f"cannot write -o {path}: {exc}") from None
 
 
 def _describe(array: np.ndarray) -> str:
@@ -180,6 +177,19 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    sweep_only = [
+        flag
+        for flag, value in (
+            ("--shard", args.shard),
+            ("--output", args.output),
+            ("--max-concurrency", args.max_concurrency),
+        )
+        if value
+    ]
+    if sweep_only and not args.cases:
+        raise UsageError(f"{', '.join(sweep_only)} need --cases DIR")
+    if args.merge:
+        return run_merge(args)
     if args.cases:
         return _cmd_compare_cases(args)
     missing = [
@@ -193,7 +203,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if value is None
     ]
     if missing:
-        raise _UsageError(f"compare needs {', '.join(missing)} (or --cases DIR)")
+        raise UsageError(f"compare needs {', '.join(missing)} (or --cases DIR)")
     fields = _call_fields(args)
     candidate = _load(args.candidate, "--candidate")
     device_result = None
@@ -214,7 +224,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         report, source, device_result = result.report, _server_summary(result), result.grad_x
         call = MoeInitRoutingV2GradCall(**fields)  # the Client checked it already
         context = report_context(
-            call, candidate, backend=result.backend, device=result.device, server_url=args.url, order=result.order
+            call,
+            candidate,
+            backend=result.backend,
+            device=result.device,
+            server_url=result.server_url or args.url[0],
+            order=result.order,
         )
     report = with_context(report, context)
     png = _write_reports(
@@ -256,7 +271,7 @@ def _write_reports(
             try:
                 write(path)
             except OSError as exc:
-                raise _UsageError(f"cannot write {flag} {path}: {exc}") from None
+                raise UsageError(f"cannot write {flag} {path}: {exc}") from None
     if markdown:
         try:
             png = write_markdown_report(
@@ -270,22 +285,17 @@ def _write_reports(
                 else (moe_init_routing_v2_grad(call) if call is not None else None),
             )
         except OSError as exc:
-            raise _UsageError(f"cannot write --report {markdown}: {exc}") from None
+            raise UsageError(f"cannot write --report {markdown}: {exc}") from None
     return png
 
 
 def _cmd_compare_cases(args: argparse.Namespace) -> int:
-    try:
-        files = find_cases(args.cases)
-    except OSError as exc:
-        raise _UsageError(f"cannot read --cases {args.cases}: {exc}") from None
-    prefix = args.summary or os.path.join(args.cases, "summary")
-    _check_writable(prefix)
+    """``compare --cases DIR``: the sweep is :func:`moegrad._cli_sweep.run_cases`'s; here, each case's reports."""
     if args.reports:
         try:
             os.makedirs(args.reports, exist_ok=True)
         except OSError as exc:
-            raise _UsageError(f"cannot create --reports {args.reports}: {exc}") from None
+            raise UsageError(f"cannot create --reports {args.reports}: {exc}") from None
 
     def save(result: CaseResult) -> None:
         if not args.reports or result.report is None or result.path is None:
@@ -296,36 +306,8 @@ def _cmd_compare_cases(args: argparse.Namespace) -> int:
         device = moe_init_routing_v2_grad(call) if args.local else None
         _write_reports(base + ".md", base + ".json", base + ".csv", result.report, call, candidate, None, device)
 
-    if args.local:
-        results = compare_cases(
-            files, compare_in_process(args.standards, args.require_exact), progress=args.progress, on_result=save
-        )
-        where = "in-process emulation"
-    else:
-        with _client(args) as client:
-            results = client.compare_many(
-                files,
-                standards=args.standards,
-                require_exact=args.require_exact,
-                progress=args.progress,
-                on_result=save,
-            )
-        where = args.url
-    try:
-        ordered = write_summary(results, prefix + ".csv", prefix + ".md")
-    except OSError as exc:
-        raise _UsageError(f"cannot write --summary {prefix}: {exc}") from None
-    counts = {
-        status: sum(1 for r in ordered if r.status == status)
-        for status in ("pass", "warning", "fail", "invalid", "error")
-    }
-    print(f"{len(ordered)} cases against {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
-    for result in ordered:
-        worst = None if result.report is None else result.report.candidate_vs_golden.worst  # None: error says why
-        detail = result.error or (worst and f"worst row {worst.row}") or ""
-        print(f"  {result.status:<8} {result.name}  {detail}")
-    print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
-    return EXIT_OK if all(r.status in ("pass", "warning") for r in ordered) else EXIT_MISMATCH
+    where = "in-process emulation" if args.local else ", ".join(args.url)
+    return run_cases(args, open_client=lambda: _client(args), on_result=save, where=where)
 
 
 def _format(array: np.ndarray) -> str:
@@ -385,12 +367,14 @@ def _rejection(exc: InvalidArgument | MalformedRequest) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``moegrad`` command; returns the exit status (argparse exits with 2 on usage errors)."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "url", False) is None:
+        args.url = default_urls()
     try:
         return _COMMANDS[args.command](args)
     except BrokenPipeError:  # `moegrad ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"moegrad: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (InvalidArgument, MalformedRequest) as exc:  # PayloadTooLarge is a MalformedRequest

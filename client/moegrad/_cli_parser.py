@@ -13,7 +13,19 @@ from moegrad._spec import ORDERS
 from moegrad._version import __version__
 from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
 
-__all__ = ["build_parser"]
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_MISMATCH",
+    "EXIT_OK",
+    "EXIT_REJECTED",
+    "EXIT_TERMINATED",
+    "EXIT_USAGE",
+    "UsageError",
+    "build_parser",
+    "default_urls",
+    "shard",
+]
 
 _DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -27,10 +39,14 @@ _EPILOG = """\
 exit status:
   0  success (`compare`: the candidate passed; a warning passes)
   1  `example`: the result differs from the documentation's bit for bit; `compare`: a standard failed
-     (or, with --require-exact, the candidate is not bit-exact; with --cases, any case failed or was invalid)
+     (or, with --require-exact, the candidate is not bit-exact)
   2  usage error (bad arguments, an input .npy that cannot be read, an output that cannot be written)
   3  input rejected by the operator's constraints (the message names the field and the aclnn code)
   4  the server failed, was busy past all retries, timed out, or could not be reached
+  130, 143  interrupted by SIGINT (Ctrl-C) / SIGTERM
+`compare --cases` and `--merge`, over all the cases (of the shard), the first that applies: 4 a case
+  is not judged (or, --merge, missing; or --output is locked by another run), 3 a case is invalid
+  (unreadable, or the server answered 400/413/415/422), 1 a case failed, 0 every case passed.
 
 .npy files: tensors are read with numpy.load (no pickles) and written with numpy.save. numpy has no
 bfloat16, so numpy.save writes an ml_dtypes.bfloat16 array as the raw 2-byte type '|V2'; moegrad
@@ -38,12 +54,50 @@ reads any '|V2' array back as ml_dtypes.bfloat16 and writes a bfloat16 grad_x th
 with numpy.load(path).view(ml_dtypes.bfloat16)).
 
 environment:
-  MOEGRAD_URL    default for --url (else http://127.0.0.1:8000)
+  MOEGRAD_URL    default for --url, several separated by commas (else http://127.0.0.1:8000)
   MOEGRAD_TOKEN  default for --token
 """
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+#: The exit statuses (the epilog's table).
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_REJECTED, EXIT_FAILURE = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
+
+
+class UsageError(Exception):
+    """A bad combination of arguments, or a file named on the command line that cannot be read or
+    written (exit 2)."""
+
+
+def default_urls() -> list[str]:
+    """``--url`` when not given: $MOEGRAD_URL's URLs (separated by commas), else the default."""
+    urls = [url.strip() for url in os.environ.get("MOEGRAD_URL", "").split(",") if url.strip()]
+    return urls or [_DEFAULT_URL]
+
+
+def shard(text: str) -> tuple[int, int]:
+    """``--shard I/N``: 0 <= I < N."""
+    index, _, count = text.partition("/")
+    try:
+        value = int(index), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N (e.g. 2/8)") from None
+    if not (value[1] >= 1 and 0 <= value[0] < value[1]):
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= I < N")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
 
 
 def _positive_seconds(text: str) -> float | None:
@@ -72,8 +126,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument(
         "--url",
-        default=os.environ.get("MOEGRAD_URL") or _DEFAULT_URL,
-        help=f"the service's root URL (default: $MOEGRAD_URL, else {_DEFAULT_URL}; now %(default)s)",
+        action="append",
+        metavar="URL",
+        help="the service's root URL; repeat it for each replica, or give dns+http://NAME:PORT for "
+        "the addresses of NAME (a headless Service), resolved again every 30 s (default: $MOEGRAD_URL, "
+        f"else {_DEFAULT_URL}; now {', '.join(default_urls())})",
     )
     group.add_argument(
         "--timeout",
@@ -195,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         "The verdict comes from the tolerance standards; exactness decides only with\n"
         "--require-exact. Exit status 0 when the candidate passed (a warning passes),\n"
         "1 when it failed. With --cases DIR, every .npz case in DIR is judged (one file\n"
-        'per case: docs/accuracy.md, "Bulk checking") and a summary is written; exit 1\n'
-        "when any case failed or was invalid, and the run never stops on a bad case.",
+        'per case: docs/accuracy.md, "Bulk checking" and "Sweeps"), spread over every\n'
+        "--url, and a summary is written; the run never stops on a bad case, can be\n"
+        "split (--shard), written as it goes and resumed (--output), and merged (--merge).",
     )
     group = _add_call_arguments(
         comparison, order_default="the server's; with --local ascend910b", output=False, required=False
@@ -258,7 +316,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a progress bar on stderr (default: when stderr is a terminal)",
+        help="a progress line on stderr: cases done/total, cases/s, failed, errors (default: when "
+        "stderr is a terminal)",
+    )
+    bulk.add_argument(
+        "--shard",
+        type=shard,
+        metavar="I/N",
+        help="judge only shard I of N: the cases whose name's SHA-256 (its first 8 bytes) modulo N is I",
+    )
+    bulk.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write each judged case to FILE as a JSON line as it is judged; run again with the same "
+        "FILE to skip the cases it records (same name and file digest). With it, no summary is "
+        "written unless --summary is given",
+    )
+    bulk.add_argument(
+        "--max-concurrency",
+        "--concurrency",
+        type=_positive_int,
+        dest="max_concurrency",
+        metavar="K",
+        help="requests in flight at once over all replicas, each a batch of cases (default: 2 per --url, at least 4)",
+    )
+    bulk.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="PATH",
+        help="no calls: join shard files (or folders of shard-*.jsonl) into one summary (--summary, "
+        "default: the first PATH's folder/summary); with --cases DIR, check that every case is in them",
     )
     _add_server_arguments(comparison)
 

@@ -13,7 +13,9 @@ client, differing by ``await``. What is built where:
 - the default transports and the frames readers: :mod:`moegrad._transport` (a frames reply's
   tensors are copied once, into arrays of their own; the sync client receives a large one's
   straight from the socket);
-- many case files judged in batches (:meth:`Client.compare_many`): :mod:`moegrad.accuracy._sweep`.
+- the replicas, the choice of each attempt's and what each served: :mod:`moegrad._replicas`;
+- many case files judged in batches over every replica, and their results file
+  (:meth:`Client.compare_many`): :mod:`moegrad.accuracy._sweep`, :mod:`moegrad.accuracy._ledger`.
 
 Misuse (a wrong type, a negative count, a call that breaks a documented constraint while
 ``validate=True``) raises ``TypeError`` / ``ValueError`` / ``InvalidArgument`` before any I/O.
@@ -22,59 +24,36 @@ Misuse (a wrong type, a negative count, a call that breaks a documented constrai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import ssl
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import httpx
 import numpy as np
 
-from moegrad._config import USE_CLIENT_DEFAULT, ClientConfig, _UseClientDefault, ssl_verify
+from moegrad._config import CLIENT_DOC, USE_CLIENT_DEFAULT, ClientConfig, _UseClientDefault, ssl_verify
 from moegrad._core import ClientCore, Flow
 from moegrad._errors import MoegradError
+from moegrad._replicas import ReplicaStats, Resolve
 from moegrad._replies import frames_reader
 from moegrad._requests import BatchCompare, compare_call, grad_call
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import to_numpy, to_torch
-from moegrad._transport import aread_frames, async_http_transport, http_transport, read_frames
+from moegrad._transport import PerReplica, aread_frames, async_http_transport, http_transport, read_frames
 from moegrad.accuracy import CaseResult
-from moegrad.accuracy._sweep import compare_batch_on, compare_cases
+from moegrad.accuracy._ledger import SweepFile, sweep_output
+from moegrad.accuracy._sweep import acompare_batch_on, acompare_cases, compare_batch_on, compare_cases
 
 __all__ = ["USE_CLIENT_DEFAULT", "AsyncClient", "Client"]
 
 T = TypeVar("T")
 _READY_PATH = "/health/ready"
 _LIVE_PATH = "/health/live"
-
-
-_CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, docs/protocol.md).
-
-    Args:
-        base_url: the service's root URL, e.g. ``"http://127.0.0.1:8000"`` (a path prefix is kept).
-        timeout_s: each call's deadline in seconds, covering retries and waits; sent to the server as
-            ``X-Request-Timeout`` (which the server may cap). None: no deadline.
-        connect_timeout_s: the longest one connection attempt may take, in seconds (None: no limit).
-        retries: how many times a call is retried after a connection error or a 503 (Retry-After
-            honoured, at most 30 s a wait, never past the deadline). 4xx, 500 and 504 are never retried.
-        token: a bearer token sent as ``Authorization: Bearer <token>``.
-        verify: TLS verification: True (system/certifi CAs), False, a CA bundle path, or an
-            ``ssl.SSLContext``.
-        transport: an httpx {transport} (``httpx.MockTransport``, ``httpx.ASGITransport``, ...)
-            used instead of the network.
-        validate: check every call locally with :class:`~moegrad.MoeInitRoutingV2GradCall` before
-            sending it (so a bad call raises InvalidArgument with no I/O). False sends calls as given.
-        headers: extra headers sent with every request.
-        wire: how a call's tensors travel: ``"auto"`` (frames for calls of FRAMES_MIN_BYTES or more
-            when the server's ``/v1/info`` offers them, else msgpack), ``"msgpack"`` (always one
-            msgpack document) or ``"frames"`` (always frames: the tensors' bytes unpacked after a
-            msgpack header, docs/protocol.md).
-
-    Raises:
-        TypeError, ValueError: a configuration value of the wrong type or out of range (no I/O done).
-    """
 
 
 class _ClientBase:
@@ -84,7 +63,7 @@ class _ClientBase:
 
     def __init__(
         self,
-        base_url: str | httpx.URL,
+        base_url: str | httpx.URL | Sequence[str | httpx.URL],
         *,
         timeout_s: float | None,
         connect_timeout_s: float | None,
@@ -110,11 +89,19 @@ class _ClientBase:
 
     @property
     def base_url(self) -> httpx.URL:
-        """The service's root URL."""
+        """The service's root URL (of several replicas, the first; of a ``dns+`` URL, the name's)."""
         return self._core.config.base_url
 
+    @property
+    def stats(self) -> tuple[ReplicaStats, ...]:
+        """Per replica, the calls it served, its failures, its calls in flight and until when it is set aside."""
+        return self._core.replicas.stats()
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(base_url={str(self.base_url)!r})"
+        config = self._core.config
+        urls = [str(url) for url in config.replicas]
+        shown = f"dns+{config.base_url}" if config.dns else urls[0] if len(urls) == 1 else urls
+        return f"{type(self).__name__}(base_url={shown!r})"
 
     def _grad_call(
         self, grad_expanded_x: Any, expanded_row_idx: Any, *fields: Any
@@ -127,13 +114,24 @@ class _ClientBase:
         """A comparison's call as :func:`moegrad._requests.compare_call` makes it."""
         return compare_call(*fields, validate=self._core.config.validate)
 
+    @contextlib.contextmanager
+    def _sweep(self, cases: Iterable[Any], standards: Any, require_exact: bool, output: Any, concurrency: Any) -> Any:
+        """compare_many's cases, results file (a path opened here) and concurrency (2 per replica, at least 4)."""
+        items = list(cases)
+        with sweep_output(output, cases=len(items), standards=standards, require_exact=require_exact) as ledger:
+            yield {
+                "cases": items,
+                "output": ledger,
+                "concurrency": max(4, 2 * len(self._core.config.replicas)) if concurrency is None else concurrency,
+            }
+
 
 class Client(_ClientBase):
-    __doc__ = _CLIENT_DOC.format(kind="A blocking", transport="BaseTransport")
+    __doc__ = CLIENT_DOC.format(kind="A blocking", transport="BaseTransport")
 
     def __init__(
         self,
-        base_url: str | httpx.URL = "http://127.0.0.1:8000",
+        base_url: str | httpx.URL | Sequence[str | httpx.URL] = "http://127.0.0.1:8000",
         *,
         timeout_s: float | None = 60.0,
         connect_timeout_s: float | None = 5.0,
@@ -158,31 +156,42 @@ class Client(_ClientBase):
         )
         if transport is not None and not isinstance(transport, httpx.BaseTransport):
             raise TypeError(f"transport must be an httpx.BaseTransport, got {type(transport).__name__}")
-        self._http = httpx.Client(transport=transport or http_transport(self._verify))
+        verify = self._verify
+        self._http = PerReplica(
+            lambda: httpx.Client(transport=http_transport(verify)),
+            None if transport is None else httpx.Client(transport=transport),
+            () if self._core.config.dns else self._core.config.replicas,
+        )
 
     def _drive(self, flow: Flow[T]) -> T:
-        outcome: httpx.Response | httpx.HTTPError | None = None
-        while True:
-            try:
-                step = flow.send(outcome)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(step, httpx.Request):
+        outcome: Any = None
+        with contextlib.closing(flow):  # an interrupted call gives its replica back (the flow's finally)
+            while True:
                 try:
-                    outcome = self._http.send(step, stream=True)
+                    step = flow.send(outcome)
+                except StopIteration as stop:
+                    return stop.value
+                if isinstance(step, httpx.Request):
                     try:
-                        reader = frames_reader(outcome)
-                        if reader is None:
-                            outcome.read()
-                        else:
-                            read_frames(outcome, reader)
-                    finally:
-                        outcome.close()
-                except httpx.HTTPError as exc:
-                    outcome = exc
-            else:
-                time.sleep(step)
-                outcome = None
+                        outcome = self._http(step.url).send(step, stream=True)
+                        try:
+                            reader = frames_reader(outcome)
+                            if reader is None:
+                                outcome.read()
+                            else:
+                                read_frames(outcome, reader)
+                        finally:
+                            outcome.close()
+                    except httpx.HTTPError as exc:
+                        outcome = exc
+                elif isinstance(step, Resolve):
+                    try:
+                        outcome = socket.getaddrinfo(step.host, step.port, type=socket.SOCK_STREAM)
+                    except OSError as exc:
+                        outcome = exc
+                else:
+                    time.sleep(step)
+                    outcome = None
 
     def moe_init_routing_v2_grad(
         self,
@@ -347,24 +356,39 @@ class Client(_ClientBase):
         require_exact: bool = False,
         progress: bool | None = None,
         on_result: Callable[[CaseResult], None] | None = None,
+        concurrency: int | None = None,
+        output: str | os.PathLike[str] | SweepFile | None = None,
     ) -> list[CaseResult]:
-        """Judge many candidates, one case after another, and never stop on a bad one.
+        """Judge many candidates over every replica, several requests at a time, and never stop on a bad one.
 
-        See docs/accuracy.md, "Bulk checking".
+        docs/accuracy.md, "Bulk checking" and "Sweeps". The cases travel in batches; a batch whose
+        replica fails is retried on another, so a sweep that loses a replica judges every case once.
 
         Args:
             cases: case files (``.npz``, :func:`moegrad.accuracy.save_case`) or
                 ``(name, fields, candidate)`` tuples, ``fields`` the call's keyword arguments.
             standards, require_exact: as :meth:`compare`, for every case.
-            progress: a progress bar on stderr; None: when stderr is a terminal.
-            on_result: called with each :class:`~moegrad.accuracy.CaseResult` as it is known.
+            progress: a progress line on stderr (cases done/total, cases/s, failed, errors); None:
+                when stderr is a terminal.
+            on_result: called with each :class:`~moegrad.accuracy.CaseResult` as it is known, one at
+                a time, from the sweep's threads.
+            concurrency: requests in flight at once; default 2 per replica named, at least 4.
+            output: a results file (JSON lines, docs/accuracy.md "Sweeps"): each judged case is
+                written as it is known, and a case already in it with the same name and file digest
+                is skipped, its recorded result returned (``output.skipped`` counts them when
+                ``output`` is a :class:`~moegrad.accuracy.SweepFile`).
 
         Returns:
             One :class:`~moegrad.accuracy.CaseResult` per case, in the order given; each report
-            carries its :class:`~moegrad.accuracy.ReportContext` (the inputs' SHA-256, the server,
-            the time). A file that cannot be read or a call the operator rejects is ``"invalid"``;
-            a service failure is ``"error"``; neither stops the run. :func:`moegrad.accuracy.write_summary`
-            writes them worst first.
+            carries its :class:`~moegrad.accuracy.ReportContext` (the inputs' SHA-256, the replica
+            that answered, the time). A file that cannot be read or a call the operator rejects is
+            ``"invalid"``; a service failure is ``"error"`` (not written to ``output``, so a later
+            run judges it); neither stops the run. :func:`moegrad.accuracy.write_summary` writes
+            them worst first.
+
+        Raises:
+            KeyboardInterrupt: the sweep was interrupted; the cases written to ``output`` are whole.
+            SweepFileBusy, SweepFileError, OSError: ``output`` cannot be used.
         """
 
         def send(pairs: list[tuple[MoeInitRoutingV2GradCall, np.ndarray]]) -> list[CompareResult | MoegradError]:
@@ -372,7 +396,8 @@ class Client(_ClientBase):
             return cast(list[CompareResult | MoegradError], answers)  # a BatchCompare is answered as a comparison
 
         judged = compare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url))
-        return compare_cases(cases, compare_batch=judged, progress=progress, on_result=on_result)
+        with self._sweep(cases, standards, require_exact, output, concurrency) as sweep:
+            return compare_cases(compare_batch=judged, progress=progress, on_result=on_result, **sweep)
 
     def info(self) -> dict[str, Any]:
         """``GET /v1/info``: version, backend, device, order, streams, max_queue and the limits."""
@@ -387,8 +412,9 @@ class Client(_ClientBase):
         return self._drive(self._core.probe_flow(_LIVE_PATH))
 
     def close(self) -> None:
-        """Close the connection pool (and the transport)."""
-        self._http.close()
+        """Close the connection pools (and the transport)."""
+        for http in self._http.clients():
+            http.close()
 
     def __enter__(self) -> Client:
         return self
@@ -398,12 +424,12 @@ class Client(_ClientBase):
 
 
 class AsyncClient(_ClientBase):
-    __doc__ = _CLIENT_DOC.format(kind="An asyncio", transport="AsyncBaseTransport")
+    __doc__ = CLIENT_DOC.format(kind="An asyncio", transport="AsyncBaseTransport")
     _ASYNC = True
 
     def __init__(
         self,
-        base_url: str | httpx.URL = "http://127.0.0.1:8000",
+        base_url: str | httpx.URL | Sequence[str | httpx.URL] = "http://127.0.0.1:8000",
         *,
         timeout_s: float | None = 60.0,
         connect_timeout_s: float | None = 5.0,
@@ -428,31 +454,44 @@ class AsyncClient(_ClientBase):
         )
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
             raise TypeError(f"transport must be an httpx.AsyncBaseTransport, got {type(transport).__name__}")
-        self._http = httpx.AsyncClient(transport=transport or async_http_transport(self._verify))
+        verify = self._verify
+        self._http = PerReplica(
+            lambda: httpx.AsyncClient(transport=async_http_transport(verify)),
+            None if transport is None else httpx.AsyncClient(transport=transport),
+            () if self._core.config.dns else self._core.config.replicas,
+        )
 
     async def _drive(self, flow: Flow[T]) -> T:
-        outcome: httpx.Response | httpx.HTTPError | None = None
-        while True:
-            try:
-                step = flow.send(outcome)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(step, httpx.Request):
+        outcome: Any = None
+        with contextlib.closing(flow):  # a cancelled call gives its replica back (the flow's finally)
+            while True:
                 try:
-                    outcome = await self._http.send(step, stream=True)
+                    step = flow.send(outcome)
+                except StopIteration as stop:
+                    return stop.value
+                if isinstance(step, httpx.Request):
                     try:
-                        reader = frames_reader(outcome)
-                        if reader is None:
-                            await outcome.aread()
-                        else:
-                            await aread_frames(outcome, reader)
-                    finally:
-                        await outcome.aclose()
-                except httpx.HTTPError as exc:
-                    outcome = exc
-            else:
-                await asyncio.sleep(step)
-                outcome = None
+                        outcome = await self._http(step.url).send(step, stream=True)
+                        try:
+                            reader = frames_reader(outcome)
+                            if reader is None:
+                                await outcome.aread()
+                            else:
+                                await aread_frames(outcome, reader)
+                        finally:
+                            await outcome.aclose()
+                    except httpx.HTTPError as exc:
+                        outcome = exc
+                elif isinstance(step, Resolve):
+                    try:
+                        outcome = await asyncio.get_running_loop().getaddrinfo(
+                            step.host, step.port, type=socket.SOCK_STREAM
+                        )
+                    except OSError as exc:
+                        outcome = exc
+                else:
+                    await asyncio.sleep(step)
+                    outcome = None
 
     async def moe_init_routing_v2_grad(
         self,
@@ -514,6 +553,28 @@ class AsyncClient(_ClientBase):
             self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s, require_exact)
         )
 
+    async def compare_many(
+        self,
+        cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
+        *,
+        standards: Iterable[str] | str | None = None,
+        require_exact: bool = False,
+        progress: bool | None = None,
+        on_result: Callable[[CaseResult], None] | None = None,
+        concurrency: int | None = None,
+        output: str | os.PathLike[str] | SweepFile | None = None,
+    ) -> list[CaseResult]:
+        """As :meth:`Client.compare_many`, awaited: ``concurrency`` tasks send the batches (the cases
+        are read in a thread); cancelled, the cases written to ``output`` are whole."""
+
+        async def send(pairs: list[tuple[MoeInitRoutingV2GradCall, np.ndarray]]) -> list[CompareResult | MoegradError]:
+            answers = await self.batch([BatchCompare(call, candidate, standards) for call, candidate in pairs])
+            return cast(list[CompareResult | MoegradError], answers)
+
+        judged = acompare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url))
+        with self._sweep(cases, standards, require_exact, output, concurrency) as sweep:
+            return await acompare_cases(compare_batch=judged, progress=progress, on_result=on_result, **sweep)
+
     async def info(self) -> dict[str, Any]:
         """As :meth:`Client.info`, awaited."""
         return await self._drive(self._core.info_flow())
@@ -527,8 +588,9 @@ class AsyncClient(_ClientBase):
         return await self._drive(self._core.probe_flow(_LIVE_PATH))
 
     async def aclose(self) -> None:
-        """Close the connection pool (and the transport)."""
-        await self._http.aclose()
+        """Close the connection pools (and the transport)."""
+        for http in self._http.clients():
+            await http.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -6,7 +6,8 @@
   clients' keyword arguments by :meth:`ClientConfig.from_arguments` (TypeError / ValueError for a
   value of the wrong type or out of range, naming the argument);
 - :data:`USE_CLIENT_DEFAULT`: a call's ``timeout_s`` when not passed, as opposed to None (no deadline);
-- :func:`ssl_verify`: the ``verify`` argument as httpx takes it.
+- :func:`ssl_verify`: the ``verify`` argument as httpx takes it;
+- :data:`CLIENT_DOC`: the clients' docstring, which documents each argument.
 """
 
 from __future__ import annotations
@@ -20,13 +21,50 @@ from typing import Any, Literal
 
 import httpx
 
+from moegrad._replicas import parse_replicas
 from moegrad._version import __version__
 
-__all__ = ["USE_CLIENT_DEFAULT", "WIRES", "ClientConfig", "Retries", "Timeouts", "Wire", "ssl_verify"]
+__all__ = ["CLIENT_DOC", "USE_CLIENT_DEFAULT", "WIRES", "ClientConfig", "Retries", "Timeouts", "Wire", "ssl_verify"]
 
 #: How a call's tensors travel (docs/protocol.md): ``"auto"``, ``"msgpack"`` or ``"frames"``.
 Wire = Literal["auto", "msgpack", "frames"]
 WIRES: tuple[Wire, ...] = ("auto", "msgpack", "frames")
+
+
+#: The clients' docstring (``kind``: "A blocking" / "An asyncio", ``transport``: the httpx base class),
+#: which documents each keyword argument that :meth:`ClientConfig.from_arguments` checks.
+CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, docs/protocol.md).
+
+    Args:
+        base_url: the service's root URL, e.g. ``"http://127.0.0.1:8000"`` (a path prefix is kept);
+            or a list of them, one per replica of the service; or ``"dns+http://NAME:PORT"``, whose
+            replicas are NAME's addresses (a Kubernetes headless Service), resolved again every
+            30 s. Each call goes to the less busy of two replicas picked at random, and a call that
+            cannot connect, is dropped or gets 503/504 is retried on another one at once; a failing
+            replica is set aside for 1 s to 30 s (:mod:`moegrad._replicas`; ``stats`` says what
+            each served).
+        timeout_s: each call's deadline in seconds, covering retries and waits; sent to the server as
+            ``X-Request-Timeout`` (which the server may cap). None: no deadline.
+        connect_timeout_s: the longest one connection attempt may take, in seconds (None: no limit).
+        retries: how many times a call is retried after a connection error or a 503 (Retry-After
+            honoured, at most 30 s a wait, never past the deadline), or a 504 when another replica
+            is left. 4xx and 500 are never retried.
+        token: a bearer token sent as ``Authorization: Bearer <token>``.
+        verify: TLS verification: True (system/certifi CAs), False, a CA bundle path, or an
+            ``ssl.SSLContext``.
+        transport: an httpx {transport} (``httpx.MockTransport``, ``httpx.ASGITransport``, ...)
+            used instead of the network.
+        validate: check every call locally with :class:`~moegrad.MoeInitRoutingV2GradCall` before
+            sending it (so a bad call raises InvalidArgument with no I/O). False sends calls as given.
+        headers: extra headers sent with every request.
+        wire: how a call's tensors travel: ``"auto"`` (frames for calls of FRAMES_MIN_BYTES or more
+            when the server's ``/v1/info`` offers them, else msgpack), ``"msgpack"`` (always one
+            msgpack document) or ``"frames"`` (always frames: the tensors' bytes unpacked after a
+            msgpack header, docs/protocol.md).
+
+    Raises:
+        TypeError, ValueError: a configuration value of the wrong type or out of range (no I/O done).
+    """
 
 
 class _UseClientDefault:
@@ -64,7 +102,7 @@ class Timeouts:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Retries:
-    """How a call is retried after a connection error or a 503 (4xx, 500 and 504 never are).
+    """How a call is retried after a connection error or a 503 (a 504 only on another replica; 4xx and 500 never).
 
     Attributes:
         count: retries after the first attempt (>= 0).
@@ -97,7 +135,10 @@ class ClientConfig:
     """A client's configuration, checked (see :meth:`from_arguments`).
 
     Attributes:
-        base_url: the service's root URL (absolute http(s), no query or fragment; a path prefix is kept).
+        base_url: the service's root URL (absolute http(s), no query or fragment; a path prefix is
+            kept); of several replicas, the first; for a ``dns+`` URL, the name's URL without ``dns+``.
+        replicas: every replica's root URL (one for a single URL or a ``dns+`` URL).
+        dns: the replicas are the addresses of ``base_url``'s host (:mod:`moegrad._replicas`).
         timeouts: the call's deadline and the connection limit.
         retries: the retry policy.
         token: the bearer token sent as ``Authorization: Bearer <token>``, or None.
@@ -107,6 +148,8 @@ class ClientConfig:
     """
 
     base_url: httpx.URL
+    replicas: tuple[httpx.URL, ...]
+    dns: bool
     timeouts: Timeouts
     retries: Retries
     token: str | None
@@ -132,7 +175,7 @@ class ClientConfig:
         Raises:
             TypeError, ValueError: a value of the wrong type or out of range, the argument named.
         """
-        url = _base_url(base_url)
+        urls, dns = parse_replicas(base_url, _base_url)
         if wire not in WIRES:
             raise ValueError(f"wire={wire!r} must be one of {list(WIRES)}")
         timeouts = Timeouts(
@@ -152,7 +195,9 @@ class ClientConfig:
         if headers is not None and not isinstance(headers, Mapping):
             raise TypeError(f"headers must be a mapping of str to str, got {type(headers).__name__}")
         return cls(
-            base_url=url,
+            base_url=urls[0],
+            replicas=urls,
+            dns=dns,
             timeouts=timeouts,
             retries=Retries(count=retries),
             token=token,
@@ -193,6 +238,7 @@ def _seconds(name: str, value: Any, *, allow_none: bool) -> float | None:
 
 
 def _base_url(value: Any) -> httpx.URL:
+    """One replica's root URL, checked (:func:`moegrad._replicas.parse_replicas` takes lists and ``dns+``)."""
     if not isinstance(value, (str, httpx.URL)):
         raise TypeError(f"base_url must be a str or httpx.URL, got {type(value).__name__}")
     try:

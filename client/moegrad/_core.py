@@ -5,10 +5,13 @@ A flow is a generator that yields what it wants done and is sent back what happe
 - it yields an ``httpx.Request`` and is sent the ``httpx.Response`` (body read) or the
   ``httpx.HTTPError`` the transport raised;
 - it yields a ``float`` (seconds to wait before a retry) and is sent ``None``;
+- it yields a :class:`~moegrad._replicas.Resolve` (a ``dns+`` URL's name) and is sent
+  ``socket.getaddrinfo``'s list, or the ``OSError`` it raised;
 - it returns the call's result, or raises the mapped :class:`~moegrad.MoegradError`.
 
 The core builds every request (:mod:`moegrad._requests`), maps every response and every network
-error (:mod:`moegrad._status`, :mod:`moegrad._replies`) and decides every retry; it does no I/O.
+error (:mod:`moegrad._status`, :mod:`moegrad._replies`), picks each attempt's replica
+(:mod:`moegrad._replicas`) and decides every retry; it does no I/O.
 ``Client`` and ``AsyncClient`` (:mod:`moegrad._client`) only drive flows, the same dozen lines in
 each, differing by ``await``. A new endpoint is one flow here plus one short method in each client.
 """
@@ -16,6 +19,7 @@ each, differing by ``await``. A new endpoint is one flow here plus one short met
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -27,7 +31,8 @@ from moegrad._config import ClientConfig
 from moegrad._errors import DeadlineExceeded, DeviceBusy, MoegradError, TransportError
 from moegrad._frames import FRAMES_MEDIA_TYPE, encode_frames
 from moegrad._limits import MAX_BATCH_CALLS
-from moegrad._replies import batch_answer, parse_batch, parse_compare, parse_grad, parse_json
+from moegrad._replicas import Replica, ReplicaSet, Resolve
+from moegrad._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_compare, parse_grad, parse_json
 from moegrad._requests import (
     BATCH_PATH,
     COMPARE_PATH,
@@ -52,8 +57,8 @@ from moegrad.accuracy import rejudge
 __all__ = ["FRAMES_MIN_BYTES", "ClientCore", "Flow"]
 
 T = TypeVar("T")
-#: What a flow yields (a request to send, or seconds to sleep), is sent, and returns.
-Flow = Generator["httpx.Request | float", "httpx.Response | httpx.HTTPError | None", T]
+#: What a flow yields (a request to send, seconds to sleep, a name to resolve), is sent, and returns.
+Flow = Generator["httpx.Request | float | Resolve", "httpx.Response | httpx.HTTPError | Any", T]
 
 #: A call whose tensors hold at least this many bytes travels as frames (``wire="auto"``), when the
 #: server offers them; smaller calls are cheaper as one msgpack document.
@@ -66,15 +71,22 @@ class ClientCore:
 
     Args:
         config: the client's configuration.
-        clock: monotonic seconds (the deadline's clock).
+        clock: monotonic seconds (the deadline's and the replicas' clock).
         async_body: request bodies as async iterables (httpx.AsyncClient takes no others).
+        rng: the replicas' random choice (:class:`~moegrad._replicas.ReplicaSet`).
     """
 
     def __init__(
-        self, config: ClientConfig, *, clock: Callable[[], float] = time.monotonic, async_body: bool = False
+        self,
+        config: ClientConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        async_body: bool = False,
+        rng: random.Random | None = None,
     ) -> None:
         self.config = config
         self.requests = RequestBuilder(config, async_body=async_body)
+        self.replicas = ReplicaSet(config.replicas, dns=config.dns, clock=clock, rng=rng)
         self._clock = clock
         self._server_frames: bool | None = None  # whether the server offers frames (learnt from /v1/info)
 
@@ -89,10 +101,18 @@ class ClientCore:
         body: Body | None = None,
         content_type: str = MSGPACK,
     ) -> Flow[httpx.Response]:
-        """Send one logical request, retrying 503 and connection errors; return its 2xx response."""
+        """Send one logical request, retrying 503, 504 and connection errors; return its 2xx response.
+
+        Each attempt goes to the replica :meth:`ReplicaSet.pick` chooses; a retry goes to another
+        replica at once when one is left that neither failed this call nor is set aside, else
+        after :meth:`Retries.delay_s` (a 503's Retry-After honoured). A 504 is retried only on
+        another replica (the deadline that passed on one server has not on the next, whose cap
+        may differ); 4xx and 500 never are. The response's extension ``"moegrad.replica"`` is the
+        root URL of the replica that answered."""
         request_id = uuid.uuid4().hex
         deadline = None if timeout_s is None else self._clock() + timeout_s
         attempt = 0
+        tried: list[Replica] = []
         while True:
             remaining_s = None if deadline is None else deadline - self._clock()
             if remaining_s is not None and remaining_s < _MIN_ATTEMPT_S:
@@ -100,28 +120,48 @@ class ClientCore:
                     f"{method} {path}: the deadline of {timeout_s} s passed before a reply"
                     + (f" ({attempt} attempts)" if attempt else "")
                 )
-            request = self.requests.build(
-                method,
-                path,
-                accept=accept,
-                request_id=request_id,
-                remaining_s=remaining_s,
-                body=body,
-                content_type=content_type,
-            )
-            outcome = yield request
-            if isinstance(outcome, httpx.Response):
-                if outcome.is_success:
-                    return outcome
-                error, retryable, cause = error_from_response(outcome), outcome.status_code == 503, None
-            elif isinstance(outcome, httpx.HTTPError):
-                passed = deadline is not None and self._clock() >= deadline
-                error, retryable = error_from_transport(outcome, request, timeout_s, passed)
-                cause = outcome
-            else:  # pragma: no cover - a driver bug
-                raise TypeError(f"a flow was sent {type(outcome).__name__}")
+            resolve = self.replicas.due()
+            if resolve is not None:
+                self.replicas.resolved((yield resolve))
+            replica = self.replicas.pick(tried)
+            answered = failed = False
+            retry_after_s: float | None = None
+            try:
+                request = self.requests.build(
+                    method,
+                    path,
+                    accept=accept,
+                    request_id=request_id,
+                    remaining_s=remaining_s,
+                    body=body,
+                    content_type=content_type,
+                    replica=replica,
+                )
+                outcome = yield request
+                if isinstance(outcome, httpx.Response):
+                    if outcome.is_success:
+                        answered = True
+                        outcome.extensions[REPLICA_EXTENSION] = str(replica.url)
+                        return outcome
+                    error, cause = error_from_response(outcome), None
+                    status = outcome.status_code
+                    failed = status in (503, 504)
+                    answered = not failed
+                    retryable = status == 503 or (status == 504 and self.replicas.has_other([*tried, replica]))
+                    retry_after_s = error.retry_after_s if isinstance(error, DeviceBusy) else None
+                elif isinstance(outcome, httpx.HTTPError):
+                    passed = deadline is not None and self._clock() >= deadline
+                    error, retryable = error_from_transport(outcome, request, timeout_s, passed)
+                    failed, cause = retryable, outcome
+                else:  # pragma: no cover - a driver bug
+                    raise TypeError(f"a flow was sent {type(outcome).__name__}")
+            finally:  # also when the driver closes the flow (an interrupted call)
+                self.replicas.done(replica, answered=answered, failed=failed, retry_after_s=retry_after_s)
+            tried.append(replica)
             if retryable and attempt < retries:
-                retry_after_s = error.retry_after_s if isinstance(error, DeviceBusy) else None
+                if self.replicas.has_other(tried):
+                    attempt += 1
+                    continue
                 delay_s = self.config.retries.delay_s(attempt, retry_after_s)
                 if deadline is None or self._clock() + delay_s + _MIN_ATTEMPT_S < deadline:
                     yield delay_s

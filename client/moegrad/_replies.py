@@ -25,6 +25,7 @@ from moegrad._wire import decode_body, decode_tensor, dtype_name
 from moegrad.accuracy import ComparisonReport
 
 __all__ = [
+    "REPLICA_EXTENSION",
     "answer",
     "batch_answer",
     "frames_reader",
@@ -36,6 +37,8 @@ __all__ = [
 ]
 
 _FRAMES_READER = "moegrad.frames"  # the httpx response extension a driver puts a frames reply's reader under
+#: The httpx response extension the core puts the answering replica's root URL under.
+REPLICA_EXTENSION = "moegrad.replica"
 
 
 def frames_reader(response: httpx.Response) -> FramesReader | None:
@@ -72,6 +75,7 @@ def answer(
     request_id: str | None,
     status_code: int,
     what: str = "reply",
+    server_url: str | None = None,
 ) -> GradResult | CompareResult:
     """One answer's document as its result.
 
@@ -83,6 +87,7 @@ def answer(
         request_id: the ``X-Request-Id`` of the request that carried it.
         status_code: the reply's HTTP status (carried by a ServiceError).
         what: how a ServiceError names the answer (``"reply"``, ``"answer to a batch item"``).
+        server_url: the root URL of the replica that answered.
 
     Returns:
         The result: grad_x owned and writable, the fields every answer carries (backend, order,
@@ -121,6 +126,7 @@ def answer(
         "device": str_or_none(document.get("device")),
         "timings_ms": dict(timings) if isinstance(timings, dict) else {},
         "request_id": request_id,
+        "server_url": server_url,
     }
     if report is None:
         assert grad_x is not None  # read above whenever op == "grad"
@@ -147,6 +153,7 @@ def parse_grad(response: httpx.Response, call: MoeInitRoutingV2GradCall | None) 
         return_grad_x=True,
         request_id=response.headers.get("x-request-id"),
         status_code=response.status_code,
+        server_url=response.extensions.get(REPLICA_EXTENSION),
     )
     assert isinstance(result, GradResult)
     return result
@@ -173,6 +180,7 @@ def parse_compare(
         return_grad_x=return_grad_x,
         request_id=response.headers.get("x-request-id"),
         status_code=response.status_code,
+        server_url=response.extensions.get(REPLICA_EXTENSION),
     )
     assert isinstance(result, CompareResult)
     return result
@@ -226,6 +234,7 @@ def batch_answer(
             request_id=request_id,
             status_code=response.status_code,
             what="answer to a batch item",
+            server_url=response.extensions.get(REPLICA_EXTENSION),
         )
     except ServiceError as exc:
         return exc

@@ -18,6 +18,7 @@ import numpy as np
 from moegrad._config import ClientConfig
 from moegrad._errors import MoegradError
 from moegrad._frames import FRAMES_MEDIA_TYPE
+from moegrad._replicas import Replica
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._wire import decode_body, encode_body_view, encode_tensor
 from moegrad.accuracy import check_compare_arguments
@@ -126,7 +127,8 @@ class RequestBuilder:
     def __init__(self, config: ClientConfig, *, async_body: bool) -> None:
         self._config = config
         self._async_body = async_body
-        self._urls: dict[str, httpx.URL] = {}  # path -> absolute URL: parsing one costs more than a small call's codec
+        # (root, path) -> absolute URL: parsing one costs more than a small call's codec
+        self._urls: dict[tuple[httpx.URL, str], httpx.URL] = {}
 
     def build(
         self,
@@ -138,13 +140,22 @@ class RequestBuilder:
         remaining_s: float | None,
         body: Body | None = None,
         content_type: str = MSGPACK,
+        replica: Replica | None = None,
     ) -> httpx.Request:
         """One attempt's request; ``remaining_s`` (None: no deadline) sets X-Request-Timeout and httpx's timeouts.
 
         ``body`` is sent from the buffer it views, in slices (:func:`_body_slices`): no copy of it
-        is made for the request, and a fresh generator per attempt lets a retry send it again."""
+        is made for the request, and a fresh generator per attempt lets a retry send it again.
+        ``replica`` is the server it goes to (default: the configuration's ``base_url``); an address
+        of a ``dns+`` name gets the name as its ``Host`` and TLS server name."""
         config = self._config
         headers = dict(config.headers)
+        extensions: dict[str, Any] = {}
+        base = config.base_url if replica is None else replica.url
+        if replica is not None and replica.host_header is not None:
+            headers["Host"] = replica.host_header
+            if base.scheme == "https" and replica.sni is not None:
+                extensions["sni_hostname"] = replica.sni
         headers["Accept"] = accept
         headers["X-Request-Id"] = request_id
         if config.token is not None:
@@ -157,10 +168,10 @@ class RequestBuilder:
         connect = config.timeouts.connect_s
         if remaining_s is not None:
             connect = remaining_s if connect is None else min(connect, remaining_s)
-        timeout = httpx.Timeout(remaining_s, connect=connect)
-        url = self._urls.get(path)
+        extensions["timeout"] = httpx.Timeout(remaining_s, connect=connect).as_dict()
+        url = self._urls.get((base, path))
         if url is None:
-            url = self._urls[path] = httpx.URL(str(config.base_url).rstrip("/") + path)
+            url = self._urls[base, path] = httpx.URL(str(base).rstrip("/") + path)
         content = None if body is None else (_abody_slices(body) if self._async_body else _body_slices(body))
         # httpx annotates content chunks as bytes; it sends any bytes-like chunk, and these are memoryviews
         return httpx.Request(
@@ -168,7 +179,7 @@ class RequestBuilder:
             url,
             headers=headers,
             content=content,  # type: ignore[arg-type]
-            extensions={"timeout": timeout.as_dict()},
+            extensions=extensions,
         )
 
 

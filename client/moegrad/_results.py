@@ -28,6 +28,7 @@ class GradResult:
             in milliseconds (a batch's result: ``queue`` and ``compute`` only; the batch's own
             ``total`` covers all of its calls).
         request_id: the ``X-Request-Id`` the server echoed (the client sends one per call).
+        server_url: the root URL of the replica that answered (``client.stats`` lists them).
     """
 
     grad_x: np.ndarray
@@ -36,6 +37,7 @@ class GradResult:
     device: str | None
     timings_ms: Mapping[str, float]
     request_id: str | None
+    server_url: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,6 +56,7 @@ class CompareResult:
         timings_ms: ``{"queue", "compute", "golden", "compare", "total"}`` as the server measured
             them, in milliseconds.
         request_id: the ``X-Request-Id`` the server echoed.
+        server_url: the root URL of the replica that answered.
     """
 
     report: ComparisonReport
@@ -63,6 +66,7 @@ class CompareResult:
     device: str | None
     timings_ms: Mapping[str, float]
     request_id: str | None
+    server_url: str | None = None
 
     @property
     def passed(self) -> bool:

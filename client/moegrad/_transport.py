@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import threading
 import typing
 
 import httpcore
@@ -35,6 +36,7 @@ __all__ = [
     "DIRECT_READ_MIN_BYTES",
     "PRIVATE_MEMBERS",
     "READ_BYTES",
+    "PerReplica",
     "aread_frames",
     "async_http_transport",
     "http_transport",
@@ -56,6 +58,48 @@ PRIVATE_MEMBERS: tuple[tuple[str, str], ...] = (
 )
 
 Verify = ssl.SSLContext | str | bool
+H = typing.TypeVar("H", httpx.Client, httpx.AsyncClient)
+
+
+class PerReplica(typing.Generic[H]):
+    """One httpx client per replica, so that each has its own connection pool and keep-alive never
+    pins a client to one server (the complaint about clients behind a load balancer): a request
+    goes through the client of its URL's origin (scheme, host, port), made on first use; or, when
+    the caller passed a transport (a test's ``MockTransport``), through one client over it.
+
+    Args:
+        make: a new httpx client over a default transport.
+        shared: the one client over the caller's transport, or None.
+        urls: replicas whose clients are made now.
+    """
+
+    def __init__(
+        self, make: typing.Callable[[], H], shared: H | None = None, urls: typing.Iterable[httpx.URL] = ()
+    ) -> None:
+        self._make: typing.Callable[[], H] = make
+        self._shared: H | None = shared
+        self._clients: dict[tuple[str, str, int | None], H] = {}
+        self._lock = threading.Lock()
+        for url in urls:
+            self(url)
+
+    def __call__(self, url: httpx.URL) -> H:
+        """The client for a request to ``url``."""
+        if self._shared is not None:
+            return self._shared
+        key = (url.scheme, url.host, url.port)
+        client = self._clients.get(key)
+        if client is None:
+            with self._lock:
+                client = self._clients.get(key)
+                if client is None:
+                    client = self._clients[key] = self._make()
+        return client
+
+    def clients(self) -> list[H]:
+        """Every client made so far (to close them)."""
+        with self._lock:
+            return [self._shared] if self._shared is not None else list(self._clients.values())
 
 
 class _Stream(httpcore.NetworkStream):

@@ -15,10 +15,19 @@ standard, with the thresholds per dtype and their sources.
   :func:`write_csv_report` (msprobe's column names), :func:`report_context` / :func:`with_context`
   (what makes a saved report reproducible), :func:`rejudge` (verdicts again from stored metrics);
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
-  :func:`write_summary`.
+  :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
+  resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results).
 """
 
-from moegrad.accuracy._cases import SUMMARY_COLUMNS, CaseResult, find_cases, load_case, save_case, write_summary
+from moegrad.accuracy._cases import (
+    SUMMARY_COLUMNS,
+    CaseResult,
+    find_cases,
+    load_case,
+    save_case,
+    shard_of,
+    write_summary,
+)
 from moegrad.accuracy._compare import (
     check_compare_arguments,
     compare,
@@ -30,6 +39,8 @@ from moegrad.accuracy._compare import (
     with_context,
 )
 from moegrad.accuracy._fused import warm_up_compare
+from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader
+from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
 from moegrad.accuracy._report import (
     MSPROBE_DETAIL_COLUMNS,
@@ -72,9 +83,15 @@ __all__ = [
     "CriterionResult",
     "DtypeLimits",
     "ExactMatch",
+    "MergeError",
+    "MergedSweep",
     "Metrics",
     "ReportContext",
     "StandardVerdict",
+    "SweepFile",
+    "SweepFileBusy",
+    "SweepFileError",
+    "SweepHeader",
     "WorstElement",
     "ZeroRowCheck",
     "check_compare_arguments",
@@ -88,12 +105,14 @@ __all__ = [
     "format_report",
     "load_case",
     "markdown_report",
+    "merge_sweeps",
     "metrics",
     "read_json_report",
     "rejudge",
     "relative_errors",
     "report_context",
     "save_case",
+    "shard_of",
     "skipped_rows",
     "summand_magnitude",
     "warm_up_compare",

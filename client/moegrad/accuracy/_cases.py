@@ -19,10 +19,12 @@ such array back as ``ml_dtypes.bfloat16``, bit for bit. Archives are read with
 from __future__ import annotations
 
 import csv
+import hashlib
+import io
 import math
 import os
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -38,9 +40,14 @@ __all__ = [
     "SUMMARY_COLUMNS",
     "CaseResult",
     "CaseStatus",
+    "case_digest",
+    "case_from_bytes",
+    "fields_digest",
     "find_cases",
     "load_case",
     "save_case",
+    "shard_of",
+    "worst_first",
     "write_summary",
 ]
 
@@ -121,40 +128,73 @@ def load_case(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]
         ValueError: it is not an ``.npz`` archive, lacks a required array, holds an unknown key or
             a value of the wrong kind (the message names the key).
     """
-    if not zipfile.is_zipfile(os.fspath(path)):  # also raises OSError for a file that cannot be read
-        raise ValueError(f"{os.fspath(path)} is not an .npz archive (numpy.savez writes one; docs/accuracy.md)")
+    return case_from_bytes(Path(path).read_bytes(), os.fspath(path))
+
+
+def case_digest(data: bytes) -> str:
+    """A case file's digest, as a sweep's results file records it: ``"sha256:"`` and the hex
+    SHA-256 of its bytes (a file written again, even with the same arrays, has another)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def fields_digest(fields: Mapping[str, Any], candidate: np.ndarray) -> str:
+    """A case given as arrays (not a file): ``"sha256:"`` and the hex SHA-256 of each field's name
+    and value (an array's dtype, shape and C-order bytes), in the order of the names."""
+    digest = hashlib.sha256()
+    for name, value in sorted({**fields, "candidate": candidate}.items()):
+        digest.update(name.encode() + b"\0")
+        if isinstance(value, np.ndarray):
+            digest.update(f"{value.dtype.str}{list(value.shape)}".encode() + np.ascontiguousarray(value).tobytes())
+        else:
+            digest.update(repr(value).encode())
+        digest.update(b"\0")
+    return "sha256:" + digest.hexdigest()
+
+
+def case_from_bytes(data: bytes, path: str) -> tuple[dict[str, Any], np.ndarray]:
+    """:func:`load_case` of a case file's bytes (``path`` names it in messages).
+
+    Raises:
+        ValueError: as :func:`load_case`.
+    """
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise ValueError(f"{path} is not an .npz archive (numpy.savez writes one; docs/accuracy.md)")
     try:
-        archive = np.load(os.fspath(path), allow_pickle=False)
+        archive = np.load(io.BytesIO(data), allow_pickle=False)
     except (zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"{os.fspath(path)} is not a valid .npz archive: {exc}") from None
+        raise ValueError(f"{path} is not a valid .npz archive: {exc}") from None
     with archive:
         unknown = sorted(set(archive.files) - _KNOWN)
         if unknown:
-            raise ValueError(f"{os.fspath(path)}: unknown key {unknown[0]!r}; a case holds {', '.join(sorted(_KNOWN))}")
+            raise ValueError(f"{path}: unknown key {unknown[0]!r}; a case holds {', '.join(sorted(_KNOWN))}")
         missing = [name for name in (*_TENSORS, "top_k") if name not in archive.files]
         if missing:
             raise ValueError(
-                f"{os.fspath(path)}: missing {missing[0]!r} (a case holds grad_expanded_x, "
-                "expanded_row_idx, candidate and top_k)"
+                f"{path}: missing {missing[0]!r} (a case holds grad_expanded_x, expanded_row_idx, candidate and top_k)"
             )
         fields: dict[str, Any] = {name: _array(archive[name]) for name in _TENSORS}
         for name in _INTEGERS:
             if name in archive.files:
                 value = archive[name]
                 if value.shape != () or value.dtype.kind not in "iu":
-                    raise ValueError(
-                        f"{os.fspath(path)}: {name} must be a 0-d integer, got {value.dtype} {list(value.shape)}"
-                    )
+                    raise ValueError(f"{path}: {name} must be a 0-d integer, got {value.dtype} {list(value.shape)}")
                 fields[name] = int(value)
         if "order" in archive.files:
             order = archive["order"]
             if order.shape != () or order.dtype.kind != "U":
-                raise ValueError(f"{os.fspath(path)}: order must be a 0-d string")
+                raise ValueError(f"{path}: order must be a 0-d string")
             fields["order"] = str(order)
         if "allow_duplicate_indices" in archive.files:
             fields["allow_duplicate_indices"] = bool(archive["allow_duplicate_indices"])
     candidate = fields.pop("candidate")
     return fields, candidate
+
+
+def shard_of(name: str, count: int) -> int:
+    """The shard of ``count`` (>= 1) that the case called ``name`` belongs to: the first 8 bytes of
+    the SHA-256 of its UTF-8 name, big-endian, modulo ``count``. Shards are disjoint and cover any
+    list of cases, and a case keeps its shard when others are added or removed."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % count
 
 
 def find_cases(directory: str | os.PathLike[str]) -> list[Path]:
@@ -241,6 +281,12 @@ def _summary_row(result: CaseResult) -> dict[str, str]:
     return row
 
 
+def worst_first(results: Iterable[CaseResult]) -> list[CaseResult]:
+    """The results worst first: invalid/error, fail, warning, pass; then the larger RMSE ratio
+    first; cases that tie keep their order."""
+    return sorted(results, key=_badness, reverse=True)
+
+
 def write_summary(
     results: Iterable[CaseResult], csv_path: str | os.PathLike[str], markdown_path: str | os.PathLike[str] | None = None
 ) -> list[CaseResult]:
@@ -257,7 +303,7 @@ def write_summary(
     Raises:
         OSError: a file cannot be written.
     """
-    ordered = sorted(results, key=_badness, reverse=True)
+    ordered = worst_first(results)
     rows = [_summary_row(result) for result in ordered]
     with open(os.fspath(csv_path), "w", encoding="utf-8-sig", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(SUMMARY_COLUMNS))

@@ -1,0 +1,232 @@
+"""``moegrad compare --cases DIR`` and ``moegrad compare --merge``: sweeps (docs/accuracy.md, "Sweeps").
+
+A sweep judges the ``.npz`` cases of a folder (its shard of them with ``--shard I/N``) through
+``Client.compare_many`` (over every ``--url``) or in-process (``--local``); with ``--output FILE``
+each judged case is written as it is known and a rerun skips what FILE records
+(:mod:`moegrad.accuracy._ledger`). ``--merge`` joins shard files (:mod:`moegrad.accuracy._merge`).
+The interface, the file format and the exit statuses are those of /work/notes/sweep-cli.md, which
+deploy/sweep's Indexed Job is written against:
+
+======  ==================================================================================
+status  over all the cases of the run (its shard; for ``--merge``, the sweep), the first that applies
+======  ==================================================================================
+4       a case is not judged (no answer, 5xx, 401/403/404/408 ...), FILE is locked by another
+        run, or (``--merge``) a shard file or a case is missing: Kubernetes retries the index
+3       a case is invalid (unreadable, or the server answered 400/413/415/422): never retried
+1       a case failed a standard
+0       every case passed (warnings pass)
+2       usage (bad flags, FILE written for another shard, files that are not one sweep)
+130/143 interrupted by SIGINT / SIGTERM: the lines written are whole; the workers finish the
+        batch in hand for up to 2 s, then requests still in flight are abandoned (the process
+        ends at once), so the command ends within seconds
+======  ==================================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from moegrad._cli_parser import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_TERMINATED,
+    UsageError,
+)
+from moegrad._client import Client
+from moegrad._errors import InvalidArgument
+from moegrad.accuracy import CaseResult, compare_cases, compare_in_process, find_cases, write_summary
+from moegrad.accuracy._cases import shard_of, worst_first
+from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
+from moegrad.accuracy._merge import MergeError, merge_sweeps
+from moegrad.accuracy._sweep import SWEEP_THREAD
+
+__all__ = ["run_cases", "run_merge", "sweep_status"]
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` in the main thread while the sweep runs."""
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread: leave SIGTERM as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_now_if_a_worker_is_left(status: int) -> None:
+    """End the process with ``status`` at once when a sweep worker still waits on a request after
+    the sweep's grace period: a daemon thread that wakes while the interpreter finalizes is ended
+    by pthread_exit, which a C++ frame under it (a compiled kernel) may turn into an abort."""
+    if any(t.name.startswith(SWEEP_THREAD) and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def sweep_status(results: Sequence[CaseResult], *, missing: bool = False) -> int:
+    """The exit status of a sweep's results (the module's table): 4, 3, 1 or 0."""
+    counts = statuses(results)
+    if missing or counts["error"]:
+        return EXIT_FAILURE
+    if counts["invalid"]:
+        return EXIT_REJECTED
+    return EXIT_MISMATCH if counts["fail"] else EXIT_OK
+
+
+def _check_writable(path: str, flag: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {flag} {path}: the folder {folder} does not exist")
+
+
+def _print_results(results: Sequence[CaseResult], where: str, prefix: str | None) -> list[CaseResult]:
+    """The console lines of a sweep (and its summary files): the counts, then each case, worst first."""
+    try:
+        ordered = worst_first(results) if prefix is None else write_summary(results, prefix + ".csv", prefix + ".md")
+    except OSError as exc:
+        raise UsageError(f"cannot write --summary {prefix}: {exc}") from None
+    counts = statuses(ordered)
+    print(f"{len(ordered)} cases against {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    for result in ordered:
+        worst = None if result.report is None else result.report.candidate_vs_golden.worst  # None: error says why
+        detail = result.error or (worst and f"worst row {worst.row}") or ""
+        print(f"  {result.status:<8} {result.name}  {detail}")
+    for result in ordered:
+        if result.status == "error":
+            print(f"moegrad: not judged: {result.name}: {result.error}", file=sys.stderr)
+    return ordered
+
+
+def run_cases(
+    args: argparse.Namespace,
+    *,
+    open_client: Callable[[], Client],
+    on_result: Callable[[CaseResult], None] | None,
+    where: str,
+) -> int:
+    """``compare --cases DIR`` (with ``--shard``, ``--output``, ``--max-concurrency``): judge, write, report.
+
+    Raises:
+        UsageError: a folder or file that cannot be read or written, FILE written for another sweep.
+    """
+    try:
+        files = find_cases(args.cases)
+    except OSError as exc:
+        raise UsageError(f"cannot read --cases {args.cases}: {exc}") from None
+    index, count = args.shard or (0, 1)
+    files = [file for file in files if shard_of(file.stem, count) == index]
+    prefix = args.summary or (None if args.output else os.path.join(args.cases, "summary"))
+    if prefix is not None:
+        _check_writable(prefix, "--summary")
+    try:
+        header = SweepHeader.of(
+            cases=len(files), standards=args.standards, require_exact=args.require_exact, shard=(index, count)
+        )
+    except InvalidArgument as exc:
+        raise UsageError(str(exc)) from None
+    ledger = None
+    if args.output:
+        try:
+            ledger = SweepFile(args.output, header)
+        except SweepFileBusy as exc:
+            print(f"moegrad: failed: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        except SweepFileError as exc:
+            raise UsageError(str(exc)) from None
+        except OSError as exc:
+            raise UsageError(f"cannot open --output {args.output}: {exc}") from None
+    try:
+        with _sigterm_raises():
+            results = _judge(args, files, ledger, open_client, on_result)
+    except (KeyboardInterrupt, _Terminated) as exc:
+        written = f"; {ledger.written} cases written to {args.output}, run again to resume" if ledger else ""
+        print(f"\nmoegrad: interrupted{written}", file=sys.stderr)
+        status = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
+        if ledger is not None:
+            ledger.close()
+        _exit_now_if_a_worker_is_left(status)
+        return status
+    finally:
+        if ledger is not None:
+            ledger.close()
+    if ledger is not None and ledger.skipped:
+        print(f"skipped {ledger.skipped} of {len(files)} cases already judged in {args.output}")
+    _print_results(results, where, prefix)
+    if prefix is not None:
+        print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
+    if ledger is not None:
+        print(f"{ledger.written} cases written to {args.output}")
+    return sweep_status(results)
+
+
+def _judge(
+    args: argparse.Namespace,
+    files: list[Path],
+    ledger: SweepFile | None,
+    open_client: Callable[[], Client],
+    on_result: Callable[[CaseResult], None] | None,
+) -> list[CaseResult]:
+    if args.local:
+        judge_one = compare_in_process(args.standards, args.require_exact)
+        return compare_cases(files, judge_one, progress=args.progress, on_result=on_result, output=ledger)
+    client = open_client()
+    results = client.compare_many(  # interrupted, the client is left open: closing it could wait on a request
+        files,
+        standards=args.standards,
+        require_exact=args.require_exact,
+        progress=args.progress,
+        on_result=on_result,
+        concurrency=args.max_concurrency,
+        output=ledger,
+    )
+    client.close()
+    return results
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """``compare --merge PATH...`` (with ``--cases DIR`` to check coverage): one summary of a sweep's shards.
+
+    Raises:
+        UsageError: files that do not make one sweep, or that cannot be read; a summary that cannot be written.
+    """
+    first = Path(args.merge[0])
+    prefix = args.summary or os.path.join(first if first.is_dir() else first.parent, "summary")
+    _check_writable(prefix, "--summary")
+    try:
+        cases = find_cases(args.cases) if args.cases else None
+        merged = merge_sweeps(args.merge, cases)
+    except MergeError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot read the shard files or cases: {exc}") from None
+    count = merged.header.shard[1]
+    _print_results(merged.results, f"{len(merged.files)} shard files of {count}", prefix)
+    if merged.stale:
+        print(f"left out {merged.stale} lines of cases that are gone or changed since")
+    for what in merged.missing:
+        print(f"moegrad: missing: {what}", file=sys.stderr)
+    print(f"wrote {prefix}.csv and {prefix}.md")
+    return sweep_status(merged.results, missing=bool(merged.missing))

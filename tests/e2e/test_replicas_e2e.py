@@ -1,0 +1,238 @@
+"""Sweeps over three real servers on loopback: replicas, a lost replica, an interrupted sweep, shards.
+
+One module-scoped set of three reference-backend servers (started together: each start costs
+seconds); the SIGKILL test kills a fourth of its own, so the tests run in any order. The cases are tests/oracle.py's
+float32 K=2 calls, whose device result is one float32 add (``device_k2``), so every expected status
+comes from the oracle's own figures (``float32_statuses``), never from moegrad; an oversized case
+is refused by the servers' ``max_elements`` (413, a check the client cannot make), and a wire
+document with a bad ``top_k`` by their validation (422). The requests each server saw are read off
+its /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from bench._procs import moegrad_server
+
+import moegrad
+from moegrad import accuracy
+from moegrad._cli import main
+from oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
+
+MAX_ELEMENTS = 1 << 16  # the servers' limit per tensor; the oversized case's grad_expanded_x has 2 x 40000
+FAILURES = re.compile(r'^moegrad_inference_request_failure_total\{endpoint="[^"]*",reason="[^"]*"\} (\S+)$', re.M)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Three reference servers, started at once; whatever is still running is stopped at the end."""
+    log_dir = tmp_path_factory.mktemp("replicas")
+    with ThreadPoolExecutor(3) as pool:
+        started = list(pool.map(lambda i: moegrad_server(log_dir, settings={"max_elements": MAX_ELEMENTS},
+                                                          name=f"replica{i}", ready_within_s=120.0), range(3)))
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def expected_status(call, candidate) -> str:
+    """The oracle's verdict (tests/oracle.py): fail when a tolerance standard fails, else pass."""
+    golden, scale = golden_and_scale(call)
+    statuses = float32_statuses(candidate, device_k2(call), golden, scale)
+    return "fail" if any(status == "fail" for name, status in statuses.items() if name != "bitwise") else "pass"
+
+
+def write_cases(folder: Path, count: int, *, tokens: int = 8, hidden: int = 16) -> dict[str, str]:
+    """``count`` case files (every 7th scaled by 1 + 2^-12, the others the device itself) -> expected status."""
+    folder.mkdir(parents=True, exist_ok=True)
+    expected = {}
+    for i in range(count):
+        call = oracle_call(seed=i, tokens=tokens, hidden=hidden)
+        candidate = oracle_candidate("scaled_up" if i % 7 == 3 else "device", device_k2(call))
+        accuracy.save_case(folder / f"case{i:04d}.npz", grad_expanded_x=call.grad_expanded_x,
+                           expanded_row_idx=call.expanded_row_idx, top_k=2, candidate=candidate)
+        expected[f"case{i:04d}"] = expected_status(call, candidate)
+    assert set(expected.values()) == {"pass", "fail"}
+    return expected
+
+
+def oversized(folder: Path) -> None:
+    """A case whose grad_expanded_x [80000, 1] passes every local check but not the servers' max_elements."""
+    call = oracle_call(seed=99, tokens=40000, hidden=1)
+    accuracy.save_case(folder / "oversized.npz", grad_expanded_x=call.grad_expanded_x,
+                       expanded_row_idx=call.expanded_row_idx, top_k=2, candidate=device_k2(call))
+
+
+def metrics_of(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+def failures_seen(urls) -> float:
+    """The calls the servers answered with an error (batch items included), summed over ``urls``."""
+    return sum(float(value) for url in urls for value in FAILURES.findall(metrics_of(url)))
+
+
+def case_lines(path: Path) -> list[dict]:
+    text = path.read_text()
+    assert text.endswith("\n")
+    lines = [json.loads(line) for line in text.splitlines()]  # every line whole
+    return [line for line in lines if line["kind"] == "case"]
+
+
+def test_calls_spread_over_the_replicas_and_a_4xx_is_never_retried(servers):
+    urls = [server.url for server in servers]
+    call = oracle_call(seed=5)
+    with moegrad.Client(urls) as client:
+        for _ in range(30):
+            assert np.array_equal(client.run(call).grad_x.view(np.uint32), device_k2(call).view(np.uint32))
+        assert all(stats.served > 0 for stats in client.stats) and sum(s.served for s in client.stats) == 30
+    bad = {"grad_expanded_x": moegrad.encode_tensor(call.grad_expanded_x),
+           "expanded_row_idx": moegrad.encode_tensor(call.expanded_row_idx), "top_k": 3}  # 64 slots: not N*3
+    before = failures_seen(urls)
+    with moegrad.Client(urls, validate=False) as client:
+        with pytest.raises(moegrad.InvalidArgument) as info:
+            client.run(bad)
+        assert sum(s.failures for s in client.stats) == 0
+    assert info.value.aclnn_status == 561002 and failures_seen(urls) - before == 1  # one request, one answer
+
+
+def test_a_dns_name_s_addresses_are_the_replicas(servers):
+    """``dns+http://localhost:PORT``: the name's addresses (127.0.0.1, and ::1 where the resolver
+    gives it, where nothing listens: set aside) are the replicas, each request naming the host."""
+    port = servers[0].port
+    call = oracle_call(seed=6)
+    with moegrad.Client(f"dns+http://localhost:{port}", retries=3) as client:
+        for _ in range(10):
+            assert np.array_equal(client.run(call).grad_x.view(np.uint32), device_k2(call).view(np.uint32))
+        stats = {s.url: s for s in client.stats}
+    assert stats[f"http://127.0.0.1:{port}"].served == 10
+    assert all(s.served == 0 for url, s in stats.items() if url != f"http://127.0.0.1:{port}")
+
+
+def test_a_sweep_reports_a_refused_case_once_and_the_async_client_judges_alike(servers, tmp_path):
+    urls = [server.url for server in servers]
+    expected = write_cases(tmp_path / "cases", 60)
+    oversized(tmp_path / "cases")
+    files = accuracy.find_cases(tmp_path / "cases")
+    before = failures_seen(urls)
+    with moegrad.Client(urls) as client:
+        results = client.compare_many(files, progress=False)
+        assert all(stats.served > 0 for stats in client.stats)
+    by_name = {result.name: result for result in results}
+    refused = by_name.pop("oversized")
+    assert refused.status == "invalid" and "PayloadTooLarge" in refused.error
+    assert {name: result.status for name, result in by_name.items()} == expected
+    assert failures_seen(urls) - before == 1  # the 413 item was answered once and never sent again
+
+    async def sweep():
+        async with moegrad.AsyncClient(urls) as client:
+            return await client.compare_many(files, progress=False, concurrency=3)
+
+    assert [(r.name, r.status) for r in asyncio.run(sweep())] == [(r.name, r.status) for r in results]
+
+
+def test_shards_are_disjoint_cover_the_cases_and_merge_into_a_single_runs_summary(servers, tmp_path, capsys):
+    expected = write_cases(tmp_path / "cases", 40)
+    cases, urls = str(tmp_path / "cases"), [arg for server in servers[:2] for arg in ("--url", server.url)]
+    assert main(["compare", "--cases", cases, *urls, "--output", str(tmp_path / "all.jsonl"),
+                 "--summary", str(tmp_path / "single"), "--no-progress"]) == 1  # every case judged, some failed
+    shards = []
+    for index in range(3):
+        main(["compare", "--cases", cases, *urls, "--shard", f"{index}/3", "--no-progress",
+              "--output", str(tmp_path / "shards" / f"shard-{index}.jsonl")])
+        shards.append({line["case"] for line in case_lines(tmp_path / "shards" / f"shard-{index}.jsonl")})
+    assert sum(len(shard) for shard in shards) == len(set().union(*shards)) == 40  # disjoint, covering
+    assert set().union(*shards) == set(expected)
+    capsys.readouterr()
+    assert main(["compare", "--merge", str(tmp_path / "shards"), "--cases", cases]) == 1
+    assert "40 cases against 3 shard files of 3" in capsys.readouterr().out
+    assert (tmp_path / "shards" / "summary.csv").read_bytes() == (tmp_path / "single.csv").read_bytes()
+    assert (tmp_path / "shards" / "summary.md").read_text() == (tmp_path / "single.md").read_text()
+    single = {line["case"]: line["status"] for line in case_lines(tmp_path / "all.jsonl")}
+    assert single == expected
+    # a case judged in two shard files with other bytes: not one sweep
+    other = json.loads((tmp_path / "shards" / "shard-0.jsonl").read_text().splitlines()[1])
+    with open(tmp_path / "shards" / "shard-1.jsonl", "a") as file:
+        file.write(json.dumps({**other, "digest": "sha256:" + "0" * 64}) + "\n")
+    assert main(["compare", "--merge", str(tmp_path / "shards")]) == 2
+    assert "digest conflict: case " + other["case"] in capsys.readouterr().err
+
+
+def test_a_sweep_interrupted_by_sigint_resumes_and_judges_every_case_once(servers, tmp_path):
+    expected = write_cases(tmp_path / "cases", 400, tokens=64, hidden=64)
+    output = tmp_path / "out" / "sweep.jsonl"
+    command = [sys.executable, "-m", "moegrad", "compare", "--cases", str(tmp_path / "cases"), "--url",
+               servers[0].url, "--output", str(output), "--max-concurrency", "1", "--no-progress"]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (output.exists() and output.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.01)
+    first.send_signal(signal.SIGINT)
+    out, err = first.communicate(timeout=30)
+    assert first.returncode == 130, out + err
+    done = case_lines(output)
+    assert 0 < len(done) < 400 and len({line["case"] for line in done}) == len(done)
+    assert f"{len(done)} cases written to {output}, run again to resume" in err
+    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 1, second.stdout + second.stderr  # judged: some fail
+    assert f"skipped {len(done)} of 400 cases already judged in {output}" in second.stdout
+    final = case_lines(output)
+    assert sorted(line["case"] for line in final) == sorted(expected)  # every case exactly once
+    assert {line["case"]: line["status"] for line in final} == expected
+    assert [json.loads(line)["kind"] for line in output.read_text().splitlines()].count("header") == 2
+
+
+def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(servers, tmp_path):
+    """Two of the module's servers and a third of its own, killed a third of the way through."""
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(moegrad_server, tmp_path / "logs", settings={"max_elements": MAX_ELEMENTS},
+                               name="victim", ready_within_s=120.0)
+        expected = write_cases(tmp_path / "cases", 300)
+        victim = starting.result()
+    files = accuracy.find_cases(tmp_path / "cases")
+    seen: list[str] = []
+    killed_at: list[int] = []
+    urls = [servers[0].url, servers[1].url, victim.url]
+    client = moegrad.Client(urls)
+
+    def kill_a_third_of_the_way(result) -> None:
+        """SIGKILL once 100 cases are judged, at a moment the victim has a batch in flight."""
+        seen.append(result.name)
+        in_flight = next(s.in_flight for s in client.stats if s.url == victim.url)
+        if victim.process.poll() is None and ((100 <= len(seen) and in_flight) or len(seen) == 200):
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.process.wait(10)
+            killed_at.append(len(seen))
+
+    try:
+        with client:
+            results = client.compare_many(files, progress=False, concurrency=9, on_result=kill_a_third_of_the_way,
+                                          output=tmp_path / "sweep.jsonl")
+            stats = {s.url: s for s in client.stats}
+        assert victim.process.returncode == -signal.SIGKILL
+    finally:
+        victim.stop()
+    assert killed_at and killed_at[0] < 250  # mid-way: most of the sweep was still to come
+    assert [r.name for r in results] == sorted(expected) and sorted(seen) == sorted(expected)
+    assert {r.name: r.status for r in results} == expected  # no case lost to the dead replica
+    lines = case_lines(tmp_path / "sweep.jsonl")
+    assert sorted(line["case"] for line in lines) == sorted(expected)  # written exactly once each
+    assert all(stats[url].served > 0 for url in urls[:2]), stats  # both survivors served
+    assert stats[victim.url].failures >= 1, stats  # its loss was seen, and its calls went elsewhere
+    assert {line["server"] for line in lines} <= set(urls)

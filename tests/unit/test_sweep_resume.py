@@ -1,0 +1,193 @@
+"""Sweeps in this process (``--local``): shards, the results file, resume, the lock, merge.
+
+Oracles: the shard rule as docs/accuracy.md states it (SHA-256 of the name, its first 8 bytes
+big-endian, modulo N) computed here with hashlib; each case's expected status from tests/oracle.py
+(the device result of a K=2 float32 call is one float32 add; ``float32_statuses`` judges it);
+a file's digest with hashlib; what a rerun skips, from the lines the first run wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moegrad import DeviceFault, accuracy
+from moegrad._cli import main
+from moegrad.accuracy._cases import shard_of
+from moegrad.accuracy._ledger import SweepFile, SweepHeader
+from moegrad.accuracy._merge import merge_sweeps
+from oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
+
+
+def expected_status(call, candidate) -> str:
+    golden, scale = golden_and_scale(call)
+    statuses = float32_statuses(candidate, device_k2(call), golden, scale)
+    return "fail" if any(status == "fail" for name, status in statuses.items() if name != "bitwise") else "pass"
+
+
+def save(folder: Path, name: str, seed: int, kind: str = "device") -> str:
+    call = oracle_call(seed=seed, tokens=8, hidden=8)
+    candidate = oracle_candidate(kind, device_k2(call))
+    accuracy.save_case(folder / f"{name}.npz", grad_expanded_x=call.grad_expanded_x,
+                       expanded_row_idx=call.expanded_row_idx, top_k=2, candidate=candidate)
+    return expected_status(call, candidate)
+
+
+@pytest.fixture
+def cases(tmp_path) -> tuple[Path, dict[str, str]]:
+    """12 cases (every 4th scaled by 1 + 2^-12) -> the oracle's status."""
+    folder = tmp_path / "cases"
+    folder.mkdir()
+    expected = {f"c{i:02d}": save(folder, f"c{i:02d}", i, "scaled_up" if i % 4 == 1 else "device") for i in range(12)}
+    assert set(expected.values()) == {"pass", "fail"}
+    return folder, expected
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def case_lines(path: Path) -> list[dict]:
+    return [line for line in lines(path) if line["kind"] == "case"]
+
+
+def sweep(folder: Path, *flags: str) -> int:
+    return main(["compare", "--local", "--cases", str(folder), "--no-progress", *flags])
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_shards_follow_the_documented_rule_and_are_disjoint_and_covering(count):
+    names = [f"case-{i:05d}" for i in range(500)]
+    shards = [[n for n in names if shard_of(n, count) == index] for index in range(count)]
+    for name in names:
+        want = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % count
+        assert shard_of(name, count) == want
+    assert sorted(n for shard in shards for n in shard) == names  # each name in exactly one shard
+    assert all(shards) and (count == 1) == (len(shards[0]) == 500)
+
+
+def test_the_output_records_each_judged_case_with_its_file_digest(cases, tmp_path, capsys):
+    folder, expected = cases
+    assert sweep(folder, "--output", str(tmp_path / "out" / "run.jsonl")) == 1  # a case failed
+    written = lines(tmp_path / "out" / "run.jsonl")
+    assert written[0]["kind"] == "header" and written[0]["shard"] == {"index": 0, "count": 1}
+    assert written[0]["cases"] == 12 and written[0]["standards"] == list(accuracy.DEFAULT_STANDARDS)
+    assert {line["case"]: line["status"] for line in written[1:]} == expected
+    for line in written[1:]:
+        data = (folder / f"{line['case']}.npz").read_bytes()
+        assert line["digest"] == "sha256:" + hashlib.sha256(data).hexdigest()
+        assert set(line["verdicts"]) == set(accuracy.DEFAULT_STANDARDS) and line["error"] is None
+    assert not (folder / "summary.csv").exists()  # with --output, a summary only when asked for
+    assert "12 cases written to" in capsys.readouterr().out
+
+
+def test_a_rerun_skips_what_is_recorded_and_judges_a_changed_case_again(cases, tmp_path, capsys):
+    folder, expected = cases
+    output = tmp_path / "run.jsonl"
+    sweep(folder, "--output", str(output))
+    expected["c00"] = save(folder, "c00", 0, "scaled_up")  # other bytes: judged again
+    assert expected["c00"] == "fail"
+    capsys.readouterr()
+    assert sweep(folder, "--output", str(output), "--summary", str(tmp_path / "s")) == 1
+    out = capsys.readouterr().out
+    assert f"skipped 11 of 12 cases already judged in {output}" in out and "1 cases written to" in out
+    assert "12 cases against in-process emulation" in out  # the skipped ones' recorded results count
+    assert [line["case"] for line in case_lines(output)].count("c00") == 2
+    merged = merge_sweeps([output], accuracy.find_cases(folder))
+    assert {r.name: r.status for r in merged.results} == expected  # the last line wins
+    assert merged.stale == 0 and not merged.missing
+
+
+def test_a_torn_last_line_is_cut_with_a_warning_and_its_case_judged_again(cases, tmp_path, capsys):
+    folder, expected = cases
+    output = tmp_path / "run.jsonl"
+    sweep(folder, "--output", str(output))
+    whole = output.read_bytes()
+    output.write_bytes(whole[: whole.rstrip(b"\n").rfind(b"\n") + 1] + b'{"kind": "case", "case": "c1')
+    capsys.readouterr()
+    sweep(folder, "--output", str(output))
+    captured = capsys.readouterr()
+    assert "cut a torn last line" in captured.err and "skipped 11 of 12" in captured.out
+    assert sorted(line["case"] for line in case_lines(output)) == sorted(expected)
+
+
+def test_a_file_written_for_another_sweep_is_refused_and_left_as_it_is(cases, tmp_path, capsys):
+    folder, _ = cases
+    output = tmp_path / "run.jsonl"
+    sweep(folder, "--shard", "1/3", "--output", str(output))
+    before = output.read_bytes()
+    others = (["--shard", "2/3"], ["--shard", "1/3", "--require-exact"], ["--shard", "1/3", "--standard", "bitwise"])
+    for flags in others:
+        assert sweep(folder, *flags, "--output", str(output)) == 2, flags
+        assert "choose another --output" in capsys.readouterr().err
+    assert output.read_bytes() == before
+
+
+def test_a_file_locked_by_another_run_is_exit_4_and_left_as_it_is(cases, tmp_path, capsys):
+    folder, _ = cases
+    output = tmp_path / "run.jsonl"
+    output.write_bytes(b"")
+    with subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+         "fcntl.lockf(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)", str(output)],
+        stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout.readline() == "locked\n"
+            assert sweep(folder, "--output", str(output)) == 4
+            assert "being written by another run" in capsys.readouterr().err
+        finally:
+            holder.kill()
+    assert output.read_bytes() == b""
+
+
+def test_a_case_the_service_did_not_judge_is_not_written_and_a_rerun_judges_it(tmp_path):
+    folder = tmp_path / "cases"
+    folder.mkdir()
+    expected = {name: save(folder, name, seed) for seed, name in enumerate(("a", "b", "c"))}
+    judge = accuracy.compare_in_process()
+
+    def flaky(name, fields, candidate):
+        if name == "b":
+            raise DeviceFault("the device fell over", aclnn_status=None, device_message=None)
+        return judge(name, fields, candidate)
+
+    files = accuracy.find_cases(folder)
+    header = SweepHeader.of(cases=3, standards=None, require_exact=False)
+    seen = []
+    with SweepFile(tmp_path / "run.jsonl", header) as output:
+        first = accuracy.compare_cases(files, flaky, output=output, on_result=seen.append, concurrency=2)
+    assert [r.status for r in first] == [expected["a"], "error", expected["c"]] and len(seen) == 3
+    assert sorted(line["case"] for line in case_lines(tmp_path / "run.jsonl")) == ["a", "c"]
+    stream, seen = io.StringIO(), []
+    with SweepFile(tmp_path / "run.jsonl", header) as output:
+        second = accuracy.compare_cases(files, judge, output=output, on_result=seen.append, progress=True,
+                                        progress_stream=stream)
+        assert output.skipped == 2 and output.written == 1
+    assert {r.name: r.status for r in second} == expected and [r.name for r in seen] == ["b"]
+    assert "3/3 cases" in stream.getvalue() and "cases/s" in stream.getvalue()
+
+
+def test_merge_names_what_is_missing_and_leaves_stale_lines_out(cases, tmp_path, capsys):
+    folder, expected = cases
+    shards = tmp_path / "shards"
+    for index in (0, 2):
+        sweep(folder, "--shard", f"{index}/3", "--output", str(shards / f"shard-{index}.jsonl"))
+    capsys.readouterr()
+    assert main(["compare", "--merge", str(shards)]) == 4
+    assert "missing: shard 1 (no file)" in capsys.readouterr().err
+    sweep(folder, "--shard", "1/3", "--output", str(shards / "shard-1.jsonl"))
+    os.remove(folder / "c03.npz")
+    del expected["c03"]
+    capsys.readouterr()
+    assert main(["compare", "--merge", str(shards), "--cases", str(folder), "--summary", str(tmp_path / "m")]) == 1
+    out = capsys.readouterr().out
+    assert "left out 1 lines" in out and "11 cases against 3 shard files of 3" in out
+    with open(tmp_path / "m.csv", encoding="utf-8-sig") as file:
+        assert sorted(row.split(",")[0] for row in file.read().splitlines()[1:]) == sorted(expected)
