@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 import moegrad
-from bench._procs import moegrad_server, stop_on_sigterm
 from bench._results import machine
 from moegrad import accuracy
+from support.launch import moegrad_server, stop_on_sigterm
 
 __all__ = ["main", "sweep_rate", "write_cases"]
 
