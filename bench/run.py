@@ -41,6 +41,8 @@ PRINTED: dict[str, tuple[str, str, list[str], list[str]]] = {
     "orders": ("Elements where the Atlas A2/A3 and Ascend 950 orders differ", "bench.order_differences", [], []),
     "compare": ("The accuracy comparison against the grad call it judges (target: at most 10x)", "bench.compare_speed",
                 ["--repeats", "3"], ["--repeats", "7"]),
+    "sweep": ("Sweep rate against one, two and three servers (Client.compare_many)", "bench.sweep",
+              ["--cases", "300"], ["--cases", "600", "--repeat", "2"]),
     "grpc": ("gRPC beside HTTP (tritonclient)", "bench.grpc_bench", ["--quick"], []),
     "attack": ("Attacks: what each costs the server now", "bench.attack", ["--quick"], []),
 }
