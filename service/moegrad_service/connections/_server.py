@@ -169,8 +169,9 @@ def _refuse_new_connections(listener: socket.socket) -> bool:
         code = b"".join(struct.pack("HBBI", *instruction) for instruction in _DROP_SYN)
         program = ctypes.create_string_buffer(code)
         try:  # struct sock_fprog: the length, then a pointer to the instructions (copied by the kernel)
-            listener.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER,
-                                struct.pack("HP", len(_DROP_SYN), ctypes.addressof(program)))
+            listener.setsockopt(
+                socket.SOL_SOCKET, _SO_ATTACH_FILTER, struct.pack("HP", len(_DROP_SYN), ctypes.addressof(program))
+            )
             return True
         except OSError:
             pass
