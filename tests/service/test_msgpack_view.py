@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import weakref
 
 import msgpack
 import numpy as np
@@ -191,3 +192,15 @@ def test_a_reply_is_sent_in_parts_whose_large_part_is_grad_xs_own_buffer(client)
     response = post(client, call)
     assert response.status_code == 200 and int(response.headers["content-length"]) == len(response.content)
     assert grad_x_of(response).shape == (4096, 16)
+
+
+def test_a_replys_parts_let_grad_x_go_as_soon_as_they_are_dropped(collector_off):
+    """Only reference counts free anything here: the parts hold grad_x's buffer through no cycle, so
+    it goes back once the reply is sent, not whenever the collector next runs."""
+    grad_x = np.ones((256, 256), np.float32)
+    gone = weakref.ref(grad_x)
+    parts, _ = encode_parts({"grad_x": {"dtype": "float32", "shape": [256, 256],
+                                        "data": grad_x.reshape(-1).view(np.uint8).data}, "backend": "reference"})
+    assert len(parts) == 3
+    del parts, grad_x
+    assert gone() is None

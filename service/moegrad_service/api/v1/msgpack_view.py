@@ -353,26 +353,28 @@ def encode_parts(document: Mapping[str, Any]) -> tuple[list[bytes | memoryview],
     """
     packer = msgpack.Packer(use_bin_type=True, autoreset=False)
     parts: list[bytes | memoryview] = []
-
-    def emit(value: Any) -> None:
-        if isinstance(value, memoryview) and value.nbytes >= PART_MIN_BYTES:
-            parts.append(packer.bytes() + _bin_marker(value.nbytes))
-            packer.reset()
-            parts.append(value.cast("B") if value.format != "B" or value.ndim != 1 else value)
-        elif type(value) is dict and _large(value):
-            packer.pack_map_header(len(value))
-            for key, item in value.items():
-                packer.pack(key)
-                emit(item)
-        elif type(value) is list and _large(value):
-            packer.pack_array_header(len(value))
-            for item in value:
-                emit(item)
-        else:
-            packer.pack(value)
-
-    emit(dict(document))
+    _emit(packer, parts, dict(document))
     tail = packer.bytes()
     if tail:
         parts.append(tail)
     return parts, sum(len(part) if isinstance(part, bytes) else part.nbytes for part in parts)
+
+
+def _emit(packer: msgpack.Packer, parts: list[bytes | memoryview], value: Any) -> None:
+    # A function of the module, not a closure: a recursive closure is a reference cycle, which would
+    # hold the parts (grad_x's buffer) until the garbage collector next ran.
+    if isinstance(value, memoryview) and value.nbytes >= PART_MIN_BYTES:
+        parts.append(packer.bytes() + _bin_marker(value.nbytes))
+        packer.reset()
+        parts.append(value.cast("B") if value.format != "B" or value.ndim != 1 else value)
+    elif type(value) is dict and _large(value):
+        packer.pack_map_header(len(value))
+        for key, item in value.items():
+            packer.pack(key)
+            _emit(packer, parts, item)
+    elif type(value) is list and _large(value):
+        packer.pack_array_header(len(value))
+        for item in value:
+            _emit(packer, parts, item)
+    else:
+        packer.pack(value)
