@@ -15,8 +15,8 @@ import numpy as np
 from .common import MODEL
 from .payloads import Payload
 
-__all__ = ["LoopbackFloor", "RawCaller", "RawWire", "TritonCaller", "content_length", "grad_request", "grad_x_of_reply",
-           "triton_inputs"]
+__all__ = ["LoopbackFloor", "PlainMsgpack", "RawCaller", "RawWire", "TritonCaller", "content_length", "grad_request",
+           "grad_x_of_reply", "triton_inputs"]
 
 
 def triton_inputs(module: Any, payload: Payload) -> tuple[list, list]:
@@ -153,6 +153,67 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
             return False
         filled += got
     return True
+
+
+class PlainMsgpack:
+    """A v1 client in a few lines of plain msgpack and the standard library's ``http.client``, as a
+    host in any language writes one from docs/protocol.md (nothing of moegrad). Each call packs the
+    document with one msgpack ``Packer`` kept across calls (the arrays' bytes copied as ``bin``
+    into its buffer, whose pages stay resident), POSTs it on a keep-alive connection, reads the
+    reply into a buffer kept across calls (``readinto``), unpacks it with ``msgpack.unpackb`` and
+    views grad_x's bytes."""
+
+    def __init__(self, url: str, payload: Payload) -> None:
+        import http.client
+
+        import msgpack
+
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.payload = payload
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=300)
+        self.packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+        self.inbox = bytearray(payload.reply_bytes + (1 << 16))
+        self.used = 0.0
+
+    def connect(self) -> None:
+        """A fresh connection when the last one sat idle (uvicorn closes keep-alives after 5 s)."""
+        if time.monotonic() - self.used >= 2.0:
+            self.connection.close()
+            self.connection.connect()
+
+    def __call__(self) -> np.ndarray:
+        import msgpack
+
+        self.connect()
+        grad, idx = self.payload.grad_expanded_x, self.payload.expanded_row_idx
+        self.packer.reset()
+        self.packer.pack({
+            "grad_expanded_x": {"dtype": grad.dtype.name, "shape": list(grad.shape),
+                                "data": grad.reshape(-1).view(np.uint8).data},
+            "expanded_row_idx": {"dtype": "int32", "shape": list(idx.shape), "data": idx.view(np.uint8).data},
+            "top_k": self.payload.top_k})
+        with self.packer.getbuffer() as body:
+            self.connection.request("POST", "/v1/moe_init_routing_v2_grad", body=body,
+                                    headers={"Content-Type": "application/msgpack"})
+        response = self.connection.getresponse()
+        length = int(response.getheader("content-length", "0"))
+        if response.status != 200:
+            raise RuntimeError(f"the server answered {response.status}: {response.read()[:200]!r}")
+        if len(self.inbox) < length:
+            self.inbox = bytearray(length)
+        with memoryview(self.inbox)[:length] as view:
+            filled = 0
+            while filled < length:
+                got = response.readinto(view[filled:])
+                if not got:
+                    raise RuntimeError("the server closed the connection")
+                filled += got
+            tensor = msgpack.unpackb(view)["grad_x"]
+        self.used = time.monotonic()
+        return np.frombuffer(tensor["data"], dtype=self.payload.expected.dtype).reshape(tensor["shape"])
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 class RawWire:

@@ -23,9 +23,13 @@ def wire_section(wire_tables: str, rounds: dict[str, int], machine_line: str, co
         "bitwise "
         "against the in-process result. The floor is raw TCP on loopback moving the same request and "
         "reply bytes between pre-touched buffers; the raw callers send prebuilt requests and receive "
-        "into pre-touched buffers the same way. Targets: raw -> v1 frames and raw -> v2 at most 1.5x the "
-        "floor, `Client` -> v1 at most 2x (v1 msgpack copies every tensor out of the body as it decodes; "
-        "frames are v1's zero-copy form).", "", wire_tables])
+        "into pre-touched buffers the same way; `msgpack + http.client` is a plain client of the documented "
+        "msgpack protocol (msgpack-python and the standard library, nothing of moegrad), timed end to end "
+        "(packing and unpacking included). Targets: every raw "
+        "path at most 1.5x the floor, `Client` -> v1 and the plain msgpack client at most 2x, and the server's "
+        "peak RSS growth for one msgpack call from idle at most 1.15x request + reply (issue 31: large tensors "
+        "are viewed in the received body and grad_x is sent from its own buffer, in msgpack as in frames).",
+        "", wire_tables])
 
 
 def service_section(r: dict, mode: Mode, machine_line: str, command: str, small: Payload, large: Payload,

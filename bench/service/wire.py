@@ -11,16 +11,22 @@ from typing import Any
 
 import numpy as np
 
-from .clients import LoopbackFloor, RawWire
+from .clients import LoopbackFloor, PlainMsgpack, RawWire
 from .common import log, ms
 from .payloads import Payload, check, s1, s2, same_bits, sl
 from .procs import cpu_s, descendants, idle_rss_mib, moegrad_server, reset_peak_rss, status_kib
 
-__all__ = ["CPU_BATCHES", "MIXED_CALLS", "WIRE_PATHS", "batch_measure", "mixed_batches", "wire_measure", "wire_speed"]
+__all__ = ["COLD_PATHS", "CPU_BATCHES", "MIXED_CALLS", "TARGETS", "WIRE_PATHS", "batch_measure", "mixed_batches",
+           "wire_measure", "wire_speed"]
 
 
-WIRE_PATHS = ("raw -> v1 msgpack", "raw -> v1 frames", "raw -> v2 binary", "Client -> v1 (msgpack)",
-              "Client -> v1 (auto: frames)")
+WIRE_PATHS = ("raw -> v1 msgpack", "raw -> v1 frames", "raw -> v2 binary", "msgpack + http.client -> v1",
+              "Client -> v1 (msgpack)", "Client -> v1 (auto: frames)")
+#: Issue 31's targets for the documented msgpack protocol: raw socket -> v1 msgpack within 1.5x the floor,
+#: the server's peak RSS growth within 1.15x of request + reply, a plain msgpack client within 2x the floor.
+TARGETS = {"raw": 1.5, "growth": 1.15, "plain": 2.0}
+#: The paths whose peak RSS growth is also measured from an idle server (no receive buffer kept).
+COLD_PATHS = ("raw -> v1 msgpack", "msgpack + http.client -> v1")
 
 
 def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str, Any]:
@@ -37,6 +43,7 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
     floor = LoopbackFloor(payload.request_bytes, payload.reply_bytes)
     raws = {"raw -> v1 msgpack": RawWire(url, payload, "v1"), "raw -> v1 frames": RawWire(url, payload, "frames"),
             "raw -> v2 binary": RawWire(url, payload, "v2")}
+    plain = PlainMsgpack(url, payload)
     clients = {"Client -> v1 (msgpack)": Client(url, retries=0, timeout_s=300.0, wire="msgpack"),
                "Client -> v1 (auto: frames)": Client(url, retries=0, timeout_s=300.0)}
     args = (payload.grad_expanded_x, payload.expanded_row_idx, payload.top_k)
@@ -44,12 +51,16 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
     idle_times: dict[str, list[float]] = {name: [] for name in ("floor", *WIRE_PATHS)}
     growth: dict[str, list[float]] = {name: [] for name in WIRE_PATHS}
     after: dict[str, list[float]] = {name: [] for name in WIRE_PATHS}
-    calls: dict[str, Callable[[], Any]] = {**raws, **{name: (lambda c=c: c.moe_init_routing_v2_grad(*args))
-                                                      for name, c in clients.items()}}
+    calls: dict[str, Callable[[], Any]] = {**raws, "msgpack + http.client -> v1": plain,
+                                           **{name: (lambda c=c: c.moe_init_routing_v2_grad(*args))
+                                              for name, c in clients.items()}}
+    cold: dict[str, float] = {}
 
     def timed(name: str, call: Callable[[], Any]) -> float:
         if name in raws:
             raws[name].connect()
+        elif call is plain:
+            plain.connect()
         t0 = time.perf_counter()
         call()
         return time.perf_counter() - t0
@@ -59,6 +70,7 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
         for name, raw in raws.items():  # warm-up and the bitwise check, outside the timing
             raw()
             same_bits(raw.result(), payload, name)
+        same_bits(plain(), payload, "msgpack + http.client -> v1")
         for name, client in clients.items():
             same_bits(client.moe_init_routing_v2_grad(*args), payload, name)
         for _ in range(rounds):
@@ -77,13 +89,35 @@ def wire_measure(url: str, pid: int, payload: Payload, rounds: int) -> dict[str,
                                                                                   + payload.reply_bytes))
                 time.sleep(1.0)
                 after[name].append(status_kib(pid, "VmRSS") / 1024)
+        for name in COLD_PATHS:  # from an idle server: every buffer of the call fresh
+            idle = _without_kept_buffers(url, pid)
+            reset_peak_rss(pid)
+            timed(name, calls[name])
+            cold[name] = (status_kib(pid, "VmHWM") - idle) * 1024 / (payload.request_bytes + payload.reply_bytes)
     finally:
         floor.close()
+        plain.close()
         for raw in raws.values():
             raw.close()
         for client in clients.values():
             client.close()
-    return {"times": times, "idle_times": idle_times, "growth": growth, "after_mib": after}
+    return {"times": times, "idle_times": idle_times, "growth": growth, "after_mib": after, "cold": cold}
+
+
+def _without_kept_buffers(url: str, pid: int, within_s: float = 30.0) -> int:
+    """Wait until the server keeps no receive buffer (``receive_keep_s`` after its last call), then
+    a second more for its heap trim; its RSS then, in KiB."""
+    import httpx
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        kept = next(line for line in text.splitlines() if line.startswith("moegrad_receive_buffer_kept_bytes "))
+        if float(kept.split()[1]) == 0:
+            break
+        time.sleep(0.5)
+    time.sleep(1.0)
+    return status_kib(pid, "VmRSS")
 
 
 #: Batches of each size a round's server CPU is read over.
@@ -195,6 +229,27 @@ def wire_speed(*, s2_rounds: int = 5, sl_rounds: int = 2, batch_calls: int = 100
     return _wire_tables(results)
 
 
+def _targets(r: dict[str, Any], payloads: list[str]) -> list[str]:
+    """Issue 31's targets against this run, back-to-back medians (a noisy shared machine: one run)."""
+    lines = ["| issue 31 target | " + " | ".join(payloads) + " |", "|---|" + "---:|" * len(payloads)]
+    rows = [("raw socket -> v1 msgpack, x the floor", "raw", lambda name: _ratio(r[name], "raw -> v1 msgpack")),
+            ("msgpack + http.client -> v1 (end to end), x the floor", "plain",
+             lambda name: _ratio(r[name], "msgpack + http.client -> v1")),
+            ("server peak RSS growth from idle, x (request + reply)", "growth",
+             lambda name: r[name]["cold"]["raw -> v1 msgpack"])]
+    for label, key, value in rows:
+        cells = []
+        for name in payloads:
+            got = value(name)
+            cells.append(f"{got:.2f}x ({'met' if got <= TARGETS[key] else 'NOT met'}: <= {TARGETS[key]}x)")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ratio(run: dict[str, Any], path: str) -> float:
+    return statistics.median(run["times"][path]) / statistics.median(run["times"]["floor"])
+
+
 def _wire_tables(r: dict[str, Any]) -> str:
     load = os.getloadavg()
     lines = [f"Load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min; 2 cores, shared).", ""]
@@ -223,6 +278,10 @@ def _wire_tables(r: dict[str, Any]) -> str:
             cells.append(f"{statistics.median(r[name]['growth'][path]):.2f}x")
             cells.append(f"{statistics.median(r[name]['after_mib'][path]):.0f}")
         lines.append(f"| {path} | " + " | ".join(cells) + " |")
+    lines += ["", "Peak RSS growth of one call from an idle server (no receive buffer kept: every buffer of the "
+              "call fresh), as a multiple of request + reply bytes: " + "; ".join(
+                  f"{name} {path} {r[name]['cold'][path]:.2f}x" for name in payloads for path in COLD_PATHS) + "."]
+    lines += ["", *_targets(r, payloads)]
     lines += ["", f"Server RSS: {r['start_mib']:.0f} MiB after warm-up, {r['settled_mib']:.0f} MiB idle after the S2 "
               f"rounds, {r['kept_mib']:.0f} MiB 1 s after the last round (its receive buffers kept), "
               f"{r['end_mib']:.0f} MiB idle after every round (SL included; receive_keep_s passed) "

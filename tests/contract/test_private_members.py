@@ -54,6 +54,7 @@ PROTOCOL_ATTRIBUTES = {
 #: attributes moegrad reads or sets on a request's cycle
 CYCLE_ATTRIBUTES = {
     "scope": dict,
+    "response_started": bool,
     "response_complete": bool,
     "disconnected": bool,
     "message_event": asyncio.Event,

@@ -53,3 +53,23 @@ def collector_off():
     gc.disable()
     yield
     gc.enable()
+
+
+#: The test modules whose v1 msgpack bodies and replies are checked against the old decoder and
+#: encoder (support.msgpack_oracle): every body they send, the same document or the same error.
+ORACLE_CHECKED = frozenset({"test_v1", "test_compare", "test_fuzz", "test_batch_groups", "test_batch_frames",
+                            "test_batching", "test_dispatch", "test_order950", "test_msgpack_view"})
+
+
+@pytest.fixture(autouse=True)
+def msgpack_oracle(request, monkeypatch):
+    """In the modules of ORACLE_CHECKED: the v1 routes' msgpack decoding and reply packing checked
+    against the oracle on every request (a mismatch is an AssertionError: the request's 500)."""
+    if request.module.__name__.rsplit(".", 1)[-1] not in ORACLE_CHECKED:
+        yield None
+        return
+    import importlib
+
+    from support.msgpack_oracle import checking
+
+    yield checking(importlib.import_module("moegrad_service.api.v1.routes"), monkeypatch)

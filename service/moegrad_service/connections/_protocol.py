@@ -31,8 +31,11 @@ CPU per small call than httptools (see docs/operations.md, "Limits")."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
+import struct
+import termios
 from typing import Any
 
 from starlette.requests import ClientDisconnect
@@ -86,7 +89,8 @@ class GuardedProtocol(uv.HttpToolsProtocol):
 
     Made per server by :func:`guarded_protocol`, which sets the two limits. The state it adds to
     uvicorn's instance: ``_raw_transport``, ``_guarded_transport``, ``_peer``, ``_lost``, ``_head_bytes``,
-    ``_lingering``, ``_message_done``, ``_deferred``, ``_unparsed``, ``_cycles``, ``_head_timer``
+    ``_lingering``, ``_message_done``, ``_deferred``, ``_unparsed``, ``_cycles``, ``_head_timer``,
+    ``_shutting_down``
     (names uvicorn's protocol does not use).
     """
 
@@ -101,6 +105,7 @@ class GuardedProtocol(uv.HttpToolsProtocol):
         peer = transport.get_extra_info("peername")
         self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, (list, tuple)) and len(peer) >= 2 else "a client"
         self._lost = False
+        self._shutting_down = False
         super().connection_made(self._guarded_transport)  # type: ignore[arg-type]
         self._head_bytes: int | None = 0  # bytes of the current request head so far; None: head complete
         self._lingering = 0  # > 0: answered early, discarding what the client still sends
@@ -228,21 +233,24 @@ class GuardedProtocol(uv.HttpToolsProtocol):
             self._discarded(nbytes)
 
     def drain(self) -> None:
-        """The server is draining: the request in progress, if any, is answered with Connection: close
-        (an idle keep-alive connection stays open until its next request or its idle timeout, so
-        that no request the client is sending now meets a closed socket)."""
+        """The server is draining: the request in progress, if its answer has not begun, is answered
+        with Connection: close. An answer already begun said keep-alive: its connection stays open,
+        and the client's next request there is answered 503 with Connection: close (closing after
+        it would meet that request with a closed socket). An idle keep-alive connection stays open
+        until its next request or its idle timeout, for the same reason."""
         cycle = uv.current_cycle(self)
-        if cycle is not None and not uv.answered(cycle):
+        if cycle is not None and not uv.answered(cycle) and not uv.reply_started(cycle):
             uv.close_after_answer(cycle)
 
     def shutdown(self) -> None:
-        """uvicorn's shutdown: a request in progress ends the connection once answered; a connection
-        with none gets SHUTDOWN_IDLE_S more for a request already on its way (closing at once would
+        """uvicorn's shutdown: a request whose answer has not begun ends the connection once
+        answered; a connection with no request in progress (now, or once the answer being sent is
+        all sent) gets SHUTDOWN_IDLE_S more for a request already on its way (closing at once would
         reset it), then is closed unless one has begun."""
+        self._shutting_down = True
         self.drain()
-        if not self._idle():
-            return
-        uv.event_loop(self).call_later(SHUTDOWN_IDLE_S, self._close_if_idle)
+        if self._idle():
+            uv.event_loop(self).call_later(SHUTDOWN_IDLE_S, self._close_if_idle)
 
     def _idle(self) -> bool:
         """No request is being answered (none came yet, or the newest one's answer is all sent)."""
@@ -250,8 +258,17 @@ class GuardedProtocol(uv.HttpToolsProtocol):
         return cycle is None or uv.answered(cycle)
 
     def _close_if_idle(self) -> None:
-        if self._head_bytes == 0 and self._idle():
+        if self._head_bytes == 0 and self._idle() and not self._unread_bytes():
             self._guarded_transport.close()
+
+    def _unread_bytes(self) -> int:
+        """Bytes the kernel holds for this connection that the event loop has not read yet (a
+        request that came as the idle wait ended: read and answered, not reset by the close)."""
+        sock = self._raw_transport.get_extra_info("socket")
+        try:
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except (AttributeError, OSError, ValueError):
+            return 0
 
     def on_message_begin(self) -> None:
         self._message_done = False
@@ -266,6 +283,8 @@ class GuardedProtocol(uv.HttpToolsProtocol):
         super().on_response_complete()  # starts the next pipelined request, if one is waiting
         if self._deferred is None:
             self._next_head()
+            if self._shutting_down and self._idle() and not self._guarded_transport.is_closing():
+                uv.event_loop(self).call_later(SHUTDOWN_IDLE_S, self._close_if_idle)
             return
         if uv.pipelined(self) or self._answering():
             return  # the refusal waits for every answer before it

@@ -30,7 +30,8 @@ are no request) and ``shutdown`` (what ``uvicorn.Server.shutdown`` calls on ever
 
 ``uvicorn.protocols.http.httptools_impl.RequestResponseCycle`` (one per request):
 
-- ``scope``: its request's scope; ``response_complete``: its answer is all sent;
+- ``scope``: its request's scope; ``response_started``: its answer's head is written (so whether
+  it keeps the connection alive is said); ``response_complete``: its answer is all sent;
 - ``disconnected`` and ``message_event``: set together when the client goes, so that a reply being
   sent stops and a handler waiting in ``receive()`` wakes to ``http.disconnect``;
 - ``keep_alive``: cleared so that its answer carries ``Connection: close`` (draining);
@@ -79,6 +80,7 @@ __all__ = [
     "parsing_scope",
     "pipelined",
     "renew_parser",
+    "reply_started",
     "resume_reading",
     "take_parsed_body",
 ]
@@ -134,6 +136,12 @@ def make_connection(protocol_class: type[HttpToolsProtocol], server: uvicorn.Ser
 def answered(cycle: RequestResponseCycle) -> bool:
     """Whether the cycle's answer is all sent (``cycle.response_complete``)."""
     return cycle.response_complete
+
+
+def reply_started(cycle: RequestResponseCycle) -> bool:
+    """Whether the cycle's answer's head is written (``cycle.response_started``): its ``Connection``
+    header is said, so the connection's fate after it can no longer change."""
+    return cycle.response_started
 
 
 def client_gone(cycle: RequestResponseCycle) -> None:

@@ -22,10 +22,7 @@ from moegrad import (
     FRAMES_MEDIA_TYPE,
     MAX_BATCH_CALLS,
     REQUEST_LIMITS,
-    decode_batch,
-    decode_body,
     decode_frames,
-    encode_body_view,
     encode_frames,
 )
 from moegrad_service.api.errors import answer_for
@@ -53,6 +50,7 @@ from moegrad_service.api.v1.codec import (
     grad_reply,
     tensor_bytes,
 )
+from moegrad_service.api.v1.msgpack_view import decode_batch_body, decode_call_body, encode_parts, holds_views
 from moegrad_service.dataplane import BatchItem, GradRequest
 from moegrad_service.memory import MemoryBudget
 from moegrad_service.metrics import Metrics
@@ -79,10 +77,14 @@ V1_MEDIA_TYPES = MSGPACK_MEDIA_TYPES | {FRAMES_MEDIA_TYPE}
 
 
 def msgpack_response(document: dict[str, Any], metrics: Metrics) -> Response:
-    """Pack a reply document (no copy out of msgpack's buffer: a large grad_x is held once) and count its bytes."""
-    body = encode_body_view(document)
-    metrics.bytes_out.inc(len(body))
-    return Response(content=body, media_type=MSGPACK)
+    """A reply document as msgpack, its large bins sent from their own buffers (grad_x from the
+    buffer it was computed into: :func:`~moegrad_service.api.v1.msgpack_view.encode_parts`), its
+    bytes counted."""
+    parts, length = encode_parts(document)
+    metrics.bytes_out.inc(length)
+    if len(parts) == 1:
+        return Response(content=parts[0], media_type=MSGPACK)
+    return PartsResponse(parts, MSGPACK)
 
 
 def reply_response(request: Request, document: dict[str, Any], metrics: Metrics) -> Response:
@@ -97,8 +99,9 @@ def reply_response(request: Request, document: dict[str, Any], metrics: Metrics)
 
 async def read_document(request: Request) -> dict[str, Any]:
     """The v1 body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`), its
-    bytes counted: msgpack, or frames (:func:`moegrad.decode_frames`: the tensors' data views the
-    body, no copy); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
+    bytes counted: msgpack (:func:`~moegrad_service.api.v1.msgpack_view.decode_call_body`: a large
+    tensor's data views the body, no copy) or frames (:func:`moegrad.decode_frames`: every
+    tensor's data views the body); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
     body = await read_body(request, settings_of(request).max_body_bytes, V1_MEDIA_TYPES)
     metrics_of(request).bytes_in.inc(len(body))
     if media_type_of(request) == FRAMES_MEDIA_TYPE:  # the call's arrays will view the body
@@ -106,9 +109,11 @@ async def read_document(request: Request) -> dict[str, Any]:
             return await off_loop(decode_frames, body, REQUEST_LIMITS)
         return decode_frames(body, REQUEST_LIMITS)
     if len(body) > INLINE_DECODE_BYTES:
-        document = await off_loop(decode_body, body, REQUEST_LIMITS)
+        document = await off_loop(decode_call_body, body, REQUEST_LIMITS)
     else:
-        document = decode_body(body, REQUEST_LIMITS)
+        document = decode_call_body(body, REQUEST_LIMITS)
+    if holds_views(document):  # the tensors view the body: it goes back once the reply is sent
+        return document
     # msgpack copied every bin out of the body: let the body go now, not after the reply
     del body
     admission = admission_of(request.scope)
@@ -159,7 +164,7 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
     metrics.bytes_in.inc(len(body))
 
     def decode() -> list[BatchItem]:
-        items = decode_batch(body, REQUEST_LIMITS, max_calls=MAX_BATCH_CALLS)
+        items = decode_batch_body(body, REQUEST_LIMITS, max_calls=MAX_BATCH_CALLS)
         return decode_batch_items(items, dataplane, max_elements=settings.max_elements)
 
     items = await off_loop(decode) if len(body) > INLINE_DECODE_BYTES else decode()
