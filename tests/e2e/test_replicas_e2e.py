@@ -25,12 +25,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from bench._procs import moegrad_server
 
 import moegrad
 from moegrad import accuracy
 from moegrad._cli import main
-from oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
+from support.launch import moegrad_server
+from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 MAX_ELEMENTS = 1 << 16  # the servers' limit per tensor; the oversized case's grad_expanded_x has 2 x 40000
 FAILURES = re.compile(r'^moegrad_inference_request_failure_total\{endpoint="[^"]*",reason="[^"]*"\} (\S+)$', re.M)

@@ -23,7 +23,7 @@ from moegrad._cli import main
 from moegrad.accuracy._cases import shard_of
 from moegrad.accuracy._ledger import SweepFile, SweepHeader
 from moegrad.accuracy._merge import merge_sweeps
-from oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
+from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 
 def expected_status(call, candidate) -> str:
