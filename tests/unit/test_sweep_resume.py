@@ -130,6 +130,24 @@ def test_a_file_written_for_another_sweep_is_refused_and_left_as_it_is(cases, tm
     assert output.read_bytes() == before
 
 
+
+@pytest.mark.parametrize("bad_line", [
+    b"[" * 100_000 + b"]" * 100_000,  # JSON nested past Python's recursion limit
+    b'{"kind": "header", "format": "moegrad-sweep/1", "shard": {"index": 1e400, "count": 1}, "cases": 1, '
+    b'"standards": [], "require_exact": false}',  # a shard index that no integer is
+])
+def test_a_corrupt_results_file_is_refused_as_not_a_sweeps_and_left_as_it_is(cases, tmp_path, capsys, bad_line):
+    folder, _ = cases
+    output = tmp_path / "run.jsonl"
+    sweep(folder, "--output", str(output))
+    output.write_bytes(output.read_bytes() + bad_line + b"\n")
+    before = output.read_bytes()
+    capsys.readouterr()
+    assert sweep(folder, "--output", str(output)) == 2
+    assert "is not a line of a moegrad-sweep/1 results file" in capsys.readouterr().err
+    assert output.read_bytes() == before
+    assert main(["compare", "--merge", str(output)]) == 2
+
 def test_a_file_locked_by_another_run_is_exit_4_and_left_as_it_is(cases, tmp_path, capsys):
     folder, _ = cases
     output = tmp_path / "run.jsonl"
