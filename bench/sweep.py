@@ -7,7 +7,7 @@ Usage::
 
 It starts the largest number of reference-backend servers asked for (``moegrad-service serve
 --backend reference``, each on a free 127.0.0.1 port, started together by
-:func:`bench._procs.moegrad_server`), writes ``--cases`` case files (float32, K=2, ``--tokens`` x
+:func:`support.launch.moegrad_server`), writes ``--cases`` case files (float32, K=2, ``--tokens`` x
 ``--hidden``, the candidate the device result itself) to a temporary folder, sweeps them once
 over every server to warm them up (imports, compiled kernels), then for each server count N sweeps
 them ``--repeat`` times with ``Client(urls[:N]).compare_many(files, concurrency=2 N)`` (the

@@ -107,7 +107,8 @@ class ClientCore:
         replica at once when one is left that neither failed this call nor is set aside, else
         after :meth:`Retries.delay_s` (a 503's Retry-After honoured). A 504 is retried only on
         another replica (the deadline that passed on one server has not on the next, whose cap
-        may differ); 4xx and 500 never are. The response's extension ``"moegrad.replica"`` is the
+        may differ); 4xx and 500 never are. A replica that gives no reply before the deadline is
+        set aside as a failing one is. The response's extension ``"moegrad.replica"`` is the
         root URL of the replica that answered."""
         request_id = uuid.uuid4().hex
         deadline = None if timeout_s is None else self._clock() + timeout_s
@@ -152,7 +153,8 @@ class ClientCore:
                 elif isinstance(outcome, httpx.HTTPError):
                     passed = deadline is not None and self._clock() >= deadline
                     error, retryable = error_from_transport(outcome, request, timeout_s, passed)
-                    failed, cause = retryable, outcome
+                    # no reply in time (a hung replica) sets it aside too, though the call is over
+                    failed, cause = retryable or isinstance(error, DeadlineExceeded), outcome
                 else:  # pragma: no cover - a driver bug
                     raise TypeError(f"a flow was sent {type(outcome).__name__}")
             finally:  # also when the driver closes the flow (an interrupted call)

@@ -16,8 +16,9 @@ attempt; a lock makes it safe for a client shared by threads):
   flight (the "power of two choices": Mitzenmacher, *The Power of Two Choices in Randomized Load
   Balancing*, 2001), among those not set aside and not yet tried by this call;
 - **which are set aside**: a replica whose attempt failed (no connection, a dropped connection, a
-  503 or a 504) is not picked for ``min(1 s * 2**(n-1), 30 s)`` after its n-th failure in a row
-  (at least its Retry-After), then tried again; an answer ends the run of failures. When every
+  503 or a 504, or no reply before the call's deadline) is not picked for ``min(1 s * 2**(n-1),
+  30 s)`` after its n-th failure in a row (at least its Retry-After, at most 30 s), then tried
+  again; an answer ends the run of failures. When every
   replica is set aside, the one back soonest is picked, so a single replica is always tried;
 - **what each served** (:class:`ReplicaStats`, ``client.stats``).
 """
@@ -64,7 +65,7 @@ class ReplicaStats:
         url: the replica's root URL (for a ``dns+`` URL, the address it resolved to).
         served: calls it answered (any HTTP answer that ended the call: a result, a 4xx, a 500).
         failures: attempts that failed on it and were retried elsewhere or given up: no connection,
-            a dropped connection, 503 or 504.
+            a dropped connection, 503 or 504, no reply before the call's deadline.
         in_flight: attempts on it now.
         set_aside_until: ``time.monotonic()`` seconds until which it is not picked, or None when
             it is not set aside.
@@ -284,8 +285,9 @@ class ReplicaSet:
         self, replica: Replica, *, answered: bool, failed: bool = False, retry_after_s: float | None = None
     ) -> None:
         """An attempt on ``replica`` ended: ``answered`` (an answer that ends the call: it served it),
-        ``failed`` (no connection, a dropped connection, 503 or 504: it is set aside; at least
-        ``retry_after_s`` seconds when given), or neither (the caller gave up on the attempt)."""
+        ``failed`` (no connection, a dropped connection, 503 or 504, no reply in time: it is set
+        aside; at least ``retry_after_s`` seconds when given, at most ``set_aside_max_s``), or
+        neither (the caller gave up on the attempt)."""
         with self._lock:
             replica.in_flight -= 1
             if answered:
@@ -296,4 +298,5 @@ class ReplicaSet:
                 replica.failures += 1
                 replica.consecutive += 1
                 pause_s = min(self._first_s * 2 ** (replica.consecutive - 1), self._max_s)
-                replica.set_aside_until = self._clock() + max(pause_s, retry_after_s or 0.0)
+                # a Retry-After past the longest set-aside (a day) would leave a replica out that long
+                replica.set_aside_until = self._clock() + min(max(pause_s, retry_after_s or 0.0), self._max_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import zipfile
 
 import ml_dtypes
 import numpy as np
@@ -69,6 +70,42 @@ def test_load_case_names_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="top_k must be a 0-d integer"):
         accuracy.load_case(tmp_path / "float_k.npz")
 
+
+
+def corrupt_archives(folder) -> dict[str, str]:
+    """Case files that are zip archives whose members NumPy cannot read -> what the error names."""
+    arrays = {"grad_expanded_x": np.ones((64, 64), np.float32), "expanded_row_idx": np.arange(64, dtype=np.int32),
+              "top_k": np.int64(2), "candidate": np.ones((32, 64), np.float32)}
+    with zipfile.ZipFile(folder / "bad_header.npz", "w") as archive:  # an .npy header that is not a dict literal
+        archive.writestr("grad_expanded_x.npy", b"\x93NUMPY\x01\x00\x10\x00{'descr': 'zz'}  \n")
+        for name in ("expanded_row_idx", "candidate", "top_k"):
+            archive.writestr(f"{name}.npy", b"x")
+    np.savez_compressed(folder / "bad_deflate.npz", **arrays)  # a compressed member's bytes overwritten
+    data = bytearray((folder / "bad_deflate.npz").read_bytes())
+    start = data.find(b"grad_expanded_x.npy") + 100
+    data[start : start + 40] = bytes(byte ^ 0x5A for byte in data[start : start + 40])
+    (folder / "bad_deflate.npz").write_bytes(bytes(data))
+    return {"bad_header": "grad_expanded_x", "bad_deflate": "grad_expanded_x"}
+
+
+def test_an_archive_whose_arrays_cannot_be_read_is_an_invalid_case_not_a_crash(tmp_path, capsys):
+    named = corrupt_archives(tmp_path)
+    for name, member in named.items():
+        with pytest.raises(ValueError, match=member):
+            accuracy.load_case(tmp_path / f"{name}.npz")
+    results = accuracy.compare_cases(accuracy.find_cases(tmp_path), accuracy.compare_in_process())
+    assert {r.name: r.status for r in results} == dict.fromkeys(named, "invalid")
+    assert main(["compare", "--local", "--cases", str(tmp_path), "--no-progress"]) == 3
+
+
+def test_an_empty_case_is_judged_and_its_tensors_digested_as_no_bytes(tmp_path):
+    # N = 0 is a call the operator's documentation allows: its report says pass (nothing differs)
+    empty = {"grad_expanded_x": np.zeros((0, 4), np.float32), "expanded_row_idx": np.zeros(0, np.int32), "top_k": 2}
+    accuracy.save_case(tmp_path / "empty.npz", **empty, candidate=np.zeros((0, 4), np.float32))
+    results = accuracy.compare_cases(accuracy.find_cases(tmp_path), accuracy.compare_in_process())
+    assert [(r.name, r.status, r.error) for r in results] == [("empty", "pass", None)]
+    sha256_of_nothing = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+    assert set(results[0].report.context.sha256.values()) == {sha256_of_nothing}
 
 def test_a_bulk_run_gives_one_row_per_case_and_never_stops(cases, tmp_path):
     folder, expected = cases

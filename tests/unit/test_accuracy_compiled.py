@@ -8,6 +8,8 @@ defines; counts, maxima and the worst element must be equal, sums equal to 1e-12
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -68,3 +70,16 @@ def test_the_worst_element_is_the_first_of_equal_errors(monkeypatch):
     _assert_same(compiled, reference)
     assert compiled.candidate_vs_golden.worst.column == 3
     assert compiled.candidate_vs_golden.worst.abs_error == 0.5
+
+
+def test_the_golden_is_correctly_rounded_where_the_compensation_rounds(monkeypatch):
+    # Summands spread over more binades than float64 holds: Neumaier's compensation term itself
+    # rounds (2**-62 is lost beside 2**73), and total + comp is one float64 ULP below the exact sum
+    # that math.fsum, and the NumPy path's golden, round.
+    values = [2.0**-62, 1.5 * 2.0**125, 1.5 * 2.0**125, 2.0**73]
+    grad = np.array(values, dtype=np.float32).reshape(4, 1)
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.arange(4, dtype=np.int32), top_k=4)
+    candidate = np.zeros((1, 1), dtype=np.float32)
+    compiled, reference = _both(call, candidate, monkeypatch)
+    _assert_same(compiled, reference)
+    assert compiled.candidate_vs_golden.worst.golden == math.fsum(values)

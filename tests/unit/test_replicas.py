@@ -18,7 +18,15 @@ import msgpack
 import numpy as np
 import pytest
 
-from moegrad import AsyncClient, Client, InvalidArgument, MoeInitRoutingV2GradCall, ReplicaStats, TransportError
+from moegrad import (
+    AsyncClient,
+    Client,
+    DeadlineExceeded,
+    InvalidArgument,
+    MoeInitRoutingV2GradCall,
+    ReplicaStats,
+    TransportError,
+)
 from moegrad._client import USE_CLIENT_DEFAULT
 from moegrad._replicas import ReplicaSet, Resolve
 
@@ -251,6 +259,29 @@ def test_a_504_is_retried_only_on_another_replica_and_a_4xx_never():
                                  json={"title": "t", "status": 422, "detail": "bad", "aclnn_status": 161002}))
     assert sorted((s.served, s.failures) for s in core.replicas.stats()) == [(0, 1), (1, 0)]
 
+
+
+def test_a_replica_that_gives_no_reply_before_the_deadline_is_set_aside():
+    # A hung replica (it accepts, then never answers) ends the call with DeadlineExceeded; it must
+    # not stay in the draw, or every other call that draws it waits out its whole deadline too.
+    core = Client([A, B], transport=httpx.MockTransport(no_io), timeout_s=5.0)._core
+    flow = core.grad_flow(example_call(), USE_CLIENT_DEFAULT)
+    first = next(flow)
+    with pytest.raises(DeadlineExceeded):
+        flow.send(httpx.ReadTimeout("timed out", request=first))
+    hung = next(s for s in core.replicas.stats() if first.url.host in s.url)
+    assert (hung.served, hung.failures, hung.in_flight) == (0, 1, 0)
+    assert hung.set_aside_until is not None
+    assert all(core.replicas.pick().url.host != first.url.host for _ in range(20))
+
+
+def test_a_retry_after_longer_than_the_longest_set_aside_sets_a_replica_aside_30_seconds():
+    clock = FakeClock()
+    replicas = replica_set(A, B, clock=clock)
+    a = replicas.replicas[0]
+    a.in_flight += 1
+    replicas.done(a, answered=False, failed=True, retry_after_s=86400.0)  # a server asking for a day
+    assert replicas.stats()[0].set_aside_until == clock.now + 30.0
 
 def down_or_example(down: str):
     seen: list[str] = []

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moegrad import DeviceFault, accuracy
@@ -129,6 +130,40 @@ def test_a_file_written_for_another_sweep_is_refused_and_left_as_it_is(cases, tm
         assert "choose another --output" in capsys.readouterr().err
     assert output.read_bytes() == before
 
+
+
+@pytest.mark.parametrize("bad_line", [
+    b"[" * 100_000 + b"]" * 100_000,  # JSON nested past Python's recursion limit
+    b'{"kind": "header", "format": "moegrad-sweep/1", "shard": {"index": 1e400, "count": 1}, "cases": 1, '
+    b'"standards": [], "require_exact": false}',  # a shard index that no integer is
+])
+def test_a_corrupt_results_file_is_refused_as_not_a_sweeps_and_left_as_it_is(cases, tmp_path, capsys, bad_line):
+    folder, _ = cases
+    output = tmp_path / "run.jsonl"
+    sweep(folder, "--output", str(output))
+    output.write_bytes(output.read_bytes() + bad_line + b"\n")
+    before = output.read_bytes()
+    capsys.readouterr()
+    assert sweep(folder, "--output", str(output)) == 2
+    assert "is not a line of a moegrad-sweep/1 results file" in capsys.readouterr().err
+    assert output.read_bytes() == before
+    assert main(["compare", "--merge", str(output)]) == 2
+
+
+def test_a_case_whose_candidate_is_all_nan_is_written_and_read_back(tmp_path, capsys):
+    # No finite element: the shares over finite elements are NaN, which JSON has no number for
+    folder = tmp_path / "cases"
+    folder.mkdir()
+    call = oracle_call(seed=3, tokens=8, hidden=8)
+    accuracy.save_case(folder / "nan.npz", grad_expanded_x=call.grad_expanded_x,
+                       expanded_row_idx=call.expanded_row_idx, top_k=2, candidate=np.full((8, 8), np.nan, np.float32))
+    output = tmp_path / "run.jsonl"
+    assert sweep(folder, "--output", str(output)) == 1
+    [line] = case_lines(output)
+    assert line["status"] == "fail" and line["report"]["candidate_vs_golden"]["ulp_error_above_1_share"] == "nan"
+    capsys.readouterr()
+    assert sweep(folder, "--output", str(output)) == 1
+    assert "skipped 1 of 1" in capsys.readouterr().out
 
 def test_a_file_locked_by_another_run_is_exit_4_and_left_as_it_is(cases, tmp_path, capsys):
     folder, _ = cases

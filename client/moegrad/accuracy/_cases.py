@@ -172,22 +172,39 @@ def case_from_bytes(data: bytes, path: str) -> tuple[dict[str, Any], np.ndarray]
             raise ValueError(
                 f"{path}: missing {missing[0]!r} (a case holds grad_expanded_x, expanded_row_idx, candidate and top_k)"
             )
-        fields: dict[str, Any] = {name: _array(archive[name]) for name in _TENSORS}
+        fields: dict[str, Any] = {name: _array(_member(archive, name, path)) for name in _TENSORS}
         for name in _INTEGERS:
             if name in archive.files:
-                value = archive[name]
+                value = _member(archive, name, path)
                 if value.shape != () or value.dtype.kind not in "iu":
                     raise ValueError(f"{path}: {name} must be a 0-d integer, got {value.dtype} {list(value.shape)}")
                 fields[name] = int(value)
         if "order" in archive.files:
-            order = archive["order"]
+            order = _member(archive, "order", path)
             if order.shape != () or order.dtype.kind != "U":
                 raise ValueError(f"{path}: order must be a 0-d string")
             fields["order"] = str(order)
         if "allow_duplicate_indices" in archive.files:
-            fields["allow_duplicate_indices"] = bool(archive["allow_duplicate_indices"])
+            fields["allow_duplicate_indices"] = bool(_member(archive, "allow_duplicate_indices", path))
     candidate = fields.pop("candidate")
     return fields, candidate
+
+
+def _member(archive: Any, name: str, path: str) -> np.ndarray:
+    """The array ``name`` of an open ``.npz`` archive.
+
+    Raises:
+        ValueError: NumPy cannot read it (naming the file and the array): a header that is not
+            an .npy header (NumPy's parser raises ValueError, or tokenize's TokenError), a
+            compressed member whose bytes are damaged (zlib.error, a CRC mismatch), an object
+            array (never loaded: ``allow_pickle=False``), a member cut short.
+    """
+    try:
+        return archive[name]
+    except MemoryError:
+        raise
+    except Exception as exc:  # what NumPy and zipfile raise for damaged bytes is no one type
+        raise ValueError(f"{path}: the array {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
 def shard_of(name: str, count: int) -> int:

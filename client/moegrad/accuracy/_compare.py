@@ -532,6 +532,8 @@ def _sha256(array: np.ndarray) -> str:
     data = np.ascontiguousarray(array)
     if data.dtype.itemsize > 1:  # the bytes as the wire sends them: little-endian
         data = data.view(f"u{data.dtype.itemsize}").astype(f"<u{data.dtype.itemsize}", copy=False)
+    if data.size == 0:  # memoryview.cast refuses a shape with a zero in it: the digest of no bytes
+        return hashlib.sha256(b"").hexdigest()
     return hashlib.sha256(data.data.cast("B")).hexdigest()
 
 

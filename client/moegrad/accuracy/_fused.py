@@ -5,8 +5,8 @@ The NumPy path computes the float64 golden and the summands' magnitude in two pa
 Here one kernel (:mod:`moegrad.accuracy._fused_jit`) reads each summand once and keeps per-row sums,
 counts and maxima; the rows are spread over the reference module's thread pool. The metrics are
 those of :func:`moegrad.accuracy.metrics`; sums are added in a different order, so means and RMSE
-can differ from the NumPy path's in the last bits, and the golden is the compensated (Neumaier)
-float64 sum, within a float64 rounding of the exact sum the NumPy golden rounds once.
+can differ from the NumPy path's in the last bits; the golden is the NumPy path's, bit for bit (the
+exact sum rounded once to float64).
 """
 
 from __future__ import annotations

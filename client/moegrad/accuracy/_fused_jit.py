@@ -3,7 +3,9 @@
 Imported only when numba is (:mod:`moegrad.accuracy._fused`). For each output element the kernel
 reads the call's K summands once, widened exactly to float64, and forms
 
-- the golden: their Neumaier-compensated float64 sum (the plain sum where that is not finite);
+- the golden: their exact sum rounded to float64 (the plain sum where that is not finite), as the
+  NumPy path's golden: the Neumaier-compensated sum, and where its compensation term itself rounded
+  (summands spread over more binades than float64 holds) Shewchuk's exact sum, as math.fsum;
 - the scale: the float64 sum of their magnitudes;
 
 then updates, per row, the sums, counts and maxima that :class:`moegrad.accuracy.Metrics` is made
@@ -204,14 +206,20 @@ def _unexceptional(a, d, g, m, overflow_at):
 
 
 @_compiled
-def _golden_row(rows, index, i, mode, limit, total, comp, m, g):
-    """Row i's golden g [H] (Neumaier-compensated float64 sum of its summands, the plain sum where
-    that is not finite) and scale m [H] (the sum of their magnitudes). Strict IEEE order: compiled
-    apart from the statistics, so no reassociation reaches the compensation."""
+def _golden_row(rows, index, i, mode, limit, total, comp, m, g, rounded, partials):
+    """Row i's golden g [H] (its summands' exact sum rounded to float64, the plain sum where that
+    is not finite) and scale m [H] (the sum of their magnitudes). Strict IEEE order: compiled
+    apart from the statistics, so no reassociation reaches the compensation.
+
+    The Neumaier-compensated sum is that rounding while every add to the compensation term is
+    exact; an element where one rounded (marked in ``rounded`` [H], as moegrad's golden marks it)
+    is summed again exactly (:func:`_exact_sum`, into ``partials``) when its sum is finite."""
     hidden = g.shape[0]
     total[:] = 0.0
     comp[:] = 0.0
     m[:] = 0.0
+    rounded[:] = False
+    inexact = False
     for t in range(index.shape[1]):
         j = index[i, t]
         if (mode == 1 and j < 0) or (mode == 2 and j >= limit):
@@ -220,12 +228,70 @@ def _golden_row(rows, index, i, mode, limit, total, comp, m, g):
             v = np.float64(_widen(rows[j, h]))
             s = total[h]
             new = s + v
-            comp[h] += ((s - new) + v) if abs(s) >= abs(v) else ((v - new) + s)
+            lost = ((s - new) + v) if abs(s) >= abs(v) else ((v - new) + s)
+            c = comp[h]
+            summed = c + lost
+            error = ((c - summed) + lost) if abs(c) >= abs(lost) else ((lost - summed) + c)
+            lost_bits = error != 0.0  # NaN too (an infinite summand): that element's total is not finite
+            rounded[h] |= lost_bits
+            inexact |= lost_bits
+            comp[h] = summed
             total[h] = new
             m[h] += abs(v)
     for h in range(hidden):
         s = total[h]
         g[h] = s + comp[h] if abs(s) < math.inf else s
+    if inexact:
+        for h in range(hidden):
+            if rounded[h] and abs(total[h]) < math.inf:
+                g[h] = _exact_sum(rows, index, i, mode, limit, h, partials)
+
+
+@_compiled
+def _exact_sum(rows, index, i, mode, limit, h, partials):
+    """The exact sum of row i's summands in column h, rounded to nearest float64: math.fsum's
+    algorithm (Shewchuk's non-overlapping partials, then the half-way correction), for finite
+    summands whose partial sums stay finite (widened float32 values: at most 2**128 * K).
+    ``partials`` [64]: scratch (widened float32 values span 277 binades: at most 7 partials)."""
+    n = 0
+    for t in range(index.shape[1]):
+        j = index[i, t]
+        if (mode == 1 and j < 0) or (mode == 2 and j >= limit):
+            continue
+        x = np.float64(_widen(rows[j, h]))
+        k = 0
+        for p in range(n):
+            y = partials[p]
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo != 0.0:
+                partials[k] = lo
+                k += 1
+            x = hi
+        partials[k] = x
+        n = k + 1
+    hi = 0.0
+    if n > 0:
+        n -= 1
+        hi = partials[n]
+        lo = 0.0
+        while n > 0:
+            x = hi
+            n -= 1
+            y = partials[n]
+            hi = x + y
+            lo = y - (hi - x)
+            if lo != 0.0:
+                break
+        # half-way case: the partials below tip it (math.fsum's correction)
+        if n > 0 and ((lo < 0.0 and partials[n - 1] < 0.0) or (lo > 0.0 and partials[n - 1] > 0.0)):
+            y = lo * 2.0
+            x = hi + y
+            if y == x - hi:
+                hi = x
+    return hi
 
 
 @_compiled
@@ -264,12 +330,14 @@ def compare_rows(rows, index, mode, limit, candidate, device, golden, has_golden
     a = np.empty(hidden)
     d = np.empty(hidden)
     key = np.empty(hidden, dtype=np.int64)
+    rounded = np.empty(hidden, dtype=np.bool_)
+    partials = np.empty(64)
     inv_c = np.empty(hidden)
     inv_d = np.empty(hidden)
     p_c, e_c, p_d, e_d = int(p_cand[3]), int(p_cand[4]), int(p_dev[3]), int(p_dev[4])
     overflow_at = min(p_cand[5], p_dev[5])
     for i in range(start, stop):
-        _golden_row(rows, index, i, mode, limit, total, comp, m, g)
+        _golden_row(rows, index, i, mode, limit, total, comp, m, g, rounded, partials)
         if has_golden:
             g[:] = golden[i]
         _widen_row(candidate, i, a)

@@ -119,7 +119,7 @@ class SweepHeader:
 
     @classmethod
     def from_json(cls, line: Mapping[str, Any]) -> SweepHeader:
-        """Raises: ValueError (KeyError, TypeError) for a header that is not one."""
+        """Raises: ValueError (KeyError, TypeError, OverflowError) for a header that is not one."""
         if line.get("format") != FORMAT:
             raise ValueError(f"format {line.get('format')!r}, not {FORMAT!r}")
         shard = line["shard"]
@@ -192,7 +192,8 @@ def _parse(data: bytes, where: str) -> list[tuple[SweepHeader, list[CaseLine]]]:
     """A results file's complete lines as runs: each header with the case lines after it.
 
     Raises:
-        SweepFileError: a line that is not JSON, a case line before any header, an unknown kind.
+        SweepFileError: a line that is not JSON (or nested too deep to read), a header or case line
+            whose fields are not theirs, a case line before any header, an unknown kind.
     """
     runs: list[tuple[SweepHeader, list[CaseLine]]] = []
     for number, text in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
@@ -207,7 +208,9 @@ def _parse(data: bytes, where: str) -> list[tuple[SweepHeader, list[CaseLine]]]:
                 runs[-1][1].append(_case_line(line))
             else:
                 raise ValueError("a case line before any header" if kind == "case" else f"kind {kind!r}")
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            # OverflowError: a number no integer is (1e400 as a shard index); RecursionError: JSON
+            # nested past the interpreter's limit
             raise SweepFileError(f"{where}:{number} is not a line of a {FORMAT} results file ({exc})") from None
     return runs
 

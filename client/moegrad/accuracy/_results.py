@@ -166,7 +166,7 @@ class Metrics(_Serializable):
     bitwise_equal_share: WireFloat
     max_ulp_error: WireFloat
     mean_ulp_error: WireFloat
-    ulp_error_above_1_share: float
+    ulp_error_above_1_share: WireFloat
     hundredth_share: WireFloat
     thousandth_share: WireFloat
     ten_thousandth_share: WireFloat
