@@ -213,6 +213,14 @@ def test_info_with_one_url_prints_its_info_alone(info_servers, capsys):
     assert json.loads(capsys.readouterr().out) == {"backend": "second", "version": "test"}
 
 
+def test_info_over_a_dns_name_says_which_replica_answered(info_servers, capsys):
+    port = info_servers[0].rsplit(":", 1)[1]
+    assert main(["info", "--url", f"dns+http://localhost:{port}"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["backend"] == "first"
+    assert f"moegrad: info of http://127.0.0.1:{port}, one of the replicas of dns+http://localhost:{port}" in captured.err
+
+
 # ---- the server's timings, the plot extra -----------------------------------------------------------
 
 
