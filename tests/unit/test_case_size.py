@@ -94,7 +94,8 @@ def test_a_compressed_case_is_sized_inflated(tmp_path):
     limit = 1 << 20
     assert len(data) < limit < inflated
     (tmp_path / "z.npz").write_bytes(data)
-    with pytest.raises(ValueError, match=rf"\({inflated} bytes\) once read .* over the limit of 1.0 MiB \({limit} bytes\)"):
+    expected = rf"\({inflated} bytes\) once read .* over the limit of 1.0 MiB \({limit} bytes\)"
+    with pytest.raises(ValueError, match=expected):
         accuracy.load_case(tmp_path / "z.npz", max_bytes=limit)
     fields, candidate = accuracy.load_case(tmp_path / "z.npz", max_bytes=inflated)
     assert candidate.shape == (512, 4096) and fields["top_k"] == 2
@@ -104,5 +105,5 @@ def test_a_compressed_case_is_sized_inflated(tmp_path):
 def test_a_bad_limit_in_the_environment_is_named(tmp_path, monkeypatch, value):
     save_small_case(tmp_path)
     monkeypatch.setenv("MOEGRAD_MAX_CASE_BYTES", value)
-    with pytest.raises(ValueError, match="MOEGRAD_MAX_CASE_BYTES=.* must be a whole number of bytes >= 1"):
+    with pytest.raises(ValueError, match=r"MOEGRAD_MAX_CASE_BYTES=.* must be a whole number of bytes >= 1"):
         accuracy.load_case(tmp_path / "c.npz")

@@ -160,7 +160,7 @@ def test_a_port_inside_the_range_is_taken(url):
 
 
 class _Info(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):  # http.server's name
         body = json.dumps({"backend": self.server.name, "version": "test"}).encode()
         self.send_response(200 if self.path == "/v1/info" else 404)
         self.send_header("Content-Type", "application/json")
@@ -218,7 +218,8 @@ def test_info_over_a_dns_name_says_which_replica_answered(info_servers, capsys):
     assert main(["info", "--url", f"dns+http://localhost:{port}"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["backend"] == "first"
-    assert f"moegrad: info of http://127.0.0.1:{port}, one of the replicas of dns+http://localhost:{port}" in captured.err
+    named = f"moegrad: info of http://127.0.0.1:{port}, one of the replicas of dns+http://localhost:{port}"
+    assert named in captured.err
 
 
 # ---- the server's timings, the plot extra -----------------------------------------------------------

@@ -1,9 +1,10 @@
 """Every reference to a section of the documentation names a real heading.
 
 The code and the documents cite sections as ``docs/X.md, "Title"`` (several titles joined by "and"
-or commas; in docs/, ``X.md, "Title"`` too) or ``docs/X.md section 3.1``. Oracle: the headings as the markdown files hold them (a
-title may cite a heading without its number and by its part before ": " or " (", e.g. "Frames" for
-"Frames: the tensors' bytes unpacked"; a number by the heading it starts).
+or commas; in docs/, ``X.md, "Title"`` too) or ``docs/X.md section 3.1``. Oracle: the headings as
+the markdown files hold them (a title may cite a heading without its number and by its part
+before ": " or " (", e.g. "Frames" for "Frames: the tensors' bytes unpacked"; a number by the
+heading it starts).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted([*ROOT.glob("client/**/*.py"), *ROOT.glob("service/**/*.py"), ROOT / "README.md", *ROOT.glob("docs/*.md")])
+SOURCES = sorted(
+    [*ROOT.glob("client/**/*.py"), *ROOT.glob("service/**/*.py"), ROOT / "README.md", *ROOT.glob("docs/*.md")]
+)
 _TITLE = r"[\"“]([^\"”\n]{2,80})[\"”]"
 _CITATION = re.compile(
     r"(?<![\w/.-])(docs/)?(\w+)\.md[,;:]?\s*(?:(?:the\s+)?sections?\s+(?P<numbers>\d+(?:\.\d+)?(?:(?:\s*,\s*|\s+and\s+)\d+(?:\.\d+)?)*)"

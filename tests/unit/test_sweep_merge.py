@@ -47,7 +47,8 @@ def swept(tmp_path):
 
 
 def missing_lines(err: str) -> list[str]:
-    return [line.removeprefix("moegrad: missing: ") for line in err.splitlines() if line.startswith("moegrad: missing:")]
+    prefix = "moegrad: missing: "
+    return [line.removeprefix(prefix) for line in err.splitlines() if line.startswith(prefix)]
 
 
 def test_with_the_cases_the_missing_file_is_named_instead_of_its_cases(swept, tmp_path, capsys):
