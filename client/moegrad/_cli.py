@@ -26,6 +26,8 @@ from moegrad._cli_parser import (
     UsageError,
     build_parser,
     default_urls,
+    index_as_int32,
+    with_flags,
 )
 from moegrad._cli_sweep import run_cases, run_merge
 from moegrad._client import Client
@@ -45,6 +47,7 @@ from moegrad.accuracy import (
     write_json_report,
     write_markdown_report,
 )
+from moegrad.accuracy._report import PLOT_MISSING
 
 __all__ = ["load_npy", "main", "save_npy"]
 
@@ -103,7 +106,7 @@ def _client(args: argparse.Namespace) -> Client:
             verify=args.cacert if args.cacert else True,
         )
     except (TypeError, ValueError) as exc:  # e.g. a --url that is not an http(s) URL
-        raise UsageError(str(exc)) from None
+        raise UsageError(with_flags(str(exc))) from None
 
 
 def _load(path: str, flag: str) -> np.ndarray:
@@ -117,6 +120,7 @@ def _call_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for name in ("grad_expanded_x", "expanded_row_idx"):
         fields[name] = _load(getattr(args, name), f"--{name.replace('_', '-')}")
+    fields["expanded_row_idx"] = index_as_int32(fields["expanded_row_idx"], "--expanded-row-idx", args.expanded_row_idx)
     fields.update(
         top_k=args.top_k,
         drop_pad_mode=args.drop_pad_mode,
@@ -146,12 +150,16 @@ def _describe(array: np.ndarray) -> str:
     return f"{array.dtype.name} {list(array.shape)}"
 
 
+def _duration(ms: float) -> str:
+    return f"{ms:.3f} ms" if ms >= 1 else f"{ms * 1e3:.1f} µs"
+
+
 def _server_summary(result: GradResult | CompareResult) -> str:
     timings = result.timings_ms
-    parts = [
-        f"{name} {timings[name]:.3f} ms"
+    parts = [  # a golden of 0 ms is not measured: the comparison computes it (docs/protocol.md)
+        f"{name} {_duration(timings[name])}"
         for name in ("compute", "golden", "compare", "total")
-        if isinstance(timings.get(name), (int, float))
+        if isinstance(timings.get(name), (int, float)) and (timings[name] or name != "golden")
     ]
     timing = f"; on the server: {', '.join(parts)}" if parts else ""
     return f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}"
@@ -247,7 +255,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     else:
         print(format_report(report, source=source), end="")
         if args.report:
-            drawn = f" and {png}" if png is not None else " (histogram skipped: matplotlib is not installed)"
+            drawn = f" and {png}" if png is not None else f" (histogram skipped: {PLOT_MISSING})"
             print(f"\nwrote {args.report}{drawn}")
     return EXIT_OK if report.passed else EXIT_MISMATCH
 
@@ -342,10 +350,24 @@ def _cmd_example(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        info = client.info()
-    print(json.dumps(info, indent=2, sort_keys=True))
-    return EXIT_OK
+    if len(args.url) == 1:
+        with _client(args) as client:
+            info = client.info()
+            served = [stats.url for stats in client.stats if stats.served]
+        print(json.dumps(info, indent=2, sort_keys=True))
+        if args.url[0].lower().startswith("dns+") and served:
+            print(f"moegrad: info of {served[0]}, one of the replicas of {args.url[0]}", file=sys.stderr)
+        return EXIT_OK
+    infos: dict[str, Any] = {}  # each replica's, in the order given
+    for url in args.url:
+        try:
+            with _client(argparse.Namespace(**{**vars(args), "url": [url]})) as client:
+                infos[url] = client.info()
+        except MoegradError as exc:
+            infos[url] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"moegrad: failed: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    print(json.dumps(infos, indent=2, sort_keys=False))
+    return EXIT_FAILURE if any("error" in info for info in infos.values()) else EXIT_OK
 
 
 _COMMANDS = {
@@ -359,7 +381,7 @@ _COMMANDS = {
 
 def _rejection(exc: InvalidArgument | MalformedRequest) -> str:
     if isinstance(exc, InvalidArgument):
-        return str(exc)  # message [field F] (ACLNN_NAME code)
+        return with_flags(str(exc))  # message [field F] (ACLNN_NAME code), with the flags typed
     where = f" [field {exc.field}]" if exc.field else ""
     return f"{exc.message}{where}"
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from moegrad._spec import ORDERS
 from moegrad._version import __version__
@@ -21,10 +27,13 @@ __all__ = [
     "EXIT_REJECTED",
     "EXIT_TERMINATED",
     "EXIT_USAGE",
+    "MAX_SHARDS",
     "UsageError",
     "build_parser",
     "default_urls",
+    "index_as_int32",
     "shard",
+    "with_flags",
 ]
 
 _DEFAULT_URL = "http://127.0.0.1:8000"
@@ -35,28 +44,97 @@ aclnnMoeInitRoutingV2Grad, the backward of MoE token routing:
 computed by a moegrad service (the NPU, or its bit-exact emulation) or in-process.
 """
 
-_EPILOG = """\
-exit status:
-  0  success (`compare`: the candidate passed; a warning passes)
-  1  `example`: the result differs from the documentation's bit for bit; `compare`: a standard failed
-     (or, with --require-exact, the candidate is not bit-exact)
-  2  usage error (bad arguments, an input .npy that cannot be read, an output that cannot be written)
-  3  input rejected by the operator's constraints (the message names the field and the aclnn code)
-  4  the server failed, was busy past all retries, timed out, or could not be reached
-  130, 143  interrupted by SIGINT (Ctrl-C) / SIGTERM
+# The epilogs: each command gets the lines that apply to it (the top level gets them all).
+_EXIT_HEAD = "exit status:\n"
+_EXIT_OK = "  0  success\n"
+_EXIT_COMPARE = """\
+  0  the candidate passed (a warning passes)
+  1  a standard failed (or, with --require-exact, the candidate is not bit-exact)
+"""
+_EXIT_EXAMPLE = "  1  the result differs from the documentation's bit for bit\n"
+_EXIT_USAGE_FILES = (
+    "  2  usage error (bad arguments, an input .npy that cannot be read, an output that cannot be written)\n"
+)
+_EXIT_USAGE_ARGS = "  2  usage error (bad arguments, a --url that is not an http(s) URL)\n"
+_EXIT_REJECTED = "  3  input rejected by the operator's constraints (the message names the field and the aclnn code)\n"
+_EXIT_SERVER = "  4  the server failed, was busy past all retries, timed out, or could not be reached\n"
+_EXIT_SIGNALS = "  130, 143  interrupted by SIGINT (Ctrl-C) / SIGTERM\n"
+_EXIT_CASES = """\
 `compare --cases` and `--merge`, over all the cases (of the shard), the first that applies: 4 a case
   is not judged (or, --merge, missing; or --output is locked by another run), 3 a case is invalid
-  (unreadable, or the server answered 400/413/415/422), 1 a case failed, 0 every case passed.
-
+  (unreadable, over MOEGRAD_MAX_CASE_BYTES, or the server answered 400/413/415/422), 1 a case failed,
+  0 every case passed.
+"""
+_NPY = """
 .npy files: tensors are read with numpy.load (no pickles) and written with numpy.save. numpy has no
 bfloat16, so numpy.save writes an ml_dtypes.bfloat16 array as the raw 2-byte type '|V2'; moegrad
 reads any '|V2' array back as ml_dtypes.bfloat16 and writes a bfloat16 grad_x the same way (load it
-with numpy.load(path).view(ml_dtypes.bfloat16)).
-
+with numpy.load(path).view(ml_dtypes.bfloat16)). An int64 --expanded-row-idx (numpy's default
+integer) is read as int32 when every value fits, with a note on stderr.
+"""
+_ENVIRONMENT = """
 environment:
   MOEGRAD_URL    default for --url, several separated by commas (else http://127.0.0.1:8000)
   MOEGRAD_TOKEN  default for --token
 """
+_CASE_ENVIRONMENT = """\
+  MOEGRAD_MAX_CASE_BYTES  the most bytes a case file's arrays may take once read, together
+                          (default 2147483648, 2 GiB; a larger case is invalid)
+"""
+_EPILOG = (
+    _EXIT_HEAD
+    + "  0  success (`compare`: the candidate passed; a warning passes)\n"
+    + "  1  `example`: the result differs from the documentation's bit for bit; `compare`: a standard failed\n"
+    + "     (or, with --require-exact, the candidate is not bit-exact)\n"
+    + _EXIT_USAGE_FILES
+    + _EXIT_REJECTED
+    + _EXIT_SERVER
+    + _EXIT_SIGNALS
+    + _EXIT_CASES
+    + _NPY
+    + _ENVIRONMENT
+    + _CASE_ENVIRONMENT
+)
+_EPILOGS = {
+    "grad": _EXIT_HEAD
+    + _EXIT_OK
+    + _EXIT_USAGE_FILES
+    + _EXIT_REJECTED
+    + _EXIT_SERVER
+    + _EXIT_SIGNALS
+    + _NPY
+    + _ENVIRONMENT,
+    "local": _EXIT_HEAD + _EXIT_OK + _EXIT_USAGE_FILES + _EXIT_REJECTED + _EXIT_SIGNALS + _NPY,
+    "compare": _EXIT_HEAD
+    + _EXIT_COMPARE
+    + _EXIT_USAGE_FILES
+    + _EXIT_REJECTED
+    + _EXIT_SERVER.replace("reached", "reached (not with --local)")
+    + _EXIT_SIGNALS
+    + _EXIT_CASES
+    + _NPY
+    + _ENVIRONMENT
+    + _CASE_ENVIRONMENT,
+    "example": _EXIT_HEAD + _EXIT_OK + _EXIT_EXAMPLE + _EXIT_USAGE_ARGS + _EXIT_SERVER + _EXIT_SIGNALS + _ENVIRONMENT,
+    "info": _EXIT_HEAD + _EXIT_OK + _EXIT_USAGE_ARGS + _EXIT_SERVER + _EXIT_SIGNALS + _ENVIRONMENT,
+}
+
+#: The most shards ``--shard I/N`` may name (more than any sweep has cases).
+MAX_SHARDS = 1_000_000
+
+#: The call's fields (and the client's settings) the command takes as flags: its messages name the
+#: flag the user typed, then the field.
+_FLAGS = {
+    "top_k": "--top-k",
+    "drop_pad_mode": "--drop-pad-mode",
+    "active_num": "--active-num",
+    "order": "--order",
+    "allow_duplicate_indices": "--allow-duplicate-indices",
+    "base_url": "--url",
+    "verify": "--cacert",
+}
+#: A field's name, not within ``[field F]`` nor part of another name, with ``=value`` if it has one.
+_FIELD = re.compile(r"(?<![\w.\[-])(?<!field )" + rf"({'|'.join(_FLAGS)})(?:=('[^']*'|[^\s,;:()\[\]]+)|(?![\w=]))")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -79,15 +157,55 @@ def default_urls() -> list[str]:
 
 
 def shard(text: str) -> tuple[int, int]:
-    """``--shard I/N``: 0 <= I < N."""
-    index, _, count = text.partition("/")
-    try:
-        value = int(index), int(count)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not I/N (e.g. 2/8)") from None
-    if not (value[1] >= 1 and 0 <= value[0] < value[1]):
-        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= I < N")
-    return value
+    """``--shard I/N``: shard I of N, counted from 0 (0 <= I < N, 1 <= N <= :data:`MAX_SHARDS`).
+
+    Raises:
+        argparse.ArgumentTypeError: not I/N, or out of range (argparse's usage error, exit 2).
+    """
+    match = re.fullmatch(r"\s*([+-]?\d+)\s*/\s*([+-]?\d+)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N (e.g. 2/8: shard 2 of 8, counted from 0)")
+    index, count = int(match.group(1)), int(match.group(2))
+    if not 1 <= count <= MAX_SHARDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: N={count} must be between 1 and {MAX_SHARDS}")
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: I={index} must be between 0 and N-1={count - 1} (shards are counted from 0)"
+        )
+    return index, count
+
+
+def with_flags(message: str) -> str:
+    """A message about the call's fields as the command line's user reads it: a field the command
+    takes as a flag is named by the flag, then the field (``top_k=0`` -> ``--top-k 0 (top_k)``,
+    ``allow_duplicate_indices`` -> ``--allow-duplicate-indices (allow_duplicate_indices)``); the
+    message's ``[field F]`` is kept as it is."""
+    return _FIELD.sub(lambda m: " ".join(filter(None, (_FLAGS[m.group(1)], m.group(2)))) + f" ({m.group(1)})", message)
+
+
+def index_as_int32(array: np.ndarray, flag: str, path: str) -> np.ndarray:
+    """An index read from a .npy file for ``flag``: int64 (NumPy's and torch's default integer) is
+    read as int32 when every value fits, saying so on stderr; anything else is returned as it is,
+    for the operator's rules to judge (its dtype rule: int32 only, aclnn 161002)."""
+    if array.dtype.kind != "i" or array.dtype.itemsize != 8:
+        return array
+    limits = np.iinfo(np.int32)
+    if array.size and (int(array.min()) < limits.min or int(array.max()) > limits.max):
+        return array
+    print(f"moegrad: note: {flag} {path} is int64; read as int32 (every value fits)", file=sys.stderr)
+    return array.astype(np.int32)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with ``--shard -1/4`` read as ``--shard=-1/4`` (argparse takes a word that starts
+    with "-" for a flag, and would say only "expected one argument")."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]  # typeshed overloads it
+        words = list(sys.argv[1:] if args is None else args)
+        for position in range(len(words) - 1, 0, -1):
+            if words[position - 1] == "--shard" and re.match(r"-\d", words[position]):
+                words[position - 1 : position + 1] = [f"--shard={words[position]}"]
+        return super().parse_known_args(words, namespace)
 
 
 def _positive_int(text: str) -> int:
@@ -213,9 +331,7 @@ def _add_call_arguments(
 def build_parser() -> argparse.ArgumentParser:
     """The ``moegrad`` argument parser (commands grad, local, compare, example, info)."""
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog="moegrad", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
-    )
+    parser = _Parser(prog="moegrad", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"moegrad {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -224,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute grad_x on a moegrad service",
         formatter_class=formatter,
         description="Send a call to a moegrad service and write its grad_x.",
-        epilog=_EPILOG,
+        epilog=_EPILOGS["grad"],
     )
     _add_call_arguments(grad, order_default="the server's")
     _add_server_arguments(grad)
@@ -235,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
         description="Compute grad_x in this process with the NumPy emulation of the "
         "device (bit-exact for Atlas A2/A3).",
-        epilog=_EPILOG,
+        epilog=_EPILOGS["local"],
     )
     _add_call_arguments(local, order_default="ascend910b")
 
@@ -243,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare",
         help="judge a candidate grad_x against the device and a float64 golden",
         formatter_class=formatter,
-        epilog=_EPILOG,
+        epilog=_EPILOGS["compare"],
         description="Send a call and a candidate grad_x to a moegrad service (or, with --local,\n"
         "compute in-process) and print the accuracy verdicts: per standard its status,\n"
         "the device's own status and the numbers that decided it, whether the candidate\n"
@@ -323,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard",
         type=shard,
         metavar="I/N",
-        help="judge only shard I of N: the cases whose name's SHA-256 (its first 8 bytes) modulo N is I",
+        help=f"judge only shard I of N, I counted from 0 (0 <= I < N; N at most {MAX_SHARDS}): the cases whose "
+        "name's SHA-256 (its first 8 bytes, big-endian) modulo N is I",
     )
     bulk.add_argument(
         "--output",
@@ -353,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
         "example",
         help="run the documentation's example on a service",
         formatter_class=formatter,
-        epilog=_EPILOG,
+        epilog=_EPILOGS["example"],
         description="Send the operator documentation's example (grad_expanded_x "
         "[[.1,.1],[.3,.3],[.2,.2],[.4,.4]] float32, expanded_row_idx "
         "[2,0,1,3], K=2) and compare the result bit for bit with "
@@ -365,8 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
         "info",
         help="print the service's /v1/info as JSON",
         formatter_class=formatter,
-        description="Print the service's version, backend, device, order and limits.",
-        epilog=_EPILOG,
+        description="Print the service's version, backend, device, order and limits (GET /v1/info) as\n"
+        "JSON. With --url given more than once, a JSON object of each URL's info (or the error that\n"
+        "replica gave), exit 4 when any failed; a dns+ URL's info is one replica's, named on stderr.",
+        epilog=_EPILOGS["info"],
     )
     _add_server_arguments(info)
     return parser

@@ -249,6 +249,8 @@ def _base_url(value: Any) -> httpx.URL:
         raise ValueError(f"base_url={str(value)!r} must be an absolute http:// or https:// URL")
     if url.query or url.fragment:
         raise ValueError(f"base_url={str(value)!r} must not have a query or fragment")
+    if url.port is not None and not 1 <= url.port <= 65535:
+        raise ValueError(f"base_url={str(value)!r}: port {url.port} is outside 1..65535")
     return url
 
 

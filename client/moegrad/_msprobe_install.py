@@ -179,6 +179,25 @@ def _check_writable(install: MsprobeInstall) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+#: What to install when torch is missing (one line; docs/msprobe.md says the same).
+TORCH_HINT = (
+    "pip install 'moegrad[msprobe]' torch==2.13.0 (CPU only: first pip install torch==2.13.0 "
+    "--index-url https://download.pytorch.org/whl/cpu, else pip may pull a CUDA build)"
+)
+
+
+def _check_torch() -> None:
+    """The bench functions need torch (msprobe's acc_check calls them with torch tensors).
+
+    Raises:
+        MsprobeSetupError: torch cannot be imported here, saying what to install.
+    """
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise MsprobeSetupError(f"torch is not installed for {sys.executable}: {TORCH_HINT}") from None
+
+
 def _yaml() -> Any:
     try:
         import yaml
@@ -440,8 +459,8 @@ environment, read by the bench functions at each call:
   MOEGRAD_MSPROBE_DTYPE   auto (default), bfloat16, float16 or float32: the device dtype of a float32
                           grad (msprobe raises float16 and bfloat16 to float32)
 
-exit codes: 0 ok, 1 msprobe missing, too old, not writable or not as expected (the reason is
-printed), 2 usage. moegrad's docs/msprobe.md has the details.
+exit codes: 0 ok, 1 torch or msprobe missing, msprobe too old, not writable or not as expected
+(the reason is printed, with what to install), 2 usage. moegrad's docs/msprobe.md has the details.
 """
 
 
@@ -461,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
+        if args.command != "unregister":  # taking back what register wrote needs no torch
+            _check_torch()
         install = find_msprobe(args.msprobe_dir)
         if args.command == "status":
             complete, lines = status(install)

@@ -1,7 +1,7 @@
 """Reply parsing, one copy for every endpoint: an answer's document -> GradResult / CompareResult.
 
 A single call's reply, a comparison's and each item of a batch's are read by :func:`answer`: the
-same fields (docs/protocol.md, "The answer"), the same checks against the call that was sent (grad_x
+same fields (docs/protocol.md, "The reply"), the same checks against the call that was sent (grad_x
 of its shape [N, H] and dtype, a report about grad_x of that shape), the same ServiceError for a
 reply that is not valid (the server's reply is broken, not the caller's request). A frames reply is
 read into a :class:`~moegrad._frames.FramesReader` by the driver (:func:`frames_reader`) and its

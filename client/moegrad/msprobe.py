@@ -83,8 +83,14 @@ import numpy as np
 
 try:
     import torch
-except ImportError as _missing:  # pragma: no cover - the extra installs torch
-    raise ImportError("moegrad.msprobe needs torch: pip install 'moegrad[msprobe]'") from _missing
+except ImportError as _missing:
+    if __name__ == "__main__":  # python -m moegrad.msprobe: --help needs no torch; the commands say what to install
+        from moegrad._msprobe_install import main as _install_main
+
+        raise SystemExit(_install_main()) from None
+    from moegrad._msprobe_install import TORCH_HINT
+
+    raise ImportError(f"moegrad.msprobe needs torch: {TORCH_HINT}") from _missing
 
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad._client import Client

@@ -74,13 +74,18 @@ def _port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def _plain(text: str) -> str:
+    """Help text as a terminal shows it: the docstrings' reStructuredText ``literals`` without their backquotes."""
+    return text.replace("``", "")
+
+
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         options: dict = {"dest": name, "default": argparse.SUPPRESS}
         default = field.get_default(call_default_factory=True)
-        help_text = f"{field.description} (env MOEGRAD_{name.upper()}"
+        help_text = f"{_plain(field.description or '')} (env MOEGRAD_{name.upper()}"
         help_text += ")" if default in (None, []) else f"; default {default})"
         if annotation is bool:
             options["action"] = argparse.BooleanOptionalAction
@@ -96,7 +101,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moegrad-service", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="moegrad-service", description=_plain(__doc__.split("\n\n")[0]))
     parser.add_argument("--version", action="version", version=f"moegrad {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(

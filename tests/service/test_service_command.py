@@ -70,3 +70,12 @@ def test_the_main_guard_is_the_modules_last_statement():
     guard = body[-1]
     assert isinstance(guard, ast.If) and "__main__" in ast.unparse(guard.test), ast.unparse(guard)[:80]
     assert not any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in body[:-1])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"]])
+def test_help_is_plain_text_not_restructuredtext(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "moegrad-service" in text and "``" not in text

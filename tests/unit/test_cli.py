@@ -122,7 +122,7 @@ def test_local_order_and_active_mode(tmp_path):
         ("3", [], EXAMPLE_IDX, "561002", "expanded_row_idx"),        # 4 % 3 != 0
         ("0", [], EXAMPLE_IDX, "561002", "top_k"),
         ("2", ["--drop-pad-mode", "2"], EXAMPLE_IDX, "561002", "drop_pad_mode"),
-        ("2", [], EXAMPLE_IDX.astype(np.int64), "161002", "expanded_row_idx"),  # int64 indices
+        ("2", [], np.array([2, 0, 1, 2**31], np.int64), "161002", "expanded_row_idx"),  # int64 past int32
         ("2", [], np.array([2, 0, 2, 3], np.int32), "161002", "expanded_row_idx"),  # a duplicate
     ],
 )

@@ -13,7 +13,9 @@ A case file (:func:`save_case`, :func:`load_case`; docs/accuracy.md, "Bulk check
 
 ``numpy.savez`` stores a bfloat16 array as raw 2-byte words (``|V2``): :func:`load_case` reads any
 such array back as ``ml_dtypes.bfloat16``, bit for bit. Archives are read with
-``allow_pickle=False``.
+``allow_pickle=False``, and only when their arrays, as the members' .npy headers give their shapes
+and dtypes, take at most :data:`MAX_CASE_BYTES` together (``MOEGRAD_MAX_CASE_BYTES`` changes it): a
+compressed archive of a few MiB can otherwise inflate to gigabytes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
 
 __all__ = [
+    "MAX_CASE_BYTES",
+    "MAX_CASE_BYTES_ENV",
     "SUMMARY_COLUMNS",
     "CaseResult",
     "CaseStatus",
@@ -45,6 +49,7 @@ __all__ = [
     "fields_digest",
     "find_cases",
     "load_case",
+    "max_case_bytes",
     "save_case",
     "shard_of",
     "worst_first",
@@ -56,6 +61,12 @@ _CASE_SEVERITY = {**SEVERITY, "invalid": 3, "error": 4}
 _TENSORS = ("grad_expanded_x", "expanded_row_idx", "candidate")
 _INTEGERS = ("top_k", "drop_pad_mode", "active_num")
 _KNOWN = frozenset({*_TENSORS, *_INTEGERS, "order", "allow_duplicate_indices"})
+
+#: The most bytes a case file's arrays may take once read, together: 2 GiB, the service's default
+#: largest request body (``MOEGRAD_MAX_BODY_BYTES``), which a larger case could not be sent in.
+MAX_CASE_BYTES = 2 << 30
+#: The environment variable that replaces :data:`MAX_CASE_BYTES` (a number of bytes >= 1).
+MAX_CASE_BYTES_ENV = "MOEGRAD_MAX_CASE_BYTES"
 
 
 @dataclass(frozen=True)
@@ -117,8 +128,12 @@ def save_case(
         np.savez(file, **fields)
 
 
-def load_case(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]:
+def load_case(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> tuple[dict[str, Any], np.ndarray]:
     """Read one case file: the call's keyword arguments and the candidate.
+
+    Args:
+        path: the ``.npz`` case file.
+        max_bytes: the most bytes its arrays may take once read, together (None: :func:`max_case_bytes`).
 
     Returns:
         ``(fields, candidate)``: ``fields`` as :class:`moegrad.MoeInitRoutingV2GradCall` takes them.
@@ -126,9 +141,73 @@ def load_case(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]
     Raises:
         OSError: the file cannot be read.
         ValueError: it is not an ``.npz`` archive, lacks a required array, holds an unknown key or
-            a value of the wrong kind (the message names the key).
+            a value of the wrong kind (the message names the key), or its arrays' headers say they
+            take more than ``max_bytes`` (the message names the file, the size and the limit);
+            ``MOEGRAD_MAX_CASE_BYTES`` that is not a whole number >= 1.
     """
-    return case_from_bytes(Path(path).read_bytes(), os.fspath(path))
+    return case_from_bytes(Path(path).read_bytes(), os.fspath(path), max_bytes=max_bytes)
+
+
+def max_case_bytes() -> int:
+    """The most bytes a case file's arrays may take once read: ``$MOEGRAD_MAX_CASE_BYTES``, else
+    :data:`MAX_CASE_BYTES` (2 GiB).
+
+    Raises:
+        ValueError: the variable is set to something other than a whole number >= 1.
+    """
+    text = os.environ.get(MAX_CASE_BYTES_ENV, "").strip()
+    if not text:
+        return MAX_CASE_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MAX_CASE_BYTES_ENV}={text!r} must be a whole number of bytes >= 1 (e.g. 4294967296)")
+    return value
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
+
+
+def _inflated_sizes(data: bytes) -> dict[str, int]:
+    """The bytes each known array of a case archive takes once read, from its .npy header's shape
+    and dtype (what NumPy allocates for it), read without reading the array; 0 for a member whose
+    header cannot be read (reading it then says why)."""
+    sizes: dict[str, int] = {}
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        for info in archive.infolist():
+            name = info.filename.removesuffix(".npy")
+            if name not in _KNOWN:
+                continue
+            try:
+                with archive.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    header = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = header(member)
+                size = math.prod(shape) * dtype.itemsize
+            except Exception:  # damaged bytes: what NumPy and zipfile raise is no one type
+                size = 0
+            sizes[name] = sizes.get(name, 0) + size
+    return sizes
+
+
+def _check_size(data: bytes, path: str, max_bytes: int | None) -> None:
+    limit = max_case_bytes() if max_bytes is None else max_bytes
+    sizes = _inflated_sizes(data)
+    total = sum(sizes.values())
+    if total > limit:
+        largest = max(sizes, key=lambda name: sizes[name])
+        raise ValueError(
+            f"{path}: its arrays would take {_gib(total)} ({total} bytes) once read ({largest} "
+            f"{_gib(sizes[largest])}), over the limit of {_gib(limit)} ({limit} bytes); split the "
+            f"case, or set {MAX_CASE_BYTES_ENV} to a larger number of bytes"
+        )
 
 
 def case_digest(data: bytes) -> str:
@@ -151,7 +230,7 @@ def fields_digest(fields: Mapping[str, Any], candidate: np.ndarray) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def case_from_bytes(data: bytes, path: str) -> tuple[dict[str, Any], np.ndarray]:
+def case_from_bytes(data: bytes, path: str, *, max_bytes: int | None = None) -> tuple[dict[str, Any], np.ndarray]:
     """:func:`load_case` of a case file's bytes (``path`` names it in messages).
 
     Raises:
@@ -172,6 +251,7 @@ def case_from_bytes(data: bytes, path: str) -> tuple[dict[str, Any], np.ndarray]
             raise ValueError(
                 f"{path}: missing {missing[0]!r} (a case holds grad_expanded_x, expanded_row_idx, candidate and top_k)"
             )
+        _check_size(data, path, max_bytes)
         fields: dict[str, Any] = {name: _array(_member(archive, name, path)) for name in _TENSORS}
         for name in _INTEGERS:
             if name in archive.files:

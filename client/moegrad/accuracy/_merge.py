@@ -12,7 +12,10 @@ cases sorted by file name), so that :func:`~moegrad.accuracy.write_summary` writ
 - with the case files (``--cases DIR``), the expected cases are theirs with their current digests:
   one without a line is *missing*, a line for a case no longer there or of another digest is
   *stale* (left out, counted); without them, a shard is complete when it records as many cases as
-  its last header says, and a shard index without a file is missing (the command's exit 4).
+  its last header says;
+- either way, a shard index without a file is missing (the command's exit 4), named first with
+  the file expected (``shard-I.jsonl`` in the folder given) and, with the case files, the count of
+  its cases, which are not listed one by one.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from moegrad.accuracy._cases import CaseResult, case_digest
+from moegrad.accuracy._cases import CaseResult, case_digest, shard_of
 from moegrad.accuracy._ledger import CaseLine, SweepFileError, SweepHeader, read_sweep_file
 
 __all__ = ["MergeError", "MergedSweep", "merge_sweeps", "shard_files"]
@@ -39,8 +42,9 @@ class MergedSweep:
     Attributes:
         results: one per case, sorted by file name (the case name when there is no file).
         header: the sweep's N (``shard[1]``), standards and ``require_exact`` (the first header read).
-        missing: what is not judged yet: case names, or ``"shard I (K of M cases)"`` /
-            ``"shard I (no file)"`` without the case files.
+        missing: what is not judged yet, the shards without a file first
+            (``"shard I (no file): expected DIR/shard-I.jsonl; its K cases are not judged"``),
+            then case names or, without the case files, ``"shard I (K of M cases)"``.
         stale: lines left out (their case is gone or has other bytes now).
         files: the shard files read.
     """
@@ -74,6 +78,16 @@ def shard_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
     for file in files:
         unique.setdefault(os.path.realpath(file), file)
     return list(unique.values())
+
+
+def _no_file(index: int, paths: Sequence[str | os.PathLike[str]], cases: int | None) -> str:
+    """What a shard index without a file is missing: the file a folder given would hold, and its cases."""
+    folders = [Path(path) for path in paths if Path(path).is_dir()]
+    where = (
+        f"expected {folders[0] / f'shard-{index}.jsonl'}" if folders else f"none of the files given is shard {index}'s"
+    )
+    judged = "" if cases is None else f"; its {cases} {'case is' if cases == 1 else 'cases are'} not judged"
+    return f"shard {index} (no file): {where}{judged}"
 
 
 def _order(result: CaseResult) -> str:
@@ -130,25 +144,29 @@ def merge_sweeps(
                     f"and {line.digest} in {file}"
                 )
             chosen.setdefault(name, (file, line))
+    count = header.shard[1]
+    absent = [index for index in range(count) if index not in by_index]
     missing: list[str] = []
     stale = 0
     if cases is not None:
         expected = {Path(path).stem: case_digest(Path(path).read_bytes()) for path in cases}
+        unfiled = {index: 0 for index in absent}
         results = []
+        late: list[str] = []
         for name, digest in expected.items():
             found = chosen.get(name)
-            if found is None or found[1].digest != digest:
-                missing.append(name)
-            else:
+            if found is not None and found[1].digest == digest:
                 results.append(found[1].result)
+            elif (index := shard_of(name, count)) in unfiled:
+                unfiled[index] += 1
+            else:
+                late.append(name)
+        missing = [_no_file(index, paths, number) for index, number in unfiled.items()] + late
         stale = sum(1 for name, (_, line) in chosen.items() if expected.get(name) != line.digest)
     else:
         results = [line.result for _, line in chosen.values()]
-        count = header.shard[1]
-        for index in range(count):
-            if index not in by_index:
-                missing.append(f"shard {index} (no file)")
-                continue
+        missing = [_no_file(index, paths, None) for index in absent]
+        for index in sorted(by_index):
             _, last, lines = by_index[index]
             if len(lines) < last.cases:
                 missing.append(f"shard {index} ({len(lines)} of {last.cases} cases)")

@@ -38,6 +38,7 @@ from moegrad.accuracy._standards import DTYPE_LIMITS, SEVERITY, THRESHOLDS
 __all__ = [
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
+    "PLOT_MISSING",
     "csv_rows",
     "exactness_line",
     "format_report",
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 _COMPARISONS = ("candidate_vs_golden", "device_vs_golden", "candidate_vs_device")
+#: Why a report has no plot, and what to install (the optional extra ``plot`` of pyproject.toml).
+PLOT_MISSING = "matplotlib is not installed: pip install 'moegrad[plot]'"
 # Criteria every tolerance standard repeats; shown for a standard only when they did not pass (the
 # special values and the zero rows have their own lines below the tables).
 _SHARED = frozenset({"special_value_mismatches", "special_value_mismatch_excess", "zero_row_mismatches"})
@@ -295,7 +298,7 @@ def write_histogram(
     Left: log-scale histograms of relative errors (:func:`relative_errors`), the candidate's filled,
     the device's outlined, with the ``threshold`` standard's limits. Right (with ``report``): the
     error balance, the shares of errors that shrink / grow the magnitude and fall below / above the
-    golden, candidate beside device (docs/accuracy.md, "Error balance").
+    golden, candidate beside device (docs/accuracy.md, "Metrics", its error balance).
 
     Args:
         path: the PNG to write.
@@ -305,7 +308,7 @@ def write_histogram(
         report: the comparison, for the balance panel; None: no balance panel.
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install "moegrad[plot]"``).
+        ImportError: matplotlib is not installed (:data:`PLOT_MISSING`).
     """
     from matplotlib.figure import Figure  # optional: the ``plot`` extra; no pyplot, no global backend
 
@@ -418,7 +421,7 @@ def write_markdown_report(
     try:
         import matplotlib.figure  # noqa: F401  (probe before the float64 work)
     except ImportError:
-        written, note = None, 'matplotlib is not installed (pip install "moegrad[plot]")'
+        written, note = None, PLOT_MISSING
     else:
         golden, scale = moe_init_routing_v2_grad_golden(call), summand_magnitude(call)
         small = DTYPE_LIMITS[call.dtype_name].small_value

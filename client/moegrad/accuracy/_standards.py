@@ -27,7 +27,7 @@ SEVERITY: Mapping[str, int] = types.MappingProxyType({"pass": 0, "warning": 1, "
 
 @dataclass(frozen=True)
 class DtypeLimits:
-    """Per-dtype constants of the metrics (docs/accuracy.md, "Small values" and "ULP").
+    """Per-dtype constants of the metrics (docs/accuracy.md, "Small values" and "Metrics").
 
     Attributes:
         mantissa_bits: stored fraction bits p (float16 10, bfloat16 7, float32 23); one ULP of a
@@ -84,7 +84,7 @@ class Criterion:
 
     Attributes:
         measure: the name of a number computed from the three comparisons (docs/accuracy.md,
-            "Measures"), e.g. ``"rmse_ratio"`` or ``"thousandth_share"``.
+            "Metrics" and "Standards"), e.g. ``"rmse_ratio"`` or ``"thousandth_share"``.
         op: how the measure must compare with ``limit`` to pass.
         limit: the threshold (a share in [0, 1], a ratio, a relative or absolute error, a count).
         on_miss: the status when the requirement is not met: ``"fail"`` or ``"warning"``.
