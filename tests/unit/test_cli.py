@@ -116,6 +116,29 @@ def test_local_order_and_active_mode(tmp_path):
     np.testing.assert_array_equal(np.load(out), np.array([[4.0], [6.0]], dtype=np.float32))
 
 
+def test_local_names_the_profile_and_takes_the_950_at_9_1s_zero_rows(tmp_path, capsys):
+    # Huawei's 950 binding sends -1 in dropless mode: a +0.0 row on ascend950@9.1 (the bare chip), refused before
+    x = np.array([[1.0], [2.0], [3.0], [4.0]], dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "idx.npy", np.array([0, -1, 2, 3], dtype=np.int32))
+    out = tmp_path / "o.npy"
+    assert main(local_args(tmp_path / "x.npy", tmp_path / "idx.npy", out, "--order", "ascend950")) == 0
+    assert "in-process, order ascend950@9.1" in capsys.readouterr().out
+    np.testing.assert_array_equal(np.load(out), np.array([[1.0], [7.0]], dtype=np.float32))
+    assert main(local_args(tmp_path / "x.npy", tmp_path / "idx.npy", out, "--order", "ascend950@9.0")) == 3
+    err = capsys.readouterr().err
+    assert "161002" in err and "ascend950@9.1 accepts it" in err
+
+
+def test_the_order_help_lists_every_profile_and_what_each_alias_means(capsys):
+    with pytest.raises(SystemExit):
+        main(["local", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ascend950@2025-12 = ascend950@8.5" in text and "ascend950 = ascend950@9.1" in text
+    for profile in ("ascend910b@8.5", "ascend910_93@9.0", "ascend950@9.1", "sequential"):
+        assert profile in text
+
+
 @pytest.mark.parametrize(
     ("top_k", "extra", "idx", "code", "field"),
     [
