@@ -95,6 +95,11 @@ class Profile:
         """The product line (``"Atlas A2"``...), or ``"Huawei's sequential test golden"``."""
         return CHIPS[self.chip] if self.chip else "Huawei's sequential test golden"
 
+    @property
+    def product_line(self) -> str:
+        """The product line and release (``"Atlas A2, CANN 9.1"``), or ``"sequential golden (no device)"``."""
+        return f"{self.product}, CANN {self.release}" if self.release else "sequential golden (no device)"
+
 
 def _profile(chip: str, release: str) -> Profile:
     edge_91 = release == "9.1"  # the 9.1 API edge has no chip branch

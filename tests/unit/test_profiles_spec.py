@@ -270,3 +270,20 @@ def test_the_comparison_leaves_the_zero_rows_of_the_950_at_9_1_out_of_its_golden
     wrong = device.copy()
     wrong[0, 0] = 1.0  # a row every slot of which is a +0.0 row must be +0.0
     assert moegrad.compare(call, wrong).zero_rows.mismatched_rows == 1
+
+
+def test_the_profiles_are_the_device_profiles_and_the_old_names_their_aliases(monkeypatch):
+    pytest.importorskip("torch", reason="the msprobe extra")
+    import moegrad.msprobe as bench
+
+    # A2/A3 run MoeTokenPermuteGrad for the permute backward (a chain: the sequential golden's bits);
+    # the 950 runs this operator for both; the names are moegrad's device profiles
+    assert set(bench.PROFILES) == set(moegrad.PROFILES)
+    assert bench.PROFILES["ascend910_93@9.0"] == bench.Profile("ascend910_93@9.0", "sequential", "ascend910_93@9.0")
+    assert bench.PROFILES["ascend950@8.5"] == bench.Profile("ascend950@8.5", "ascend950@8.5", "ascend950@8.5")
+    for name, profile in (("ascend910b", "ascend910b@9.1"), ("ascend950", "ascend950@9.1"),
+                          ("ascend950@2025-12", "ascend950@8.5"), ("sequential", "sequential")):
+        monkeypatch.setenv("MOEGRAD_MSPROBE_ORDER", name)
+        assert bench.current_profile().name == profile
+    monkeypatch.delenv("MOEGRAD_MSPROBE_ORDER")
+    assert bench.current_profile().name == "ascend910b@9.1"

@@ -28,7 +28,7 @@ import numpy as np
 from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad._profiles import resolve_profile
 from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
-from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
+from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad._wire import dtype_name
 from moegrad.accuracy._fused import fused_metrics
@@ -180,10 +180,9 @@ def skipped_rows(call: MoeInitRoutingV2GradCall) -> np.ndarray:
         [N] bool, True for a row that must be exactly +0.0.
     """
     index = call.expanded_row_idx.reshape(-1, call.top_k)
-    profile = call.profile
-    if call.drop_pad_mode == 0 and call.active_num == 0 and not profile.skips_any_negative:
-        if not profile.skips_dropless_overflow:  # dropless: every index names a row
-            return np.zeros(index.shape[0], dtype=np.bool_)
+    lenient = call.profile.skips_any_negative or call.profile.skips_dropless_overflow
+    if (call.drop_pad_mode, call.active_num) == (0, 0) and not lenient:
+        return np.zeros(index.shape[0], dtype=np.bool_)  # dropless: every index names a row
     rows = math.prod(call.grad_expanded_x.shape[:-1])  # N*K dropless, A active, E*C drop/pad
     return ((index < 0) | (index >= rows)).all(axis=1)
 
@@ -527,15 +526,8 @@ def compare(
 
 
 def _product_line(order: str) -> str:
-    """The products a profile name stands for (``"Atlas A2, CANN 9.1"``), or ``order`` itself
-    (``"unknown"``: a device whose profile moegrad does not know)."""
-    try:
-        profile = resolve_profile(order)
-    except ValueError:
-        return order
-    if profile.release is None:
-        return "sequential golden (no device)"
-    return f"{profile.product}, CANN {profile.release}"
+    """``"Atlas A2, CANN 9.1"``..., or ``order`` itself (``"unknown"``: a device of no known profile)."""
+    return resolve_profile(order).product_line if order in ORDERS else order
 
 
 def _sha256(array: np.ndarray) -> str:
