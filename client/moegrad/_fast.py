@@ -197,10 +197,10 @@ def accumulate(
 
     Args:
         rows: [R, H] grad_expanded_x (drop/pad: [E*C, H]); float32, float16 or bfloat16.
-        index: [N*K] int32 expanded_row_idx; a slot outside [0, R) is skipped (docs/semantics.md:
-            validation leaves there only -1 in drop/pad mode and >= A in active mode).
+        index: [N*K] int32 expanded_row_idx; a slot outside [0, R) is skipped (docs/semantics.md
+            section 2: validation leaves there only the profile's skipped slots).
         top_k: K.
-        schedule: :func:`~moegrad._reference.accumulation_schedule` of K (a tuple).
+        schedule: :func:`~moegrad._orders.accumulation_schedule` of K (a tuple).
         out: [N, H] C-contiguous, the dtype of ``rows``; N >= 1, H >= 1.
         map_chunks: runs ``fn(start, stop)`` over row chunks (the reference module's thread pool).
         lanes: how many of the pool's threads this call may use.
@@ -245,7 +245,7 @@ def accumulate_950(
         index: [N*K] int32 expanded_row_idx; a slot outside [0, R) is skipped.
         top_k: K.
         k_chunk: the slots per pass, 1 <= k_chunk <= K.
-        grouped: groups of four (the newest revision) or a plain chain (the 2025-12 revision).
+        grouped: groups of four (the 950 from CANN 9.0) or a plain chain (CANN 8.5).
         out: [N, H] C-contiguous, the dtype of ``rows``; N >= 1, H >= 1.
         map_chunks: runs ``fn(start, stop)`` over row chunks (the reference module's thread pool).
         lanes: how many of the pool's threads this call may use.

@@ -653,7 +653,7 @@ def run_rows(rows, aux, index, top_k, chains, group, tile, stream, out, start, s
         rows: [R, H] C-contiguous float32 / int16 (float16 bits) / uint16 (bfloat16 bits).
         aux: [2, H] the same type: row 0 all +0.0, row 1 all -0.0.
         index: [N*K] int32. A slot whose index is outside [0, R) is skipped (validation leaves only
-            the mode's skips there: -1 in drop/pad mode, >= A in active mode).
+            the profile's skips there: -1 in drop/pad mode, >= A in active mode; on 950@9.1 more).
         top_k: K.
         chains: [B, L, 2] int32, C-contiguous: bin b's L elements, in order: (slot or -1, the aux
             row read when the slot is -1 or skipped: 0 = +0.0 for a set, 1 = -0.0 for an add or a pad).
@@ -758,7 +758,7 @@ def run_rows_950(rows, zero, index, top_k, k_chunk, grouped, tile, stream, out, 
         index: [N*K] int32.
         top_k: K.
         k_chunk: slots per pass; the groups of four restart at each pass (1 <= k_chunk <= K).
-        grouped: True for groups of four, False for a plain chain (the 2025-12 revision).
+        grouped: True for groups of four, False for a plain chain (CANN 8.5).
         tile: elements of H per pass.
         stream: write ``out`` past the caches, as :func:`run_rows` does.
         out: [N, H] C-contiguous, the type of ``rows``.

@@ -210,7 +210,7 @@ def format_report(report: ComparisonReport, *, source: str | None = None) -> str
 
     Args:
         report: the comparison.
-        source: where the device result came from, e.g. ``"backend reference, order ascend910b"``.
+        source: where the device result came from, e.g. ``"backend reference, order ascend910b@9.1"``.
     """
     lines = _summary(report, source)
     for title, headers, rows in _sections(report):
