@@ -14,7 +14,7 @@ ASCEND_OPP_PATH):
   (``newer_transformer``), as users install newer ops-transformer builds.
 
 Every home records the CANN release of its operator package as CANN does, in
-``share/info/ops_transformer/version.info`` (``Version=`` :data:`DEFAULT_VERSION`); the session's
+``share/info/ops_transformer/version.info`` (``Version=`` :data:`DEFAULT_VERSION`); during a test
 ``ASCEND_HOME_PATH`` is the split layout's home, so the simulated runtime's ``aclsysGetVersionStr``
 reads it too. :func:`release_home` makes a home of another release for one test.
 
@@ -66,7 +66,8 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str, home: Path, libraries: dict[str, str]) -> None:
-    """Build ``libraries`` (file relative to ``home`` -> source) in order; the runtime ones come first."""
+    """Build ``libraries`` (file relative to ``home`` -> its sources, space-separated) in order; the
+    runtime ones come first."""
     lib64 = home / "lib64"
     for relative, source in libraries.items():
         target = home / relative
@@ -75,7 +76,8 @@ def _build(compiler: str, home: Path, libraries: dict[str, str]) -> None:
         needs = {"libascendcl.so": [], "libnnopbase.so": ["-lascendcl"]}.get(
             target.name, ["-lnnopbase", "-lascendcl", "-ldl"]
         )
-        command = [compiler, *CFLAGS, "-o", str(target), str(SIM_SOURCES / source), *link, *needs]
+        command = [compiler, *CFLAGS, "-o", str(target), *(str(SIM_SOURCES / name) for name in source.split()), *link,
+                   *needs]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"building the CANN simulator failed:\n{' '.join(command)}\n{done.stderr}")
@@ -95,8 +97,9 @@ def write_version_info(home: Path, version: str | None) -> None:
 def sim_homes() -> dict[str, Path]:
     """{layout: home} for every layout of :data:`LAYOUTS`: ASCEND_HOME_PATH-like trees of the simulator.
 
-    Sets ASCEND_OPP_PATH to the split layout's ``opp/`` and ASCEND_HOME_PATH to its home for the
-    session (as set_env.sh would).
+    Sets ASCEND_OPP_PATH to the split layout's ``opp/`` for the session (as set_env.sh would);
+    ASCEND_HOME_PATH is set per test (:func:`_ascend_home`), so that no test outside this folder
+    finds the simulator through it (``backend="auto"`` would).
     """
     compiler = _compiler()
     if compiler is None:
@@ -108,7 +111,7 @@ def sim_homes() -> dict[str, Path]:
     if not root.exists():
         staging = BUILD_ROOT / f"staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        base = {"lib64/libascendcl.so": "runtime.c", "lib64/libnnopbase.so": "nnopbase.c"}
+        base = {"lib64/libascendcl.so": "runtime.c sysinfo.c", "lib64/libnnopbase.so": "nnopbase.c"}
         for layout, libraries in LAYOUTS.items():
             _build(compiler, staging / layout, {**base, **libraries})
         config = staging / "vendors" / "opp" / "vendors" / "config.ini"
@@ -122,7 +125,6 @@ def sim_homes() -> dict[str, Path]:
                 shutil.rmtree(stale, ignore_errors=True)
     homes = {layout: root / layout for layout in LAYOUTS}
     os.environ["ASCEND_OPP_PATH"] = str(homes["split"] / "opp")
-    os.environ["ASCEND_HOME_PATH"] = str(homes["split"])
     os.environ.pop("MOEGRAD_SIM_RELEASE", None)
     return homes
 
@@ -173,6 +175,14 @@ class Sim:
 @pytest.fixture(scope="session")
 def sim(sim_home) -> Sim:
     return Sim(sim_home)
+
+
+@pytest.fixture(autouse=True)
+def _ascend_home(request, monkeypatch):
+    """ASCEND_HOME_PATH is the split layout's home during a test that uses the simulator (as
+    set_env.sh would set it), and is restored after it."""
+    if "sim_homes" in request.fixturenames:
+        monkeypatch.setenv("ASCEND_HOME_PATH", str(request.getfixturevalue("sim_homes")["split"]))
 
 
 @pytest.fixture(autouse=True)

@@ -11,13 +11,18 @@ expected sums come from ascend_cases.sum_in_950_order, a loop written from that 
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 from ascend_cases import DTYPE_NAMES, MODES, assert_bitwise, make_call, sum_in_950_order
+from fastapi.testclient import TestClient
 
 from moegrad import DeviceFault, InvalidArgument, MoeInitRoutingV2GradCall
+from moegrad_service.app import create_app
 from moegrad_service.engine.ascend import AscendBackend
+from moegrad_service.settings import Settings
 from support.docexample import DOC_GRAD, DOC_IDX
+from support.servicekit import grad_x_of, post
 
 RELEASES = ("8.5.0", "9.0.0", "9.1.0")
 #: The code of an attribute or shape failure, per release (the 9.1 docs changed it).
@@ -180,3 +185,31 @@ def test_elsewhere_those_slots_are_undefined_and_refused(device, version, soc):
         with pytest.raises(InvalidArgument) as caught:
             worker.run(call, timeout_s=None)
         assert caught.value.aclnn_status == 161002, mode
+
+
+@pytest.mark.parametrize(("soc", "served"), [("Ascend950PR", True), ("Ascend910B3", False)])
+def test_a_backward_with_unrouted_slots_through_the_service(sim, release_home, monkeypatch, soc, served):
+    """Huawei's 950 binding's backward: dropless, -1 where a token's expert was outside the active
+    range. Served on the 950 at 9.1 with +0.0 rows; refused on an A2 at 9.1, naming the profile that
+    takes it."""
+    monkeypatch.setenv("MOEGRAD_SIM_SOC_NAME", soc)
+    home = release_home("9.1.0")
+    rng = np.random.default_rng(5)
+    grad = rng.standard_normal((12, 6)).astype(np.float32)
+    idx = np.array([3, -1, 0, 7, -1, -1, 11, 2, 5, 9, -1, 1], np.int32)
+    document = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=4,
+                                        order="ascend950@9.1").to_wire()
+    del document["order"]  # named none: the device's own profile decides
+    with TestClient(create_app(Settings(backend="ascend", ascend_home_path=home, streams=1)),
+                    raise_server_exceptions=False) as client:
+        response = post(client, document)
+        if served:
+            assert response.status_code == 200, response.text
+            assert msgpack.unpackb(response.content)["order"] == "ascend950@9.1"
+            expected = sum_in_950_order(MoeInitRoutingV2GradCall.model_construct(
+                grad_expanded_x=grad, expanded_row_idx=idx, top_k=4, drop_pad_mode=0, active_num=0), "9.1")
+            assert_bitwise(grad_x_of(response), expected)
+        else:
+            problem = response.json()
+            assert (problem["status"], problem["aclnn_status"]) == (422, 161002)
+            assert "ascend950@9.1" in problem["detail"]
