@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moegrad import DeviceFault
-from moegrad._profiles import RELEASES, Profile, profile_of_release
+from moegrad import DeviceFault, Profile
+from moegrad._profiles import RELEASES, profile_of_release
 from moegrad_service.engine.ascend._abi import (
     ACL_DATA_TYPES,
     ACL_HBM_MEM,

@@ -23,9 +23,10 @@ from moegrad import (
     InvalidArgument,
     MoegradError,
     MoeInitRoutingV2GradCall,
+    Profile,
     dtype_name,
+    resolve_profile,
 )
-from moegrad._profiles import Profile, resolve_profile
 from moegrad_service.engine.ascend._abi import ACL_DATA_TYPES, code_name
 from moegrad_service.engine.ascend._buffers import host_array
 

@@ -15,8 +15,7 @@ import time
 
 import numpy as np
 
-from moegrad import DeadlineExceeded, DeviceFault, MoeInitRoutingV2GradCall
-from moegrad._profiles import Profile
+from moegrad import DeadlineExceeded, DeviceFault, MoeInitRoutingV2GradCall, Profile
 from moegrad_service.engine.ascend._abi import (
     ACL_ERROR_RT_STREAM_SYNC_TIMEOUT,
     ACL_MEM_MALLOC_HUGE_FIRST,
