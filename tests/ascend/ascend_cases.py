@@ -1,7 +1,8 @@
 """Calls for the ascend tests: every mode, dtype and K that the reference tests cover, and a bitwise comparison.
 
 The expected values always come from :func:`moegrad.moe_init_routing_v2_grad` (NumPy, independent of
-the simulator's C code) or from numbers worked out by hand in the test itself.
+the simulator's C code), from :func:`sum_in_950_order` (a per-row loop written from the 950 kernel's
+rule) or from numbers worked out by hand in the test itself.
 """
 
 from __future__ import annotations
@@ -61,3 +62,37 @@ def assert_bitwise(actual: np.ndarray, expected: np.ndarray) -> None:
         raise AssertionError(f"{int(differ.sum())} of {actual.size} elements differ; first at {where}: "
                              f"{actual[where]!r} (0x{int(bits_actual[where]):x}) != "
                              f"{expected[where]!r} (0x{int(bits_expected[where]):x})")
+
+
+def sum_in_950_order(call: moegrad.MoeInitRoutingV2GradCall, release: str = "9.1") -> np.ndarray:
+    """grad_x by the Ascend 950 kernel's rule at CANN ``release``, one token at a time.
+
+    Written from the arch35 kernel as docs/semantics.md (section 7) and the profile table describe
+    it, for a K that fits in one chunk, not from moegrad's code: a float32 accumulator from +0.0;
+    from 9.0 groups of four rows added as s += ((x0 + x1) + (x2 + x3)) and the leftover rows as
+    s += x, at 8.5 every row as s += x; an invalid slot's row is +0.0, added in its place (drop/pad:
+    a negative index; active: an index >= A; from 9.1 also any negative index and a dropless index
+    >= N*K); one rounding (to nearest, ties to even) to the output dtype. fp16 / bf16 rows are
+    widened to float32 exactly.
+    """
+    grad = np.asarray(call.grad_expanded_x)
+    rows = grad.reshape(-1, grad.shape[-1]).astype(np.float32)
+    idx, k = np.asarray(call.expanded_row_idx), call.top_k
+    dropless = call.drop_pad_mode == 0 and call.active_num == 0
+    out = np.empty((idx.size // k, rows.shape[1]), np.float32)
+    for i in range(out.shape[0]):
+        xs = []
+        for slot in idx[i * k:(i + 1) * k]:
+            invalid = slot < 0 if call.drop_pad_mode == 1 else 0 < call.active_num <= slot
+            if release == "9.1":
+                invalid = invalid or slot < 0 or (dropless and slot >= idx.size)
+            xs.append(np.zeros(rows.shape[1], np.float32) if invalid else rows[slot])
+        s, t = np.zeros(rows.shape[1], np.float32), 0
+        while release != "8.5" and k - t >= 4:
+            s = s + ((xs[t] + xs[t + 1]) + (xs[t + 2] + xs[t + 3]))
+            t += 4
+        while t < k:
+            s = s + xs[t]
+            t += 1
+        out[i] = s
+    return out.astype(grad.dtype)

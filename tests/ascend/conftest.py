@@ -13,6 +13,11 @@ ASCEND_OPP_PATH):
   the operator (``aaa_other``, first in config.ini's load_priority) and one with it
   (``newer_transformer``), as users install newer ops-transformer builds.
 
+Every home records the CANN release of its operator package as CANN does, in
+``share/info/ops_transformer/version.info`` (``Version=`` :data:`DEFAULT_VERSION`); during a test
+``ASCEND_HOME_PATH`` is the split layout's home, so the simulated runtime's ``aclsysGetVersionStr``
+reads it too. :func:`release_home` makes a home of another release for one test.
+
 A library loaded into a process stays there, so tests of the other layouts run in subprocesses.
 Every library has a soname, so one loaded from a custom package finds the runtime already loaded.
 Without a C compiler every test here is skipped, with that reason.
@@ -33,6 +38,10 @@ SIM_SOURCES = Path(__file__).parent / "sim"
 BUILD_ROOT = Path(__file__).parent / "_build"
 CFLAGS = ["-std=gnu11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off",
           "-Wall", "-Wextra", "-pthread"]
+#: The release every built home records (the newest of moegrad._profiles.RELEASES).
+DEFAULT_VERSION = "9.1.0"
+#: Bumped when what _build writes besides the libraries changes, so that older builds are rebuilt.
+BUILD_RECIPE = b"share/info/ops_transformer/version.info " + DEFAULT_VERSION.encode()
 #: moegradSimCounts' output, in order (tests/ascend/sim/sim.h, SIM_COUNT_*).
 COUNT_NAMES = ("allocations", "allocated_bytes", "tensors", "executors", "streams", "pending", "device_refs",
                "initialized", "violations", "reclaimed", "mallocs", "launches", "syncs", "context_errors",
@@ -57,37 +66,52 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str, home: Path, libraries: dict[str, str]) -> None:
-    """Build ``libraries`` (file relative to ``home`` -> source) in order; the runtime ones come first."""
+    """Build ``libraries`` (file relative to ``home`` -> its sources, space-separated) in order; the
+    runtime ones come first."""
     lib64 = home / "lib64"
     for relative, source in libraries.items():
         target = home / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         link = ["-L", str(lib64), "-Wl,-rpath,$ORIGIN", f"-Wl,-soname,{target.name}"]
-        needs = {"libascendcl.so": [], "libnnopbase.so": ["-lascendcl"]}.get(target.name, ["-lnnopbase", "-lascendcl"])
-        command = [compiler, *CFLAGS, "-o", str(target), str(SIM_SOURCES / source), *link, *needs]
+        needs = {"libascendcl.so": [], "libnnopbase.so": ["-lascendcl"]}.get(
+            target.name, ["-lnnopbase", "-lascendcl", "-ldl"]
+        )
+        command = [compiler, *CFLAGS, "-o", str(target), *(str(SIM_SOURCES / name) for name in source.split()), *link,
+                   *needs]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"building the CANN simulator failed:\n{' '.join(command)}\n{done.stderr}")
     (home / "opp").mkdir(exist_ok=True)
+    write_version_info(home, DEFAULT_VERSION)
+
+
+def write_version_info(home: Path, version: str | None) -> None:
+    """``home``'s ops_transformer package records ``version`` (None: no version.info at all)."""
+    info = home / "share" / "info" / "ops_transformer"
+    info.mkdir(parents=True, exist_ok=True)
+    if version is not None:
+        (info / "version.info").write_text(f"Version={version}\n")
 
 
 @pytest.fixture(scope="session")
 def sim_homes() -> dict[str, Path]:
     """{layout: home} for every layout of :data:`LAYOUTS`: ASCEND_HOME_PATH-like trees of the simulator.
 
-    Sets ASCEND_OPP_PATH to the split layout's ``opp/`` for the session (as set_env.sh would).
+    Sets ASCEND_OPP_PATH to the split layout's ``opp/`` for the session (as set_env.sh would);
+    ASCEND_HOME_PATH is set per test (:func:`_ascend_home`), so that no test outside this folder
+    finds the simulator through it (``backend="auto"`` would).
     """
     compiler = _compiler()
     if compiler is None:
         pytest.skip("no C compiler (cc, gcc or clang) on PATH: the CANN simulator cannot be built")
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(BUILD_RECIPE)
     for source in sorted(SIM_SOURCES.iterdir()):
         digest.update(source.name.encode() + source.read_bytes())
     root = BUILD_ROOT / digest.hexdigest()[:16]
     if not root.exists():
         staging = BUILD_ROOT / f"staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        base = {"lib64/libascendcl.so": "runtime.c", "lib64/libnnopbase.so": "nnopbase.c"}
+        base = {"lib64/libascendcl.so": "runtime.c sysinfo.c", "lib64/libnnopbase.so": "nnopbase.c"}
         for layout, libraries in LAYOUTS.items():
             _build(compiler, staging / layout, {**base, **libraries})
         config = staging / "vendors" / "opp" / "vendors" / "config.ini"
@@ -101,6 +125,7 @@ def sim_homes() -> dict[str, Path]:
                 shutil.rmtree(stale, ignore_errors=True)
     homes = {layout: root / layout for layout in LAYOUTS}
     os.environ["ASCEND_OPP_PATH"] = str(homes["split"] / "opp")
+    os.environ.pop("MOEGRAD_SIM_RELEASE", None)
     return homes
 
 
@@ -153,6 +178,14 @@ def sim(sim_home) -> Sim:
 
 
 @pytest.fixture(autouse=True)
+def _ascend_home(request, monkeypatch):
+    """ASCEND_HOME_PATH is the split layout's home during a test that uses the simulator (as
+    set_env.sh would set it), and is restored after it."""
+    if "sim_homes" in request.fixturenames:
+        monkeypatch.setenv("ASCEND_HOME_PATH", str(request.getfixturevalue("sim_homes")["split"]))
+
+
+@pytest.fixture(autouse=True)
 def _clean_faults(request):
     """No fault armed by one test may fire in the next."""
     if "sim" not in request.fixturenames:
@@ -162,6 +195,29 @@ def _clean_faults(request):
     simulator.clear()
     yield
     simulator.clear()
+
+
+@pytest.fixture
+def release_home(sim, sim_home, tmp_path, monkeypatch):
+    """``make(version)``: a home whose operator package records CANN ``version``, made the process's.
+
+    The home's ``lib64`` and ``opp`` are links to the split layout's (the libraries stay the ones
+    loaded), its ``share/info/ops_transformer/version.info`` says ``Version=<version>`` (None: the
+    file is missing). ASCEND_HOME_PATH is set to it, and MOEGRAD_SIM_RELEASE to ``version`` (empty
+    for None) so that the simulated operator, loaded once per process, behaves as that release.
+    """
+
+    def make(version: str | None) -> Path:
+        home = tmp_path / f"cann-{version}"
+        home.mkdir()
+        for name in ("lib64", "opp"):
+            (home / name).symlink_to(sim_home / name, target_is_directory=True)
+        write_version_info(home, version)
+        monkeypatch.setenv("ASCEND_HOME_PATH", str(home))
+        monkeypatch.setenv("MOEGRAD_SIM_RELEASE", version or "")
+        return home
+
+    return make
 
 
 @pytest.fixture

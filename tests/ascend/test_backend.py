@@ -196,8 +196,10 @@ def test_health_from_threads_that_never_opened_a_worker(backend, sim):
 
 def test_device_description_and_order(backend):
     assert backend.name == "ascend"
-    assert backend.device == "Ascend910B3 #0"  # the simulator's aclrtGetSocName
-    assert backend.order == "ascend910b"
+    # the simulator's aclrtGetSocName; the release its home's version.info records (conftest), read
+    # through aclsysGetVersionStr since ASCEND_HOME_PATH is the operator's home
+    assert backend.device == "Ascend910B3 #0, CANN 9.1.0 (aclsysGetVersionStr)"
+    assert backend.order == "ascend910b@9.1"
 
 
 def test_a_device_that_is_not_visible_is_a_clear_startup_error(sim, sim_home):
@@ -210,54 +212,16 @@ def test_a_device_that_is_not_visible_is_a_clear_startup_error(sim, sim_home):
 # --- what the device rejects -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("fields", "status"), [
-    # docs/operator.md's return codes / docs/semantics.md section 8:
-    ({"expanded_row_idx": np.array([2, 0, 1, 4], np.int32)}, 161002),   # index outside [0, N*K)
-    ({"expanded_row_idx": None}, 161001),                                # a null tensor
-    ({"top_k": 3}, 561002),                                              # N*K not divisible by K
-    ({"top_k": 0}, 561002),                                              # K <= 0
-    ({"drop_pad_mode": 2}, 561002),                                      # mode not 0 or 1
-    ({"drop_pad_mode": 1}, 561002),                                      # drop/pad needs [E, C, H]
-    ({"active_num": 3}, 561002),                                         # A != grad.shape[0]
-    ({"active_num": -1}, 561002),                                        # A < 0
-])
-def test_phase_one_rejections_carry_the_device_code(backend, sim, fields, status):
-    worker = backend.open_worker(0)
-    call = MoeInitRoutingV2GradCall.model_construct(**{"grad_expanded_x": DOC_GRAD, "expanded_row_idx": DOC_IDX,
-                                                       "top_k": 2, "drop_pad_mode": 0, "active_num": 0,
-                                                       "order": "ascend910b", **fields})
-    before = sim.counts()
-    with pytest.raises(InvalidArgument) as caught:
-        worker.run(call, timeout_s=None)
-    assert caught.value.aclnn_status == status
-    assert "[moegrad-sim] aclnnMoeInitRoutingV2GradGetWorkspaceSize" in caught.value.message
-    after = sim.counts()
-    assert after["phase_one"] - before["phase_one"] == 1 and after["launches"] == before["launches"]
-    assert after["tensors"] == after["executors"] == 0
-    assert worker.run(doc_call(), timeout_s=None).shape == (2, 2)
-    worker.close()
-
-
 def test_a_dtype_without_an_acl_type_is_refused_before_the_device(backend, sim):
     worker = backend.open_worker(0)
     call = MoeInitRoutingV2GradCall.model_construct(grad_expanded_x=DOC_GRAD.astype(np.float64),
                                                     expanded_row_idx=DOC_IDX, top_k=2, drop_pad_mode=0, active_num=0,
-                                                    order="ascend910b")
+                                                    order="ascend910b@9.1")
     before = sim.counts()["phase_one"]
     with pytest.raises(InvalidArgument) as caught:
         worker.run(call, timeout_s=None)
     assert caught.value.aclnn_status == 161002 and caught.value.field == "grad_expanded_x"
     assert sim.counts()["phase_one"] == before
-    worker.close()
-
-
-def test_empty_calls_are_rejected_by_the_device_tiling(backend):
-    # The service answers empty calls itself (docs/semantics.md section 5); the device's tiling refuses them.
-    worker = backend.open_worker(0)
-    call = MoeInitRoutingV2GradCall(grad_expanded_x=np.zeros((4, 0), np.float32), expanded_row_idx=DOC_IDX, top_k=2)
-    with pytest.raises(InvalidArgument) as caught:
-        worker.run(call, timeout_s=None)
-    assert caught.value.aclnn_status == 561002
     worker.close()
 
 
@@ -339,16 +303,6 @@ def test_sync_failure_replaces_the_stream(backend, sim):
     assert worker.run(doc_call(), timeout_s=None)[0, 0] == np.float32(0.3)
     after = sim.counts()
     assert after["streams"] == 1 and after["streams_created"] - before["streams_created"] == 1
-    worker.close()
-
-
-def test_tiling_failure_is_a_phase_one_rejection(backend, sim):
-    worker = backend.open_worker(0)
-    sim.inject("tiling")
-    with pytest.raises(InvalidArgument) as caught:
-        worker.run(doc_call(), timeout_s=None)
-    assert caught.value.aclnn_status == 561002 and "injected tiling failure" in caught.value.message
-    assert worker.run(doc_call(), timeout_s=None).shape == (2, 2)
     worker.close()
 
 
@@ -435,7 +389,7 @@ def test_no_live_resources_after_traffic_faults_and_close(sim, sim_home):
     with pytest.raises(DeadlineExceeded):
         workers[1].run(doc_call(), timeout_s=0.02)
     bad = MoeInitRoutingV2GradCall.model_construct(grad_expanded_x=DOC_GRAD, expanded_row_idx=DOC_IDX, top_k=3,
-                                                   drop_pad_mode=0, active_num=0, order="ascend910b")
+                                                   drop_pad_mode=0, active_num=0, order="ascend910b@9.1")
     with pytest.raises(InvalidArgument):
         workers[2].run(bad)
     sim.release_hung()
@@ -621,16 +575,4 @@ def test_the_workspace_is_the_16_mib_the_tiling_reserves(backend, sim):
     worker.run(doc_call(), timeout_s=None)
     # Three 32-byte-aligned buffers of 32, 16 and 16 bytes, and the workspace.
     assert sim.counts()["allocated_bytes"] == 32 + 32 + 32 + (16 << 20)
-    worker.close()
-
-
-def test_an_operator_that_accepts_an_empty_output_launches_nothing(backend, sim, monkeypatch):
-    monkeypatch.setenv("MOEGRAD_SIM_EMPTY", "accept")
-    worker = backend.open_worker(0)
-    before = sim.counts()
-    call = MoeInitRoutingV2GradCall(grad_expanded_x=np.zeros((4, 0), np.float32), expanded_row_idx=DOC_IDX, top_k=2)
-    got = worker.run(call, timeout_s=None)
-    assert got.shape == (2, 0) and got.dtype == np.float32
-    after = sim.counts()
-    assert after["launches"] == before["launches"] and after["executors"] == after["tensors"] == 0
     worker.close()

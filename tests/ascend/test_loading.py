@@ -112,7 +112,8 @@ def test_an_unknown_soc_is_described_but_no_order_is_claimed(sim, sim_home, monk
     monkeypatch.setenv("MOEGRAD_SIM_SOC_NAME", "Ascend310P3")
     backend = AscendBackend(ascend_home_path=sim_home)
     try:
-        assert backend.device == "Ascend310P3 #0" and backend.order is None
+        assert backend.device == "Ascend310P3 #0, CANN 9.1.0 (aclsysGetVersionStr)"
+        assert backend.chip is None and backend.profile is None and backend.order is None
     finally:
         backend.close()
 
@@ -163,7 +164,8 @@ def test_each_layout_loads_exactly_one_operator_library(sim_homes, layout):
         worker.close()
         backend.close()
         print(json.dumps({{"mapped": mapped, "op_from": backend._api.where["aclnnMoeInitRoutingV2Grad"],
-                          "global": hasattr(ctypes.CDLL(None), "aclnnMoeInitRoutingV2Grad"), "bits": bits}}))
+                          "global": hasattr(ctypes.CDLL(None), "aclnnMoeInitRoutingV2Grad"), "bits": bits,
+                          "order": backend.order, "release": backend.release.source}}))
     """, ASCEND_OPP_PATH=str(home / "opp"))
     expected = str(home / OPERATOR_FROM[layout])
     assert result["op_from"] == expected
@@ -171,6 +173,11 @@ def test_each_layout_loads_exactly_one_operator_library(sim_homes, layout):
     assert result["global"] is False            # loaded RTLD_LOCAL: its symbols do not leak into the process
     bits_03, bits_07 = 1050253722, 1060320052   # float32 0.3 and 0.70000005
     assert result["bits"] == [[bits_03, bits_03], [bits_07, bits_07]]
+    if layout == "vendors":  # a custom package records no release: its results are never named
+        assert result["order"] is None and "custom package" in result["release"]
+    else:  # no ASCEND_HOME_PATH here: the release is read from the operator's home, 9.1.0 (conftest)
+        assert result["order"] == "ascend910b@9.1"
+        assert result["release"] == str(home / "share" / "info" / "ops_transformer" / "version.info")
 
 
 def test_the_search_order_of_operator_libraries(sim_homes, tmp_path):

@@ -54,7 +54,8 @@ def test_results_match_the_reference_backend_and_nothing_is_left(sim, sim_home):
     before = sim.counts()
     calls = [make_call(mode, dtype, k, seed=3) for mode in MODES for dtype in DTYPE_NAMES for k in (1, 3, 6, 8, 129)]
     with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as ascend, serve(backend="reference") as ref:
-        assert ascend.get("/health/ready").json() == {"status": "ready", "backend": "ascend", "device": "Ascend910B3 #0"}
+        assert ascend.get("/health/ready").json() == {"status": "ready", "backend": "ascend",
+                                                      "device": "Ascend910B3 #0, CANN 9.1.0 (aclsysGetVersionStr)"}
         for call in calls:
             got, want = post(ascend, document(call)), post(ref, document(call))
             assert got.status_code == want.status_code == 200, got.text
@@ -112,7 +113,7 @@ def test_phase_one_rejection_is_a_422_with_the_device_code(sim, sim_home):
         sim.inject("tiling")
         rejected = post(client, example_document())
         assert rejected.status_code == 422
-        assert rejected.json()["aclnn_status"] == 561002
+        assert rejected.json()["aclnn_status"] == 561103  # the CANN 9.1 code of a tiling failure (conftest: 9.1.0)
         assert "injected tiling failure" in rejected.json()["detail"]
         assert post(client, example_document()).status_code == 200
 
@@ -216,8 +217,8 @@ def test_real_client_against_a_real_server(ascend_server):
         assert client.info()["backend"] == "ascend"
         doc = make_call("dropless", "float32", 2)
         with pytest.raises(moegrad.InvalidArgument) as rejected:  # phase one #2: MOEGRAD_SIM_FAULTS tiling@2
-            client.run(doc)
-        assert rejected.value.aclnn_status == 561002 and "injected tiling failure" in str(rejected.value)
+            client.run(doc)  # the 9.1 code (conftest's release), read here from the home's version.info
+        assert rejected.value.aclnn_status == 561103 and "injected tiling failure" in str(rejected.value)
         client.run(doc)                                             # launch #1
         with pytest.raises(moegrad.DeviceFault, match="injected kernel launch failure"):
             client.run(doc)                                         # launch #2 fails
@@ -226,7 +227,7 @@ def test_real_client_against_a_real_server(ascend_server):
                 for k in K_VALUES:
                     call = make_call(mode, dtype, k, seed=11)
                     reply = client.run(call)
-                    assert reply.backend == "ascend" and reply.device == "Ascend910B3 #0"
+                    assert reply.backend == "ascend" and reply.device == "Ascend910B3 #0, CANN 9.1.0 (version.info)"
                     assert_bitwise(reply.grad_x, moegrad.moe_init_routing_v2_grad(call))
 
 

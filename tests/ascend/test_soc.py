@@ -1,35 +1,33 @@
-"""Which chip answered: the SoC name the runtime reports, and the order of adds that chip computes.
+"""Which chip answered: the SoC name the runtime reports, the chip it is, and that chip's order of adds.
 
-The simulator reports the SoC named by MOEGRAD_SIM_SOC_NAME. On an Ascend950* SoC its kernel adds in
-the 950 order for shapes whose whole K fits in one chunk; the expected values here come from a
-per-row loop written from that rule (docs/semantics.md, section 7), not from moegrad's code:
-a float32 accumulator from +0.0, groups of four rows added as s += ((x0 + x1) + (x2 + x3)), the
-leftover rows as s += x, an invalid slot's row taken as +0.0 and added in its place, one rounding
-(to nearest, ties to even) to the output dtype.
+The simulator reports the SoC named by MOEGRAD_SIM_SOC_NAME, and its homes record CANN 9.1.0. On an
+Ascend950* SoC its kernel adds in the 950 order for shapes whose whole K fits in one chunk; the
+expected values here come from a per-row loop written from that rule (ascend_cases.sum_in_950_order,
+docs/semantics.md section 7), not from moegrad's code.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from ascend_cases import DTYPE_NAMES, MODES, assert_bitwise, make_call
+from ascend_cases import DTYPE_NAMES, MODES, assert_bitwise, make_call, sum_in_950_order
 
 import moegrad
 from moegrad import MoeInitRoutingV2GradCall
-from moegrad_service.engine.ascend import AscendBackend, order_of_soc
+from moegrad_service.engine.ascend import AscendBackend, chip_of_soc
 
 #: K values whose 950 order is defined by the one-chunk rule, with the groups-of-four edge cases.
 K_950 = (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17)
 
 
-@pytest.mark.parametrize(("soc", "order"), [
+@pytest.mark.parametrize(("soc", "chip"), [
     ("Ascend910B1", "ascend910b"), ("Ascend910B3", "ascend910b"), ("Ascend910B4", "ascend910b"),
-    ("Ascend910_9391", "ascend910b"), ("Ascend910_9382", "ascend910b"),
+    ("Ascend910_9391", "ascend910_93"), ("Ascend910_9382", "ascend910_93"),
     ("Ascend950PR", "ascend950"), ("Ascend950DT", "ascend950"),
     ("Ascend910A", None), ("Ascend310P3", None), ("", None), (None, None),
 ])
-def test_soc_names_map_to_orders(soc, order):
-    assert order_of_soc(soc) == order
+def test_soc_names_map_to_chips(soc, chip):
+    assert chip_of_soc(soc) == chip
 
 
 @pytest.fixture
@@ -43,35 +41,13 @@ def soc_backend(sim, sim_home, monkeypatch, request):
 
 
 @pytest.mark.parametrize(("soc_backend", "order"), [
-    ("Ascend910B3", "ascend910b"), ("Ascend910_9391", "ascend910b"), ("Ascend950PR", "ascend950"),
-    ("Ascend950DT", "ascend950"), ("Ascend310P3", None),
+    ("Ascend910B3", "ascend910b@9.1"), ("Ascend910_9391", "ascend910_93@9.1"), ("Ascend950PR", "ascend950@9.1"),
+    ("Ascend950DT", "ascend950@9.1"), ("Ascend310P3", None),
 ], indirect=["soc_backend"])
-def test_the_backend_names_its_soc_and_the_order_it_computes(soc_backend, order):
+def test_the_backend_names_its_soc_and_the_profile_it_computes(soc_backend, order):
     soc = soc_backend.soc_name
     assert soc_backend.order == order
-    assert soc_backend.device == f"{soc} #0"
-
-
-def sum_in_950_order(call: MoeInitRoutingV2GradCall) -> np.ndarray:
-    """grad_x by the 950 rule, one token at a time (float32 arithmetic, one final rounding)."""
-    grad = np.asarray(call.grad_expanded_x)
-    rows = grad.reshape(-1, grad.shape[-1]).astype(np.float32)  # exact widening of fp16 / bf16
-    idx, k = np.asarray(call.expanded_row_idx), call.top_k
-    out = np.empty((idx.size // k, rows.shape[1]), np.float32)
-    for i in range(out.shape[0]):
-        xs = []
-        for slot in idx[i * k:(i + 1) * k]:
-            invalid = slot < 0 if call.drop_pad_mode == 1 else 0 < call.active_num <= slot
-            xs.append(np.zeros(rows.shape[1], np.float32) if invalid else rows[slot])
-        s, t = np.zeros(rows.shape[1], np.float32), 0
-        while k - t >= 4:
-            s = s + ((xs[t] + xs[t + 1]) + (xs[t + 2] + xs[t + 3]))
-            t += 4
-        while t < k:
-            s = s + xs[t]
-            t += 1
-        out[i] = s
-    return out.astype(grad.dtype)
+    assert soc_backend.device == f"{soc} #0, CANN 9.1.0 (aclsysGetVersionStr)"
 
 
 @pytest.mark.parametrize("soc_backend", ["Ascend950PR"], indirect=True)

@@ -3,29 +3,43 @@
  * older single-library layout): aclnnMoeInitRoutingV2GradGetWorkspaceSize and
  * aclnnMoeInitRoutingV2Grad with the prototypes of aclnnop/aclnn_moe_init_routing_v2_grad.h.
  *
- * Phase one applies the operator's documented host checks in this order
- * (161001 null, 161002 dtype, 561002 attributes / ranks / sizes / divisibility) and makes a
- * single-use executor. Unlike a real device it also reads expandedRowIdx and rejects an index
- * outside the mode's range with 161002: a real kernel would read outside gradExpandedX instead.
- * Duplicated indices are accepted, as on the device: the kernel is a gather, a repeated row is
- * simply read twice (moegrad's Python validation rejects them unless allow_duplicate_indices).
+ * The release. The operator behaves as the CANN release of its package: the Version= of
+ * <home>/share/info/ops_transformer/version.info, <home> being two folders above this library's
+ * file (<home>/lib64/libopapi_transformer.so, links resolved), read at each phase one; MOEGRAD_SIM_RELEASE, when set,
+ * stands for that file (a library loaded once per process cannot be reinstalled between tests; an
+ * empty value is an unreadable release). An unreadable release behaves as 9.0.
+ *
+ * Phase one applies the operator's documented host checks in this order: 161001 null, 161002
+ * dtype, then the attribute / rank / size / divisibility checks, answered 561002 before 9.1 and
+ * 561103 ACLNN_ERR_INNER_NULLPTR from 9.1 (the 9.1 docs; the tiling runs in an l0 layer whose
+ * failure the API reports as a null result). From 9.1 the dtype checks skip a tensor with no
+ * elements, and an empty output (N = 0 or H = 0) succeeds with no workspace and no attribute check,
+ * and phase two launches nothing; before 9.1 an empty output is refused with 561002, as the 8.x
+ * tiling's positive-dimension checks do. It makes a single-use executor. Unlike a real device it
+ * also reads expandedRowIdx and rejects an index the kernel would read outside gradExpandedX with
+ * (an undefined read on a device): outside [-1, E*C) in drop/pad mode and outside [0, N*K)
+ * otherwise; on the 950 from 9.1, whose kernel gives a +0.0 row for any negative index, for a
+ * dropless index >= N*K and for an active-mode index >= A, only a drop/pad index >= E*C. Duplicated
+ * indices are accepted, as on the device: the kernel is a gather, a repeated row is simply read
+ * twice (moegrad's Python validation rejects them unless allow_duplicate_indices).
  *
  * Installation faults answer as opbase's do: phase one fails with 561107 when ASCEND_OPP_PATH is
  * unset (opbase reads it to find the kernels) and with 561003 for an injected "kernel" fault (no
- * kernel binary). The workspace is the fixed 16 MiB the operator's tiling reserves. An empty output
- * (N = 0 or H = 0) is refused with 561002, as the 8.x tiling's positive-dimension checks do; with
- * MOEGRAD_SIM_EMPTY=accept phase one instead answers success with no workspace, and phase two
- * launches nothing (the behaviour reported for the newer entry point, not read in its source).
+ * kernel binary). The workspace is the fixed 16 MiB the operator's tiling reserves.
  *
  * Phase two queues the kernel on the stream. The kernel is the Atlas A2/A3 arithmetic of
  * docs/semantics.md section 3: rows widened exactly to float, float adds in the bin order, one
  * round-half-to-even conversion to the output dtype. When the runtime reports an Ascend950* SoC
  * (aclrtGetSocName; MOEGRAD_SIM_SOC_NAME chooses it), the kernel adds in the 950 order instead, as
  * it stands when the whole K fits in one chunk: a float accumulator from +0.0, groups of four rows
- * added as s += ((x0 + x1) + (x2 + x3)), the leftover rows as s += x, an invalid slot's row taken
- * as +0.0 (never -0.0) and added in its place, one rounding to the output dtype.
+ * added as s += ((x0 + x1) + (x2 + x3)) (from 9.0; before, one row at a time, s += x), the leftover
+ * rows as s += x, an invalid slot's row taken as +0.0 (never -0.0) and added in its place, one
+ * rounding to the output dtype.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
+#include <libgen.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +49,41 @@
 
 /* libascendcl.so (acl/acl_base.h): the SoC the process runs on. */
 const char *aclrtGetSocName(void);
+
+/* ---- the release ------------------------------------------------------------------------------ */
+
+/* "9.1.0" -> 901 (major * 100 + minor); 0 when it is not "<major>.<minor>...". */
+static int parse_release(const char *version) {
+    int major = 0, minor = 0;
+    if (!version || sscanf(version, "%d.%d", &major, &minor) != 2 || major < 0 || minor < 0 || minor > 99) return 0;
+    return major * 100 + minor;
+}
+
+/* The release this operator package behaves as (see the file comment): 901 for 9.1, 0 unreadable. */
+static int package_release(void) {
+    const char *forced = getenv("MOEGRAD_SIM_RELEASE");
+    if (forced) return parse_release(forced);
+    Dl_info info;
+    if (!dladdr((void *)package_release, &info) || !info.dli_fname) return 0;
+    char path[PATH_MAX]; /* the file itself: the name it was first loaded by may run through a link */
+    if (!realpath(info.dli_fname, path)) return 0;
+    char *home = dirname(dirname(path));
+    char file[PATH_MAX + 64];
+    snprintf(file, sizeof file, "%s/share/info/ops_transformer/version.info", home);
+    FILE *f = fopen(file, "r");
+    if (!f) return 0;
+    char line[512];
+    int release = 0;
+    while (fgets(line, sizeof line, f)) {
+        char *at = strstr(line, "Version=");
+        if (at) {
+            release = parse_release(at + strlen("Version="));
+            break;
+        }
+    }
+    fclose(f);
+    return release;
+}
 
 #define NAME1 "aclnnMoeInitRoutingV2GradGetWorkspaceSize"
 #define NAME2 "aclnnMoeInitRoutingV2Grad"
@@ -144,7 +193,7 @@ static int64_t bins_for(int64_t k) {
 /* The Ascend 950 order with K in one chunk (see the file comment). */
 static void kernel_950(const SimExecutor *e) {
     const SimTensor *g = &e->grad, *ix = &e->idx, *o = &e->out;
-    int64_t k = e->top_k, n = o->dims[0], h_size = o->dims[1];
+    int64_t k = e->top_k, n = o->dims[0], h_size = o->dims[1], slots = n * k;
     int mode = (int)e->drop_pad_mode;
     int64_t active = e->active_num, capacity = mode == 1 ? g->dims[1] : 1;
     for (int64_t i = 0; i < n; i++) {
@@ -152,10 +201,12 @@ static void kernel_950(const SimExecutor *e) {
             float s = 0.0f, x[4];
             int64_t t = 0;
             while (t < k) {
-                int64_t take = k - t >= 4 ? 4 : 1;
+                int64_t take = k - t >= 4 && !e->chain_950 ? 4 : 1;
                 for (int64_t j = 0; j < take; j++) {
                     int32_t row = index_at(ix, i * k + t + j);
                     int invalid = mode == 1 ? row < 0 : (active > 0 && row >= active);
+                    if (e->defines_invalid) /* 9.1: any negative, and a dropless index >= N*K */
+                        invalid = invalid || row < 0 || (mode == 0 && active == 0 && row >= slots);
                     x[j] = 0.0f; /* an invalid slot is a +0.0 row */
                     if (!invalid) {
                         int64_t at = mode == 1 ? g->offset + (row / capacity) * g->strides[0] +
@@ -238,11 +289,20 @@ static int is_grad_dtype(int32_t dtype) {
     return dtype == SIM_ACL_FLOAT || dtype == SIM_ACL_FLOAT16 || dtype == SIM_ACL_BF16;
 }
 
+static int64_t elements(const SimTensor *t) {
+    int64_t n = 1;
+    for (int64_t d = 0; d < t->ndim; d++) n *= t->dims[d];
+    return n;
+}
+
 SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExpandedX, const void *expandedRowIdx,
                                                              int64_t topK, int64_t dropPadMode, int64_t activeNum,
                                                              const void *out, uint64_t *workspaceSize,
                                                              void **executor) {
     moegradSimTrack(SIM_COUNT_PHASE_ONE, +1);
+    int release = package_release();
+    int edge_91 = release >= 901; /* the 9.1 API edge: no chip branch */
+    int32_t shape_error = edge_91 ? SIM_ACLNN_ERR_INNER_NULLPTR : SIM_ACLNN_ERR_INNER_TILING_ERROR;
     const void *handles[3] = {gradExpandedX, expandedRowIdx, out};
     const char *names[3] = {"gradExpandedX", "expandedRowIdx", "out"};
     /* 161001: null pointers */
@@ -257,53 +317,16 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
         }
     }
     const SimTensor *g = gradExpandedX, *ix = expandedRowIdx, *o = out;
-    /* 161002: dtypes */
-    if (!is_grad_dtype(g->dtype))
+    /* 161002: dtypes (from 9.1 not of a tensor with no elements) */
+    if (!(edge_91 && elements(g) == 0) && !is_grad_dtype(g->dtype))
         return reject(SIM_ACLNN_ERR_PARAM_INVALID, "gradExpandedX dtype %d is not FLOAT, FLOAT16 or BFLOAT16",
                       (int)g->dtype);
-    if (ix->dtype != SIM_ACL_INT32)
+    if (!(edge_91 && elements(ix) == 0) && ix->dtype != SIM_ACL_INT32)
         return reject(SIM_ACLNN_ERR_PARAM_INVALID, "expandedRowIdx dtype %d is not INT32", (int)ix->dtype);
-    if (o->dtype != g->dtype)
+    if (!(edge_91 && elements(o) == 0) && o->dtype != g->dtype)
         return reject(SIM_ACLNN_ERR_PARAM_INVALID, "out dtype %d differs from gradExpandedX dtype %d", (int)o->dtype,
                       (int)g->dtype);
-    /* 561002: attributes */
-    if (dropPadMode != 0 && dropPadMode != 1)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "dropPadMode=%lld must be 0 or 1", (long long)dropPadMode);
-    if (topK <= 0) return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "topK=%lld must be > 0", (long long)topK);
-    if (activeNum < 0)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "activeNum=%lld must be >= 0", (long long)activeNum);
-    /* 561002: ranks, sizes, divisibility */
-    int64_t want_rank = dropPadMode == 1 ? 3 : 2;
-    if (g->ndim != want_rank)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "gradExpandedX has rank %lld, expected %lld",
-                      (long long)g->ndim, (long long)want_rank);
-    if (ix->ndim != 1)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "expandedRowIdx has rank %lld, expected 1", (long long)ix->ndim);
-    if (o->ndim != 2) return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out has rank %lld, expected 2", (long long)o->ndim);
-    long long slots = ix->dims[0], hidden = g->dims[g->ndim - 1];
-    if (dropPadMode == 0 && activeNum == 0 && g->dims[0] != slots)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "gradExpandedX dim 0 is %lld, expandedRowIdx has %lld (dropless)",
-                      (long long)g->dims[0], slots);
-    if (dropPadMode == 0 && activeNum > 0 && g->dims[0] != activeNum)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "gradExpandedX dim 0 is %lld, activeNum is %lld",
-                      (long long)g->dims[0], (long long)activeNum);
-    if (slots % topK != 0)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "expandedRowIdx has %lld slots, not a multiple of topK=%lld",
-                      slots, (long long)topK);
-    if (o->dims[1] != hidden)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out last dim is %lld, gradExpandedX's is %lld",
-                      (long long)o->dims[1], hidden);
-    if (o->dims[0] != slots / topK)
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "out dim 0 is %lld, expected %lld", (long long)o->dims[0],
-                      slots / (long long)topK);
-    const char *opp = getenv("ASCEND_OPP_PATH");
-    if (!opp || !*opp) /* opbase finds the kernels through it */
-        return reject(SIM_ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND, "the environment variable ASCEND_OPP_PATH is not set");
-    if (slots == 0 || hidden == 0) {
-        const char *empty = getenv("MOEGRAD_SIM_EMPTY");
-        if (!empty || strcmp(empty, "accept") != 0) /* the 8.x tiling checks every dimension is positive */
-            return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "empty tensors are not supported (N*K=%lld, H=%lld)",
-                          slots, hidden);
+    if (edge_91 && elements(o) == 0) { /* 9.1: an empty output, no launch and no attribute check */
         SimExecutor *e = moegradSimExecutorCreate();
         if (!e) return reject(SIM_ACLNN_ERR_INNER_NULLPTR, "out of host memory for the executor");
         e->empty = 1;
@@ -311,14 +334,53 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
         *executor = e;
         return SIM_ACLNN_SUCCESS;
     }
+    /* 561002 (561103 from 9.1): attributes */
+    if (dropPadMode != 0 && dropPadMode != 1)
+        return reject(shape_error, "dropPadMode=%lld must be 0 or 1", (long long)dropPadMode);
+    if (topK <= 0) return reject(shape_error, "topK=%lld must be > 0", (long long)topK);
+    if (activeNum < 0) return reject(shape_error, "activeNum=%lld must be >= 0", (long long)activeNum);
+    /* 561002 (561103 from 9.1): ranks, sizes, divisibility */
+    int64_t want_rank = dropPadMode == 1 ? 3 : 2;
+    if (g->ndim != want_rank)
+        return reject(shape_error, "gradExpandedX has rank %lld, expected %lld", (long long)g->ndim,
+                      (long long)want_rank);
+    if (ix->ndim != 1) return reject(shape_error, "expandedRowIdx has rank %lld, expected 1", (long long)ix->ndim);
+    if (o->ndim != 2) return reject(shape_error, "out has rank %lld, expected 2", (long long)o->ndim);
+    long long slots = ix->dims[0], hidden = g->dims[g->ndim - 1];
+    if (dropPadMode == 0 && activeNum == 0 && g->dims[0] != slots)
+        return reject(shape_error, "gradExpandedX dim 0 is %lld, expandedRowIdx has %lld (dropless)",
+                      (long long)g->dims[0], slots);
+    if (dropPadMode == 0 && activeNum > 0 && g->dims[0] != activeNum)
+        return reject(shape_error, "gradExpandedX dim 0 is %lld, activeNum is %lld", (long long)g->dims[0],
+                      (long long)activeNum);
+    if (slots % topK != 0)
+        return reject(shape_error, "expandedRowIdx has %lld slots, not a multiple of topK=%lld", slots,
+                      (long long)topK);
+    if (o->dims[1] != hidden)
+        return reject(shape_error, "out last dim is %lld, gradExpandedX's is %lld", (long long)o->dims[1], hidden);
+    if (o->dims[0] != slots / topK)
+        return reject(shape_error, "out dim 0 is %lld, expected %lld", (long long)o->dims[0], slots / (long long)topK);
+    const char *opp = getenv("ASCEND_OPP_PATH");
+    if (!opp || !*opp) /* opbase finds the kernels through it */
+        return reject(SIM_ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND, "the environment variable ASCEND_OPP_PATH is not set");
+    if (slots == 0 || hidden == 0) /* before 9.1: the tiling checks every dimension is positive */
+        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "empty tensors are not supported (N*K=%lld, H=%lld)", slots,
+                      hidden);
     for (int i = 0; i < 3; i++)
         if (storage_bytes(handles[i]) == 0)
             return reject(SIM_ACLNN_ERR_PARAM_INVALID, "%s: the view does not fit its storage", names[i]);
     /* 161002: index values (the simulator reads them; a real phase one cannot) */
     if (!moegradSimRangeLive(ix->data, storage_bytes(ix)))
         return reject(SIM_ACLNN_ERR_PARAM_INVALID, "expandedRowIdx data %p is not live device memory", ix->data);
+    const char *soc = aclrtGetSocName();
+    int is_950 = soc != NULL && strncmp(soc, "Ascend950", 9) == 0;
+    int defines_invalid = is_950 && edge_91; /* the 950 kernel from 9.1 */
     long long low = dropPadMode == 1 ? -1 : 0;
     long long high = dropPadMode == 1 ? (long long)(g->dims[0] * g->dims[1]) : slots;
+    if (defines_invalid) { /* any negative; dropless and active indices of any size */
+        low = INT32_MIN;
+        if (dropPadMode == 0) high = (long long)INT32_MAX + 1;
+    }
     for (long long s = 0; s < slots; s++) {
         int32_t v = index_at(ix, s);
         if (v < low || v >= high)
@@ -327,7 +389,7 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     }
     int64_t serial = 0;
     if (moegradSimFaultFires(SIM_FAULT_TILING, NULL, &serial))
-        return reject(SIM_ACLNN_ERR_INNER_TILING_ERROR, "injected tiling failure (phase one #%lld)", (long long)serial);
+        return reject(shape_error, "injected tiling failure (phase one #%lld)", (long long)serial);
     if (moegradSimFaultFires(SIM_FAULT_KERNEL, NULL, &serial))
         return reject(SIM_ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
                       "injected missing kernel: no binary of MoeInitRoutingV2Grad for this SoC under ASCEND_OPP_PATH "
@@ -341,8 +403,9 @@ SIM_EXPORT int32_t aclnnMoeInitRoutingV2GradGetWorkspaceSize(const void *gradExp
     e->top_k = topK;
     e->drop_pad_mode = dropPadMode;
     e->active_num = activeNum;
-    const char *soc = aclrtGetSocName();
-    e->order_950 = soc != NULL && strncmp(soc, "Ascend950", 9) == 0;
+    e->order_950 = is_950;
+    e->chain_950 = is_950 && release != 0 && release < 900; /* 8.5: the plain chain */
+    e->defines_invalid = defines_invalid;
     e->workspace_size = 16u << 20; /* the tiling's fixed reservation: 16 MiB */
     *workspaceSize = e->workspace_size;
     *executor = e;

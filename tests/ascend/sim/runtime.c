@@ -23,6 +23,7 @@
  * "launch@3,hang@1:250": the 3rd launch from now fails; the next launched kernel hangs 250 ms.
  * Kinds: malloc, memcpy, launch, sync, hang, health (aclrtGetMemInfo), tiling and kernel (phase one).
  * MOEGRAD_SIM_DEVICE_COUNT (default 1) and MOEGRAD_SIM_SOC_NAME (default Ascend910B3) shape the device.
+ * The package versions (aclsysGetVersionStr) are in sysinfo.c, linked into this library.
  */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -1,8 +1,9 @@
 /*
  * moegrad's CANN simulator: internal interface shared by the three simulated libraries.
  *
- *   libascendcl.so   runtime (aclInit, aclrt*, aclGetRecentErrMsg), "device" memory on the host,
- *                    streams, per-thread device context, fault injection, live-resource counters
+ *   libascendcl.so   runtime (aclInit, aclrt*, aclGetRecentErrMsg, aclsysGetVersionStr), "device"
+ *                    memory on the host, streams, per-thread device context, fault injection,
+ *                    live-resource counters
  *   libnnopbase.so   aclCreateTensor / aclDestroyTensor / aclDestroyAclOpExecutor, the registries
  *                    of live tensors and executors
  *   libopapi*.so     aclnnMoeInitRoutingV2GradGetWorkspaceSize / aclnnMoeInitRoutingV2Grad
@@ -27,6 +28,7 @@ enum {
     SIM_ACL_ERROR_INVALID_PARAM = 100000,
     SIM_ACL_ERROR_UNINITIALIZE = 100001,
     SIM_ACL_ERROR_REPEAT_INITIALIZE = 100002,
+    SIM_ACL_ERROR_INVALID_FILE = 100003,
     SIM_ACL_ERROR_REPEAT_FINALIZE = 100037,
     SIM_RT_PARAM_INVALID = 107000,
     SIM_RT_INVALID_DEVICEID = 107001,
@@ -39,7 +41,11 @@ enum {
     SIM_RT_AICORE_EXCEPTION = 507015,
     SIM_RT_STREAM_SYNC_TIMEOUT = 507046,
     SIM_RT_DRV_INTERNAL_ERROR = 507899,
+    SIM_ACL_ERROR_INTERNAL_ERROR = 500000,
 };
+
+/* ACL_PKG_VERSION_MAX_SIZE (acl/acl_rt.h): aclsysGetVersionStr's output buffer, NUL included. */
+#define SIM_PKG_VERSION_MAX_SIZE 128
 
 /* aclnnStatus codes (aclnn/acl_meta.h). */
 enum {
@@ -133,8 +139,10 @@ typedef struct SimExecutor {
     SimTensor grad, idx, out; /* copies, so destroying the tensors after launch is fine */
     int64_t top_k, drop_pad_mode, active_num;
     uint64_t workspace_size;
-    int empty;      /* 1: the output has no elements, phase two launches nothing */
-    int order_950;  /* 1: the SoC is an Ascend 950, the kernel adds in its order */
+    int empty;           /* 1: the output has no elements, phase two launches nothing */
+    int order_950;       /* 1: the SoC is an Ascend 950, the kernel adds in its order */
+    int chain_950;       /* 1: ... in the 8.5 order (a plain chain), not in groups of four */
+    int defines_invalid; /* 1: 950 from 9.1: negative and dropless >= N*K slots are +0.0 rows */
     struct SimExecutor *next;
 } SimExecutor;
 

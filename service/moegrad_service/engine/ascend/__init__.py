@@ -18,8 +18,9 @@ Modules, in the direction of their imports::
     _abi      enum values, error codes, C prototypes, library loading (ascend_available)
     _buffers  host arrays in the device's layout, the per-stream device buffer cache
     _device   ACL references, the per-thread device context, streams, tensors, frees
-    _call     one call as the device takes it: the SoC -> order table, the arguments marshalled
-              on the host, what a phase-one status means
+    _release  the CANN release of the operator's package (aclsysGetVersionStr, or its version.info)
+    _call     one call as the device takes it: the SoC -> chip table, the arguments marshalled
+              on the host, what a phase-one status means on the device's profile
     _worker   AscendWorker: one stream, its buffers, the two-phase run of one call, retirement
     _backend  AscendBackend: the device opened and probed, workers made, health, the ordered close
 
@@ -32,8 +33,13 @@ device buffers keyed by size. One call on a worker::
     ─> phase one (GetWorkspaceSize) ─> workspace (cached) ─> phase two on the worker's stream
     ─> aclrtSynchronizeStreamWithTimeout(remaining deadline, >= 1 ms) ─> device->host copy ─> tensors destroyed
 
-Errors. Phase one's documented input checks (161001, 161002, 561002) are the caller's:
-:class:`moegrad.InvalidArgument`. Any other phase-one code, and any failure of the runtime (malloc,
+Profile. The device's results are the bits of one profile of moegrad._profiles, a chip running one
+CANN release: the chip from ``aclrtGetSocName``, the release from the operator package's version.info
+(``aclsysGetVersionStr("ops_transformer")`` where the runtime has it). ``AscendBackend.order`` names it
+(``"ascend910b@9.1"``), or is None when the chip or the release is unknown.
+
+Errors. Phase one's documented input checks (161001, 161002, and 561002, or 561103 from CANN 9.1)
+are the caller's: :class:`moegrad.InvalidArgument`. Any other phase-one code, and any failure of the runtime (malloc,
 memcpy, phase two, sync), is a :class:`moegrad.DeviceFault` carrying ``aclGetRecentErrMsg``'s text.
 A sync that times out is :class:`moegrad.DeadlineExceeded`; the kernel may still be running, so its
 stream is *retired*, not destroyed: the stream and every buffer the kernel uses stay allocated
@@ -47,6 +53,16 @@ from __future__ import annotations
 from moegrad import DeviceFault  # noqa: F401 - the base of CannUnavailable, reachable from here as before
 from moegrad_service.engine.ascend._abi import ACL_DATA_TYPES, CannUnavailable, ascend_available
 from moegrad_service.engine.ascend._backend import AscendBackend
-from moegrad_service.engine.ascend._call import SOC_ORDERS, order_of_soc
+from moegrad_service.engine.ascend._call import SOC_CHIPS, chip_of_soc
+from moegrad_service.engine.ascend._release import Release, operator_release
 
-__all__ = ["ACL_DATA_TYPES", "SOC_ORDERS", "AscendBackend", "CannUnavailable", "ascend_available", "order_of_soc"]
+__all__ = [
+    "ACL_DATA_TYPES",
+    "SOC_CHIPS",
+    "AscendBackend",
+    "CannUnavailable",
+    "Release",
+    "ascend_available",
+    "chip_of_soc",
+    "operator_release",
+]

@@ -40,9 +40,11 @@ ACL_ERROR_REPEAT_FINALIZE = 100037
 ACL_ERROR_RT_STREAM_SYNC_TIMEOUT = 507046  # acl/error_codes/rt_error_codes.h
 ACL_STREAM_STATUS_COMPLETE = 0  # acl/acl_rt.h, aclrtStreamStatus
 ACL_STREAM_STATUS_NOT_READY = 1
+ACL_PKG_VERSION_MAX_SIZE = 128  # acl/acl_rt.h: the size of aclsysGetVersionStr's output buffer
 _ACL_ERROR_NAMES = {
     100000: "ACL_ERROR_INVALID_PARAM",
     100001: "ACL_ERROR_UNINITIALIZE",
+    100003: "ACL_ERROR_INVALID_FILE",
     107000: "ACL_ERROR_RT_PARAM_INVALID",
     107001: "ACL_ERROR_RT_INVALID_DEVICEID",
     107002: "ACL_ERROR_RT_CONTEXT_NULL",
@@ -91,12 +93,15 @@ _I64P = _c.POINTER(_c.c_int64)
 
 #: (symbol, where it lives, restype, argtypes, required). Prototypes from acl/acl.h, acl/acl_base.h,
 #: acl/acl_rt.h, aclnn/acl_meta.h and aclnnop/aclnn_moe_init_routing_v2_grad.h; enums are C ints,
-#: pointer returns are c_void_p.
+#: pointer returns are c_void_p. ``aclError aclsysGetVersionStr(char *pkgName, char *versionStr)``
+#: (hicann/runtime docs/api_docs/aclsysGetVersionStr.md @ 06531b19; exported by libacl_rt.so, built
+#: from src/acl/aclrt/acl_rt.cpp, src/acl/aclrt/CMakeLists.txt @ 0ea26851) is a CANN 9.0 addition.
 PROTOTYPES: tuple[tuple[str, str, object, tuple, bool], ...] = (
     ("aclInit", "runtime", _STATUS, (_c.c_char_p,), True),
     ("aclFinalizeReference", "runtime", _STATUS, (_c.POINTER(_c.c_uint64),), False),
     ("aclGetRecentErrMsg", "runtime", _PTR, (), True),
     ("aclrtGetSocName", "runtime", _PTR, (), False),
+    ("aclsysGetVersionStr", "runtime", _STATUS, (_c.c_char_p, _c.c_char_p), False),
     ("aclrtGetDeviceCount", "runtime", _STATUS, (_c.POINTER(_c.c_uint32),), True),
     ("aclrtSetDevice", "runtime", _STATUS, (_c.c_int32,), True),
     ("aclrtResetDevice", "runtime", _STATUS, (_c.c_int32,), True),
@@ -260,6 +265,21 @@ class Cann:
         pointer = self.aclGetRecentErrMsg()
         text = ctypes.string_at(pointer).decode("utf-8", "replace").strip() if pointer else ""
         return text or None
+
+    def version_str(self, package: str) -> tuple[int, str | None]:
+        """``aclsysGetVersionStr(package, buffer)``: the ``Version=`` of ``package``'s version.info.
+
+        Returns:
+            (status, version): 0 and the version string (``"9.1.0"``), or the aclError (100003
+            ACL_ERROR_INVALID_FILE: no such package or no ``Version=`` line) and None. (-1, None)
+            when the runtime does not export the function (before CANN 9.0).
+        """
+        if self.aclsysGetVersionStr is None:
+            return -1, None
+        buffer = ctypes.create_string_buffer(ACL_PKG_VERSION_MAX_SIZE)
+        status = self.aclsysGetVersionStr(package.encode(), buffer)
+        text = buffer.value.decode("utf-8", "replace").strip() if status == 0 else ""
+        return status, text or None
 
     def soc_name(self) -> str | None:
         """``aclrtGetSocName()`` (``const char *``, NULL on failure), or None."""

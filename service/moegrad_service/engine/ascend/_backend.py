@@ -1,5 +1,5 @@
-"""The ascend backend's lifecycle: the device opened and probed at startup, workers made, health
-checked, and everything released in order at close."""
+"""The ascend backend's lifecycle: the device opened, its profile read (chip and CANN release) and
+probed at startup, workers made, health checked, and everything released in order at close."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moegrad import DeviceFault
+from moegrad import DeviceFault, Profile
+from moegrad._profiles import RELEASES, profile_of_release
 from moegrad_service.engine.ascend._abi import (
     ACL_DATA_TYPES,
     ACL_HBM_MEM,
@@ -22,8 +23,9 @@ from moegrad_service.engine.ascend._abi import (
     load,
 )
 from moegrad_service.engine.ascend._buffers import aligned
-from moegrad_service.engine.ascend._call import SOC_ORDERS, order_of_soc, phase_one_error
+from moegrad_service.engine.ascend._call import SOC_CHIPS, chip_of_soc, phase_one_error
 from moegrad_service.engine.ascend._device import Device, acl_acquire, acl_release, left
+from moegrad_service.engine.ascend._release import Release, operator_release
 from moegrad_service.engine.ascend._worker import AscendWorker, Workers
 from moegrad_service.engine.base import Backend
 
@@ -38,7 +40,7 @@ _PROBE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
 
 
 class AscendBackend(Backend):
-    """An Ascend NPU running aclnnMoeInitRoutingV2Grad (Atlas A2/A3: ascend910b, ascend910_93).
+    """An Ascend NPU running aclnnMoeInitRoutingV2Grad (Atlas A2/A3, Ascend 950PR/950DT).
 
     Args:
         device_id: the NPU, an index among those ``ASCEND_RT_VISIBLE_DEVICES`` exposes.
@@ -50,10 +52,19 @@ class AscendBackend(Backend):
     Attributes:
         name: ``"ascend"``.
         soc_name: what ``aclrtGetSocName`` reports (``"Ascend910B3"``), or None when it reports nothing.
-        device: ``"<SoC name> #<device_id>"`` (``"Ascend910B3 #0"``), else ``"ascend device <id>"``
-            (read-only).
-        order: the accumulation order this chip computes (:data:`SOC_ORDERS`): ``"ascend910b"`` on
-            Atlas A2/A3, ``"ascend950"`` on Ascend 950PR/950DT, None for an SoC not in the table.
+        chip: the chip of that SoC (:data:`~._call.SOC_CHIPS`: ``"ascend910b"``, ``"ascend910_93"``,
+            ``"ascend950"``), or None for an SoC not in the table.
+        release: the CANN release of the operator's package and how it was read
+            (:func:`~._release.operator_release`: ``aclsysGetVersionStr`` or version.info).
+        profile: ``moegrad._profiles.profile_of_release(chip, release.version)``, or None when the
+            chip or the release is not in the profile table (or the release could not be read).
+        order: the profile's name (``"ascend910b@9.1"``): the bits this device's results are; None
+            when the profile is unknown (such a device's results are never named as a profile's).
+        device: ``"<SoC name> #<id>, CANN <version> (<how it was read>)"`` (``"Ascend910B3 #0, CANN
+            9.1.0 (aclsysGetVersionStr)"``); ``"..., CANN release unknown"`` when it could not be
+            read, ``"..., CANN 10.0.0 (version.info): release unknown to moegrad"`` when it is not
+            one of RELEASES. ``"ascend device <id>"`` stands for the SoC when it reports no name.
+            Read-only.
 
     Raises:
         CannUnavailable: the libraries, a symbol or the device cannot be found, ``ASCEND_OPP_PATH`` is
@@ -94,21 +105,40 @@ class AscendBackend(Backend):
             self._device.ensure()
             soc = self._api.soc_name()
             self.soc_name = soc
-            self._device.description = f"{soc} #{self.device_id}" if soc else f"ascend device {self.device_id}"
+            self.chip = chip_of_soc(soc)
+            self.release = operator_release(self._api)
+            self.profile = None if self.chip is None else profile_of_release(self.chip, self.release.version)
+            self.order = None if self.profile is None else self.profile.name
+            named = f"{soc} #{self.device_id}" if soc else f"ascend device {self.device_id}"
+            self._device.description = f"{named}, {_describe(self.release, self.profile, self.chip)}"
             self._probe()
             undo.pop_all()
-        self.order = order_of_soc(soc)
-        if self.order is None:
-            log.warning(
-                "%s is not an SoC whose order of adds moegrad knows (%s): its results are served with the "
-                "order unknown",
-                self.device,
-                ", ".join(prefix + "*" for prefix, _ in SOC_ORDERS),
-            )
+        self._log_profile()
 
     @property
     def device(self) -> str:
         return self._device.description
+
+    def _log_profile(self) -> None:
+        """One log line: the profile and where its release was read, or why the profile is unknown."""
+        release = self.release
+        if self.profile is not None:
+            log.info("%s computes profile %s (release read by %s)", self.device, self.order, release.source)
+            return
+        if self.chip is None:
+            why = (
+                f"{self.soc_name or 'its SoC'} is not a chip moegrad has a profile for ("
+                + ", ".join(prefix + "*" for prefix, _ in SOC_CHIPS)
+                + ")"
+            )
+        elif release.version is None:
+            why = f"the CANN release of the operator package could not be read ({release.source})"
+        else:
+            releases = ", ".join(RELEASES)
+            why = f"CANN {release.version} ({release.source}) is not a release moegrad has a profile for ({releases})"
+        log.warning(
+            "%s: %s; its results are served with the profile unknown, to calls that name none", self.device, why
+        )
 
     def __repr__(self) -> str:
         return f"AscendBackend(device={self.device!r}, closed={self._workers.closed})"
@@ -146,7 +176,7 @@ class AscendBackend(Backend):
                 tensors[0], tensors[1], 2, 0, 0, tensors[2], ctypes.byref(workspace_size), ctypes.byref(executor)
             )
             if status:
-                error = phase_one_error(status, self._api.recent_error(), self.device)
+                error = phase_one_error(status, self._api.recent_error(), self.device, self.profile)
                 raise CannUnavailable(
                     f"{self.device} cannot run aclnnMoeInitRoutingV2Grad: the documentation's "
                     f"example fails at startup: {error}. {SET_ENV_HINT}",
@@ -166,7 +196,7 @@ class AscendBackend(Backend):
             self._device,
             index,
             workers=self._workers,
-            order=self.order,
+            profile=self.profile,
             cache_bytes_per_stream=self.cache_bytes_per_stream,
             drain_timeout_s=self.drain_timeout_s,
         )
@@ -219,6 +249,16 @@ class AscendBackend(Backend):
             )
         self._device.reset_all()
         acl_release(self._api)
+
+
+def _describe(release: Release, profile: Profile | None, chip: str | None) -> str:
+    """The release part of the device's description (see :class:`AscendBackend`'s ``device``)."""
+    if release.version is None:
+        return "CANN release unknown"
+    read = f"CANN {release.version} ({release.method})"
+    if profile is None and chip is not None:
+        return f"{read}: release unknown to moegrad"
+    return read
 
 
 def _check_opp_path(ascend_home_path: str | Path | None) -> None:

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from moegrad import DeadlineExceeded, DeviceFault, MoeInitRoutingV2GradCall
+from moegrad import DeadlineExceeded, DeviceFault, MoeInitRoutingV2GradCall, Profile
 from moegrad_service.engine.ascend._abi import (
     ACL_ERROR_RT_STREAM_SYNC_TIMEOUT,
     ACL_MEM_MALLOC_HUGE_FIRST,
@@ -83,7 +83,8 @@ class AscendWorker(BackendWorker):
         device: the backend's device (its ACL references and per-thread context).
         index: the worker's slot in the pool.
         workers: the backend's :class:`Workers`, which this worker joins.
-        order: the order the chip computes (:func:`~._call.order_of_soc`), named in refusals.
+        profile: the device's profile (chip and CANN release), or None when unknown: named in
+            refusals, and it says which phase-one codes are the caller's.
         cache_bytes_per_stream: device memory the worker keeps for reuse between calls, in bytes.
         drain_timeout_s: how long closing waits for the stream to finish, in seconds.
 
@@ -98,7 +99,7 @@ class AscendWorker(BackendWorker):
         index: int,
         *,
         workers: Workers,
-        order: str | None,
+        profile: Profile | None,
         cache_bytes_per_stream: int,
         drain_timeout_s: float,
     ) -> None:
@@ -106,7 +107,7 @@ class AscendWorker(BackendWorker):
         self._api = api
         self._device = device
         self._workers = workers
-        self._order = order
+        self._profile = profile
         self._drain_timeout_s = drain_timeout_s
         with contextlib.ExitStack() as undo:
             self._owns_device_ref = self._device.ensure()
@@ -129,14 +130,15 @@ class AscendWorker(BackendWorker):
         """grad_x of ``call`` computed on the NPU; see :meth:`BackendWorker.run`.
 
         The call's arrays may be non-contiguous, read-only or big-endian: they are copied to
-        contiguous host buffers when needed (:func:`~._call.marshal`). The result is in the chip's
-        own order (``AscendBackend.order``), whatever ``call.order`` names among the device orders;
-        whether a call naming another chip's order is served is the caller's policy. ``call.order``
+        contiguous host buffers when needed (:func:`~._call.marshal`). The result is the device's
+        profile's bits (``AscendBackend.order``), whatever device profile ``call.order`` names;
+        whether a call naming another profile is served is the caller's policy. ``call.order``
         must not be a CPU golden (``"sequential"``).
 
         Raises:
             InvalidArgument: phase one rejected the call's input (161001 null tensor, 161002 dtype,
-                561002 attribute or shape), or ``call.order`` is not the order this device computes in.
+                561002 attribute or shape, 561103 from CANN 9.1), or ``call.order`` names no device
+                profile.
             DeadlineExceeded: ``timeout_s`` passed before the kernel finished (the stream is replaced).
             DeviceFault: phase one failed with any other code (an installation fault: 561003 no
                 kernel, 561107 no ASCEND_OPP_PATH, ...), or the runtime failed (``aclGetRecentErrMsg``'s
@@ -152,7 +154,7 @@ class AscendWorker(BackendWorker):
             raise DeviceFault("the ascend backend is closed")
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the deadline passed before the call reached the NPU")
-        arguments = marshal(call, into, device=device.description, order=self._order)
+        arguments = marshal(call, into, device=device.description, profile=self._profile)
         result = arguments.result
 
         device.ensure()
@@ -186,7 +188,7 @@ class AscendWorker(BackendWorker):
                 ctypes.byref(executor),
             )
             if status:
-                raise phase_one_error(status, self._api.recent_error(), device.description)
+                raise phase_one_error(status, self._api.recent_error(), device.description, self._profile)
             with contextlib.ExitStack() as unlaunched:  # an executor that never runs is destroyed
                 unlaunched.callback(device.discard_executor, executor.value)
                 workspace = self._ensure_workspace(workspace_size.value)
