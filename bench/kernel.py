@@ -41,7 +41,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from moegrad import MoeInitRoutingV2GradCall, _fast, _reference
+from moegrad import MoeInitRoutingV2GradCall, _fast, _reference, accumulation_schedule
 
 __all__ = ["WORKLOADS", "Workload", "main"]
 
@@ -124,7 +124,7 @@ def run_call(call: MoeInitRoutingV2GradCall, kernel: str, out: np.ndarray | None
     public function does)."""
     if out is None:
         out = np.empty((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype)
-    return _reference._accumulate(call, _F32, _reference.accumulation_schedule(call.top_k), out, kernel=kernel)
+    return _reference._accumulate(call, _F32, accumulation_schedule(call.top_k), out, kernel=kernel)
 
 
 def moved_bytes(call: MoeInitRoutingV2GradCall) -> int:

@@ -5,7 +5,9 @@
 - :class:`Client` / :class:`AsyncClient` call a moegrad service (the NPU, or its bit-exact emulation),
   or several replicas of it (``client.stats``: a :class:`ReplicaStats` per replica);
 - :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order;
-- :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does.
+- :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does;
+- :data:`PROFILES` names every device profile (a chip at one CANN release, :class:`Profile`) whose
+  bits and rules a call's ``order`` selects; :func:`resolve_profile` reads a name or an alias;
 - :func:`identify` tells which device profiles (a chip at one CANN release) give a grad_x's bits;
 - :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
   ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
@@ -33,6 +35,7 @@ from moegrad._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
 from moegrad._identify import Identification, ProfileMatch, identify
 from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
 from moegrad._orders import accumulation_schedule, bin_count
+from moegrad._profiles import PROFILES, Profile, resolve_profile
 from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
 from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
 from moegrad._replicas import ReplicaStats
@@ -89,6 +92,7 @@ __all__ = [
     "MAX_BATCH_CALLS",
     "MAX_RANK",
     "ORDERS",
+    "PROFILES",
     "REQUEST_LIMITS",
     "STANDARDS",
     "THRESHOLDS",
@@ -116,6 +120,7 @@ __all__ = [
     "MoeInitRoutingV2Result",
     "MoegradError",
     "PayloadTooLarge",
+    "Profile",
     "ProfileMatch",
     "ReplicaStats",
     "ServiceError",
@@ -152,6 +157,7 @@ __all__ = [
     "moe_init_routing_v2_grad_golden",
     "moe_init_routing_v2_grad_group",
     "moe_init_routing_v2_grad_many",
+    "resolve_profile",
     "skipped_rows",
     "summand_magnitude",
     "warm_up",

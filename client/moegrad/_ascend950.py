@@ -25,14 +25,17 @@ A slot whose index is invalid (skipped) is a row of +0.0 added in its place. So 
 with ``kUbFactor < K`` gives bits that differ from one pass over all K slots, and which template
 runs depends on N, K, H, the dtype, the UB size and the core count.
 
-Revisions (the kernel changed its routine; the names are orders):
+The summing routine changed between CANN releases (the profiles of :mod:`moegrad._profiles`):
 
-- ``"ascend950"``: the newest public revision, the groups of four above;
-- ``"ascend950@2025-12"``: the earlier public revision, a plain chain ``s += x`` slot after slot
-  (the chunking then changes nothing, and the bits are those of ``order="sequential"``).
+- from 9.0 (``ascend950@9.0``, ``ascend950@9.1``; ``Profile.order == "groups_of_four"``): the
+  groups of four above;
+- 8.5 (``ascend950@8.5``; ``"chain"``): a plain chain ``s += x`` slot after slot (the chunking
+  then changes nothing, and the bits are those of the ``"sequential"`` golden).
 
-The revision in between (groups of four, invalid indices tested per mode with ``== -1`` / ``>= A``
-instead of range checks) gives the same bits as ``"ascend950"`` on every call validation accepts.
+9.1 also made every negative index, and a dropless index >= N*K, a slot of +0.0 (9.0 and 8.5 test
+``== -1`` in drop/pad mode and ``>= A`` in active mode only): moegrad's validation accepts those
+indices on ``ascend950@9.1`` alone, and the emulation adds a +0.0 row for every index outside
+[0, rows), so the same code serves every release.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import numpy.typing as npt
 from moegrad._wire import dtype_name
 
 __all__ = [
-    "ASCEND950_ORDERS",
+    "ASCEND950",
     "TEMPLATES",
     "UB_SIZE_BYTES",
     "VECTOR_CORE_COUNT",
@@ -63,8 +66,8 @@ UB_SIZE_BYTES = 253952
 VECTOR_CORE_COUNT = 64
 #: The templates by name, in the tiling's priority order.
 TEMPLATES: tuple[str, ...] = ("split_h", "full_load", "full_load_split_h", "regbase")
-#: The 950 orders by name: whether the revision adds groups of four (else a plain chain).
-ASCEND950_ORDERS: dict[str, bool] = {"ascend950": True, "ascend950@2025-12": False}
+#: The chip name of Ascend 950PR/950DT in the device profiles (``Profile.chip``).
+ASCEND950 = "ascend950"
 
 _BLOCK_BYTES = 32  # UB block: rows are padded to a multiple of it
 _SPLIT_H_MAX_TOP_K = 64
@@ -174,7 +177,7 @@ def ascend950_schedule(top_k: int, k_chunk: int, grouped: bool = True) -> tuple[
     with ``("set", b, t)``, which gives +0.0 for a skipped slot, as the kernel's zero row does. A
     group of four is ``set 1, set 2, merge 1+=2, set 2, set 3, merge 2+=3, merge 1+=2, merge 0+=1``;
     a leftover slot ``set 1, merge 0+=1``. Groups restart every ``k_chunk`` slots; with
-    ``grouped=False`` (the 2025-12 revision) every slot is a leftover.
+    ``grouped=False`` (CANN 8.5's chain) every slot is a leftover.
 
     Raises:
         ValueError: ``top_k < 1`` or ``k_chunk < 1``.

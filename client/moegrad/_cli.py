@@ -173,11 +173,11 @@ def _cmd_grad(args: argparse.Namespace) -> int:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    fields = _call_fields(args)
+    call = MoeInitRoutingV2GradCall(**_call_fields(args))
     _check_writable(args.output)
-    grad_x = moe_init_routing_v2_grad(**fields)
+    grad_x = moe_init_routing_v2_grad(call)
     _write(args.output, grad_x)
-    print(f"wrote {args.output}: grad_x {_describe(grad_x)} (in-process, order {args.order or 'ascend910b'})")
+    print(f"wrote {args.output}: grad_x {_describe(grad_x)} (in-process, order {call.order})")
     return EXIT_OK
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from moegrad._profiles import ALIASES, DEFAULT_PROFILE, PROFILES
 from moegrad._spec import ORDERS
 from moegrad._version import __version__
 from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
@@ -190,9 +191,11 @@ def _add_call_arguments(
         "--order",
         choices=ORDERS,
         default=None,
-        help=f"accumulation order: ascend910b (the Atlas A2/A3 device), ascend950 (the Ascend "
-        f"950PR/950DT device; ascend950@2025-12 an earlier kernel revision) or sequential "
-        f"(Huawei's golden) (default: {order_default})",
+        metavar="PROFILE",
+        help="device profile, CHIP@RELEASE: ascend910b / ascend910_93 (Atlas A2/A3), ascend950 "
+        "(Ascend 950PR/950DT) at 8.5, 9.0 or 9.1; or sequential (Huawei's golden); aliases: "
+        f"{', '.join(f'{a} = {p}' for a, p in ALIASES.items())} (profiles: {', '.join(PROFILES)}; "
+        f"default: {order_default})",
     )
     group.add_argument(
         "--allow-duplicate-indices",
@@ -237,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         "device (bit-exact for Atlas A2/A3).",
         epilog=_EPILOG,
     )
-    _add_call_arguments(local, order_default="ascend910b")
+    _add_call_arguments(local, order_default=DEFAULT_PROFILE)
 
     comparison = commands.add_parser(
         "compare",
@@ -257,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "split (--shard), written as it goes and resumed (--output), and merged (--merge).",
     )
     group = _add_call_arguments(
-        comparison, order_default="the server's; with --local ascend910b", output=False, required=False
+        comparison, order_default=f"the server's; with --local {DEFAULT_PROFILE}", output=False, required=False
     )
     group.add_argument(
         "--candidate",

@@ -218,8 +218,10 @@ class Client(_ClientBase):
             top_k: K > 0.
             drop_pad_mode: 0 dropless/active, 1 drop/pad.
             active_num: A; 0 dropless, > 0 active (ignored in drop/pad mode).
-            order: ``"ascend910b"`` (the device's order) or ``"sequential"`` (Huawei's golden);
-                None: the server's default.
+            order: the device profile to compute as, any name of :data:`moegrad.ORDERS`
+                (``"ascend910b@9.1"``, ``"ascend950@9.0"``, ``"sequential"`` for Huawei's golden...);
+                None: the server's default (a device's own profile). The local check then uses
+                ``"ascend910b@9.1"``'s rules: name the profile for another one's.
             allow_duplicate_indices: accept repeated indices, which the documentation forbids.
             timeout_s: this call's deadline in seconds (None: none); not passed: the client's.
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moegrad._profiles import DEFAULT_PROFILE
 from moegrad._version import __version__
 
 #: The environment variable naming the profile (a key of :data:`moegrad.msprobe.PROFILES`).
@@ -413,7 +414,7 @@ def status(install: MsprobeInstall) -> tuple[bool, list[str]]:
         complete = complete and ours and operator in settings
         state = "moegrad's" if ours else "absent" if entry is None else f"someone else's ({entry})"
         lines.append(f"{operator}: YAML entry {state}; torch_ut_setting {settings.get(operator, 'absent')}")
-    lines.append(f"profile: {os.environ.get(ORDER_ENV) or 'ascend910b'} ({ORDER_ENV})")
+    lines.append(f"profile: {os.environ.get(ORDER_ENV) or DEFAULT_PROFILE} ({ORDER_ENV})")
     lines.append(f"backwards computed: {os.environ.get(URL_ENV) or 'in-process'} ({URL_ENV})")
     lines.append("registered" if complete else "not registered (python -m moegrad.msprobe register)")
     return complete, lines
@@ -433,8 +434,9 @@ checks these operators against moegrad's emulation.
 
 _EPILOG = """\
 environment, read by the bench functions at each call:
-  MOEGRAD_MSPROBE_ORDER   the product line whose order of adds the backwards reproduce:
-                          ascend910b (Atlas A2/A3, default), ascend950, ascend950@2025-12, sequential
+  MOEGRAD_MSPROBE_ORDER   the device profile whose bits the backwards reproduce, CHIP@RELEASE:
+                          ascend910b / ascend910_93 (Atlas A2/A3) or ascend950 at 8.5, 9.0, 9.1
+                          (default ascend910b@9.1; a bare chip: its newest release), or sequential
   MOEGRAD_MSPROBE_URL     compute the backwards on this moegrad service (default: in-process)
   MOEGRAD_MSPROBE_TOKEN   the service's bearer token
   MOEGRAD_MSPROBE_DTYPE   auto (default), bfloat16, float16 or float32: the device dtype of a float32

@@ -1,20 +1,21 @@
 """The orders of adds: which float32 add of aclnnMoeInitRoutingV2Grad comes when (docs/semantics.md).
 
 Every order sums the same widened float32 values with float32 round-to-nearest-even adds; only the
-order of the adds differs, and with it the bits.
+order of the adds differs, and with it the bits. A device profile (:mod:`moegrad._profiles`) names
+one of three kernel orders (``Profile.order``):
 
-``order="ascend910b"`` reproduces the Atlas A2/A3 kernel (ascend910b, ascend910_93) bit for bit:
+``"bins"`` reproduces the Atlas A2/A3 kernel (ascend910b, ascend910_93, every release) bit for bit:
 B = 64 bins when K >= 128, else 2**max(floor(log2 K) - 1, 0);
 S1 ``bin[b] = v[2b]`` for b < B (a skipped slot sets +0.0);
 S2 ``bin[(t/2) % B] += v[t]`` for even t >= 2B, increasing;
 S3 ``bin[((t-1)/2) % B] += v[t]`` for odd t, increasing (a skipped slot in S2/S3 adds nothing);
 S4 a pairwise tree ``bin[j-s] += bin[j]`` for s = 1, 2, 4, ... < B and j = s, 3s, 5s, ... < B.
-``order="sequential"`` is Huawei's public test golden: float32 from +0.0, t = 0..K-1.
-``order="ascend950"`` reproduces the Ascend 950PR/950DT kernel (:mod:`moegrad._ascend950`): one
-float32 accumulator from +0.0, groups of four slots added as ``s += ((v0 + v1) + (v2 + v3))``,
+``"chain"`` is float32 from +0.0, t = 0..K-1: Huawei's public test golden (``"sequential"``) and the
+Ascend 950 kernel at CANN 8.5.
+``"groups_of_four"`` reproduces the Ascend 950PR/950DT kernel from CANN 9.0 (:mod:`moegrad._ascend950`):
+one float32 accumulator from +0.0, groups of four slots added as ``s += ((v0 + v1) + (v2 + v3))``,
 leftovers one by one, the groups restarting at each chunk of slots the tiling picks (which depends
 on N, K, H, the dtype, the UB size and the vector core count); a skipped slot adds +0.0.
-``"ascend950@2025-12"`` is that kernel's earlier revision, a plain chain.
 
 :func:`accumulation_schedule` writes an order out as data (steps of one output row), which both
 kernel paths of :mod:`moegrad._reference` run.
@@ -24,10 +25,10 @@ from __future__ import annotations
 
 import functools
 
-from moegrad._ascend950 import ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
-from moegrad._spec import ORDERS
+from moegrad._ascend950 import ASCEND950, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
+from moegrad._profiles import BINS, CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR, resolve_profile
 
-__all__ = ["accumulation_schedule", "bin_count"]
+__all__ = ["accumulation_schedule", "bin_count", "order_schedule"]
 
 
 def bin_count(top_k: int) -> int:
@@ -39,7 +40,7 @@ def bin_count(top_k: int) -> int:
 
 def accumulation_schedule(
     top_k: int,
-    order: str = "ascend910b",
+    order: str = DEFAULT_PROFILE,
     *,
     dtype: object = None,
     num_tokens: int | None = None,
@@ -51,9 +52,9 @@ def accumulation_schedule(
 
     Args:
         top_k: K >= 1.
-        order: one of :data:`~moegrad.ORDERS`.
+        order: a device profile, any name of :data:`~moegrad.ORDERS` (its ``Profile.order`` decides).
         dtype, num_tokens, hidden_size: grad_expanded_x's dtype, N and H; required for the
-            Ascend 950 orders, whose tiling (and so whose order) depends on them; ignored otherwise.
+            Ascend 950 profiles, whose tiling (and so whose order) depends on them; ignored otherwise.
         ub_size_bytes, vector_core_count: the 950 platform's UB size in bytes and vector core
             count (defaults: Ascend 950PR/950DT, docs/semantics.md section 7.4).
 
@@ -63,10 +64,11 @@ def accumulation_schedule(
         ``("merge", b, c)`` bin b += bin c. The row's result is bin 0.
 
     Raises:
-        ValueError: an unknown order, ``top_k < 1``, or a 950 order without dtype, num_tokens
+        ValueError: an unknown order, ``top_k < 1``, or a 950 profile without dtype, num_tokens
             and hidden_size.
     """
-    if order in ASCEND950_ORDERS:
+    profile = resolve_profile(order)
+    if profile.chip == ASCEND950:
         missing = [
             name
             for name, value in (("dtype", dtype), ("num_tokens", num_tokens), ("hidden_size", hidden_size))
@@ -74,7 +76,7 @@ def accumulation_schedule(
         ]
         if missing:
             raise ValueError(
-                f"order={order!r} needs {', '.join(missing)}: the 950's tiling, and so its order, "
+                f"order={order!r} ({profile.name}) needs {', '.join(missing)}: the 950's tiling, and so its order, "
                 "depends on the dtype, N and H"
             )
         if top_k < 1:
@@ -83,18 +85,24 @@ def accumulation_schedule(
         tiling = ascend950_tiling(
             dtype, num_tokens, top_k, hidden_size, ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count
         )
-        return ascend950_schedule(top_k, tiling.k_chunk, ASCEND950_ORDERS[order])
-    return _a2_schedule(top_k, order)
+        return ascend950_schedule(top_k, tiling.k_chunk, profile.order == GROUPS_OF_FOUR)
+    return order_schedule(top_k, profile.order)
 
 
 @functools.lru_cache(maxsize=512)
-def _a2_schedule(top_k: int, order: str) -> tuple[tuple[str, int, int], ...]:
+def order_schedule(top_k: int, kind: str) -> tuple[tuple[str, int, int], ...]:
+    """The steps of one output row in the kernel order ``kind``, ``"bins"`` or ``"chain"`` (the 950's
+    ``"groups_of_four"`` depends on its tiling: :func:`moegrad._ascend950.ascend950_schedule`).
+
+    Raises:
+        ValueError: ``top_k < 1`` or another ``kind``.
+    """
     if top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1")
-    if order == "sequential":
+    if kind == CHAIN:
         return (("zero", 0, 0), *(("add", 0, t) for t in range(top_k)))
-    if order != "ascend910b":
-        raise ValueError(f"order={order!r} is not one of {', '.join(map(repr, ORDERS))}")
+    if kind != BINS:
+        raise ValueError(f"kind={kind!r} is not {BINS!r} or {CHAIN!r}")
     bins = bin_count(top_k)
     steps = [("set", b, 2 * b) for b in range(bins)]
     steps += [("add", (t // 2) % bins, t) for t in range(2 * bins, top_k, 2)]

@@ -20,8 +20,11 @@ from moegrad._errors import AclnnStatus
 
 __all__ = [
     "ALIASES",
+    "BINS",
+    "CHAIN",
     "CHIPS",
     "DEFAULT_PROFILE",
+    "GROUPS_OF_FOUR",
     "PROFILES",
     "PROFILE_NAMES",
     "RELEASES",
@@ -63,6 +66,8 @@ class Profile:
             outside the buffer by the kernel (undefined, so refused).
         skips_dropless_overflow: True when a dropless index >= N*K contributes a +0.0 row (950
             from 9.1); False when the kernel reads outside its buffer (undefined, so refused).
+            Every kernel skips an active-mode index >= A, but moegrad accepts one >= N*K (outside
+            the documented range) only where this is True.
         attribute_status: the status of a phase-one attribute or shape failure: 561002
             ACLNN_ERR_INNER_TILING_ERROR before 9.1, 561103 ACLNN_ERR_INNER_NULLPTR from 9.1 (the
             tiling now runs in an l0 layer whose failure the API reports as a null result).

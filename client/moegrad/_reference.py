@@ -1,10 +1,12 @@
 """NumPy numerics of aclnnMoeInitRoutingV2Grad: the device's order, Huawei's golden, a float64 golden.
 
 ``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]`` with the skip rules of
-docs/semantics.md: an index >= active_num is skipped in active mode, -1 is skipped in drop/pad
-mode. Rows are widened exactly to float32, every add is float32 round-to-nearest-even, and the
-result is rounded once to the input dtype. What differs between orders is only the order of adds
-(:mod:`moegrad._orders` writes each one out; many small calls run as one in :mod:`moegrad._reference_many`).
+docs/semantics.md section 2: a slot whose index names no row of grad_expanded_x is skipped (-1 in
+drop/pad mode, an index >= active_num in active mode, and on ``ascend950@9.1`` any negative index
+and a dropless index >= N*K, which validation accepts there alone). Rows are widened exactly to
+float32, every add is float32 round-to-nearest-even, and the result is rounded once to the input
+dtype. What differs between profiles is only the order of adds (:mod:`moegrad._orders` writes each
+one out; many small calls run as one in :mod:`moegrad._reference_many`).
 
 Nothing materialises an [N, K, H] intermediate: rows are processed in chunks whose float32 bins fit
 in a few MiB, the chunks spread over the machine's cores (NumPy releases the GIL while it copies
@@ -26,10 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from moegrad import _fast
-from moegrad._ascend950 import ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
+from moegrad._ascend950 import ASCEND950, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._orders import accumulation_schedule
-from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad._orders import order_schedule
+from moegrad._profiles import CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR
+from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 
 __all__ = ["moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden", "warm_up"]
 
@@ -84,25 +87,29 @@ def _prepare(
     A C-contiguous grad_expanded_x is viewed as [rows, H] as it is. Any other layout (a strided or
     overlapping view, a transposed array) is not copied whole: only the rows the index references
     are gathered, in increasing order, into a C-contiguous [R, H] array, and the index is renumbered
-    into it, its skipped slots kept skipped (-1 in drop/pad mode, A in active mode). The adds then
+    into it, its skipped slots kept skipped (-1 in drop/pad mode, A in active mode, N*K in dropless
+    mode on 950@9.1: each outside [0, R) and caught by the mask). The adds then
     read the same values in the same order, so the bits are those of a contiguous copy.
     """
     grad = call.grad_expanded_x
     hidden = call.hidden_size
     index = call.expanded_row_idx.reshape(-1)
-    if call.drop_pad_mode == 1:
+    profile = call.profile
+    if call.drop_pad_mode == 1:  # -1 (any negative on 950@9.1); validation leaves no index >= E*C
         skip_value = -1
 
         def skipped(column: np.ndarray) -> np.ndarray | None:
             mask = column < 0
             return mask if mask.any() else None
-    elif call.active_num > 0:
-        limit = skip_value = call.active_num
+    elif call.active_num > 0 or profile.skips_any_negative or profile.skips_dropless_overflow:
+        # active: >= A (and on 950@9.1 any negative); dropless on 950@9.1: negative or >= N*K
+        limit = skip_value = call.active_num if call.active_num > 0 else index.shape[0]
+        negative = profile.skips_any_negative
 
         def skipped(column: np.ndarray) -> np.ndarray | None:
-            mask = column >= limit
+            mask = (column >= limit) | (column < 0) if negative else column >= limit
             return mask if mask.any() else None
-    else:
+    else:  # dropless: validation leaves every index in [0, N*K)
         skip_value = 0
 
         def skipped(column: np.ndarray) -> np.ndarray | None:
@@ -265,7 +272,7 @@ def moe_init_routing_v2_grad(
     drop_pad_mode: int = 0,
     active_num: int = 0,
     *,
-    order: str = "ascend910b",
+    order: str = DEFAULT_PROFILE,
     allow_duplicate_indices: bool = False,
     ub_size_bytes: int = UB_SIZE_BYTES,
     vector_core_count: int = VECTOR_CORE_COUNT,
@@ -281,12 +288,14 @@ def moe_init_routing_v2_grad(
         top_k: K > 0.
         drop_pad_mode: 0 dropless/active, 1 drop/pad.
         active_num: A; 0 dropless, > 0 active.
-        order: ``"ascend910b"`` (Atlas A2/A3 kernel, bit-exact), ``"ascend950"`` (Ascend
-            950PR/950DT kernel, the bits of its newest public source), ``"ascend950@2025-12"`` (an
-            earlier revision) or ``"sequential"`` (Huawei's golden); docs/semantics.md sections 3, 7.
+        order: the device profile whose bits and rules apply, any name of :data:`~moegrad.ORDERS`:
+            ``"<chip>@<release>"`` with chip ``ascend910b`` / ``ascend910_93`` (Atlas A2/A3: the
+            bins), ``ascend950`` (Ascend 950PR/950DT: groups of four from 9.0, a chain at 8.5) and
+            release 8.5, 9.0 or 9.1; a bare chip (its newest release); ``"sequential"`` (Huawei's
+            golden); default ``"ascend910b@9.1"``. docs/semantics.md sections 2, 3, 7.
         allow_duplicate_indices: accept repeated indices (the documentation forbids them).
         ub_size_bytes: the 950 platform's unified-buffer size in bytes (default 253952, Ascend
-            950PR/950DT); only the 950 orders read it, since it decides the tiling and so the order.
+            950PR/950DT); only the 950 profiles read it, since it decides the tiling and so the order.
         vector_core_count: the 950 platform's vector (AIV) core count (default 64); as above.
         out: where to write grad_x, as the operator writes into the gradX its caller allocated: a
             writeable C-contiguous [N, H] array of grad_expanded_x's dtype in native byte order,
@@ -298,9 +307,10 @@ def moe_init_routing_v2_grad(
         row whose slots are all skipped is +0.0; empty inputs give an empty [N, H] array.
 
     Raises:
-        InvalidArgument: the call breaks a documented constraint (aclnn 161001 / 161002 / 561002;
-            see :class:`MoeInitRoutingV2GradCall`); or ``out`` has another dtype (161002, field
-            ``grad_x``) or another shape than [N, H] (561002, field ``grad_x``).
+        InvalidArgument: the call breaks a documented constraint on its profile (aclnn 161001 /
+            161002 / 561002, 561103 from CANN 9.1; see :class:`MoeInitRoutingV2GradCall`); or
+            ``out`` has another dtype (161002, field ``grad_x``) or another shape than [N, H] (the
+            profile's attribute status, 561002 or 561103, field ``grad_x``).
         TypeError: ``out`` is not a numpy.ndarray.
         ValueError: ``out`` is not C-contiguous, is read-only or overlaps an input; or
             ``ub_size_bytes`` / ``vector_core_count`` is not a positive integer (TypeError when
@@ -310,21 +320,23 @@ def moe_init_routing_v2_grad(
         grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
     )
     out = _result_buffer(call, out)
-    if call.order not in ASCEND950_ORDERS:
-        return _accumulate(call, _F32, accumulation_schedule(call.top_k, call.order), out)
-    # checked even when the result is empty, so a bad setting never passes unnoticed
+    profile = call.profile
+    if profile.chip != ASCEND950:
+        return _accumulate(call, _F32, order_schedule(call.top_k, profile.order), out)
+    # checked even when the result is empty, so a bad setting never passes unnoticed (an empty
+    # grad_x of another dtype, which 9.1 lets through, has no tiling: only the settings are checked)
     tiling = ascend950_tiling(
-        call.dtype_name,
+        call.dtype_name if call.dtype_name in GRAD_DTYPES else "float32",
         max(call.num_tokens, 1),
         call.top_k,
         max(call.hidden_size, 1),
         ub_size_bytes=ub_size_bytes,
         vector_core_count=vector_core_count,
     )
-    grouped = ASCEND950_ORDERS[call.order]
-    return _accumulate(
-        call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk, grouped), out, chunking=(tiling.k_chunk, grouped)
-    )
+    if profile.order == CHAIN:  # CANN 8.5: a chain from +0.0, whatever the chunks
+        return _accumulate(call, _F32, order_schedule(call.top_k, CHAIN), out)
+    assert profile.order == GROUPS_OF_FOUR
+    return _accumulate(call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk), out, chunking=(tiling.k_chunk, True))
 
 
 def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np.ndarray:
@@ -345,7 +357,7 @@ def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np
         raise InvalidArgument(
             f"out.shape={out.shape} must be [N, H] = {list(shape)} (N = len(expanded_row_idx) // "
             "top_k, H = grad_expanded_x.shape[-1])",
-            aclnn_status=AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR,
+            aclnn_status=call.profile.attribute_status,
             field="grad_x",
         )
     if not out.flags.c_contiguous:
@@ -364,6 +376,7 @@ def moe_init_routing_v2_grad_golden(
     drop_pad_mode: int = 0,
     active_num: int = 0,
     *,
+    order: str = DEFAULT_PROFILE,
     allow_duplicate_indices: bool = False,
 ) -> np.ndarray:
     """The float64 golden of gradX: each row's exact sum, correctly rounded to float64.
@@ -373,16 +386,18 @@ def moe_init_routing_v2_grad_golden(
     than float64 holds) are summed again with :func:`math.fsum`. So the result is the exact sum
     rounded to nearest float64, whatever the order of the slots (an infinity or NaN among the slots
     gives the IEEE result instead). Same arguments, skip rules and errors as
-    :func:`moe_init_routing_v2_grad`.
+    :func:`moe_init_routing_v2_grad`: ``order`` names the profile whose validation applies (which
+    index values are accepted, and which of them are +0.0 slots left out of the sum); the sum itself
+    does not depend on it.
 
     Returns:
         [N, H] float64.
     """
     call = _validated(
-        grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, "ascend910b", allow_duplicate_indices
+        grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
     )
     out = np.empty((call.num_tokens, call.hidden_size), dtype=_F64)
-    return _accumulate(call, _F64, accumulation_schedule(call.top_k, "sequential"), out, compensated=True)
+    return _accumulate(call, _F64, order_schedule(call.top_k, CHAIN), out, compensated=True)
 
 
 def warm_up() -> bool:

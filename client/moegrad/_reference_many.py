@@ -2,8 +2,9 @@
 (any validated calls) and ``moe_init_routing_v2_grad_group`` (a :class:`~moegrad.CallGroup`).
 
 Every row of grad_x depends only on its own K slots, and the order of its adds only on K and the
-order (the 950 orders: also on the tiling's k_chunk), so calls that share those are stacked into
-one drop/pad call over their rows and run through :mod:`moegrad._reference`'s kernels once.
+profile's kernel order (the 950's groups of four: also on the tiling's k_chunk), so calls that share
+those are stacked into one drop/pad call over their rows and run through :mod:`moegrad._reference`'s
+kernels once.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import cast
 
 import numpy as np
 
-from moegrad._ascend950 import ASCEND950_ORDERS, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
-from moegrad._orders import accumulation_schedule
+from moegrad._ascend950 import ASCEND950, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
+from moegrad._orders import order_schedule
+from moegrad._profiles import GROUPS_OF_FOUR
 from moegrad._reference import _accumulate, moe_init_routing_v2_grad
-from moegrad._spec import CallGroup, MoeInitRoutingV2GradCall, Order
+from moegrad._spec import CallGroup, MoeInitRoutingV2GradCall
 
 __all__ = ["moe_init_routing_v2_grad_group", "moe_init_routing_v2_grad_many"]
 
@@ -37,14 +39,15 @@ def moe_init_routing_v2_grad_many(
     gives each one, for a fraction of the per-call cost when the calls are small.
 
     Every row of grad_x depends only on its own K slots, and the order of its adds only on K and the
-    order (the 950 orders: also on the tiling's k_chunk). So small calls that share the dtype, K, H,
-    the order and its k_chunk are computed as one: their rows stacked, each call's indices shifted
-    past the rows before it, a skipped slot (-1 in drop/pad mode, >= active_num in active mode)
-    marked -1, and the result rows split back. Calls of more than 1 MiB of input run alone.
+    profile's kernel order (the 950's groups of four: also on the tiling's k_chunk). So small calls
+    that share the dtype, K, H, the kernel order and its k_chunk are computed as one: their rows
+    stacked, each call's indices shifted past the rows before it, a skipped slot (an index outside
+    the call's rows: -1 in drop/pad mode, >= active_num in active mode, and on 950@9.1 any
+    negative or dropless >= N*K) marked -1, and the result rows split back. Calls of more than 1 MiB of input run alone.
 
     Args:
-        calls: validated calls (:class:`MoeInitRoutingV2GradCall`), any modes, dtypes and orders.
-        ub_size_bytes, vector_core_count: as for :func:`moe_init_routing_v2_grad` (950 orders only).
+        calls: validated calls (:class:`MoeInitRoutingV2GradCall`), any modes, dtypes and profiles.
+        ub_size_bytes, vector_core_count: as for :func:`moe_init_routing_v2_grad` (950 profiles only).
 
     Returns:
         One grad_x per call, in order: [N, H], C-contiguous, the call's dtype in native byte order.
@@ -64,9 +67,9 @@ def moe_init_routing_v2_grad_many(
             )
             continue
         chunking = _chunking(call, ub_size_bytes, vector_core_count)
-        stacks.setdefault((grad.dtype, call.top_k, hidden, call.order, chunking), []).append(position)
-    for (_, top_k, hidden, order, chunking), positions in stacks.items():
-        schedule = _stack_schedule(top_k, order, chunking)
+        stacks.setdefault((grad.dtype, call.top_k, hidden, call.profile.order, chunking), []).append(position)
+    for (_, top_k, hidden, kind, chunking), positions in stacks.items():
+        schedule = _stack_schedule(top_k, kind, chunking)
         start = 0
         while start < len(positions):  # stacks of at most _STACK_BYTES of input
             stop, size = start, 0
@@ -82,11 +85,12 @@ def moe_init_routing_v2_grad_many(
 
 
 def _chunking(call: MoeInitRoutingV2GradCall, ub_size_bytes: int, vector_core_count: int) -> tuple[int, bool] | None:
-    """A non-empty call's 950 tiling as (k_chunk, grouped), which its order of adds depends on; None
-    for the other orders."""
-    if call.order not in ASCEND950_ORDERS:
+    """A non-empty call's 950 tiling as (k_chunk, True), which the groups of four depend on; None
+    for the other kernel orders (the bins, and the chain, which no chunking changes)."""
+    profile = call.profile
+    if profile.chip != ASCEND950:
         return None
-    tiling = ascend950_tiling(
+    tiling = ascend950_tiling(  # also for the chain: a bad platform setting never passes unnoticed
         call.dtype_name,
         call.num_tokens,
         call.top_k,
@@ -94,12 +98,13 @@ def _chunking(call: MoeInitRoutingV2GradCall, ub_size_bytes: int, vector_core_co
         ub_size_bytes=ub_size_bytes,
         vector_core_count=vector_core_count,
     )
-    return tiling.k_chunk, ASCEND950_ORDERS[call.order]
+    return (tiling.k_chunk, True) if profile.order == GROUPS_OF_FOUR else None
 
 
-def _stack_schedule(top_k: int, order: str, chunking: tuple[int, bool] | None) -> Sequence[tuple[str, int, int]]:
-    """The schedule of adds of stacked calls with this K, order and :func:`_chunking`."""
-    return accumulation_schedule(top_k, order) if chunking is None else ascend950_schedule(top_k, *chunking)
+def _stack_schedule(top_k: int, kind: str, chunking: tuple[int, bool] | None) -> Sequence[tuple[str, int, int]]:
+    """The schedule of adds of stacked calls with this K, kernel order (``Profile.order``) and
+    :func:`_chunking`."""
+    return order_schedule(top_k, kind) if chunking is None else ascend950_schedule(top_k, *chunking)
 
 
 def _stacked(
@@ -129,7 +134,7 @@ def _run_stacked(
     rows: np.ndarray,
     stacked_index: np.ndarray,
     top_k: int,
-    order: Order,
+    order: str,
     schedule: Sequence[tuple[str, int, int]],
     chunking: tuple[int, bool] | None,
 ) -> np.ndarray:
@@ -158,7 +163,7 @@ def moe_init_routing_v2_grad_group(
 
     Args:
         group: B validated calls of one shape, dtype and attribute set, stacked.
-        ub_size_bytes, vector_core_count: as for :func:`moe_init_routing_v2_grad` (950 orders only).
+        ub_size_bytes, vector_core_count: as for :func:`moe_init_routing_v2_grad` (950 profiles only).
 
     Returns:
         [B, N, H], C-contiguous, the members' dtype in native byte order: member b's grad_x is ``[b]``.
@@ -171,7 +176,7 @@ def moe_init_routing_v2_grad_group(
     if members == 0 or tokens == 0 or hidden == 0:
         return np.zeros((members, tokens, hidden), dtype=like.grad_expanded_x.dtype.newbyteorder("="))
     chunking = _chunking(like, ub_size_bytes, vector_core_count)
-    schedule = _stack_schedule(like.top_k, like.order, chunking)
+    schedule = _stack_schedule(like.top_k, like.profile.order, chunking)
     row_count = like.grad_expanded_x.size // hidden  # dropless N*K, active A, drop/pad E*C
     rows = group.grad_expanded_x.reshape(members * row_count, hidden)
     index = group.expanded_row_idx.astype(np.int64)

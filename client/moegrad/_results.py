@@ -20,9 +20,10 @@ class GradResult:
         grad_x: [N, H], the dtype of grad_expanded_x (float16, ``ml_dtypes.bfloat16`` or float32),
             C-contiguous, writable, owned by the caller.
         backend: the backend that ran the call (``"reference"``, ``"ascend"``).
-        order: the accumulation order used: one of :data:`moegrad.ORDERS` (``"ascend910b"``,
-            ``"ascend950"``, ``"ascend950@2025-12"``, ``"sequential"``), or ``"unknown"`` from a
-            device whose order moegrad does not know.
+        order: the device profile whose bits these are, always a canonical name of
+            :data:`moegrad.PROFILES` (``"ascend910b@9.1"``, ``"ascend950@9.0"``, ``"sequential"``...;
+            a call naming an alias such as ``"ascend950"`` gets the profile it means), or
+            ``"unknown"`` from a device whose profile (chip and CANN release) moegrad does not know.
         device: the device that ran it (e.g. ``"Ascend910B3:0"``), or None for the CPU emulation.
         timings_ms: ``{"queue": ..., "compute": ..., "total": ...}`` as the server measured them,
             in milliseconds (a batch's result: ``queue`` and ``compute`` only; the batch's own
@@ -51,7 +52,7 @@ class CompareResult:
             writable, owned by the caller, when the call asked for it (``return_grad_x=True``);
             else None.
         backend: the backend that ran the call (``"reference"``, ``"ascend"``).
-        order: the accumulation order of the device result, as for :attr:`GradResult.order`.
+        order: the device profile of the device result, as for :attr:`GradResult.order`.
         device: the device that ran it, or None for the CPU emulation.
         timings_ms: ``{"queue", "compute", "golden", "compare", "total"}`` as the server measured
             them, in milliseconds.

@@ -1,18 +1,30 @@
-"""One operator call, validated as aclnnMoeInitRoutingV2GradGetWorkspaceSize checks it.
+"""One operator call, validated as aclnnMoeInitRoutingV2GradGetWorkspaceSize checks it on one device profile.
 
 The client checks a call with this model before sending it; the service checks it again on receipt.
-Rules, codes and order follow the operator documentation's return codes (docs/operator.md,
-"Return codes"); the index checks guard what the device would read out of bounds
-(docs/semantics.md):
+The call's ``order`` names a device profile (:mod:`moegrad._profiles`: a chip at one CANN release),
+and the profile decides three things here: which index values are accepted (rule 7), the status
+of an attribute or shape failure (``S`` below: the profile's ``attribute_status``, 561002
+ACLNN_ERR_INNER_TILING_ERROR before CANN 9.1, 561103 ACLNN_ERR_INNER_NULLPTR from 9.1), and what an
+empty grad_x skips. Rules, codes and order follow the operator documentation's return codes
+(docs/operator.md, "Return codes"); the index checks guard what the device would read out of
+bounds (docs/semantics.md sections 2 and 8):
 
+0. ``order`` not a profile name; ``allow_duplicate_indices`` not a bool -> 161002 ACLNN_ERR_PARAM_INVALID
 1. a missing tensor                                               -> 161001 ACLNN_ERR_PARAM_NULLPTR
 2. grad dtype not float16/bfloat16/float32, index dtype not int32 -> 161002 ACLNN_ERR_PARAM_INVALID
-3. drop_pad_mode not in {0, 1}; top_k <= 0; active_num < 0        -> 561002 ACLNN_ERR_INNER_TILING_ERROR
-4. grad rank not 2 (mode 0) / not 3 (mode 1); index rank not 1    -> 561002
-5. dropless: grad.shape[0] != len(idx); active: != active_num     -> 561002
-6. len(idx) % top_k != 0                                          -> 561002
-7. index values outside the mode's range; duplicated non-negative -> 161002
-   indices (unless ``allow_duplicate_indices``)
+3. drop_pad_mode not in {0, 1}; top_k <= 0; active_num < 0        -> S
+4. grad rank not 2 (mode 0) / not 3 (mode 1); index rank not 1    -> S
+5. dropless: grad.shape[0] != len(idx); active: != active_num     -> S
+6. len(idx) % top_k != 0                                          -> S
+7. an index the profile's kernel would read outside its buffer    -> 161002
+   (the profile's slots of +0.0 rows aside); a repeated index of a row the kernel reads
+   (unless ``allow_duplicate_indices``)
+
+From CANN 9.1 (``Profile.empty_out_skips_checks``) a call whose grad_x is empty (N = 0 or H = 0)
+launches nothing and phase one succeeds with no attribute checks: rules 3-7 are skipped, and rule 2
+for an empty tensor. moegrad still needs what sizes grad_x ([len(idx) / top_k, H]): top_k a
+positive integer, a 1-D index whose length it divides (S), and an empty tensor's dtype one the wire
+carries (161002).
 """
 
 from __future__ import annotations
@@ -20,32 +32,33 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError, field_validator, model_validator
 
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
-from moegrad._wire import brief, decode_tensor, dtype_name, encode_tensor
+from moegrad._profiles import DEFAULT_PROFILE, PROFILE_NAMES, PROFILES, Profile, resolve_profile
+from moegrad._wire import DTYPES, brief, decode_tensor, dtype_name, encode_tensor
 
-__all__ = ["GRAD_DTYPES", "ORDERS", "CallGroup", "MoeInitRoutingV2GradCall", "Order"]
+__all__ = ["GRAD_DTYPES", "ORDERS", "CallGroup", "MoeInitRoutingV2GradCall"]
 
-Order = Literal["ascend910b", "ascend950", "ascend950@2025-12", "sequential"]
-#: Accumulation orders by name (docs/semantics.md section 3): the Atlas A2/A3 device, the Ascend 950
-#: device (newest kernel revision; ``@2025-12`` an earlier one), and Huawei's sequential test golden.
-ORDERS: tuple[str, ...] = get_args(Order)
+#: Every name ``order`` takes: the device profiles and their aliases (:data:`moegrad.PROFILES`).
+ORDERS: tuple[str, ...] = PROFILE_NAMES
 #: The dtypes gradExpandedX (and so gradX) may have (documentation, "Data Type").
 GRAD_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 _NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
-_TILING = AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR
 _INT64 = (-(2**63), 2**63 - 1)
+_INT32_LOW, _INT32_END = -(2**31), 2**31  # every int32 value is in [_INT32_LOW, _INT32_END)
 _TENSORS = ("grad_expanded_x", "expanded_row_idx")
 _ATTRIBUTES = ("top_k", "drop_pad_mode", "active_num")
 _WIRE_FIELDS = frozenset(_TENSORS + _ATTRIBUTES + ("order", "allow_duplicate_indices"))
 _INDEX_CHUNK = 1 << 20  # index elements per scatter in the uniqueness check
 _SMALL_INDEX = 64  # up to this many index elements, rule 7 is checked on a Python list first
+_UNIQUE = "indices other than -1 must be unique"
+_UNIQUE_READ = "indices of rows read must be unique (the slots of +0.0 rows may repeat)"
 _CAST_HINTS = {  # what to do about a dtype the operator does not take
     "grad_expanded_x": "cast it first, e.g. grad_expanded_x.astype(numpy.float32) (a torch tensor: .float())",
     "expanded_row_idx": "cast it first, e.g. expanded_row_idx.astype(numpy.int32) (a torch tensor: .int())",
@@ -56,6 +69,48 @@ def _fail(status: AclnnStatus, field: str | None, message: str) -> InvalidArgume
     return InvalidArgument(message, aclnn_status=status, field=field)
 
 
+@dataclass(frozen=True)
+class _IndexRule:
+    """Rule 7 of one call on one profile: the accepted values ``[low, high)`` and ``[0, rows)``,
+    the values that read a row (unique unless duplicates are allowed); every other accepted value
+    is a slot of +0.0 (docs/semantics.md section 2)."""
+
+    low: int
+    high: int
+    rows: int
+    text: str  # the accepted range in the documentation's letters
+
+    def accepts(self, value: int) -> bool:
+        return self.low <= value < self.high
+
+    @staticmethod
+    def of(profile: Profile, mode: int, active: int, slots: int, grad_shape: tuple[int, ...]) -> _IndexRule:
+        """``slots`` = N*K = len(expanded_row_idx); ``grad_shape`` = grad_expanded_x's shape."""
+        if mode == 1:  # drop/pad: -1 everywhere; any negative from 950@9.1; >= E*C is never defined
+            rows = grad_shape[0] * grad_shape[1]
+            if profile.skips_any_negative:
+                return _IndexRule(_INT32_LOW, rows, rows, "any negative value or [0, E*C)")
+            return _IndexRule(-1, rows, rows, "[-1, E*C)")
+        negative, overflow = profile.skips_any_negative, profile.skips_dropless_overflow
+        low = _INT32_LOW if negative else 0
+        if overflow:  # 950@9.1: every value outside the rows read ([0, N*K) or [0, A)) is a +0.0 row
+            return _IndexRule(low, _INT32_END, active if active > 0 else slots, "any value" if negative else "[0, inf)")
+        # the documented [0, N*K), each value unique; in active mode the kernel reads only [0, A)
+        return _IndexRule(low, slots, slots, "any negative value or [0, N*K)" if negative else "[0, N*K)")
+
+    def bounds(self) -> str:
+        return f"[{self.low}, {self.high})"
+
+
+def _accepting(value: int, mode: int, active: int, slots: int, grad_shape: tuple[int, ...]) -> list[str]:
+    """The profiles whose rule 7 accepts the index ``value`` in a call of this mode and shape."""
+    return [
+        name
+        for name, profile in PROFILES.items()
+        if _IndexRule.of(profile, mode, active, slots, grad_shape).accepts(value)
+    ]
+
+
 class MoeInitRoutingV2GradCall(BaseModel):
     """One validated call of aclnnMoeInitRoutingV2Grad.
 
@@ -63,14 +118,16 @@ class MoeInitRoutingV2GradCall(BaseModel):
         grad_expanded_x: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); float16,
             bfloat16 (``ml_dtypes.bfloat16``) or float32; any strides.
         expanded_row_idx: [N*K] int32; slot ``i*K + t`` holds the row of grad_expanded_x that
-            token i's t-th expert produced (-1: dropped, drop/pad mode only).
+            token i's t-th expert produced (-1: dropped, drop/pad mode only; on ``ascend950@9.1``
+            any negative value, and in dropless/active mode any value past the rows, is a +0.0 row).
         top_k: K > 0; ``len(expanded_row_idx)`` must be a multiple of it.
         drop_pad_mode: 0 dropless/active, 1 drop/pad.
         active_num: 0 dropless, A > 0 active (ignored when drop_pad_mode is 1).
-        order: accumulation order, one of :data:`ORDERS`: ``"ascend910b"`` (Atlas A2/A3),
-            ``"ascend950"`` (Ascend 950PR/950DT; ``"ascend950@2025-12"`` an earlier kernel revision)
-            or ``"sequential"`` (Huawei's golden).
-        allow_duplicate_indices: accept repeated non-negative indices, which the documentation forbids.
+        order: the device profile whose bits and rules apply, any name of :data:`ORDERS`
+            (``"<chip>@<release>"``, a bare chip for its newest release, ``"sequential"`` for
+            Huawei's golden, or an older alias); kept as the profile's canonical name, so
+            ``order="ascend950"`` reads back ``"ascend950@9.1"``. Default ``"ascend910b@9.1"``.
+        allow_duplicate_indices: accept repeated indices of rows read, which the documentation forbids.
 
     Construct with ``MoeInitRoutingV2GradCall(...)`` or :meth:`from_wire`; both raise
     :class:`~moegrad.InvalidArgument` (with the aclnn code and field) for the first rule broken.
@@ -84,7 +141,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
     top_k: Any = None
     drop_pad_mode: Any = 0
     active_num: Any = 0
-    order: Order = "ascend910b"
+    order: StrictStr = DEFAULT_PROFILE
     allow_duplicate_indices: StrictBool = False
 
     def __init__(self, **data: Any) -> None:
@@ -93,21 +150,46 @@ class MoeInitRoutingV2GradCall(BaseModel):
         except ValidationError as exc:  # only `order`, `allow_duplicate_indices` or an unknown keyword get here
             error = exc.errors()[0]
             field = ".".join(map(str, error["loc"])) or None
-            raise _fail(_INVALID, field, f"{field}: {error['msg']}") from None
+            message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+            raise _fail(_INVALID, field, f"{field}: {message}") from None
+
+    @field_validator("order")
+    @classmethod
+    def _canonical_order(cls, value: str) -> str:
+        return resolve_profile(value).name  # ValueError (listing the names) for an unknown one
+
+    @property
+    def profile(self) -> Profile:
+        """The device profile :attr:`order` names (:data:`moegrad.PROFILES`)."""
+        return resolve_profile(self.order)
 
     @model_validator(mode="after")
     def _check(self) -> MoeInitRoutingV2GradCall:
-        grad, idx = self._check_tensors()
-        top_k, mode, active = self._check_attributes()
-        self._check_shapes(grad, idx, top_k, mode, active)
-        self._check_indices(grad, idx, top_k, mode, active)
+        profile = self.profile
+        status = profile.attribute_status
+        empty_out = profile.empty_out_skips_checks and self._out_is_empty()
+        grad, idx = self._check_tensors(empty_out)
+        if empty_out:  # 9.1: no launch, no attribute checks; only what sizes grad_x
+            top_k, mode, active = self._check_attributes(status, values=False)
+            self._check_divisible(idx, top_k, status)
+        else:
+            top_k, mode, active = self._check_attributes(status)
+            self._check_shapes(grad, idx, top_k, mode, active, status)
+            self._check_indices(grad, idx, top_k, mode, active, profile)
         for name, value in (("top_k", top_k), ("drop_pad_mode", mode), ("active_num", active)):
             if value is not getattr(self, name):  # e.g. a numpy integer, kept as the int it is
                 object.__setattr__(self, name, value)
         return self
 
+    def _out_is_empty(self) -> bool:
+        """Whether grad_x, [len(idx) / top_k, H], is empty: a 1-D index of length 0, or H = 0."""
+        grad, idx = self.grad_expanded_x, self.expanded_row_idx
+        if not (isinstance(grad, np.ndarray) and isinstance(idx, np.ndarray)):
+            return False
+        return grad.ndim >= 1 and idx.ndim == 1 and (idx.shape[0] == 0 or grad.shape[-1] == 0)
+
     # Rules 1-2: presence and dtypes.
-    def _check_tensors(self) -> tuple[np.ndarray, np.ndarray]:
+    def _check_tensors(self, empty_out: bool) -> tuple[np.ndarray, np.ndarray]:
         for field in _TENSORS:
             if getattr(self, field) is None:
                 raise _fail(_NULLPTR, field, f"{field} is missing (a null tensor)")
@@ -121,7 +203,16 @@ class MoeInitRoutingV2GradCall(BaseModel):
                     else ""
                 )
                 raise _fail(_INVALID, field, f"{field} must be a numpy.ndarray, got {type(value).__name__}{hint}")
-            if dtype_name(value.dtype) not in allowed:
+            name = dtype_name(value.dtype)
+            if empty_out and value.size == 0:  # 9.1 skips the dtype check of an empty tensor
+                if name is None:
+                    raise _fail(
+                        _INVALID,
+                        field,
+                        f"{field}.dtype={value.dtype}: an empty tensor may have any dtype moegrad carries "
+                        f"({', '.join(DTYPES)}), not this one; {_CAST_HINTS[field]}",
+                    )
+            elif name not in allowed:
                 raise _fail(
                     _INVALID,
                     field,
@@ -131,8 +222,10 @@ class MoeInitRoutingV2GradCall(BaseModel):
         return arrays[0], arrays[1]
 
     # Rule 3: attribute values.
-    def _check_attributes(self) -> tuple[int, int, int]:
-        values = []
+    def _check_attributes(self, status: AclnnStatus, values: bool = True) -> tuple[int, int, int]:
+        """The attributes as ints (each an integer that fits int64_t); ``values=False`` (an empty
+        grad_x from 9.1) checks only top_k > 0, which sizes grad_x."""
+        parsed = []
         for field in _ATTRIBUTES:
             raw = getattr(self, field)
             if type(raw) is int:  # the common case (bool is not int's type, so it is refused below)
@@ -143,22 +236,25 @@ class MoeInitRoutingV2GradCall(BaseModel):
                         raise TypeError
                     value = operator.index(raw)
                 except TypeError:
-                    raise _fail(_TILING, field, f"{field}={brief(raw)} must be an integer") from None
+                    raise _fail(status, field, f"{field}={brief(raw)} must be an integer") from None
             if not _INT64[0] <= value <= _INT64[1]:
-                raise _fail(_TILING, field, f"{field}={value} does not fit the operator's int64_t")
-            values.append(value)
-        top_k, mode, active = values
-        if mode not in (0, 1):
-            raise _fail(_TILING, "drop_pad_mode", f"drop_pad_mode={mode} must be 0 (dropless/active) or 1 (drop/pad)")
+                raise _fail(status, field, f"{field}={value} does not fit the operator's int64_t")
+            parsed.append(value)
+        top_k, mode, active = parsed
+        if values and mode not in (0, 1):
+            raise _fail(status, "drop_pad_mode", f"drop_pad_mode={mode} must be 0 (dropless/active) or 1 (drop/pad)")
         if top_k <= 0:
-            raise _fail(_TILING, "top_k", f"top_k={top_k} must be greater than 0")
-        if active < 0:
-            raise _fail(_TILING, "active_num", f"active_num={active} must be >= 0")
+            hint = "" if values else " (grad_x is [len(expanded_row_idx) / top_k, H])"
+            raise _fail(status, "top_k", f"top_k={top_k} must be greater than 0{hint}")
+        if values and active < 0:
+            raise _fail(status, "active_num", f"active_num={active} must be >= 0")
         return top_k, mode, active
 
     # Rules 4-6: ranks, dim 0, divisibility.
-    @staticmethod
-    def _check_shapes(grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int) -> None:
+    @classmethod
+    def _check_shapes(
+        cls, grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int, status: AclnnStatus
+    ) -> None:
         want = 3 if mode == 1 else 2
         if grad.ndim != want:
             layout = "[E, C, H] in drop/pad mode" if mode == 1 else "[rows, H] when drop_pad_mode=0"
@@ -168,87 +264,112 @@ class MoeInitRoutingV2GradCall(BaseModel):
             elif mode == 1 and grad.ndim == 2:
                 hint = "; a 2-D grad is the dropless/active layout: pass drop_pad_mode=0"
             raise _fail(
-                _TILING,
+                status,
                 "grad_expanded_x",
                 f"grad_expanded_x has rank {grad.ndim} (shape {list(grad.shape)}); it must be {layout}{hint}",
             )
         if idx.ndim != 1:
             raise _fail(
-                _TILING,
+                status,
                 "expanded_row_idx",
                 f"expanded_row_idx has rank {idx.ndim} (shape {list(idx.shape)}); it must be 1-D [N*K]",
             )
         if mode == 0 and active == 0 and grad.shape[0] != idx.shape[0]:
             raise _fail(
-                _TILING,
+                status,
                 "grad_expanded_x",
                 f"grad_expanded_x.shape[0]={grad.shape[0]} must equal "
                 f"expanded_row_idx.shape[0]={idx.shape[0]} in dropless mode",
             )
         if mode == 0 and active > 0 and grad.shape[0] != active:
             raise _fail(
-                _TILING,
+                status,
                 "grad_expanded_x",
                 f"grad_expanded_x.shape[0]={grad.shape[0]} must equal active_num={active} in active mode",
             )
+        cls._check_divisible(idx, top_k, status)
+
+    @staticmethod
+    def _check_divisible(idx: np.ndarray, top_k: int, status: AclnnStatus) -> None:
         if idx.shape[0] % top_k:
             raise _fail(
-                _TILING,
+                status,
                 "expanded_row_idx",
                 f"expanded_row_idx.shape[0]={idx.shape[0]} is not divisible by top_k={top_k}",
             )
 
     # Rule 7: index values and uniqueness (vectorised: O(len) time, at most 8 bytes of table per index).
-    def _check_indices(self, grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int) -> None:
+    def _check_indices(
+        self, grad: np.ndarray, idx: np.ndarray, top_k: int, mode: int, active: int, profile: Profile
+    ) -> None:
         if idx.size == 0:
             return
-        if mode == 1:
-            low, high, rule = -1, grad.shape[0] * grad.shape[1], "[-1, E*C)"
-        else:
-            low, high, rule = 0, idx.shape[0], "[0, N*K)"
-        if idx.size <= _SMALL_INDEX and self._short_index_holds(idx, low, high):
+        rule = _IndexRule.of(profile, mode, active, idx.shape[0], grad.shape)
+        low, high, rows = rule.low, rule.high, rule.rows
+        if idx.size <= _SMALL_INDEX and self._short_index_holds(idx, rule):
             return
         lo, hi = int(idx.min()), int(idx.max())
         if lo < low or hi >= high:
             where = int(np.flatnonzero((idx < low) | (idx >= high))[0])
-            raise _fail(
-                _INVALID,
-                "expanded_row_idx",
-                f"expanded_row_idx[{where}]={int(idx[where])} is outside {rule} = [{low}, {high}) for this call",
-            )
+            raise self._range_error(idx, where, rule, mode, active, grad.shape, profile)
         if self.allow_duplicate_indices:
             return
-        if high > 8 * idx.size:  # drop/pad with E*C far above N*K (e.g. H = 0): sort instead of a table of E*C
-            used = np.sort(idx[idx >= 0] if lo < 0 else idx)
+        partial = lo < 0 or hi >= rows  # some slots are +0.0 rows: leave them out
+        if rows > 8 * idx.size:  # drop/pad with E*C far above N*K (e.g. H = 0): sort instead of a table of E*C
+            used = np.sort(idx[(idx >= 0) & (idx < rows)] if partial else idx)
             if used.size > 1 and bool((used[1:] == used[:-1]).any()):
-                raise self._duplicate_error(idx)
+                raise self._duplicate_error(idx, rule)
             return
-        seen = np.zeros(high, dtype=np.bool_)
+        seen = np.zeros(rows, dtype=np.bool_)
         count = 0
         for start in range(0, idx.size, _INDEX_CHUNK):  # chunks: the intp copy NumPy indexes with stays small
             block = idx[start : start + _INDEX_CHUNK].astype(np.intp)
-            if lo < 0:
-                block = block[block >= 0]
+            if partial:
+                block = block[(block >= 0) & (block < rows)]
             seen[block] = True
             count += block.size
         if np.count_nonzero(seen) != count:
-            raise self._duplicate_error(idx)
+            raise self._duplicate_error(idx, rule)
 
-    def _short_index_holds(self, idx: np.ndarray, low: int, high: int) -> bool:
+    def _short_index_holds(self, idx: np.ndarray, rule: _IndexRule) -> bool:
         """Rule 7 for a short index, in plain Python (cheaper than NumPy's reductions at this size):
         True when it holds; False leaves the verdict, and the message naming the culprit, to the
         vectorised check."""
         values = idx.tolist()
-        if min(values) < low or max(values) >= high:
+        if min(values) < rule.low or max(values) >= rule.high:
             return False
         if self.allow_duplicate_indices:
             return True
-        used = [value for value in values if value >= 0] if low < 0 else values
+        used = [value for value in values if 0 <= value < rule.rows]
         return len(set(used)) == len(used)
 
     @staticmethod
-    def _duplicate_error(idx: np.ndarray) -> InvalidArgument:
-        positions = np.flatnonzero(idx >= 0)
+    def _range_error(
+        idx: np.ndarray,
+        where: int,
+        rule: _IndexRule,
+        mode: int,
+        active: int,
+        grad_shape: tuple[int, ...],
+        profile: Profile,
+    ) -> InvalidArgument:
+        value = int(idx[where])
+        accepting = _accepting(value, mode, active, idx.shape[0], grad_shape)
+        if accepting:
+            verb = "accepts" if len(accepting) == 1 else "accept"
+            then = f"; {', '.join(accepting)} {verb} it (a +0.0 row): name that profile in order"
+        else:
+            then = "; no profile defines it: fix the index (it must come from the forward routing)"
+        return _fail(
+            _INVALID,
+            "expanded_row_idx",
+            f"expanded_row_idx[{where}]={value} is outside {rule.text} = {rule.bounds()} for this call on "
+            f"profile {profile.name}, whose kernel would read outside its buffer{then}",
+        )
+
+    @staticmethod
+    def _duplicate_error(idx: np.ndarray, rule: _IndexRule) -> InvalidArgument:
+        positions = np.flatnonzero((idx >= 0) & (idx < rule.rows))
         values = idx[positions]
         order = np.argsort(values, kind="stable")  # equal values keep increasing positions
         ranked = values[order]
@@ -260,7 +381,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
             _INVALID,
             "expanded_row_idx",
             f"expanded_row_idx[{where}]={int(idx[where])} repeats expanded_row_idx[{previous}]; "
-            "indices other than -1 must be unique (set allow_duplicate_indices to accept repeats)",
+            f"{_UNIQUE if rule.low >= -1 else _UNIQUE_READ} (set allow_duplicate_indices to accept repeats)",
         )
 
     @property
@@ -275,9 +396,10 @@ class MoeInitRoutingV2GradCall(BaseModel):
 
     @property
     def dtype_name(self) -> str:
-        """The wire name of grad_expanded_x's (and grad_x's) dtype."""
+        """The wire name of grad_expanded_x's (and grad_x's) dtype: one of :data:`GRAD_DTYPES`, or
+        (an empty grad_expanded_x with an empty grad_x, from CANN 9.1) any wire dtype."""
         name = dtype_name(self.grad_expanded_x.dtype)
-        assert name is not None, "grad_expanded_x's dtype was validated to be one of GRAD_DTYPES"
+        assert name is not None, "grad_expanded_x's dtype was validated to be a wire dtype"
         return name
 
     def to_wire(self) -> dict[str, Any]:
@@ -298,7 +420,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
         document: Mapping[str, Any],
         *,
         max_elements: int | None = None,
-        default_order: str = "ascend910b",
+        default_order: str = DEFAULT_PROFILE,
         extra_fields: frozenset[str] = frozenset(),
     ) -> MoeInitRoutingV2GradCall:
         """Build and validate a call from a decoded request document.
@@ -306,7 +428,7 @@ class MoeInitRoutingV2GradCall(BaseModel):
         Args:
             document: the msgpack map (docs/protocol.md, "The call"); a missing tensor is a null tensor.
             max_elements: the largest element count accepted per tensor, or None.
-            default_order: the order used when the document names none.
+            default_order: the profile used when the document names none (any name of :data:`ORDERS`).
             extra_fields: further keys the caller handles itself (they are ignored here).
 
         Raises:
@@ -376,23 +498,22 @@ class CallGroup:
     @staticmethod
     def breaking_rule_7(like: MoeInitRoutingV2GradCall, expanded_row_idx: np.ndarray) -> np.ndarray:
         """Which rows of ``expanded_row_idx`` ([B, N*K] int32), each the index of a call with
-        like's attributes and shapes, break rule 7 (a value outside the mode's range, or a repeated
-        non-negative value unless duplicates are allowed): a [B] bool array.
+        like's attributes and shapes, break rule 7 on like's profile (a value outside the accepted
+        range, or a repeated index of a row read unless duplicates are allowed): a [B] bool array.
 
         The same predicate as :class:`MoeInitRoutingV2GradCall`'s own check, over all rows at once;
         the message naming the culprit is left to that check (build the call to get it).
         """
+        profile = like.profile
+        nothing = np.zeros(expanded_row_idx.shape[0], dtype=np.bool_)
+        if expanded_row_idx.shape[1] == 0 or (profile.empty_out_skips_checks and like.hidden_size == 0):
+            return nothing  # no index, or (from 9.1) an empty grad_x: rule 7 is not checked
         grad = like.grad_expanded_x
-        if expanded_row_idx.shape[1] == 0:
-            return np.zeros(expanded_row_idx.shape[0], dtype=np.bool_)
-        low, high = (
-            (-1, grad.shape[0] * grad.shape[1]) if like.drop_pad_mode == 1 else (0, like.expanded_row_idx.shape[0])
-        )
-        broken = (expanded_row_idx.min(axis=1) < low) | (expanded_row_idx.max(axis=1) >= high)
+        rule = _IndexRule.of(profile, like.drop_pad_mode, like.active_num, expanded_row_idx.shape[1], grad.shape)
+        broken = (expanded_row_idx.min(axis=1) < rule.low) | (expanded_row_idx.max(axis=1) >= rule.high)
         if not like.allow_duplicate_indices:
             ordered = np.sort(expanded_row_idx, axis=1)
             repeats = ordered[:, 1:] == ordered[:, :-1]
-            if low < 0:  # -1 (a dropped slot) may repeat
-                repeats &= ordered[:, 1:] >= 0
+            repeats &= (ordered[:, 1:] >= 0) & (ordered[:, 1:] < rule.rows)  # +0.0 slots (-1...) may repeat
             broken |= repeats.any(axis=1)
         return broken

@@ -35,21 +35,22 @@ The functions (torch_npu's signatures; outputs are CPU tensors):
 - ``npu_moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0,
   active_num=0)`` -> grad_x [N, H]: aclnnMoeInitRoutingV2Grad (docs/semantics.md), slot -> row index.
 
-Profiles. ``MOEGRAD_MSPROBE_ORDER`` names the product line whose order of adds the backwards
-reproduce (default ``ascend910b``); :data:`PROFILES` maps it to the order of each backward:
+Profiles. ``MOEGRAD_MSPROBE_ORDER`` names the device profile (a chip at one CANN release,
+:data:`moegrad.PROFILES`) whose bits the backwards reproduce (default ``ascend910b@9.1``; a bare
+chip means its newest release, and ``ascend950@2025-12`` is ``ascend950@8.5``, as everywhere in
+moegrad); :data:`PROFILES` maps it to the profile each backward computes as:
 
 | profile | npu_moe_token_permute_grad | npu_moe_init_routing_v2_grad |
 |---|---|---|
-| ``ascend910b`` (Atlas A2/A3) | ``sequential``: A2/A3 run MoeTokenPermuteGrad, a chain in slot order | ``ascend910b`` |
-| ``ascend950`` (Ascend 950PR/950DT) | ``ascend950``: aclnnMoeInitRoutingV2Grad, active_num = R | ``ascend950`` |
-| ``ascend950@2025-12`` | ``ascend950@2025-12`` | ``ascend950@2025-12`` |
+| ``ascend910b@R``, ``ascend910_93@R`` (A2/A3) | ``sequential``: MoeTokenPermuteGrad, a slot-order chain | the profile |
+| ``ascend950@R`` (950PR/950DT) | the profile: aclnnMoeInitRoutingV2Grad, active_num = R | the profile |
 | ``sequential`` | ``sequential`` | ``sequential`` |
 
 On A2/A3 the permute backward's kernel (MoeTokenPermuteGrad, which runs MoeTokenUnpermute's without
 probs) starts its chain from the first slot's row where the sequential order starts from +0.0: the
 bits are the same except a row whose summands are all -0.0 (-0.0 there, +0.0 here).
 
-Where it runs: in-process by default (the 950 orders read ``MOEGRAD_ASCEND950_UB_SIZE_BYTES`` and
+Where it runs: in-process by default (the 950 profiles read ``MOEGRAD_ASCEND950_UB_SIZE_BYTES`` and
 ``MOEGRAD_ASCEND950_VECTOR_CORE_COUNT`` as the service does); with ``MOEGRAD_MSPROBE_URL`` set,
 every backward goes to that moegrad service through :class:`moegrad.Client` (bearer token from
 ``MOEGRAD_MSPROBE_TOKEN``). The forwards always run in-process (they move rows, no arithmetic).
@@ -64,7 +65,7 @@ in that dtype (the 950's order depends on it) and the result is widened back to 
 its values are the device's bits. Nothing is narrowed that is not exact (ValueError otherwise).
 
 Errors: :class:`moegrad.InvalidArgument` for a call the operator rejects (aclnn 161001 / 161002 /
-561002), NotImplementedError for a case moegrad does not emulate, ValueError for a bad setting;
+561002, 561103 from CANN 9.1), NotImplementedError for a case moegrad does not emulate, ValueError for a bad setting;
 the service's errors (TransportError, ...) through ``MOEGRAD_MSPROBE_URL``. msprobe records any of
 them as the API's skip reason.
 """
@@ -89,6 +90,8 @@ except ImportError as _missing:  # pragma: no cover - the extra installs torch
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad._client import Client
 from moegrad._msprobe_install import DTYPE_ENV, ORDER_ENV, TOKEN_ENV, URL_ENV
+from moegrad._profiles import DEFAULT_PROFILE, resolve_profile
+from moegrad._profiles import PROFILES as _DEVICE_PROFILES
 from moegrad._reference import moe_init_routing_v2_grad
 from moegrad._routing import MoeInitRoutingV2Result, expert_range, invert_expanded_row_idx, moe_init_routing_v2
 from moegrad._tensors import to_numpy, to_torch
@@ -111,12 +114,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Profile:
-    """A product line: the order of adds (a name of :data:`moegrad.ORDERS`) of each backward.
+    """A device profile as msprobe's backwards see it: the profile (a name of
+    :data:`moegrad.PROFILES`) each backward computes as.
 
     Attributes:
-        name: the profile's name, a key of :data:`PROFILES`.
-        permute_order: the order of npu_moe_token_permute's backward on that product line.
-        routing_order: the order of aclnnMoeInitRoutingV2Grad on that product line.
+        name: the device profile's name, a key of :data:`PROFILES` (``"ascend910b@9.1"``...).
+        permute_order: the profile of npu_moe_token_permute's backward on that device.
+        routing_order: the profile of aclnnMoeInitRoutingV2Grad on that device.
     """
 
     name: str
@@ -124,15 +128,15 @@ class Profile:
     routing_order: str
 
 
-#: Profiles by name (module docstring, "Profiles"; docs/msprobe.md gives the sources).
-PROFILES: dict[str, Profile] = {
-    "ascend910b": Profile("ascend910b", "sequential", "ascend910b"),
-    "ascend950": Profile("ascend950", "ascend950", "ascend950"),
-    "ascend950@2025-12": Profile("ascend950@2025-12", "ascend950@2025-12", "ascend950@2025-12"),
-    "sequential": Profile("sequential", "sequential", "sequential"),
-}
+def _msprobe_profile(name: str) -> Profile:
+    chip = _DEVICE_PROFILES[name].chip
+    # A2/A3 run MoeTokenPermuteGrad for the permute backward: the chain of the sequential golden
+    return Profile(name, "sequential" if chip in ("ascend910b", "ascend910_93") else name, name)
 
-_DEFAULT_PROFILE = "ascend910b"
+
+#: Profiles by device profile name (module docstring, "Profiles"; docs/msprobe.md gives the sources).
+PROFILES: dict[str, Profile] = {name: _msprobe_profile(name) for name in _DEVICE_PROFILES}
+
 _DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 _NARROW = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 _clients: dict[tuple[str, str | None], Client] = {}
@@ -140,16 +144,17 @@ _clients_lock = threading.Lock()
 
 
 def current_profile() -> Profile:
-    """The profile ``MOEGRAD_MSPROBE_ORDER`` names (``ascend910b`` when unset), read at each call.
+    """The profile ``MOEGRAD_MSPROBE_ORDER`` names (``ascend910b@9.1`` when unset; any name of
+    :data:`moegrad.ORDERS`, an alias read as the profile it names), read at each call.
 
     Raises:
-        ValueError: a name that is not a key of :data:`PROFILES`.
+        ValueError: a name that is not a device profile or an alias.
     """
-    name = os.environ.get(ORDER_ENV) or _DEFAULT_PROFILE
+    name = os.environ.get(ORDER_ENV) or DEFAULT_PROFILE
     try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"{ORDER_ENV}={name!r} is not one of {', '.join(PROFILES)}") from None
+        return PROFILES[resolve_profile(name).name]
+    except ValueError as exc:
+        raise ValueError(f"{ORDER_ENV}={name!r}: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------------------

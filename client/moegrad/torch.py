@@ -7,8 +7,9 @@ Install with ``pip install 'moegrad[torch]'``; ``import moegrad`` never imports 
   ``(Tensor grad_expanded_x, Tensor expanded_row_idx, int top_k, int drop_pad_mode=0,
   int active_num=0) -> Tensor``, registered with ``torch.library``: a fake kernel (shapes only) for
   ``torch.compile`` and FakeTensor, and one kernel for every device. It returns grad_x [N, H] with
-  the bits of the device order chosen by :func:`set_order` (default ``"ascend910b"``).
-- ``torch.ops.moegrad.moe_init_routing_grad_ordered``: the same with a trailing ``str order``.
+  the bits of the device profile chosen by :func:`set_order` (default ``"ascend910b@9.1"``).
+- ``torch.ops.moegrad.moe_init_routing_grad_ordered``: the same with a trailing ``str order`` (a
+  profile name; docs/semantics.md).
 - ``torch.ops.moegrad.moe_init_routing_v2`` (and :func:`moe_init_routing_v2`): the forward routing,
   aclnnMoeInitRoutingV2 (:mod:`moegrad._routing`); :class:`MoeInitRoutingV2` pairs it with the
   backward op, so ``expanded_x.backward(...)`` puts the device's bits in ``x.grad``.
@@ -34,10 +35,10 @@ import torch
 
 from moegrad._client import Client
 from moegrad._errors import AclnnStatus, InvalidArgument
+from moegrad._profiles import DEFAULT_PROFILE, resolve_profile
 from moegrad._reference import moe_init_routing_v2_grad as _grad_numpy
 from moegrad._routing import MoeInitRoutingV2Result
 from moegrad._routing import moe_init_routing_v2 as _routing_numpy
-from moegrad._spec import Order
 from moegrad._tensors import to_numpy, to_torch
 
 __all__ = [
@@ -53,7 +54,7 @@ __all__ = [
 
 _GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _lock = threading.Lock()
-_order: str = "ascend910b"
+_order: str = DEFAULT_PROFILE
 _service: Client | None = None
 
 
@@ -62,29 +63,32 @@ _service: Client | None = None
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_order(order: str) -> str:
-    allowed = typing.get_args(Order)  # the client's own table of orders
-    if order not in allowed:
+def _check_order(order: object) -> str:
+    """The canonical name of the profile ``order`` names (the client's own table, moegrad.PROFILES)."""
+    try:
+        if not isinstance(order, str):
+            raise ValueError(f"{order!r} is not a profile name (a str)")
+        return resolve_profile(order).name
+    except ValueError as exc:
         raise InvalidArgument(
-            f"order={order!r} is not one of {', '.join(allowed)}",
-            aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
-            field="order",
-        )
-    return order
+            f"order: {exc}", aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID, field="order"
+        ) from None
 
 
 def set_order(order: str) -> str:
-    """Set the accumulation order ``moe_init_routing_grad`` uses, for the whole process.
+    """Set the device profile ``moe_init_routing_grad`` computes as, for the whole process.
 
     Args:
-        order: a name the client's order table accepts: ``"ascend910b"`` (the Atlas A2/A3 device,
-            the default) or ``"sequential"`` (Huawei's test golden), and any order added there.
+        order: any name of :data:`moegrad.ORDERS`: ``"<chip>@<release>"`` (e.g.
+            ``"ascend950@9.1"``), a bare chip (its newest release), ``"sequential"`` (Huawei's test
+            golden) or an older alias; kept as the profile's canonical name. The default is
+            ``"ascend910b@9.1"`` (the Atlas A2 at CANN 9.1).
 
     Returns:
-        The order set before.
+        The profile set before (its canonical name).
 
     Raises:
-        InvalidArgument: an unknown order (161002).
+        InvalidArgument: an unknown name (161002, field ``order``).
     """
     global _order
     with _lock:
@@ -139,9 +143,15 @@ def _fail(status: AclnnStatus, field: str, message: str) -> InvalidArgument:
     return InvalidArgument(message, aclnn_status=status, field=field)
 
 
-def _check_meta(grad: torch.Tensor, idx: torch.Tensor, top_k: int, drop_pad_mode: int) -> None:
-    """The shape and dtype rules the fake kernel can check (values need the data: the real kernel checks them)."""
-    invalid, tiling = AclnnStatus.ACLNN_ERR_PARAM_INVALID, AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR
+def _check_meta(grad: torch.Tensor, idx: torch.Tensor, top_k: int, drop_pad_mode: int, order: str) -> None:
+    """The shape and dtype rules the fake kernel can check on the profile ``order`` (values need the
+    data: the real kernel checks them); an empty grad_x from CANN 9.1 skips them but top_k's."""
+    invalid, tiling = AclnnStatus.ACLNN_ERR_PARAM_INVALID, resolve_profile(order).attribute_status
+    empty_out = idx.dim() == 1 and grad.dim() >= 1 and (idx.shape[0] == 0 or grad.shape[-1] == 0)
+    if resolve_profile(order).empty_out_skips_checks and empty_out:
+        if top_k <= 0:
+            raise _fail(tiling, "top_k", f"top_k={top_k} must be greater than 0")
+        return
     if grad.dtype not in _GRAD_DTYPES:
         raise _fail(
             invalid,
@@ -204,10 +214,11 @@ def moe_init_routing_grad(
     drop_pad_mode: int = 0,
     active_num: int = 0,
 ) -> torch.Tensor:
-    """gradX of aclnnMoeInitRoutingV2Grad, in the order :func:`set_order` chose.
+    """gradX of aclnnMoeInitRoutingV2Grad, as the device profile :func:`set_order` chose computes it.
 
     ``grad_x[i] = sum over t < K of grad_expanded_x[expanded_row_idx[i*K + t]]``, skipping -1 in
-    drop/pad mode and indices >= active_num in active mode (docs/semantics.md).
+    drop/pad mode and indices >= active_num in active mode (on ``ascend950@9.1`` also any negative
+    index, and a dropless index >= N*K; docs/semantics.md section 2).
 
     Args:
         grad_expanded_x: [N*K, H] (dropless), [A, H] (active) or [E, C, H] (drop/pad); float16,
@@ -221,7 +232,7 @@ def moe_init_routing_grad(
         grad_x, [N, H], grad_expanded_x's dtype and device.
 
     Raises:
-        InvalidArgument: a documented constraint is broken (161001 / 161002 / 561002).
+        InvalidArgument: a documented constraint is broken (161001 / 161002 / 561002, 561103 from CANN 9.1).
     """
     return _run_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, _order)
 
@@ -231,7 +242,7 @@ def moe_init_routing_grad(
     mutates_args=(),
     schema=(
         "(Tensor grad_expanded_x, Tensor expanded_row_idx, int top_k, int drop_pad_mode=0, int active_num=0, "
-        'str order="ascend910b") -> Tensor'
+        f'str order="{DEFAULT_PROFILE}") -> Tensor'
     ),
 )
 def moe_init_routing_grad_ordered(
@@ -240,14 +251,15 @@ def moe_init_routing_grad_ordered(
     top_k: int,
     drop_pad_mode: int = 0,
     active_num: int = 0,
-    order: str = "ascend910b",
+    order: str = DEFAULT_PROFILE,
 ) -> torch.Tensor:
-    """:func:`moe_init_routing_grad` with the accumulation order as an argument (a name of the order table)."""
+    """:func:`moe_init_routing_grad` with the device profile as an argument (any name of :data:`moegrad.ORDERS`)."""
     return _run_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, _check_order(order))
 
 
-def _grad_fake(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0, order="ascend910b"):
-    _check_meta(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode)
+def _grad_fake(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0, order=None):
+    profile = _order if order is None else _check_order(order)
+    _check_meta(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, profile)
     return grad_expanded_x.new_empty((expanded_row_idx.shape[0] // top_k, grad_expanded_x.shape[-1]))
 
 

@@ -15,7 +15,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
-from moegrad._spec import Order
+from moegrad._profiles import ALIASES, DEFAULT_PROFILE, PROFILES, resolve_profile
 
 __all__ = ["Settings"]
 
@@ -87,21 +87,23 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         60.0, gt=0, description="longest a call may wait and run, in seconds; X-Request-Timeout may only shorten it"
     )
-    order: Order = Field(
-        "ascend910b",
-        description="accumulation order of calls that name none: ascend910b (Atlas A2/A3), ascend950 "
-        "(Ascend 950PR/950DT; ascend950@2025-12 an earlier kernel revision) or sequential",
+    order: str = Field(
+        DEFAULT_PROFILE,
+        description="device profile of calls that name none, on the reference backend (a device "
+        "computes its own): "
+        f"{', '.join(PROFILES)}; or an alias ({', '.join(f'{a} = {p}' for a, p in ALIASES.items())}), "
+        "kept as the profile it names",
     )
     ascend950_ub_size_bytes: int = Field(
         UB_SIZE_BYTES,
         ge=32,
-        description="unified-buffer size in bytes the reference backend's ascend950 orders "
+        description="unified-buffer size in bytes the reference backend's ascend950 profiles "
         "tile for (Ascend 950PR/950DT: 253952); it decides the order of adds",
     )
     ascend950_vector_core_count: int = Field(
         VECTOR_CORE_COUNT,
         ge=1,
-        description="vector (AIV) core count the reference backend's ascend950 orders "
+        description="vector (AIV) core count the reference backend's ascend950 profiles "
         "tile for (Ascend 950PR/950DT: 64); it decides the order of adds",
     )
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After that a 503 advertises, in seconds")
@@ -144,6 +146,11 @@ class Settings(BaseSettings):
                 )
             return tokens
         return value
+
+    @field_validator("order")
+    @classmethod
+    def _canonical_order(cls, value: str) -> str:
+        return resolve_profile(value).name  # ValueError (listing the names) at startup
 
     @model_validator(mode="after")
     def _check_tls(self) -> Settings:

@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover - depends on the tree
 
 assert np.array_equal(np.array([[0.3, 0.3], [0.70000005, 0.70000005]], np.float32).view(np.uint32), EXAMPLE_BITS)
 
-NULLPTR, INVALID, TILING = 161001, 161002, 561002  # documentation, "Return Value"
+NULLPTR, INVALID = 161001, 161002  # documentation, "Return Value"
+SHAPE = 561103  # rules 3-6 on the default profile, ascend910b@9.1 (CANN 9.1's documented code; 561002 before)
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 
@@ -90,7 +91,7 @@ def test_example_through_client(server_url):
     assert grad_x.dtype == np.float32
     np.testing.assert_array_equal(bits(grad_x), EXAMPLE_BITS)
     np.testing.assert_array_equal(bits(result.grad_x), EXAMPLE_BITS)
-    assert (result.backend, result.order, result.device) == ("reference", "ascend910b", None)
+    assert (result.backend, result.order, result.device) == ("reference", "ascend910b@9.1", None)
     assert result.request_id
     assert set(result.timings_ms) >= {"queue", "compute", "total"}
 
@@ -107,7 +108,7 @@ def test_info_ready_live(server_url):
         info = client.info()
         assert client.ready() is True
         assert client.live() is True
-    assert info["backend"] == "reference" and info["order"] == "ascend910b"
+    assert info["backend"] == "reference" and info["order"] == "ascend910b@9.1"
     assert info["version"] == moegrad.__version__
     assert {"device", "streams", "max_queue", "max_body_bytes", "max_elements", "request_timeout_s"} <= set(info)
 
@@ -136,12 +137,13 @@ def test_random_calls_match_reference_bitwise(server_url, dtype, mode, top_k):
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
-@pytest.mark.parametrize("order", ["ascend910b", "sequential"])
-def test_orders_match_reference_bitwise(server_url, order):
+@pytest.mark.parametrize(("order", "profile"), [("ascend910b", "ascend910b@9.1"), ("sequential", "sequential"),
+                                               ("ascend950@9.0", "ascend950@9.0")])
+def test_orders_match_reference_bitwise(server_url, order, profile):
     kwargs = random_call(np.random.default_rng(5), "dropless", np.float32, top_k=6, tokens=50, hidden=64)
     with Client(server_url) as client:
         result = client.run(moegrad.MoeInitRoutingV2GradCall(**kwargs, order=order))
-    assert result.order == order
+    assert result.order == profile  # an alias answers as the profile it names
     np.testing.assert_array_equal(bits(result.grad_x), bits(reference(kwargs, order)))
 
 
@@ -202,21 +204,21 @@ RULES = [
     ("idx float32", document(expanded_row_idx=tensor(EXAMPLE_IDX.astype(np.float32))), INVALID, "expanded_row_idx"),
     ("idx float16", document(expanded_row_idx=tensor(EXAMPLE_IDX.astype(np.float16))), INVALID, "expanded_row_idx"),
     # rule 3: attribute values
-    ("drop_pad_mode 2", document(drop_pad_mode=2), TILING, "drop_pad_mode"),
-    ("drop_pad_mode -1", document(drop_pad_mode=-1), TILING, "drop_pad_mode"),
-    ("top_k 0", document(top_k=0), TILING, "top_k"),
-    ("top_k -3", document(top_k=-3), TILING, "top_k"),
-    ("active_num -1", document(active_num=-1), TILING, "active_num"),
+    ("drop_pad_mode 2", document(drop_pad_mode=2), SHAPE, "drop_pad_mode"),
+    ("drop_pad_mode -1", document(drop_pad_mode=-1), SHAPE, "drop_pad_mode"),
+    ("top_k 0", document(top_k=0), SHAPE, "top_k"),
+    ("top_k -3", document(top_k=-3), SHAPE, "top_k"),
+    ("active_num -1", document(active_num=-1), SHAPE, "active_num"),
     # rule 4: ranks
-    ("grad rank 3 in mode 0", document(grad_expanded_x=tensor(EXAMPLE_X.reshape(4, 1, 2))), TILING, "grad_expanded_x"),
-    ("grad rank 2 in mode 1", document(drop_pad_mode=1), TILING, "grad_expanded_x"),
-    ("grad rank 1", document(grad_expanded_x=tensor(EXAMPLE_X.reshape(8))), TILING, "grad_expanded_x"),
-    ("idx rank 2", document(expanded_row_idx=tensor(EXAMPLE_IDX.reshape(2, 2))), TILING, "expanded_row_idx"),
+    ("grad rank 3 in mode 0", document(grad_expanded_x=tensor(EXAMPLE_X.reshape(4, 1, 2))), SHAPE, "grad_expanded_x"),
+    ("grad rank 2 in mode 1", document(drop_pad_mode=1), SHAPE, "grad_expanded_x"),
+    ("grad rank 1", document(grad_expanded_x=tensor(EXAMPLE_X.reshape(8))), SHAPE, "grad_expanded_x"),
+    ("idx rank 2", document(expanded_row_idx=tensor(EXAMPLE_IDX.reshape(2, 2))), SHAPE, "expanded_row_idx"),
     # rule 5: dim 0
-    ("dropless rows", document(grad_expanded_x=tensor(EXAMPLE_X[:3])), TILING, "grad_expanded_x"),
-    ("active rows", document(active_num=3), TILING, "grad_expanded_x"),
+    ("dropless rows", document(grad_expanded_x=tensor(EXAMPLE_X[:3])), SHAPE, "grad_expanded_x"),
+    ("active rows", document(active_num=3), SHAPE, "grad_expanded_x"),
     # rule 6: divisibility
-    ("len % top_k", document(top_k=3), TILING, "expanded_row_idx"),
+    ("len % top_k", document(top_k=3), SHAPE, "expanded_row_idx"),
     # rule 7: index values and uniqueness
     ("dropless idx = N*K", document(expanded_row_idx=tensor(np.array([2, 0, 1, 4], np.int32))), INVALID, "expanded_row_idx"),
     ("dropless idx -1", document(expanded_row_idx=tensor(np.array([2, 0, -1, 3], np.int32))), INVALID, "expanded_row_idx"),
@@ -260,7 +262,7 @@ def test_keyword_api_reaches_the_server_unchecked(server_url):
     with Client(server_url, validate=False) as client:
         with pytest.raises(InvalidArgument) as info:
             client.moe_init_routing_v2_grad(EXAMPLE_X, EXAMPLE_IDX, 3)
-        assert (info.value.aclnn_status, info.value.field) == (TILING, "expanded_row_idx")
+        assert (info.value.aclnn_status, info.value.field) == (SHAPE, "expanded_row_idx")
         with pytest.raises(InvalidArgument) as info:
             client.moe_init_routing_v2_grad(None, EXAMPLE_IDX, 2)
         assert (info.value.aclnn_status, info.value.field) == (NULLPTR, "grad_expanded_x")

@@ -108,7 +108,7 @@ def test_calls_spread_over_the_replicas_and_a_4xx_is_never_retried(servers):
         with pytest.raises(moegrad.InvalidArgument) as info:
             client.run(bad)
         assert sum(s.failures for s in client.stats) == 0
-    assert info.value.aclnn_status == 561002 and failures_seen(urls) - before == 1  # one request, one answer
+    assert info.value.aclnn_status == 561103 and failures_seen(urls) - before == 1  # one request, one answer
 
 
 def test_a_dns_name_s_addresses_are_the_replicas(servers):

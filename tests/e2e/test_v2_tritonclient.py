@@ -124,7 +124,7 @@ def test_infer_is_bit_exact(triton_client, mode, dtype, binary):
                                  parameters=attributes(call))
     response = result.get_response()
     assert response["id"] == "req-7" and response["model_name"] == MODEL
-    assert response["parameters"]["backend"] == "reference" and response["parameters"]["order"] == "ascend910b"
+    assert response["parameters"]["backend"] == "reference" and response["parameters"]["order"] == "ascend910b@9.1"
     assert ("binary_data_size" in response["outputs"][0].get("parameters", {})) is binary
     assert_bits_equal(result.as_numpy("grad_x"), expected(call))
 
@@ -154,21 +154,22 @@ def test_bf16_json_input_is_refused_by_tritonclient():
 @pytest.mark.parametrize("top_k", [1, 8, 130])
 def test_order_parameter_and_large_top_k(triton_client, top_k):
     call = make_call("dropless", np.float32, tokens=4, top_k=top_k, hidden=33, seed=top_k)
-    for order in ("ascend910b", "sequential"):
+    for order, profile in (("ascend910b", "ascend910b@9.1"), ("sequential", "sequential")):
         result = triton_client.infer(MODEL, triton_inputs(call, binary=True),
                                      parameters={**attributes(call), "order": order})
-        assert result.get_response()["parameters"]["order"] == order
+        assert result.get_response()["parameters"]["order"] == profile
         assert_bits_equal(result.as_numpy("grad_x"), expected(call, order=order))
 
 
 @pytest.mark.parametrize(
     ("change", "code", "field"),
     [
-        ({"top_k": 0}, "561002", "top_k"),
-        ({"top_k": 4}, "561002", "expanded_row_idx"),  # 18 slots are not a multiple of 4
-        ({"drop_pad_mode": 2}, "561002", "drop_pad_mode"),
-        ({"active_num": -1}, "561002", "active_num"),
-        ({"active_num": 7}, "561002", "grad_expanded_x"),  # grad has 18 rows, not 7
+        ({"top_k": 0}, "561103", "top_k"),  # CANN 9.1's code (the default profile's)
+        ({"top_k": 4}, "561103", "expanded_row_idx"),  # 18 slots are not a multiple of 4
+        ({"drop_pad_mode": 2}, "561103", "drop_pad_mode"),
+        ({"active_num": -1}, "561103", "active_num"),
+        ({"active_num": 7}, "561103", "grad_expanded_x"),  # grad has 18 rows, not 7
+        ({"active_num": 7, "order": "ascend910b@9.0"}, "561002", "grad_expanded_x"),  # before 9.1
         ({"order": "ascend960"}, "161002", "order"),
     ],
 )
@@ -276,4 +277,4 @@ def test_httpx_json_invalid_attribute(server_url):
     response = httpx.post(f"{server_url}/v2/models/{MODEL}/infer", content=json.dumps(document), timeout=30)
     assert response.status_code == 400
     assert response.json() == {"error": "expanded_row_idx.shape[0]=4 is not divisible by top_k=3 "
-                                        "[field expanded_row_idx] (ACLNN_ERR_INNER_TILING_ERROR 561002)"}
+                                        "[field expanded_row_idx] (ACLNN_ERR_INNER_NULLPTR 561103)"}

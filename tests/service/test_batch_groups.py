@@ -101,7 +101,7 @@ def test_each_variant_among_members_of_its_shape_gets_its_single_call_answer(cli
 
 def grouped(items: list) -> list[bool]:
     class Plane:  # what group_calls asks of the dataplane: the emulation's (every order)
-        default_order = "ascend910b"
+        default_order = "ascend910b@9.1"
 
         @staticmethod
         def check_order(named) -> None:
@@ -157,10 +157,10 @@ def test_a_group_needs_two_members_and_calls_over_the_size_limit_go_alone():
 
 
 def test_a_shape_every_member_breaks_goes_alone_with_each_members_error(client):
-    bad = example_document(top_k=3)  # 4 slots do not divide by 3: 561002 for every member
+    bad = example_document(top_k=3)  # 4 slots do not divide by 3: 561103 (CANN 9.1) for every member
     results = post_batch(client, [bad, bad, bad])
     alone = post(client, bad).json()
-    assert alone["aclnn_status"] == 561002
+    assert alone["aclnn_status"] == 561103
     for result in results:
         assert {k: result["problem"][k] for k in PROBLEM_FIELDS} == {k: alone[k] for k in PROBLEM_FIELDS}
 

@@ -117,7 +117,7 @@ def test_the_reference_result_passes_every_standard(client, mode, dtype):
     assert report["shape"] == [call.num_tokens, call.hidden_size]
     assert report["dtype"] == report["candidate_dtype"] == WIRE[np.dtype(dtype)]
     assert report["candidate_vs_device"]["bitwise_equal_count"] == device.size
-    assert (answer["backend"], answer["order"], answer["device"]) == ("reference", "ascend910b", None)
+    assert (answer["backend"], answer["order"], answer["device"]) == ("reference", "ascend910b@9.1", None)
     assert set(answer["timings_ms"]) == {"queue", "compute", "golden", "compare", "total"}
     assert all(value >= 0 for value in answer["timings_ms"].values())
     assert "grad_x" not in answer
@@ -265,7 +265,9 @@ def _rejections():
         ("int32 candidate", {"candidate": tensor(good.astype(np.int32))}, 422, 161002, "candidate"),
         ("unknown standard", {"candidate": tensor(good), "standards": ["bitwise", "exact"]}, 422, 161002, "standards"),
         ("no standard", {"candidate": tensor(good), "standards": []}, 422, 161002, "standards"),
-        ("constraint", {"candidate": tensor(good), "top_k": 5}, 422, 561002, "expanded_row_idx"),
+        ("constraint", {"candidate": tensor(good), "top_k": 5}, 422, 561103, "expanded_row_idx"),  # CANN 9.1
+        ("constraint before 9.1", {"candidate": tensor(good), "top_k": 5, "order": "ascend910b@8.5"}, 422, 561002,
+         "expanded_row_idx"),
         ("broken candidate map", {"candidate": {"dtype": "float16", "shape": [1, 2], "data": bytes(3)}}, 400, None, "candidate"),
         ("float64 candidate", {"candidate": {"dtype": "float64", "shape": list(good.shape),
                                              "data": good.astype(np.float64).tobytes()}}, 422, 161002, "candidate"),
@@ -287,7 +289,8 @@ def test_rejections_name_the_field_and_never_run_the_backend(serve, gate, gated_
         assert body["aclnn_status"] == aclnn
         if aclnn is not None:
             assert body["aclnn_name"] == {161001: "ACLNN_ERR_PARAM_NULLPTR", 161002: "ACLNN_ERR_PARAM_INVALID",
-                                          561002: "ACLNN_ERR_INNER_TILING_ERROR"}[aclnn]
+                                          561002: "ACLNN_ERR_INNER_TILING_ERROR",
+                                          561103: "ACLNN_ERR_INNER_NULLPTR"}[aclnn]
         assert gate.calls == 0  # rejected before the device was asked for anything
         good = moegrad.moe_init_routing_v2_grad(call)
         assert post(client, document(call, good)).status_code == 200

@@ -1,9 +1,11 @@
 """The dataplane checks the order each request named against its backend, with no HTTP.
 
-The rule (docs/semantics.md, "Which chip answered"): a device computes its chip's order; a call
-that names another is refused with 161002 (field ``order``) before it runs, and is not counted in
-the statistics; a call that names none, or the chip's, runs and answers the chip's order. The
-device here is the emulation under another name, reporting an Atlas A2/A3 (``ascend910b``).
+The rule (docs/semantics.md, "Which chip answered"): a device computes its own profile (its chip at
+its CANN release); a call that names another (another chip, or the same chip at another release)
+is refused with 161002 (field ``order``) before it runs, and is not counted in the statistics; a
+call that names none, its profile, or an alias of it runs and answers the profile's canonical name.
+The device here is the emulation under another name, reporting an Atlas A2 at CANN 9.1
+(``ascend910b@9.1``, which the alias ``ascend910b`` names).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ PARAM_INVALID = 161002
 
 
 class Atlas910(ReferenceBackend):
-    """The emulation, presented as a device whose chip computes ascend910b."""
+    """The emulation, presented as a device whose profile is ascend910b@9.1."""
 
     name = "ascend"
     device = "Ascend910B3 #0"
-    order = "ascend910b"
+    order = "ascend910b@9.1"
 
 
 def call(order: str = "ascend910b") -> MoeInitRoutingV2GradCall:
@@ -58,7 +60,7 @@ async def test_a_single_call_and_a_comparison_naming_another_order_are_refused_b
     async with device_dataplane() as dataplane:
         with pytest.raises(moegrad.InvalidArgument) as refused:
             await dataplane.infer(call("ascend950"), named_order="ascend950", timeout_s=30)
-        assert refused_for_its_order(refused.value) and "ascend910b" in str(refused.value)
+        assert refused_for_its_order(refused.value) and "'ascend910b@9.1'" in str(refused.value)
         comparison = Comparison.checked(call("ascend950"), np.zeros((2, 2), np.float32), None, False,
                                         named_order="ascend950")
         with pytest.raises(moegrad.InvalidArgument) as refused:
@@ -67,8 +69,20 @@ async def test_a_single_call_and_a_comparison_naming_another_order_are_refused_b
         assert dataplane.statistics.fail.count == 0 and dataplane.statistics.success.count == 0
         named = await dataplane.infer(call(), named_order="ascend910b", timeout_s=30)
         unnamed = await dataplane.infer(call(), timeout_s=30)
-        assert named.order == unnamed.order == "ascend910b"
+        assert named.order == unnamed.order == "ascend910b@9.1"  # the alias named, and the device's own
         assert dataplane.statistics.success.count == 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("other", ["ascend910b@9.0", "ascend910b@8.5", "ascend910_93@9.1", "ascend950@9.1", "sequential"])
+async def test_another_release_or_chip_is_refused_and_the_device_profile_by_any_name_runs(other):
+    async with device_dataplane() as dataplane:
+        with pytest.raises(moegrad.InvalidArgument) as refused:
+            await dataplane.infer(call(other), named_order=other, timeout_s=30)
+        assert refused_for_its_order(refused.value)
+        assert f"order={other!r}" in refused.value.message and "computes 'ascend910b@9.1'" in refused.value.message
+        for name in ("ascend910b@9.1", "ascend910b"):
+            assert (await dataplane.infer(call(name), named_order=name, timeout_s=30)).order == "ascend910b@9.1"
 
 
 @pytest.mark.asyncio
@@ -89,6 +103,6 @@ async def test_a_batch_refuses_each_item_naming_another_order_in_its_place():
         refused = [refused_for_its_order(answer) for answer in answers]
         assert refused == [False, True, False, False, False, True, True, True]
         assert isinstance(answers[0], GradOutcome) and isinstance(answers[2], GradOutcome)
-        assert isinstance(answers[3], MemberOutcome) and answers[3].outcome.order == "ascend910b"
-        assert answers[0].order == answers[2].order == "ascend910b"
+        assert isinstance(answers[3], MemberOutcome) and answers[3].outcome.order == "ascend910b@9.1"
+        assert answers[0].order == answers[2].order == "ascend910b@9.1"
         assert dataplane.statistics.success.count == 4 and dataplane.statistics.fail.count == 0

@@ -131,7 +131,7 @@ def test_documentation_example_bits(client):
     response = result.get_response()
     assert response.id == "doc-1" and response.model_name == MODEL and response.model_version == "1"
     assert response.parameters["backend"].string_param == "reference"
-    assert response.parameters["order"].string_param == "ascend910b"
+    assert response.parameters["order"].string_param == "ascend910b@9.1"  # the default profile
     assert len(response.raw_output_contents) == 1 and len(response.raw_output_contents[0]) == 16
 
 
@@ -170,9 +170,9 @@ def test_a_grpc_port_in_use_fails_startup():
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_and_dtype_is_bit_exact(client, mode, dtype):
     call = routed_call(MODES.index(mode), mode, dtype)
-    for order in ("ascend910b", "sequential"):
+    for order, profile in (("ascend910b", "ascend910b@9.1"), ("sequential", "sequential")):
         result = infer(client, {**call, "order": order})
-        assert result.get_response().parameters["order"].string_param == order
+        assert result.get_response().parameters["order"].string_param == profile  # the alias's profile
         assert same_bits(result.as_numpy("grad_x"), expected(call, order=order))
 
 

@@ -54,7 +54,7 @@ def test_v1_ascend950_with_the_default_platform_is_one_pass(serve, call):
     with serve() as client:
         response = post(client, v1_document(grad, idx, order="ascend950"))
         assert response.status_code == 200, response.text
-        assert msgpack.unpackb(response.content)["order"] == "ascend950"
+        assert msgpack.unpackb(response.content)["order"] == "ascend950@9.1"
         want = order950(grad[idx].reshape(TOKENS, K, H), K)
         assert grad_x_of(response).view(np.uint32).tolist() == want.view(np.uint32).tolist()
 
@@ -65,7 +65,7 @@ def test_v1_the_ub_setting_decides_the_chunks(serve, call, ub, chunk):
     # FullLoad needs (2K + 1) * 32 <= UB and K = 17 > 10, so Regbase: kUbFactor = (UB - 8 * 8) // (8 * 8)
     with serve(order="ascend950", ascend950_ub_size_bytes=ub) as client:
         response = post(client, v1_document(grad, idx))  # no order named: the settings' default
-        assert msgpack.unpackb(response.content)["order"] == "ascend950"
+        assert msgpack.unpackb(response.content)["order"] == "ascend950@9.1"
         want = order950(grad[idx].reshape(TOKENS, K, H), chunk)
         assert grad_x_of(response).view(np.uint32).tolist() == want.view(np.uint32).tolist()
         one_pass = order950(grad[idx].reshape(TOKENS, K, H), K)
@@ -97,13 +97,13 @@ def test_v1_earlier_revision_is_a_plain_chain(serve, call):
         chain = chain + rows[:, t]
     with serve(ascend950_ub_size_bytes=448) as client:
         response = post(client, v1_document(grad, idx, order="ascend950@2025-12"))
-        assert msgpack.unpackb(response.content)["order"] == "ascend950@2025-12"
+        assert msgpack.unpackb(response.content)["order"] == "ascend950@8.5"  # the alias, as its profile
         assert grad_x_of(response).view(np.uint32).tolist() == chain.view(np.uint32).tolist()
 
 
 def test_v1_info_names_the_default_order(serve):
     with serve(order="ascend950") as client:
-        assert client.get("/v1/info").json()["order"] == "ascend950"
+        assert client.get("/v1/info").json()["order"] == "ascend950@9.1"
 
 
 def test_v2_ascend950_as_a_parameter(serve, call):
@@ -119,7 +119,7 @@ def test_v2_ascend950_as_a_parameter(serve, call):
         response = client.post("/v2/models/moe_init_routing_v2_grad/infer", content=json.dumps(document).encode())
         assert response.status_code == 200, response.text
         body = response.json()
-        assert body["parameters"]["order"] == "ascend950"
+        assert body["parameters"]["order"] == "ascend950@9.1"
         (output,) = body["outputs"]
         got = np.array(output["data"], dtype=np.float64).astype(np.float32)
         want = order950(grad[idx].reshape(TOKENS, K, H), 6)
@@ -135,7 +135,7 @@ def test_compare_against_the_950_order(serve, call):
         response = client.post("/v1/moe_init_routing_v2_grad/compare", content=pack(document), headers=MSGPACK_HEADERS)
         assert response.status_code == 200, response.text
         answer = msgpack.unpackb(response.content)
-        assert answer["order"] == "ascend950"
+        assert answer["order"] == "ascend950@9.1"
         assert answer["report"]["candidate_vs_device"]["bitwise_equal_count"] == TOKENS * H
 
 
@@ -152,4 +152,4 @@ def test_settings_defaults_and_environment(monkeypatch):
     monkeypatch.setenv("MOEGRAD_ORDER", "ascend950@2025-12")
     monkeypatch.setenv("MOEGRAD_ASCEND950_VECTOR_CORE_COUNT", "56")
     settings = Settings()
-    assert (settings.order, settings.ascend950_vector_core_count) == ("ascend950@2025-12", 56)
+    assert (settings.order, settings.ascend950_vector_core_count) == ("ascend950@8.5", 56)

@@ -45,7 +45,8 @@ def test_documentation_example_bits(client):
     assert grad_x.dtype == np.float32 and grad_x.shape == (2, 2)
     assert (grad_x.view(np.uint32) == np.array([[F32_03, F32_03], [F32_07, F32_07]])).all()
     reply = msgpack.unpackb(response.content)
-    assert reply["backend"] == "reference" and reply["order"] == "ascend910b" and reply["device"] is None
+    # the default profile, by its canonical name
+    assert reply["backend"] == "reference" and reply["order"] == "ascend910b@9.1" and reply["device"] is None
     assert set(reply["timings_ms"]) == {"queue", "compute", "total"}
 
 
@@ -71,7 +72,7 @@ def test_order_default_comes_from_settings(serve):
         assert msgpack.unpackb(response.content)["order"] == "sequential"
         assert (grad_x_of(response).view(np.uint32) == sequential.view(np.uint32)).all()
         named = post(client, {**document, "order": "ascend910b"})
-        assert msgpack.unpackb(named.content)["order"] == "ascend910b"
+        assert msgpack.unpackb(named.content)["order"] == "ascend910b@9.1"  # the alias, as the profile it means
 
 
 @pytest.mark.parametrize(
@@ -81,26 +82,29 @@ def test_order_default_comes_from_settings(serve):
         ({"expanded_row_idx": None}, 161001, "expanded_row_idx"),
         ({"grad_expanded_x": {"dtype": "int32", "shape": [4, 2], "data": bytes(32)}}, 161002, "grad_expanded_x"),
         ({"expanded_row_idx": {"dtype": "float32", "shape": [4], "data": bytes(16)}}, 161002, "expanded_row_idx"),
-        ({"drop_pad_mode": 2}, 561002, "drop_pad_mode"),
-        ({"top_k": 0}, 561002, "top_k"),
-        ({"active_num": -1}, 561002, "active_num"),
-        ({"top_k": "2"}, 561002, "top_k"),
-        ({"drop_pad_mode": 1}, 561002, "grad_expanded_x"),
-        ({"expanded_row_idx": {"dtype": "int32", "shape": [2, 2], "data": DOC_IDX.tobytes()}}, 561002, "expanded_row_idx"),
-        ({"active_num": 3}, 561002, "grad_expanded_x"),
-        ({"top_k": 3}, 561002, "expanded_row_idx"),
+        ({"drop_pad_mode": 2}, 561103, "drop_pad_mode"),
+        ({"top_k": 0}, 561103, "top_k"),
+        ({"active_num": -1}, 561103, "active_num"),
+        ({"top_k": "2"}, 561103, "top_k"),
+        ({"drop_pad_mode": 1}, 561103, "grad_expanded_x"),
+        ({"expanded_row_idx": {"dtype": "int32", "shape": [2, 2], "data": DOC_IDX.tobytes()}}, 561103, "expanded_row_idx"),
+        ({"active_num": 3}, 561103, "grad_expanded_x"),
+        ({"top_k": 3}, 561103, "expanded_row_idx"),
         ({"expanded_row_idx": {"dtype": "int32", "shape": [4], "data": np.array([2, 0, 1, 4], np.int32).tobytes()}},
          161002, "expanded_row_idx"),
         ({"expanded_row_idx": {"dtype": "int32", "shape": [4], "data": np.array([2, 0, 2, 3], np.int32).tobytes()}},
          161002, "expanded_row_idx"),
         ({"order": "ascend960"}, 161002, "order"),
+        # the attribute/shape code before CANN 9.1 (561103 above is the default profile's, 9.1's)
+        ({"top_k": 0, "order": "ascend910b@9.0"}, 561002, "top_k"),
+        ({"active_num": 3, "order": "ascend950@8.5"}, 561002, "grad_expanded_x"),
     ],
 )
 def test_constraint_violations_are_422_with_aclnn_code(client, overrides, status, field):
     body = problem(post(client, example_document(**overrides)), 422)
     assert body["aclnn_status"] == status
     assert body["aclnn_name"] == {161001: "ACLNN_ERR_PARAM_NULLPTR", 161002: "ACLNN_ERR_PARAM_INVALID",
-                                  561002: "ACLNN_ERR_INNER_TILING_ERROR"}[status]
+                                  561002: "ACLNN_ERR_INNER_TILING_ERROR", 561103: "ACLNN_ERR_INNER_NULLPTR"}[status]
     assert body["field"] == field
     assert metric(client, "moegrad_inference_request_failure_total", endpoint="/v1/moe_init_routing_v2_grad",
                   reason="invalid_argument") == 1

@@ -108,7 +108,7 @@ def test_model_metadata(client):
         assert metadata["outputs"] == [{"name": "grad_x", "datatype": "FP32", "shape": [-1, -1]}]
         parameters = metadata["parameters"]
         assert parameters["grad_expanded_x_datatypes"] == "FP16,BF16,FP32"
-        assert parameters["default_order"] == "ascend910b"
+        assert parameters["default_order"] == "ascend910b@9.1"  # the default profile
         assert all(isinstance(value, (str, int, float, bool)) for value in parameters.values())  # $parameter values
 
 
@@ -144,7 +144,7 @@ def test_json_request_without_content_type(client):
     assert response.headers["content-type"] == "application/json"
     reply = response.json()
     assert reply["id"] == "q1" and reply["model_name"] == MODEL and reply["model_version"] == "1"
-    assert reply["parameters"]["backend"] == "reference" and reply["parameters"]["order"] == "ascend910b"
+    assert reply["parameters"]["backend"] == "reference" and reply["parameters"]["order"] == "ascend910b@9.1"
     output, data = json_output(response)
     assert output["name"] == "grad_x" and output["datatype"] == "FP32" and output["shape"] == [2, 2]
     assert data.astype(np.float32).view(np.uint32).tolist() == DOC_BITS
@@ -366,14 +366,17 @@ def test_bf16_output_as_json_is_400(client):
 @pytest.mark.parametrize(
     ("document", "code", "field"),
     [
-        (example(parameters={"top_k": 0}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "top_k"),
-        (example(parameters={}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "top_k"),
-        (example(parameters={"top_k": 2, "drop_pad_mode": 2}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "drop_pad_mode"),
-        (example(parameters={"top_k": 2, "active_num": 3}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "grad_expanded_x"),
-        (example(parameters={"top_k": 2, "drop_pad_mode": 1}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "grad_expanded_x"),
-        (example(parameters={"top_k": 2.0}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "top_k"),
-        (example(parameters={"top_k": 3}), "ACLNN_ERR_INNER_TILING_ERROR 561002", "expanded_row_idx"),
+        (example(parameters={"top_k": 0}), "ACLNN_ERR_INNER_NULLPTR 561103", "top_k"),
+        (example(parameters={}), "ACLNN_ERR_INNER_NULLPTR 561103", "top_k"),
+        (example(parameters={"top_k": 2, "drop_pad_mode": 2}), "ACLNN_ERR_INNER_NULLPTR 561103", "drop_pad_mode"),
+        (example(parameters={"top_k": 2, "active_num": 3}), "ACLNN_ERR_INNER_NULLPTR 561103", "grad_expanded_x"),
+        (example(parameters={"top_k": 2, "drop_pad_mode": 1}), "ACLNN_ERR_INNER_NULLPTR 561103", "grad_expanded_x"),
+        (example(parameters={"top_k": 2.0}), "ACLNN_ERR_INNER_NULLPTR 561103", "top_k"),
+        (example(parameters={"top_k": 3}), "ACLNN_ERR_INNER_NULLPTR 561103", "expanded_row_idx"),
         (example(parameters={"top_k": 2, "order": "ascend960"}), "ACLNN_ERR_PARAM_INVALID 161002", "order"),
+        # 561103 above is CANN 9.1's code (the default profile's); before 9.1 the same rule is 561002
+        (example(parameters={"top_k": 3, "order": "ascend910b@9.0"}), "ACLNN_ERR_INNER_TILING_ERROR 561002",
+         "expanded_row_idx"),
         (example(inputs=example()["inputs"][:1]), "ACLNN_ERR_PARAM_NULLPTR 161001", "expanded_row_idx"),
         (example(inputs=[]), "ACLNN_ERR_PARAM_NULLPTR 161001", "grad_expanded_x"),
         (_with_input(1, data=[2, 0, 1, 4]), "ACLNN_ERR_PARAM_INVALID 161002", "expanded_row_idx"),

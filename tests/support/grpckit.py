@@ -66,23 +66,26 @@ def _index(values: list[int]) -> Callable[[dict], dict]:
 
 
 #: Invalid calls built from the documentation's example (K = 2) and the aclnn code the operator
-#: documentation gives for each (161001 null tensor, 161002 unsupported dtype or value, 561002 an
-#: attribute or shape the kernel cannot tile), with the field the message must name.
+#: documentation gives for each (161001 null tensor, 161002 unsupported dtype or value, 561103 an
+#: attribute or shape the kernel cannot tile on the default profile, ascend910b@9.1: the CANN 9.1
+#: documentation's code; 561002 before 9.1), with the field the message must name.
 INVALID = [
     ("no grad_expanded_x", _with(grad_expanded_x=None), 161001, "grad_expanded_x"),
     ("no expanded_row_idx", _with(expanded_row_idx=None), 161001, "expanded_row_idx"),
     ("float64 grad", _with(grad_expanded_x=DOC_GRAD.astype(np.float64)), 161002, "grad_expanded_x"),
     ("int64 index", _with(expanded_row_idx=DOC_IDX.astype(np.int64)), 161002, "expanded_row_idx"),
-    ("drop_pad_mode 2", _with(drop_pad_mode=2), 561002, "drop_pad_mode"),
-    ("top_k 0", _with(top_k=0), 561002, "top_k"),
-    ("active_num -1", _with(active_num=-1), 561002, "active_num"),
-    ("drop_pad of a 2-D grad", _with(drop_pad_mode=1), 561002, "grad_expanded_x"),
-    ("2-D index", _with(expanded_row_idx=DOC_IDX.reshape(2, 2)), 561002, "expanded_row_idx"),
-    ("active_num not the grad's rows", _with(active_num=3), 561002, "grad_expanded_x"),
-    ("slots not a multiple of top_k", _with(top_k=3), 561002, "expanded_row_idx"),
+    ("drop_pad_mode 2", _with(drop_pad_mode=2), 561103, "drop_pad_mode"),
+    ("top_k 0", _with(top_k=0), 561103, "top_k"),
+    ("active_num -1", _with(active_num=-1), 561103, "active_num"),
+    ("drop_pad of a 2-D grad", _with(drop_pad_mode=1), 561103, "grad_expanded_x"),
+    ("2-D index", _with(expanded_row_idx=DOC_IDX.reshape(2, 2)), 561103, "expanded_row_idx"),
+    ("active_num not the grad's rows", _with(active_num=3), 561103, "grad_expanded_x"),
+    ("slots not a multiple of top_k", _with(top_k=3), 561103, "expanded_row_idx"),
     ("index out of range", _index([2, 0, 1, 4]), 161002, "expanded_row_idx"),
     ("repeated index", _index([2, 0, 2, 3]), 161002, "expanded_row_idx"),
     ("unknown order", _with(order="ascend960"), 161002, "order"),
+    ("top_k 0 before CANN 9.1", _with(top_k=0, order="ascend910b@9.0"), 561002, "top_k"),
+    ("slots not a multiple of top_k on the 950 at 8.5", _with(top_k=3, order="ascend950@8.5"), 561002, "expanded_row_idx"),
 ]
 
 

@@ -8,6 +8,9 @@ round-half-to-even written from the definition (not NumPy's cast):
   rules), or Huawei's sequential golden (``order="sequential"``), section 2;
 - :func:`slow950`: the Ascend 950's order, section 7.2 (chunks of K, groups of four), with
   :func:`expected_chunk` the K chunk of section 7.1 for the small shapes the sweeps use;
+- :func:`slow_profile`: any device profile (a chip at one CANN release), from :data:`SLOW_PROFILES`,
+  this module's own table of what each kernel source does (its order of adds and which slot
+  indices it turns into +0.0 rows), written from the sources, not from moegrad's table;
 - :func:`every_add_tree`: every binary tree of float32 adds over K slots, to prove a hand-written
   order the only one that fits.
 
@@ -22,13 +25,32 @@ import math
 import ml_dtypes
 import numpy as np
 
-__all__ = ["REVISIONS", "ascend950_row", "device_order_row", "double_factorial", "every_add_tree", "expected_chunk",
-           "floor_log2", "round_from_float32", "sequential_row", "slow950", "slow_grad_x"]
+__all__ = ["REVISIONS", "SLOW_ALIASES", "SLOW_PROFILES", "ascend950_row", "device_order_row", "double_factorial",
+           "every_add_tree", "expected_chunk", "floor_log2", "round_from_float32", "sequential_row", "slot_skipped",
+           "slow950", "slow_grad_x", "slow_profile"]
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 REVISIONS = {"ascend950": True, "ascend950@2025-12": False}  # docs 7.5: groups of four, or a plain chain
+
+# Every device profile, from the kernels' public sources (docs/semantics.md's profile table):
+# (the order of adds, whether every negative index and a dropless index >= N*K is a +0.0 row).
+# - A2/A3 (op_kernel/*.h, the same in every release): bins; drop/pad skips -1, active skips >= A.
+# - 950 at 8.5 (arch35 @ a5d6f9dc): a chain from +0.0; at 9.0 (@ 8c1f71ff): groups of four per K
+#   chunk; both test == -1 (drop/pad) and >= A (active) only.
+# - 950 at 9.1 (@ 49e0de82): groups of four; any negative index, an active index >= A and a
+#   dropless index >= N*K are rows of +0.0.
+SLOW_PROFILES = {
+    **{f"{chip}@{release}": ("bins", False) for chip in ("ascend910b", "ascend910_93") for release in ("8.5", "9.0", "9.1")},
+    "ascend950@8.5": ("chain950", False),
+    "ascend950@9.0": ("groups", False),
+    "ascend950@9.1": ("groups", True),
+    "sequential": ("chain", False),
+}
+#: The other names a profile goes by: a bare chip is its newest release; moegrad's older order names.
+SLOW_ALIASES = {"ascend910b": "ascend910b@9.1", "ascend910_93": "ascend910_93@9.1", "ascend950": "ascend950@9.1",
+                "ascend950@2025-12": "ascend950@8.5"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,6 +174,45 @@ def slow950(grad, idx, top_k, drop_pad_mode=0, active_num=0, *, chunk=None, grou
                 skipped = j == -1 if drop_pad_mode == 1 else active_num > 0 and j >= active_num
                 values.append(None if skipped else flat[j].astype(np.float32))
             total = ascend950_row(values, hidden, chunk or top_k, grouped)
+            for h in range(hidden):
+                out[i, h] = round_from_float32(total[h], out.dtype)
+    return out
+
+
+def slot_skipped(j: int, drop_pad_mode: int, active_num: int, slots: int, lenient: bool) -> bool:
+    """Whether slot index ``j`` reads no row (a skipped slot, or the 950's +0.0 row); ``slots`` = N*K,
+    ``lenient``: the 950 at 9.1 (every negative index, and every index past the rows)."""
+    if lenient:
+        if j < 0:
+            return True
+        return False if drop_pad_mode == 1 else j >= (active_num if active_num > 0 else slots)
+    if drop_pad_mode == 1:
+        return j == -1
+    return active_num > 0 and j >= active_num
+
+
+def slow_profile(grad, idx, top_k, drop_pad_mode=0, active_num=0, *, profile: str, chunk=None) -> np.ndarray:
+    """gradX one token and one slot at a time as the device profile ``profile`` (a name of
+    :data:`SLOW_PROFILES` or :data:`SLOW_ALIASES`) computes it; ``chunk``: the 950's K chunk
+    (None: all K slots at once)."""
+    kind, lenient = SLOW_PROFILES[SLOW_ALIASES.get(profile, profile)]
+    hidden = grad.shape[-1]
+    flat = grad.reshape(-1, hidden)
+    tokens = idx.shape[0] // top_k
+    out = np.empty((tokens, hidden), dtype=grad.dtype.newbyteorder("="))
+    with np.errstate(all="ignore"):
+        for i in range(tokens):
+            values: list[np.ndarray | None] = []
+            for t in range(top_k):
+                j = int(idx[i * top_k + t])
+                skipped = slot_skipped(j, drop_pad_mode, active_num, idx.shape[0], lenient)
+                values.append(None if skipped else flat[j].astype(np.float32))
+            if kind == "bins":
+                total = device_order_row(values, hidden)
+            elif kind == "chain":
+                total = sequential_row(values, hidden)
+            else:
+                total = ascend950_row(values, hidden, chunk or top_k, kind == "groups")
             for h in range(hidden):
                 out[i, h] = round_from_float32(total[h], out.dtype)
     return out

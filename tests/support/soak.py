@@ -10,7 +10,7 @@ The load: ``clients`` threads (``--clients`` of bench.soak), each with its own
 clients -- is retried after its Retry-After), each calling back to back until the time is up:
 
 - valid calls (about 70 %) of every mode (dropless, active, drop/pad), dtype (float16, bfloat16,
-  float32) and order (the server's default, ``ascend910b``, ``sequential``), picked at random from a
+  float32) and order (the server's default, ``ascend910b@9.1``, ``sequential``), picked at random from a
   set prepared before the load; every reply must equal, bit for bit,
   :func:`moegrad.moe_init_routing_v2_grad` computed in this process;
 - invalid calls (about 30 %): an index out of range, K not dividing the index length, an int32
@@ -50,7 +50,7 @@ __all__ = ["SoakReport", "Workload", "rss_bytes", "run_soak"]
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 MIB = 1 << 20
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-ORDERS = (None, "ascend910b", "sequential")  # None: the server's default (ascend910b unless configured)
+ORDERS = (None, "ascend910b", "sequential")  # None: the server's default (ascend910b@9.1 unless configured)
 #: Statuses a soak answer may have (docs/protocol.md): results, the two client mistakes, a full queue.
 ALLOWED_STATUSES = frozenset({200, 400, 422, 503})
 
@@ -111,7 +111,7 @@ def valid_call(rng: np.random.Generator, mode: str, dtype: str, order: str | Non
     kwargs = {"grad_expanded_x": grad, "expanded_row_idx": idx, "top_k": top_k,
               "drop_pad_mode": int(mode == "drop_pad"), "active_num": active, "order": order}
     expected = moegrad.moe_init_routing_v2_grad(
-        grad, idx, top_k, kwargs["drop_pad_mode"], active, order=order or "ascend910b")
+        grad, idx, top_k, kwargs["drop_pad_mode"], active, order=order or "ascend910b@9.1")
     return Planned(kind=f"valid {mode} {dtype} {order or 'default'}", kwargs=kwargs, expected=expected)
 
 
@@ -136,7 +136,7 @@ def invalid_calls(rng: np.random.Generator) -> list[Planned]:
                 aclnn_status=161002),
         Planned("invalid: top_k does not divide", kwargs={"grad_expanded_x": grad, "expanded_row_idx": idx,
                                                           "top_k": 3}, error=moegrad.InvalidArgument,
-                aclnn_status=561002),
+                aclnn_status=561103),  # the default profile's (CANN 9.1) code
         Planned("invalid: int32 grad", kwargs={"grad_expanded_x": grad.view(np.int32), "expanded_row_idx": idx,
                                                "top_k": 2}, error=moegrad.InvalidArgument, aclnn_status=161002),
         Planned("invalid: unknown field", document={**document, "bogus": 1}, error=moegrad.MalformedRequest),

@@ -76,7 +76,7 @@ def test_a_report_read_back_reproduces_its_verdict(tmp_path):
     # The context names the inputs by digest: the saved report identifies them.
     assert again.context.sha256["candidate"] == hashlib.sha256(candidate.tobytes()).hexdigest()
     assert again.context.sha256["expanded_row_idx"] == hashlib.sha256(call.expanded_row_idx.tobytes()).hexdigest()
-    assert (again.context.top_k, again.context.order, again.context.moegrad_version) == (2, "ascend910b",
+    assert (again.context.top_k, again.context.order, again.context.moegrad_version) == (2, "ascend910b@9.1",
                                                                                           moegrad.__version__)
 
 
@@ -100,7 +100,7 @@ def test_a_truncating_bfloat16_port_fails_and_the_report_says_why(tmp_path):
     accuracy.write_markdown_report(tmp_path / "t.md", report, call, candidate,
                                    device_result=moegrad.moe_init_routing_v2_grad(call))
     markdown = (tmp_path / "t.md").read_text()
-    for fact in ("error_imbalance_excess", "top_k, drop_pad_mode, active_num | 4, 0, 0", "ascend910b (Atlas A2/A3)",
+    for fact in ("error_imbalance_excess", "top_k, drop_pad_mode, active_num | 4, 0, 0", "ascend910b@9.1 (Atlas A2, CANN 9.1)",
                  report.context.sha256["grad_expanded_x"], moegrad.__version__, "| server | in-process |", "bit-exact: no"):
         assert fact in markdown, fact
 

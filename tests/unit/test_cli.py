@@ -119,9 +119,11 @@ def test_local_order_and_active_mode(tmp_path):
 @pytest.mark.parametrize(
     ("top_k", "extra", "idx", "code", "field"),
     [
-        ("3", [], EXAMPLE_IDX, "561002", "expanded_row_idx"),        # 4 % 3 != 0
-        ("0", [], EXAMPLE_IDX, "561002", "top_k"),
-        ("2", ["--drop-pad-mode", "2"], EXAMPLE_IDX, "561002", "drop_pad_mode"),
+        ("3", [], EXAMPLE_IDX, "561103", "expanded_row_idx"),        # 4 % 3 != 0; CANN 9.1's code (the default)
+        ("3", ["--order", "ascend910b@9.0"], EXAMPLE_IDX, "561002", "expanded_row_idx"),  # before 9.1
+        ("0", [], EXAMPLE_IDX, "561103", "top_k"),
+        ("2", ["--drop-pad-mode", "2"], EXAMPLE_IDX, "561103", "drop_pad_mode"),
+        ("2", ["--drop-pad-mode", "2", "--order", "ascend950@8.5"], EXAMPLE_IDX, "561002", "drop_pad_mode"),
         ("2", [], EXAMPLE_IDX.astype(np.int64), "161002", "expanded_row_idx"),  # int64 indices
         ("2", [], np.array([2, 0, 2, 3], np.int32), "161002", "expanded_row_idx"),  # a duplicate
     ],
@@ -193,7 +195,7 @@ def test_grad_rejects_locally_before_connecting(example_files, capsys):
     argv = ["grad", "--url", closed_port_url(), "--grad-expanded-x", str(x), "--expanded-row-idx", str(idx),
             "--top-k", "3", "-o", str(out), "--retries", "0"]
     assert main(argv) == 3  # not 4: the call never reached the (absent) server
-    assert "561002" in capsys.readouterr().err
+    assert "561103" in capsys.readouterr().err  # the default profile's (CANN 9.1) shape code
 
 
 def test_url_defaults_to_env(monkeypatch, capsys):
@@ -276,10 +278,10 @@ def test_compare_a_rejected_candidate_exits_3(tmp_path, capsys):
 def test_compare_a_rejected_call_exits_3(tmp_path, capsys):
     call = oracle_call()
     argv = compare_args(tmp_path, call, device_k2(call))
-    argv[argv.index("--top-k") + 1] = "3"  # 64 slots are not a multiple of K=3: a tiling error (561002)
+    argv[argv.index("--top-k") + 1] = "3"  # 64 slots are not a multiple of K=3: a shape error (561103 from 9.1)
     assert main(argv) == 3
     err = capsys.readouterr().err
-    assert "expanded_row_idx" in err and "561002" in err
+    assert "expanded_row_idx" in err and "561103" in err
 
 
 def test_compare_an_unreadable_candidate_exits_2(tmp_path, capsys):

@@ -47,6 +47,7 @@ GRAD_URL = BASE + "/v1/moe_init_routing_v2_grad"
 WIRE = {"float16": np.dtype("<f2"), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype("<f4"),
         "int32": np.dtype("<i4")}
 TILING, NULLPTR, INVALID = 561002, 161001, 161002  # documentation, "Return Value"
+SHAPE = 561103  # rules 3-6 on the default profile, ascend910b@9.1 (the CANN 9.1 documentation's code)
 
 
 def tensor_from(obj: dict) -> np.ndarray:
@@ -443,15 +444,15 @@ def test_retry_after_as_http_date():
         ({"expanded_row_idx": None}, NULLPTR, "expanded_row_idx"),
         ({"grad_expanded_x": EXAMPLE_X.astype(np.float64)}, INVALID, "grad_expanded_x"),
         ({"expanded_row_idx": EXAMPLE_IDX.astype(np.int64)}, INVALID, "expanded_row_idx"),
-        ({"drop_pad_mode": 2}, TILING, "drop_pad_mode"),
-        ({"top_k": 0}, TILING, "top_k"),
-        ({"active_num": -1}, TILING, "active_num"),
-        ({"grad_expanded_x": EXAMPLE_X.reshape(4, 1, 2)}, TILING, "grad_expanded_x"),
-        ({"grad_expanded_x": EXAMPLE_X[:3]}, TILING, "grad_expanded_x"),
-        ({"active_num": 3}, TILING, "grad_expanded_x"),
+        ({"drop_pad_mode": 2}, SHAPE, "drop_pad_mode"),
+        ({"top_k": 0}, SHAPE, "top_k"),
+        ({"active_num": -1}, SHAPE, "active_num"),
+        ({"grad_expanded_x": EXAMPLE_X.reshape(4, 1, 2)}, SHAPE, "grad_expanded_x"),
+        ({"grad_expanded_x": EXAMPLE_X[:3]}, SHAPE, "grad_expanded_x"),
+        ({"active_num": 3}, SHAPE, "grad_expanded_x"),
         ({"top_k": 3, "grad_expanded_x": np.zeros((6, 2), np.float32),
-          "expanded_row_idx": np.arange(6, dtype=np.int32)[::-1].copy()[:4]}, TILING, "grad_expanded_x"),
-        ({"top_k": 3}, TILING, "expanded_row_idx"),
+          "expanded_row_idx": np.arange(6, dtype=np.int32)[::-1].copy()[:4]}, SHAPE, "grad_expanded_x"),
+        ({"top_k": 3}, SHAPE, "expanded_row_idx"),
         ({"expanded_row_idx": np.array([2, 0, 1, 4], np.int32)}, INVALID, "expanded_row_idx"),
         ({"expanded_row_idx": np.array([2, 0, 2, 3], np.int32)}, INVALID, "expanded_row_idx"),
     ],
@@ -624,7 +625,7 @@ async def test_async_example_and_run():
     np.testing.assert_array_equal(bits(grad_x), EXAMPLE_BITS)
     np.testing.assert_array_equal(bits(result.grad_x), EXAMPLE_BITS)
     assert rec.requests[0].headers["authorization"] == "Bearer t"
-    assert msgpack.unpackb(rec.requests[0].content)["order"] == "ascend910b"
+    assert msgpack.unpackb(rec.requests[0].content)["order"] == "ascend910b@9.1"  # the alias, as its profile
 
 
 @pytest.mark.asyncio
@@ -656,7 +657,7 @@ async def test_async_error_mapping_and_local_validation():
     async with aclient(no_io) as c:
         with pytest.raises(InvalidArgument) as info:
             await c.moe_init_routing_v2_grad(EXAMPLE_X, EXAMPLE_IDX, 3)
-    assert (info.value.aclnn_status, info.value.field) == (TILING, "expanded_row_idx")
+    assert (info.value.aclnn_status, info.value.field) == (SHAPE, "expanded_row_idx")
 
 
 @pytest.mark.asyncio

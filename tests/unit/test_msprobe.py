@@ -459,7 +459,7 @@ def test_bad_settings_and_calls_it_does_not_emulate_raise(monkeypatch):
 
     grad, index = torch.ones(4, 2), torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     monkeypatch.setenv("MOEGRAD_MSPROBE_ORDER", "ascend310")
-    with pytest.raises(ValueError, match="MOEGRAD_MSPROBE_ORDER='ascend310' is not one of"):
+    with pytest.raises(ValueError, match="MOEGRAD_MSPROBE_ORDER='ascend310': 'ascend310' is not a device profile"):
         bench.npu_moe_init_routing_v2_grad(grad, index, 2)
     monkeypatch.setenv("MOEGRAD_MSPROBE_ORDER", "ascend950")
     monkeypatch.setenv("MOEGRAD_MSPROBE_DTYPE", "half")
@@ -508,7 +508,8 @@ def test_with_a_url_the_backwards_go_to_the_service_in_the_profiles_order(monkey
     assert got.dtype == torch.float64
     bench.npu_moe_init_routing_v2_grad(raised[:6], torch.tensor([2, 0, 1, 5, 3, 4], dtype=torch.int32), 2)
     address = ("http://npu-host:8000", "secret")
-    assert calls == [(address, np.float32, 2, 0, 6, "sequential"), (address, np.float32, 2, 0, 0, "ascend910b")]
+    # the alias is sent as the profile it names (a bare chip: its newest release)
+    assert calls == [(address, np.float32, 2, 0, 6, "sequential"), (address, np.float32, 2, 0, 0, "ascend910b@9.1")]
 
 
 # --------------------------------------------------------------------------------------------------

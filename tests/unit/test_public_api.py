@@ -50,7 +50,13 @@ def test_the_core_names_are_exported():
         "dtype_name", "encode_body", "encode_tensor", "moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden",
     }
     assert core <= set(moegrad.__all__)
-    assert moegrad.ORDERS == ("ascend910b", "ascend950", "ascend950@2025-12", "sequential")
+    assert {"PROFILES", "Profile", "resolve_profile"} <= set(moegrad.__all__)
+    # every device profile (3 chips x CANN 8.5, 9.0, 9.1, and Huawei's golden), then the aliases
+    assert moegrad.ORDERS == (
+        "ascend910b@8.5", "ascend910b@9.0", "ascend910b@9.1", "ascend910_93@8.5", "ascend910_93@9.0",
+        "ascend910_93@9.1", "ascend950@8.5", "ascend950@9.0", "ascend950@9.1", "sequential",
+        "ascend910b", "ascend910_93", "ascend950", "ascend950@2025-12",
+    )
     assert moegrad.GRAD_DTYPES == ("float16", "bfloat16", "float32")
 
 

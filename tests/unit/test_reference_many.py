@@ -16,9 +16,9 @@ from moegrad._spec import CallGroup
 from support.bits import assert_bitwise_equal
 from support.docexample import DOC_GRAD, DOC_IDX
 from support.inputs import GRAD_DTYPES, MODES, random_call
-from support.slow_loops import slow950, slow_grad_x
+from support.slow_loops import SLOW_ALIASES, SLOW_PROFILES, slow_profile
 
-ALL_ORDERS = ["ascend910b", "sequential", "ascend950", "ascend950@2025-12"]
+ALL_ORDERS = [*SLOW_PROFILES, *SLOW_ALIASES]  # every device profile, and every alias
 
 
 @pytest.fixture(params=["numba", "numpy"])
@@ -32,11 +32,10 @@ def path(request, monkeypatch):
 def slow(call: MoeInitRoutingV2GradCall) -> np.ndarray:
     """The call's grad_x from the slow loop of its order (the 950's k_chunk from its tiling)."""
     grad, idx = call.grad_expanded_x, call.expanded_row_idx
-    args = (grad, idx, call.top_k, call.drop_pad_mode, call.active_num)
+    chunk = None
     if call.order.startswith("ascend950"):
         chunk = ascend950_tiling(grad.dtype, call.num_tokens, call.top_k, call.hidden_size).k_chunk
-        return slow950(*args, chunk=chunk, grouped=call.order == "ascend950")
-    return slow_grad_x(*args, order=call.order)
+    return slow_profile(grad, idx, call.top_k, call.drop_pad_mode, call.active_num, profile=call.order, chunk=chunk)
 
 
 def mixed_calls(seed: int, count: int) -> list[MoeInitRoutingV2GradCall]:
@@ -63,7 +62,7 @@ def mixed_calls(seed: int, count: int) -> list[MoeInitRoutingV2GradCall]:
                 top_k=top_k,
                 drop_pad_mode=drop_pad_mode,
                 active_num=active_num,
-                order=ALL_ORDERS[int(rng.integers(4))],
+                order=ALL_ORDERS[int(rng.integers(len(ALL_ORDERS)))],
             )
         )
     return calls

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import pytest
 
-from moegrad import MoeInitRoutingV2GradCall, _fast, _reference, moe_init_routing_v2_grad
+from moegrad import MoeInitRoutingV2GradCall, _fast, _reference, accumulation_schedule, moe_init_routing_v2_grad
 
 pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
 
@@ -57,7 +57,7 @@ def run(grad, idx, top_k, drop_pad_mode=0, active_num=0, *, kernel, order="ascen
     call = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=top_k,
                                     drop_pad_mode=drop_pad_mode, active_num=active_num, order=order)
     out = np.empty((call.num_tokens, call.hidden_size), dtype=grad.dtype.newbyteorder("="))
-    return _reference._accumulate(call, F32, _reference.accumulation_schedule(top_k, order), out, kernel=kernel)
+    return _reference._accumulate(call, F32, accumulation_schedule(top_k, order), out, kernel=kernel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ def test_duplicate_indices_on_the_compiled_path():
     call = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=3, active_num=2,
                                     allow_duplicate_indices=True)
     out = np.empty((2, 2), dtype=np.float32)
-    _reference._accumulate(call, F32, _reference.accumulation_schedule(3), out, kernel="numba")
+    _reference._accumulate(call, F32, accumulation_schedule(3), out, kernel="numba")
     expected = np.array([[2.0, 3.0], [1.0, 6.0]], dtype=np.float32)
     assert_bitwise_equal(out, expected)
 

@@ -2,7 +2,10 @@
 
 Codes and names are the operator documentation's (docs/operator.md) in docs/semantics.md section 8's order:
 1 missing tensor -> 161001; 2 dtypes -> 161002; 3 attributes, 4 ranks, 5 dim 0, 6 divisibility
--> 561002; 7 index values and uniqueness -> 161002.
+-> 561103 ACLNN_ERR_INNER_NULLPTR on the default profile (ascend910b@9.1: the CANN 9.1 documentation's
+code, zh docs at commit 192ebbfa), 561002 ACLNN_ERR_INNER_TILING_ERROR on every profile before 9.1
+(the earlier documentation's); 7 index values and uniqueness -> 161002. The profile rules of 9.1
+(invalid slots, empty grad_x) are in tests/unit/test_profiles_spec.py.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from moegrad import (
     encode_tensor,
 )
 
-NULLPTR, INVALID, TILING = 161001, 161002, 561002
-NAMES = {NULLPTR: "ACLNN_ERR_PARAM_NULLPTR", INVALID: "ACLNN_ERR_PARAM_INVALID", TILING: "ACLNN_ERR_INNER_TILING_ERROR"}
+NULLPTR, INVALID, TILING, SHAPE = 161001, 161002, 561002, 561103
+NAMES = {NULLPTR: "ACLNN_ERR_PARAM_NULLPTR", INVALID: "ACLNN_ERR_PARAM_INVALID", TILING: "ACLNN_ERR_INNER_TILING_ERROR",
+         SHAPE: "ACLNN_ERR_INNER_NULLPTR"}
+BEFORE_9_1 = "ascend910b@9.0"  # the attribute/shape code is 561002 there (TILING), 561103 from 9.1 (SHAPE)
 
 
 def dropless(hidden: int = 4, **overrides):
@@ -72,7 +77,7 @@ def test_valid_calls_keep_their_arrays_and_normalise_attributes():
     assert call.expanded_row_idx is kwargs["expanded_row_idx"]
     assert (call.top_k, call.drop_pad_mode, call.active_num) == (2, 0, 0)
     assert all(type(v) is int for v in (call.top_k, call.drop_pad_mode, call.active_num))
-    assert (call.order, call.allow_duplicate_indices) == ("ascend910b", False)
+    assert (call.order, call.allow_duplicate_indices) == ("ascend910b@9.1", False)  # the default profile
     assert (call.num_tokens, call.hidden_size, call.dtype_name) == (3, 4, "float32")
 
 
@@ -148,28 +153,28 @@ def test_rule2_not_an_array(field):
     [("drop_pad_mode", 2), ("drop_pad_mode", -1), ("top_k", 0), ("top_k", -2), ("active_num", -1)],
 )
 def test_rule3_attribute_values(field, value):
-    error = rejected(dropless(**{field: value}), TILING, field)
+    error = rejected(dropless(**{field: value}), SHAPE, field)
     assert f"{field}={value}" in error.message
 
 
 @pytest.mark.parametrize("field", ["top_k", "drop_pad_mode", "active_num"])
 @pytest.mark.parametrize("value", [2.0, "2", True, False, np.bool_(True), None, [2], np.float32(2)])
 def test_rule3_attributes_must_be_integers(field, value):
-    error = rejected(dropless(**{field: value}), TILING, field)
+    error = rejected(dropless(**{field: value}), SHAPE, field)
     assert "integer" in error.message
 
 
 @pytest.mark.parametrize("field", ["top_k", "drop_pad_mode", "active_num"])
 @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**30])
 def test_rule3_attributes_must_fit_int64(field, value):
-    error = rejected(dropless(**{field: value}), TILING, field)
+    error = rejected(dropless(**{field: value}), SHAPE, field)
     assert "int64" in error.message
 
 
 def test_rule3_int64_bounds_themselves_are_integers():
     # 2**63 - 1 fits int64_t: it passes rule 3 and fails later (dim 0 against active_num, rule 5).
-    rejected(dropless(active_num=2**63 - 1), TILING, "grad_expanded_x")
-    rejected(dropless(top_k=-(2**63)), TILING, "top_k")  # fits, but <= 0
+    rejected(dropless(active_num=2**63 - 1), SHAPE, "grad_expanded_x")
+    rejected(dropless(top_k=-(2**63)), SHAPE, "top_k")  # fits, but <= 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,20 +183,20 @@ def test_rule3_int64_bounds_themselves_are_integers():
 
 @pytest.mark.parametrize("shape", [(6,), (6, 4, 1), (1, 6, 4), ()])
 def test_rule4_grad_rank_dropless(shape):
-    error = rejected(dropless(grad_expanded_x=np.zeros(shape, np.float32)), TILING, "grad_expanded_x")
+    error = rejected(dropless(grad_expanded_x=np.zeros(shape, np.float32)), SHAPE, "grad_expanded_x")
     assert f"rank {len(shape)}" in error.message
 
 
 @pytest.mark.parametrize("shape", [(6, 4), (2, 3, 4, 1), (24,)])
 def test_rule4_grad_rank_drop_pad(shape):
-    error = rejected(drop_pad(grad_expanded_x=np.zeros(shape, np.float32)), TILING, "grad_expanded_x")
+    error = rejected(drop_pad(grad_expanded_x=np.zeros(shape, np.float32)), SHAPE, "grad_expanded_x")
     assert "[E, C, H]" in error.message
 
 
 @pytest.mark.parametrize("shape", [(6, 1), (1, 6), (2, 3), ()])
 def test_rule4_index_rank(shape):
     idx = np.arange(6, dtype=np.int32).reshape(shape) if shape else np.array(0, np.int32)
-    rejected(dropless(expanded_row_idx=idx), TILING, "expanded_row_idx")
+    rejected(dropless(expanded_row_idx=idx), SHAPE, "expanded_row_idx")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,12 +204,12 @@ def test_rule4_index_rank(shape):
 # --------------------------------------------------------------------------------------------------
 
 def test_rule5_dropless_rows_must_equal_index_length():
-    error = rejected(dropless(grad_expanded_x=np.zeros((5, 4), np.float32)), TILING, "grad_expanded_x")
+    error = rejected(dropless(grad_expanded_x=np.zeros((5, 4), np.float32)), SHAPE, "grad_expanded_x")
     assert "grad_expanded_x.shape[0]=5" in error.message and "6" in error.message
 
 
 def test_rule5_active_rows_must_equal_active_num():
-    error = rejected(dropless(active_num=3, grad_expanded_x=np.zeros((6, 4), np.float32)), TILING, "grad_expanded_x")
+    error = rejected(dropless(active_num=3, grad_expanded_x=np.zeros((6, 4), np.float32)), SHAPE, "grad_expanded_x")
     assert "active_num=3" in error.message
     # In drop/pad mode active_num is ignored: no dim-0 rule.
     MoeInitRoutingV2GradCall(**drop_pad(active_num=3))
@@ -216,9 +221,9 @@ def test_rule5_active_rows_must_equal_active_num():
 
 def test_rule6_index_length_divisible_by_top_k():
     kwargs = dropless(grad_expanded_x=np.zeros((7, 4), np.float32), expanded_row_idx=np.arange(7, dtype=np.int32))
-    error = rejected(kwargs, TILING, "expanded_row_idx")
+    error = rejected(kwargs, SHAPE, "expanded_row_idx")
     assert "expanded_row_idx.shape[0]=7 is not divisible by top_k=2" in error.message
-    rejected(drop_pad(index=[0, 1, 2], top_k=2), TILING, "expanded_row_idx")
+    rejected(drop_pad(index=[0, 1, 2], top_k=2), SHAPE, "expanded_row_idx")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,9 +274,11 @@ def test_rule7_duplicates_in_drop_pad_ignore_minus_one():
 
 def test_rule7_duplicates_when_e_c_dwarfs_the_index():
     # E*C = 10**12 with H = 0 costs no memory; the check must not build a table of E*C entries.
+    # (H = 0 is an empty grad_x, which CANN 9.1 does not check at all: a profile before 9.1 here.)
     grad = np.zeros((10**6, 10**6, 0), dtype=np.float32)
-    MoeInitRoutingV2GradCall(**drop_pad(grad_expanded_x=grad, index=[2**31 - 1, -1, 7, -1, -1, 0]))
-    error = rejected(drop_pad(grad_expanded_x=grad, index=[9, -1, 7, 9, -1, 7]), INVALID, "expanded_row_idx")
+    MoeInitRoutingV2GradCall(**drop_pad(grad_expanded_x=grad, index=[2**31 - 1, -1, 7, -1, -1, 0], order=BEFORE_9_1))
+    error = rejected(drop_pad(grad_expanded_x=grad, index=[9, -1, 7, 9, -1, 7], order=BEFORE_9_1), INVALID,
+                     "expanded_row_idx")
     assert "expanded_row_idx[3]=9 repeats expanded_row_idx[0]" in error.message
 
 
@@ -279,11 +286,12 @@ def test_rule7_duplicates_across_chunks_of_a_long_index():
     rng = np.random.default_rng(0)
     n = 1_500_000  # two chunks of the uniqueness scatter (2**20 each)
     idx = rng.permutation(n).astype(np.int32)
-    grad = np.zeros((n, 0), dtype=np.float32)
-    MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=4)
+    grad = np.zeros((n, 0), dtype=np.float32)  # H = 0: unchecked from 9.1, so a profile before 9.1
+    MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=4, order=BEFORE_9_1)
     first = int(idx[10])
     idx[n - 1] = first  # the same value 10 and n-1 positions apart, in different chunks
-    error = rejected({"grad_expanded_x": grad, "expanded_row_idx": idx, "top_k": 4}, INVALID, "expanded_row_idx")
+    error = rejected({"grad_expanded_x": grad, "expanded_row_idx": idx, "top_k": 4, "order": BEFORE_9_1}, INVALID,
+                     "expanded_row_idx")
     assert f"expanded_row_idx[{n - 1}]={first} repeats expanded_row_idx[10]" in error.message
 
 
@@ -296,9 +304,10 @@ def test_unknown_order(order):
     rejected(dropless(order=order), INVALID, "order")
 
 
-@pytest.mark.parametrize("order", ["ascend910b", "sequential"])
-def test_known_orders(order):
-    assert MoeInitRoutingV2GradCall(**dropless(order=order)).order == order
+@pytest.mark.parametrize(("order", "profile"), [("ascend910b", "ascend910b@9.1"), ("sequential", "sequential"),
+                                               ("ascend950@9.0", "ascend950@9.0"), ("ascend950@2025-12", "ascend950@8.5")])
+def test_known_orders_are_kept_as_their_profile(order, profile):
+    assert MoeInitRoutingV2GradCall(**dropless(order=order)).order == profile
 
 
 @pytest.mark.parametrize("value", [1, "true", None])
@@ -320,16 +329,16 @@ RULE_ORDER_CASES = {
     "1 before 3": ({"grad_expanded_x": None, "top_k": 0}, NULLPTR, "grad_expanded_x"),
     "2 before 3": ({"expanded_row_idx": np.arange(6, dtype=np.int64), "top_k": 0}, INVALID, "expanded_row_idx"),
     "2 before 5": ({"grad_expanded_x": np.zeros((5, 4), np.float64)}, INVALID, "grad_expanded_x"),
-    "3 before 4": ({"drop_pad_mode": 3, "grad_expanded_x": np.zeros((6,), np.float32)}, TILING, "drop_pad_mode"),
-    "3: mode before top_k": ({"drop_pad_mode": 3, "top_k": 0}, TILING, "drop_pad_mode"),
-    "3: top_k before active_num": ({"top_k": -1, "active_num": -1}, TILING, "top_k"),
-    "4 before 5": ({"grad_expanded_x": np.zeros((5, 4, 1), np.float32)}, TILING, "grad_expanded_x"),
+    "3 before 4": ({"drop_pad_mode": 3, "grad_expanded_x": np.zeros((6,), np.float32)}, SHAPE, "drop_pad_mode"),
+    "3: mode before top_k": ({"drop_pad_mode": 3, "top_k": 0}, SHAPE, "drop_pad_mode"),
+    "3: top_k before active_num": ({"top_k": -1, "active_num": -1}, SHAPE, "top_k"),
+    "4 before 5": ({"grad_expanded_x": np.zeros((5, 4, 1), np.float32)}, SHAPE, "grad_expanded_x"),
     "4: grad rank before index rank": ({"grad_expanded_x": np.zeros((6,), np.float32),
-                                        "expanded_row_idx": np.zeros((2, 3), np.int32)}, TILING, "grad_expanded_x"),
+                                        "expanded_row_idx": np.zeros((2, 3), np.int32)}, SHAPE, "grad_expanded_x"),
     "5 before 6": ({"grad_expanded_x": np.zeros((5, 4), np.float32), "expanded_row_idx": np.arange(7, dtype=np.int32)},
-                   TILING, "grad_expanded_x"),
-    "6 before 7": ({"grad_expanded_x": np.zeros((7, 4), np.float32), "expanded_row_idx": np.full(7, 99, np.int32)}, TILING, "expanded_row_idx"),
-    "5 before 7": ({"grad_expanded_x": np.zeros((5, 4), np.float32), "expanded_row_idx": np.full(6, -3, np.int32)}, TILING, "grad_expanded_x"),
+                   SHAPE, "grad_expanded_x"),
+    "6 before 7": ({"grad_expanded_x": np.zeros((7, 4), np.float32), "expanded_row_idx": np.full(7, 99, np.int32)}, SHAPE, "expanded_row_idx"),
+    "5 before 7": ({"grad_expanded_x": np.zeros((5, 4), np.float32), "expanded_row_idx": np.full(6, -3, np.int32)}, SHAPE, "grad_expanded_x"),
     "7: range before duplicates": ({"expanded_row_idx": np.array([1, 1, 2, 3, 4, 6], np.int32)}, INVALID, "expanded_row_idx"),
 }
 
@@ -340,6 +349,23 @@ def test_rule_order(case):
     error = rejected(dropless(**overrides), status, field)
     if case == "7: range before duplicates":
         assert "outside" in error.message
+
+
+# A profile before CANN 9.1 -> the same chip at 9.1 (sequential, Huawei's golden of no release, keeps
+# the earlier code).
+AT_9_1 = {"ascend910b@8.5": "ascend910b@9.1", "ascend910b@9.0": "ascend910b@9.1", "ascend910_93@9.0": "ascend910_93@9.1",
+          "ascend950@8.5": "ascend950@9.1", "ascend950@9.0": "ascend950@9.1", "ascend950@2025-12": "ascend950@9.1",
+          "sequential": None}
+
+
+@pytest.mark.parametrize("order", sorted(AT_9_1))
+@pytest.mark.parametrize("case", [case for case, (_, status, _) in RULE_ORDER_CASES.items() if status == SHAPE])
+def test_rules_3_to_6_are_561002_before_cann_9_1(case, order):
+    # the earlier documentation's code for the same rules and the same field; 561103 from 9.1
+    overrides, _, field = RULE_ORDER_CASES[case]
+    rejected(dropless(**overrides, order=order), TILING, field)
+    if AT_9_1[order] is not None:
+        rejected(dropless(**overrides, order=AT_9_1[order]), SHAPE, field)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -407,10 +433,10 @@ def test_from_wire_default_order_and_attribute_rules():
     del document["top_k"]
     with pytest.raises(InvalidArgument) as info:
         MoeInitRoutingV2GradCall.from_wire(document)
-    assert (info.value.aclnn_status, info.value.field) == (TILING, "top_k")
+    assert (info.value.aclnn_status, info.value.field) == (SHAPE, "top_k")
     with pytest.raises(InvalidArgument) as info:
         MoeInitRoutingV2GradCall.from_wire(wire_document(top_k=2.0))
-    assert (info.value.aclnn_status, info.value.field) == (TILING, "top_k")
+    assert (info.value.aclnn_status, info.value.field) == (SHAPE, "top_k")
     for order in ("fastest", "", False, 0):
         with pytest.raises(InvalidArgument) as info:
             MoeInitRoutingV2GradCall.from_wire(wire_document(order=order))

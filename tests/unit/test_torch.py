@@ -224,5 +224,5 @@ def test_a_configured_service_serves_the_op():
     grad = torch.randn(*rows, 8, dtype=torch.bfloat16)
     with moegrad.Client(transport=httpx.MockTransport(handler)) as client, mt.using_service(client):
         got = mt.moe_init_routing_grad(grad, idx, **kwargs)
-    assert served == ["ascend910b"]
+    assert served == ["ascend910b@9.1"]  # the default profile
     assert got.dtype == torch.bfloat16 and bits(got) == bits(mt.moe_init_routing_grad(grad, idx, **kwargs))

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from moegrad._errors import AclnnStatus, InvalidArgument
+from moegrad._profiles import resolve_profile
 from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
 from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
@@ -171,20 +172,20 @@ def _worst(statuses: Iterable[Status]) -> Status:
 def skipped_rows(call: MoeInitRoutingV2GradCall) -> np.ndarray:
     """The rows of grad_x whose every slot is skipped, which the device writes as +0.0.
 
-    A slot is skipped when its index is -1 in drop/pad mode, or >= active_num in active mode
-    (docs/semantics.md); dropless mode skips nothing.
+    A slot is skipped when its index names no row of grad_expanded_x (docs/semantics.md section 2):
+    -1 in drop/pad mode, >= active_num in active mode, and on ``ascend950@9.1`` any negative index
+    and a dropless index >= N*K; validation leaves no other such index.
 
     Returns:
         [N] bool, True for a row that must be exactly +0.0.
     """
     index = call.expanded_row_idx.reshape(-1, call.top_k)
-    if call.drop_pad_mode == 1:
-        skipped = index < 0
-    elif call.active_num > 0:
-        skipped = index >= call.active_num
-    else:
-        return np.zeros(index.shape[0], dtype=np.bool_)
-    return skipped.all(axis=1)
+    profile = call.profile
+    if call.drop_pad_mode == 0 and call.active_num == 0 and not profile.skips_any_negative:
+        if not profile.skips_dropless_overflow:  # dropless: every index names a row
+            return np.zeros(index.shape[0], dtype=np.bool_)
+    rows = math.prod(call.grad_expanded_x.shape[:-1])  # N*K dropless, A active, E*C drop/pad
+    return ((index < 0) | (index >= rows)).all(axis=1)
 
 
 def _zero_rows(candidate: np.ndarray, rows: np.ndarray) -> ZeroRowCheck:
@@ -528,7 +529,16 @@ def compare(
     )
 
 
-_PRODUCT_LINES = {"ascend910b": "Atlas A2/A3", "sequential": "sequential golden (no device)"}
+def _product_line(order: str) -> str:
+    """The products a profile name stands for (``"Atlas A2, CANN 9.1"``), or ``order`` itself
+    (``"unknown"``: a device whose profile moegrad does not know)."""
+    try:
+        profile = resolve_profile(order)
+    except ValueError:
+        return order
+    if profile.release is None:
+        return "sequential golden (no device)"
+    return f"{profile.product}, CANN {profile.release}"
 
 
 def _sha256(array: np.ndarray) -> str:
@@ -559,7 +569,8 @@ def report_context(
         backend: who computed the device result (a service's backend name, or ``"in-process"``).
         device: the device that ran it, or None for an emulation.
         server_url: the service's URL, or None in-process.
-        order: the device result's order; default ``call.order``.
+        order: the device result's profile (a name of :data:`moegrad.PROFILES`, or ``"unknown"``);
+            default ``call.order``.
         case: the case's name in a bulk run.
         created: ISO 8601 time; default now, in UTC.
 
@@ -581,7 +592,7 @@ def report_context(
         drop_pad_mode=call.drop_pad_mode,
         active_num=call.active_num,
         order=used,
-        product_line=_PRODUCT_LINES.get(used, used),
+        product_line=_product_line(used),
         moegrad_version=__version__,
         backend=backend,
         device=device,

@@ -115,7 +115,11 @@ def fused_metrics(
     if golden is not None and (golden.dtype != np.float64 or not golden.flags.c_contiguous):
         return None
     index = np.ascontiguousarray(call.expanded_row_idx.reshape(-1, call.top_k), dtype=np.int32)
-    mode = 1 if call.drop_pad_mode == 1 else 2 if call.active_num > 0 else 0
+    # what a slot whose index is outside [0, rows) does: 1 skips index < 0 (drop/pad), 2 skips any (active,
+    # and dropless where the profile makes such a slot a +0.0 row), 0 none (dropless: validation left none)
+    lenient = call.profile.skips_any_negative or call.profile.skips_dropless_overflow
+    mode = 1 if call.drop_pad_mode == 1 else 2 if call.active_num > 0 or lenient else 0
+    limit = call.active_num if call.active_num > 0 else rows.shape[0]
     dtype, candidate_dtype = call.dtype_name, dtype_name(candidate.dtype)
     assert candidate_dtype is not None, "_view took the candidate, so its dtype is a wire dtype"
     p_cand, p_dev = _params(dtype, candidate_dtype), _params(dtype, dtype)
@@ -129,7 +133,7 @@ def fused_metrics(
             rows,
             index,
             mode,
-            call.active_num,
+            limit,
             views[0],
             views[1],
             golden_in,

@@ -222,7 +222,7 @@ def _golden_row(rows, index, i, mode, limit, total, comp, m, g, rounded, partial
     inexact = False
     for t in range(index.shape[1]):
         j = index[i, t]
-        if (mode == 1 and j < 0) or (mode == 2 and j >= limit):
+        if (mode == 1 and j < 0) or (mode == 2 and (j < 0 or j >= limit)):
             continue  # a skipped slot adds nothing
         for h in range(hidden):
             v = np.float64(_widen(rows[j, h]))
@@ -256,7 +256,7 @@ def _exact_sum(rows, index, i, mode, limit, h, partials):
     n = 0
     for t in range(index.shape[1]):
         j = index[i, t]
-        if (mode == 1 and j < 0) or (mode == 2 and j >= limit):
+        if (mode == 1 and j < 0) or (mode == 2 and (j < 0 or j >= limit)):
             continue
         x = np.float64(_widen(rows[j, h]))
         k = 0
@@ -317,8 +317,9 @@ def compare_rows(rows, index, mode, limit, candidate, device, golden, has_golden
     """Rows [start, stop) of grad_x: acc[i, 0..2] for candidate vs golden, device vs golden, candidate vs device.
 
     ``rows`` [R, H] and ``device`` [N, H] are bit views of the call's dtype, ``candidate`` [N, H] of its
-    own; ``index`` [N, K] int32; ``mode`` 0 dropless, 1 drop/pad (index < 0 skipped), 2 active
-    (index >= ``limit`` skipped); ``golden`` [N, H] float64 is used when ``has_golden``.
+    own; ``index`` [N, K] int32; ``mode`` 0 dropless (nothing skipped), 1 drop/pad (index < 0
+    skipped), 2 skips an index outside [0, ``limit``) (active: limit A; a dropless call on
+    ascend950@9.1: N*K); ``golden`` [N, H] float64 is used when ``has_golden``.
     ``p_cand`` / ``p_dev``: small_value, small_value_atol, accumulative_small_value, mantissa bits
     and min exponent of the actual's dtype, and the overflow threshold of that dtype.
     """

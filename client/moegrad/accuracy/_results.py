@@ -289,10 +289,10 @@ class ReportContext(_Serializable):
         dtypes: name -> dtype name of the same tensors.
         sha256: name -> SHA-256 (hex) of each tensor's bytes, C order, little-endian.
         top_k, drop_pad_mode, active_num: the call's attributes.
-        order: the device result's accumulation order (``"ascend910b"``: Atlas A2/A3, or
-            ``"sequential"``).
-        product_line: the products ``order`` stands for (``"Atlas A2/A3"`` or
-            ``"sequential golden"``).
+        order: the device profile of the device result (``"ascend910b@9.1"``, ...,
+            ``"sequential"``; docs/semantics.md), or ``"unknown"``.
+        product_line: the products and release ``order`` stands for (``"Atlas A2, CANN 9.1"``,
+            or ``"sequential golden (no device)"``).
         moegrad_version: the client's version that wrote the report.
         backend: who computed the device result (``"reference"``, ``"ascend"``, ``"in-process"``).
         device: the device, or None for an emulation.

@@ -35,6 +35,7 @@ from moegrad import (
     MoeInitRoutingV2GradCall,
     __version__,
     compare,
+    resolve_profile,
 )
 from moegrad_service.dataplane.batching import Part, plan_batch
 from moegrad_service.dataplane.records import (
@@ -124,41 +125,47 @@ class DataPlane:
 
     @property
     def device_order(self) -> str | None:
-        """The order the device's chip computes (from its SoC name), or None: the emulation, or a
-        chip whose order moegrad does not know."""
+        """The device profile the device computes (its chip and CANN release, canonical name), or
+        None: the emulation, or a device whose profile moegrad does not know."""
         return None if self.emulation else self.pool.backend.order
 
     @property
     def default_order(self) -> str:
-        """The order of calls that name none: the chip's own on a device that reports a known SoC,
-        else ``settings.order``."""
+        """The profile of calls that name none: the device's own where it is known, else
+        ``settings.order``."""
         return self.device_order or self.settings.order
 
     def _check_order(self, named: object) -> None:
-        """Refuse, before anything runs, a call that names an order its device does not compute.
+        """Refuse, before anything runs, a call that names a profile its device does not compute.
 
         Args:
-            named: the order the request names, or None when it names none.
+            named: the order the request names (any name of :data:`moegrad.ORDERS`, an alias
+                meaning its profile), or None when it names none.
 
         Raises:
-            InvalidArgument: (161002, field ``order``) on a device, an order other than its chip's
-                (an Atlas A2/A3 computes ``ascend910b``, an Ascend 950 ``ascend950``), or any order
-                on a chip whose order is unknown; the emulation (reference backend) takes every order.
+            InvalidArgument: (161002, field ``order``) on a device, a profile other than its own
+                (another chip, or another CANN release), or any profile on a device whose profile
+                is unknown; the emulation (reference backend) takes every profile.
         """
         if named is None or self.emulation:
             return
         device = self.device or self.backend_name
         if self.device_order is None:
             raise InvalidArgument(
-                f"order={named!r}: {device} is an SoC whose order of adds moegrad does not know; leave order "
-                "unnamed (the reply then says order 'unknown'), or call a server with backend=reference for an "
-                "emulated order",
+                f"order={named!r}: {device} is a device whose profile (chip and CANN release) moegrad does "
+                "not know; leave order unnamed (the reply then says order 'unknown'), or call a server with "
+                "backend=reference for an emulated profile",
                 aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
                 field="order",
             )
-        if named != self.device_order:
+        try:
+            canonical = resolve_profile(named).name if isinstance(named, str) else None
+        except ValueError:
+            canonical = None
+        if canonical != self.device_order:
+            meaning = f" (= {canonical!r})" if canonical not in (None, named) else ""
             raise InvalidArgument(
-                f"order={named!r}: {device} computes {self.device_order!r}; leave order unnamed or name "
+                f"order={named!r}{meaning}: {device} computes {self.device_order!r}; leave order unnamed or name "
                 f"{self.device_order!r}, or call a server with backend=reference for the {named!r} emulation",
                 aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
                 field="order",
@@ -166,8 +173,8 @@ class DataPlane:
 
     @property
     def answer_order(self) -> str | None:
-        """The order a device's results follow (``"unknown"`` on an unknown chip); None on the
-        emulation, whose results follow each call's order."""
+        """The profile a device's results follow (``"unknown"`` on a device whose profile is
+        unknown); None on the emulation, whose results follow each call's (canonical) order."""
         return None if self.emulation else (self.device_order or "unknown")
 
     # --- calls ---------------------------------------------------------------------------------

@@ -122,10 +122,10 @@ class Backend(Protocol):
 
     Attributes:
         name: ``"reference"`` or ``"ascend"``.
-        order: the accumulation order this backend's results follow (``"ascend910b"``,
-            ``"ascend950"``; docs/semantics.md), or None when it follows the call's ``order`` (the
-            reference backend emulates every order) or does not know its own (an SoC not in the
-            ascend backend's table). Default: None.
+        order: the device profile this backend's results follow (a canonical name of
+            :data:`moegrad.PROFILES`, e.g. ``"ascend910b@9.1"``; docs/semantics.md), or None when it
+            follows the call's ``order`` (the reference backend emulates every profile) or does not
+            know its own (a chip or CANN release not in the table). Default: None.
         warm_up: whether the service may compile its host-side kernels (the comparison's numba
             kernels) in the background once this backend is open; a backend made with
             ``warm_up=False`` (tests) keeps the process free of that compilation. Default: True.

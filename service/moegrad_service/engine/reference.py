@@ -27,16 +27,17 @@ FaultHook = Callable[[MoeInitRoutingV2GradCall, float | None], None]
 
 
 class ReferenceBackend(Backend):
-    """Runs calls with :func:`moegrad.moe_init_routing_v2_grad` on the CPU, in the call's ``order``.
+    """Runs calls with :func:`moegrad.moe_init_routing_v2_grad` on the CPU, as the device profile the
+    call's ``order`` names computes (every profile of :data:`moegrad.PROFILES`).
 
     Args:
         warm_up: compile the kernel when the first worker opens (:func:`moegrad.warm_up`), so the
             pool, and with it readiness, waits for the compilation instead of the first calls.
         fault_hook: called as ``hook(call, timeout_s)`` on the worker thread before each compute;
             tests use it to slow the backend down, raise, or hang (fault injection).
-        ub_size_bytes: the UB size in bytes the ``ascend950`` orders tile for (the 950's tiling,
+        ub_size_bytes: the UB size in bytes the ``ascend950`` profiles tile for (the 950's tiling,
             and so its order of adds, depends on it; default Ascend 950PR/950DT's 253952).
-        vector_core_count: the vector core count the ``ascend950`` orders tile for (default 64).
+        vector_core_count: the vector core count the ``ascend950`` profiles tile for (default 64).
     """
 
     name = "reference"

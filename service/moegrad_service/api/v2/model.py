@@ -67,7 +67,8 @@ def _parameters(dataplane: DataPlane) -> dict[str, str]:
         "grad_x_datatype": "the datatype of grad_expanded_x",
         "binary_only_datatypes": ",".join(sorted(BINARY_ONLY)),
         "request_parameters": "top_k (int, required), drop_pad_mode (int, default 0), active_num (int, default 0), "
-        f"order ({'|'.join(ORDERS)}), allow_duplicate_indices (bool, default false)",
+        f"order (a device profile: {'|'.join(ORDERS)}; an alias means its profile, the name replies carry), "
+        "allow_duplicate_indices (bool, default false)",
         "default_order": dataplane.default_order,
     }
     if dataplane.device is not None:
