@@ -157,14 +157,15 @@ def test_every_profile_refusing_is_an_outcome_not_an_error():
 
 
 def test_the_result_reads_and_round_trips():
-    fields, results = a_call(np.random.default_rng(7), "dropless", 3, F16)
+    fields, results = a_call(np.random.default_rng(7), "dropless", 6, F32)
     found = identify(moegrad.MoeInitRoutingV2GradCall(**fields), results["groups"])
     data = json.loads(json.dumps(found.to_dict()))
-    assert data["matching"] == list(found.matching) and data["dtype"] == "float16" and data["shape"] == [4, 8]
+    assert data["matching"] == list(found.matching) and data["dtype"] == "float32" and data["shape"] == [4, 8]
     assert Identification.from_dict(data) == found
     text = str(found)
     assert f"bit-identical to {', '.join(found.matching)}" in text
     assert all(profile in text for profile in EVERY)
+    assert found.matching == ("ascend950@9.0", "ascend950@9.1")  # float32 over 32 binades: the orders differ
     assert identify(fields, results["groups"], profiles=["ascend950", "sequential"]).matching == ("ascend950@9.1",)
 
 
