@@ -191,11 +191,13 @@ def slot_skipped(j: int, drop_pad_mode: int, active_num: int, slots: int, lenien
     return active_num > 0 and j >= active_num
 
 
-def slow_profile(grad, idx, top_k, drop_pad_mode=0, active_num=0, *, profile: str, chunk=None) -> np.ndarray:
+def slow_profile(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0, *, profile: str,
+                 chunk=None) -> np.ndarray:
     """gradX one token and one slot at a time as the device profile ``profile`` (a name of
     :data:`SLOW_PROFILES` or :data:`SLOW_ALIASES`) computes it; ``chunk``: the 950's K chunk
     (None: all K slots at once)."""
     kind, lenient = SLOW_PROFILES[SLOW_ALIASES.get(profile, profile)]
+    grad, idx = grad_expanded_x, expanded_row_idx
     hidden = grad.shape[-1]
     flat = grad.reshape(-1, hidden)
     tokens = idx.shape[0] // top_k
