@@ -257,5 +257,8 @@ def test_the_identify_command_exit_codes(tmp_path):
     assert done.returncode == 3, done.stdout  # ...and repeated: every profile refuses
     assert run_moegrad("identify", "--case", str(tmp_path / "c.npz"), "--top-k", "6").returncode == 2
     assert run_moegrad(*call).returncode == 2  # no --grad-x
+    single = ["compare", *call[1:], "--candidate", str(tmp_path / "groups.npy"), "--local", "--json"]
+    assert set(json.loads(run_moegrad(*single).stdout)["profiles_matching"]) == GROUPS  # moegrad compare asks
+    assert json.loads(run_moegrad(*single, "--no-profiles").stdout)["profiles_matching"] is None
     help_text = run_moegrad("identify", "--help").stdout
     assert "exit status" in help_text and "every profile refuses" in help_text
