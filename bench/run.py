@@ -38,7 +38,7 @@ SOAK_QUICK_S = 10.0
 PRINTED: dict[str, tuple[str, str, list[str], list[str]]] = {
     "torch": ("The torch op on CPU, beside torch's own index_add_ and gather-sum", "bench.torch_op",
               ["--repeats", "3"], ["--repeats", "7"]),
-    "orders": ("Elements where the Atlas A2/A3 and Ascend 950 orders differ", "bench.order_differences", [], []),
+    "orders": ("Elements where the device profiles' arithmetic differs", "bench.order_differences", [], []),
     "compare": ("The accuracy comparison against the grad call it judges (target: at most 10x)", "bench.compare_speed",
                 ["--repeats", "3"], ["--repeats", "7"]),
     "sweep": ("Sweep rate against one, two and three servers (Client.compare_many)", "bench.sweep",

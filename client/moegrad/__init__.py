@@ -7,7 +7,8 @@
 - :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order;
 - :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does;
 - :data:`PROFILES` names every device profile (a chip at one CANN release, :class:`Profile`) whose
-  bits and rules a call's ``order`` selects; :func:`resolve_profile` reads a name or an alias.
+  bits and rules a call's ``order`` selects; :func:`resolve_profile` reads a name or an alias;
+- :func:`identify` tells which device profiles (a chip at one CANN release) give a grad_x's bits;
 - :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
   ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
@@ -31,6 +32,7 @@ from moegrad._errors import (
     Unauthorized,
 )
 from moegrad._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
+from moegrad._identify import Identification, ProfileMatch, identify
 from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
 from moegrad._orders import accumulation_schedule, bin_count
 from moegrad._profiles import PROFILES, Profile, resolve_profile
@@ -110,6 +112,7 @@ __all__ = [
     "DtypeLimits",
     "ExactMatch",
     "GradResult",
+    "Identification",
     "InvalidArgument",
     "MalformedRequest",
     "Metrics",
@@ -118,6 +121,7 @@ __all__ = [
     "MoegradError",
     "PayloadTooLarge",
     "Profile",
+    "ProfileMatch",
     "ReplicaStats",
     "ServiceError",
     "StandardVerdict",
@@ -145,6 +149,7 @@ __all__ = [
     "encode_frames",
     "encode_tensor",
     "expanded_row_idx_layout",
+    "identify",
     "invert_expanded_row_idx",
     "metrics",
     "moe_init_routing_v2",

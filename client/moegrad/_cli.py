@@ -32,6 +32,7 @@ from moegrad._cli_parser import (
 from moegrad._cli_sweep import run_cases, run_merge
 from moegrad._client import Client
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
+from moegrad._identify import identify
 from moegrad._reference import moe_init_routing_v2_grad
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
@@ -43,6 +44,7 @@ from moegrad.accuracy import (
     load_case,
     report_context,
     with_context,
+    with_profiles,
     write_csv_report,
     write_json_report,
     write_markdown_report,
@@ -116,9 +118,12 @@ def _load(path: str, flag: str) -> np.ndarray:
         raise UsageError(f"cannot read {flag} {path}: {exc}") from None
 
 
+_TENSOR_FIELDS = ("grad_expanded_x", "expanded_row_idx")
+
+
 def _call_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    for name in ("grad_expanded_x", "expanded_row_idx"):
+    for name in _TENSOR_FIELDS:
         fields[name] = _load(getattr(args, name), f"--{name.replace('_', '-')}")
     fields["expanded_row_idx"] = index_as_int32(fields["expanded_row_idx"], "--expanded-row-idx", args.expanded_row_idx)
     fields.update(
@@ -240,6 +245,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             order=result.order,
         )
     report = with_context(report, context)
+    if args.profiles:
+        report = with_profiles(report, call, candidate)
     png = _write_reports(
         args.report,
         args.report_json,
@@ -349,6 +356,41 @@ def _cmd_example(args: argparse.Namespace) -> int:
     return EXIT_OK if same else EXIT_MISMATCH
 
 
+def _cmd_identify(args: argparse.Namespace) -> int:
+    call_flags = {
+        "--grad-expanded-x": args.grad_expanded_x,
+        "--expanded-row-idx": args.expanded_row_idx,
+        "--top-k": args.top_k,
+        "--grad-x": args.grad_x,
+    }
+    if args.case:
+        given = [flag for flag, value in call_flags.items() if value is not None]
+        if given:
+            raise UsageError(f"--case FILE holds the call and grad_x: leave out {', '.join(given)}")
+        try:
+            fields, grad_x = load_case(args.case)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read --case {args.case}: {exc}") from None
+        fields.pop("order", None)  # every profile is asked
+    else:
+        missing = [flag for flag, value in call_flags.items() if value is None]
+        if missing:
+            raise UsageError(f"identify needs {', '.join(missing)} (or --case FILE)")
+        fields = {name: _load(getattr(args, name), f"--{name.replace('_', '-')}") for name in _TENSOR_FIELDS}
+        fields.update(
+            top_k=args.top_k,
+            drop_pad_mode=args.drop_pad_mode,
+            active_num=args.active_num,
+            allow_duplicate_indices=args.allow_duplicate_indices,
+        )
+        grad_x = _load(args.grad_x, "--grad-x")
+    result = identify(fields, grad_x, profiles=args.profiles)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else str(result), end="\n" if args.json else "")
+    if result.matching:
+        return EXIT_OK
+    return EXIT_REJECTED if len(result.refusing) == len(result.profiles) else EXIT_MISMATCH
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     if len(args.url) == 1:
         with _client(args) as client:
@@ -376,6 +418,7 @@ _COMMANDS = {
     "compare": _cmd_compare,
     "example": _cmd_example,
     "info": _cmd_info,
+    "identify": _cmd_identify,
 }
 
 

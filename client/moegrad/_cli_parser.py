@@ -1,4 +1,4 @@
-"""The ``moegrad`` command's arguments: the parser of its subcommands (grad, local, compare, example, info).
+"""The ``moegrad`` command's arguments: the parser of its subcommands (grad, local, compare, example, info, identify).
 
 What each subcommand does is :mod:`moegrad._cli`'s; this module only says what it takes, with the
 help text, the exit statuses and the environment it reads for defaults (MOEGRAD_URL, MOEGRAD_TOKEN).
@@ -332,7 +332,7 @@ def _add_call_arguments(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``moegrad`` argument parser (commands grad, local, compare, example, info)."""
+    """The ``moegrad`` argument parser (commands grad, local, compare, example, info, identify)."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="moegrad", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"moegrad {__version__}")
@@ -400,6 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     choose.add_argument(
         "--json", action="store_true", help="print the report as JSON (report.to_dict()) instead of tables"
+    )
+    choose.add_argument(
+        "--profiles",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one call: also emulate every device profile in this process and report those bit-identical "
+        "to the candidate (profiles_matching; up to four emulations; default: on; not with --cases)",
     )
     choose.add_argument(
         "--report",
@@ -491,4 +498,48 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOGS["info"],
     )
     _add_server_arguments(info)
+    _add_identify_parser(commands, formatter)
     return parser
+
+
+_IDENTIFY_EPILOG = """\
+exit status:
+  0  at least one profile's emulation is bit-identical to grad_x
+  1  none is (every profile accepting the call gives other bits)
+  2  usage error (bad arguments, a file that cannot be read)
+  3  input rejected: every profile refuses the call, or grad_x is not the call's dtype or [N, H]
+"""
+
+
+def _add_identify_parser(commands: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    """``moegrad identify``: which device profile's emulation is bit-identical to a grad_x (no server)."""
+    identify = commands.add_parser(
+        "identify",
+        help="tell which device profile (chip and CANN release) made a grad_x, in-process",
+        formatter_class=formatter,
+        epilog=_IDENTIFY_EPILOG,
+        description="Emulate the call on every device profile (each chip at each CANN release, and\n"
+        "Huawei's sequential golden) and compare each result with grad_x bit for bit: print\n"
+        "which profiles are bit-identical, how many elements differ for the others, and\n"
+        "which refuse the call (with the status code). Give the call's .npy files and\n"
+        "--grad-x, or one case file (--case: its candidate is the grad_x).",
+    )
+    call = identify.add_argument_group("the operator call and its result")
+    call.add_argument("--grad-expanded-x", metavar="PATH", help="gradExpandedX .npy (as for `local`)")
+    call.add_argument("--expanded-row-idx", metavar="PATH", help="expandedRowIdx .npy, [N*K] int32")
+    call.add_argument("--top-k", type=int, metavar="K", help="K, experts per token (> 0)")
+    call.add_argument("--drop-pad-mode", type=int, default=0, metavar="M", help="0 dropless/active, 1 drop/pad")
+    call.add_argument("--active-num", type=int, default=0, metavar="A", help="A in active mode; 0 dropless")
+    call.add_argument("--allow-duplicate-indices", action="store_true", help="accept repeated indices")
+    call.add_argument("--grad-x", metavar="PATH", help="the grad_x to identify, .npy [N, H] in the call's dtype")
+    call.add_argument("--case", metavar="FILE", help='a case .npz instead (docs/accuracy.md, "Bulk checking")')
+    shown = identify.add_argument_group("what to ask and print")
+    shown.add_argument(
+        "--profile",
+        action="append",
+        dest="profiles",
+        choices=ORDERS,
+        metavar="P",
+        help="a profile to ask about, repeatable (default: every profile)",
+    )
+    shown.add_argument("--json", action="store_true", help="print the result as JSON (Identification.to_dict())")

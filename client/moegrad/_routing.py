@@ -18,11 +18,21 @@ Modes: dropless (drop_pad_mode=0, active_num=0) keeps all N*K rows; active (acti
 the first min(A, N*K) rows of expanded_x while expanded_row_idx still numbers every slot; drop/pad
 (drop_pad_mode=1) gives expert e the rows e*C .. e*C+C-1 of an [E, C, H] expanded_x, in slot order:
 slots past the capacity C are dropped (index -1) and unused rows are zero.
+
+``active_expert_range = (start, end)`` is the attribute of the later routings, aclnnMoeInitRoutingV3
+and V4 (activeExpertRangeOptional; recursion-ascend/ops-transformer
+``moe/moe_init_routing_v4/docs/aclnnMoeInitRoutingV4.md`` and ``tests/assets/golden.py`` @ a093e954):
+only the slots whose expert is in [start, end) are routed, onto the first ``availableIdxNum`` rows
+in sorted order; every other slot's expanded_row_idx is -1 (rowIdxType 0, the layout the backward
+reads). Huawei's Ascend 950 torch binding (``torch_extension/moe_init_routing.py``, same commit)
+hands that index to aclnnMoeInitRoutingV2Grad in dropless mode, which only the 950 at CANN 9.1
+defines (a negative index contributes a +0.0 row; docs/semantics.md).
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -31,7 +41,13 @@ from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad._spec import GRAD_DTYPES
 from moegrad._wire import brief, dtype_name
 
-__all__ = ["MoeInitRoutingV2Result", "expanded_row_idx_layout", "invert_expanded_row_idx", "moe_init_routing_v2"]
+__all__ = [
+    "MoeInitRoutingV2Result",
+    "expanded_row_idx_layout",
+    "expert_range",
+    "invert_expanded_row_idx",
+    "moe_init_routing_v2",
+]
 
 _NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
@@ -45,9 +61,11 @@ class MoeInitRoutingV2Result(NamedTuple):
     Attributes:
         expanded_x: [N*K, H] (dropless), [min(A, N*K), H] (active) or [E, C, H] (drop/pad), x's dtype.
         expanded_row_idx: [N*K] int32; slot ``i*K + t`` -> its row of expanded_x (flat ``e*C + r``
-            in drop/pad mode, -1 for a dropped slot). This is what the backward takes.
+            in drop/pad mode, -1 for a dropped slot or, with an ``active_expert_range``, a slot
+            whose expert is outside it). This is what the backward takes.
         expert_tokens_count_or_cumsum: [E] int32 in dropless/active mode when
-            ``expert_tokens_count_or_cumsum_flag`` is 1 (running sum) or 2 (counts); else None.
+            ``expert_tokens_count_or_cumsum_flag`` is 1 (running sum) or 2 (counts), of the experts
+            ``start .. end-1`` ([end - start]) with an ``active_expert_range``; else None.
         expert_tokens_before_capacity: [E] int32 in drop/pad mode when
             ``expert_tokens_before_capacity_flag`` is set (each expert's count before the cut); else None.
     """
@@ -71,6 +89,52 @@ def _integer(field: str, raw: Any) -> int:
         raise _fail(_TILING, field, f"{field}={brief(raw)} must be an integer") from None
 
 
+def expert_range(
+    active_expert_range: Sequence[int] | np.ndarray | None, expert_num: int = 0, drop_pad_mode: int = 0
+) -> tuple[int, int] | None:
+    """``active_expert_range`` checked as aclnnMoeInitRoutingV3/V4 document it: ``(start, end)``.
+
+    Args:
+        active_expert_range: None (every expert), or two integers ``[start, end)`` with
+            ``0 <= start < end``, ``end <= expert_num`` when expert_num > 0, and in drop/pad mode
+            exactly ``(0, expert_num)`` (V4's documentation, activeExpertRangeOptional and "DropPad
+            模式特殊约束").
+        expert_num: E, or 0 when the call does not bound the ids.
+        drop_pad_mode: 0 dropless/active, 1 drop/pad.
+
+    Returns:
+        ``(start, end)`` as ints, or None.
+
+    Raises:
+        InvalidArgument: a range that breaks these rules (561002, field ``active_expert_range``, the
+            code V4 documents for an attribute out of its range).
+    """
+    if active_expert_range is None:
+        return None
+    field = "active_expert_range"
+    try:
+        if isinstance(active_expert_range, (str, bytes)):
+            raise TypeError
+        values = list(active_expert_range)
+    except TypeError:
+        raise _fail(_TILING, field, f"{field}={brief(active_expert_range)} must be two integers [start, end)") from None
+    if len(values) != 2:
+        raise _fail(_TILING, field, f"{field}={brief(values)} must have two values [start, end)")
+    start, end = (_integer(field, value) for value in values)
+    if not 0 <= start < end:
+        raise _fail(_TILING, field, f"{field}=[{start}, {end}) must have 0 <= start < end")
+    if expert_num > 0 and end > expert_num:
+        raise _fail(_TILING, field, f"{field}=[{start}, {end}) must end at or before expert_num={expert_num}")
+    if drop_pad_mode == 1 and (start, end) != (0, expert_num):
+        raise _fail(
+            _TILING,
+            field,
+            f"{field}=[{start}, {end}) must be [0, expert_num) = [0, {expert_num}) in drop/pad mode "
+            "(the later routings route every expert there); leave it out",
+        )
+    return start, end
+
+
 def moe_init_routing_v2(
     x: np.ndarray,
     expert_idx: np.ndarray,
@@ -80,6 +144,8 @@ def moe_init_routing_v2(
     drop_pad_mode: int = 0,
     expert_tokens_count_or_cumsum_flag: int = 0,
     expert_tokens_before_capacity_flag: bool = False,
+    *,
+    active_expert_range: Sequence[int] | None = None,
 ) -> MoeInitRoutingV2Result:
     """The outputs of aclnnMoeInitRoutingV2 (the forward of aclnnMoeInitRoutingV2Grad), on the CPU.
 
@@ -93,6 +159,11 @@ def moe_init_routing_v2(
         drop_pad_mode: 0 dropless/active, 1 drop/pad.
         expert_tokens_count_or_cumsum_flag: dropless/active mode: 0 none, 1 running sum, 2 counts.
         expert_tokens_before_capacity_flag: drop/pad mode: return each expert's count before the cut.
+        active_expert_range: None, or ``(start, end)`` (aclnnMoeInitRoutingV3/V4's attribute, module
+            docstring): dropless/active mode routes only the slots whose expert is in [start, end),
+            onto rows 0 .. M-1 (M of them, in sorted order), and gives every other slot the index
+            -1; rows M and later of expanded_x, which the device leaves undefined, are zeros here.
+            In drop/pad mode only ``(0, expert_num)`` is allowed (and changes nothing).
 
     Returns:
         A :class:`MoeInitRoutingV2Result`; its expanded_row_idx goes to
@@ -104,7 +175,12 @@ def moe_init_routing_v2(
             an id >= expert_num where E bounds them, or an id >= 2**24 (161002); an attribute out of
             its documented range, x or expert_idx not 2-D, or their first dimensions unequal (561002).
             Codes follow the forward's documentation ("Return Value"); the id checks are moegrad's
-            (the device does not check the values).
+            (the device does not check the values); an ``active_expert_range`` that
+            :func:`expert_range` refuses (561002).
+
+    An index with -1 in dropless or active mode (from an ``active_expert_range``) is accepted by
+    the backward only on the Ascend 950 from CANN 9.1 (``order="ascend950@9.1"``), where a
+    negative index contributes a +0.0 row; every other profile refuses it (161002).
     """
     for field, value in (("x", x), ("expert_idx", expert_idx)):
         if value is None:
@@ -171,6 +247,7 @@ def moe_init_routing_v2(
             )
     elif count_flag > 0 and experts == 0:
         raise _fail(_TILING, "expert_num", "expert_num=0: expert token counts need expert_num > 0")
+    routed_experts = expert_range(active_expert_range, experts, mode)
 
     flat = expert_idx.reshape(-1).astype(np.int64)
     if flat.size:
@@ -188,7 +265,11 @@ def moe_init_routing_v2(
     counts = np.bincount(flat, minlength=experts).astype(np.int32) if bounded else None  # ids < E here
     expanded_row_idx = np.empty(slots, dtype=np.int32)
     count_or_cumsum = before_capacity = None
-    if mode == 0:
+    if mode == 0 and routed_experts is not None:
+        expanded_x, count_or_cumsum = _route_range(
+            x, flat, top_k, active, count_flag, routed_experts, sorted_row_idx, expanded_row_idx
+        )
+    elif mode == 0:
         expanded_row_idx[sorted_row_idx] = np.arange(slots, dtype=np.int32)
         rows = slots if active == 0 else min(active, slots)
         expanded_x = x[sorted_row_idx[:rows] // top_k]
@@ -209,6 +290,34 @@ def moe_init_routing_v2(
         if expert_tokens_before_capacity_flag:
             before_capacity = counts
     return MoeInitRoutingV2Result(np.ascontiguousarray(expanded_x), expanded_row_idx, count_or_cumsum, before_capacity)
+
+
+def _route_range(
+    x: np.ndarray,
+    flat: np.ndarray,
+    top_k: int,
+    active: int,
+    count_flag: int,
+    routed_experts: tuple[int, int],
+    sorted_row_idx: np.ndarray,
+    expanded_row_idx: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Dropless/active routing of the experts in [start, end) only: fills expanded_row_idx (-1 for
+    the other slots) and returns expanded_x and the range's counts (or running sum), or None."""
+    start, end = routed_experts
+    slots = flat.size
+    inside = (flat >= start) & (flat < end)
+    routed = sorted_row_idx[inside[sorted_row_idx]]  # the stable sort's order, the range's slots only
+    expanded_row_idx.fill(-1)
+    expanded_row_idx[routed] = np.arange(routed.size, dtype=np.int32)
+    rows = slots if active == 0 else min(active, slots)
+    expanded_x = np.zeros((rows, x.shape[1]), dtype=x.dtype)
+    filled = min(rows, routed.size)
+    expanded_x[:filled] = x[routed[:filled] // top_k]
+    if not count_flag:
+        return expanded_x, None
+    counts = np.bincount(flat[inside] - start, minlength=end - start).astype(np.int32)
+    return expanded_x, (np.cumsum(counts, dtype=np.int32) if count_flag == 1 else counts)
 
 
 def invert_expanded_row_idx(expanded_row_idx: np.ndarray) -> np.ndarray:

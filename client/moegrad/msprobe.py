@@ -99,7 +99,7 @@ from moegrad._msprobe_install import DTYPE_ENV, ORDER_ENV, TOKEN_ENV, URL_ENV
 from moegrad._profiles import DEFAULT_PROFILE, resolve_profile
 from moegrad._profiles import PROFILES as _DEVICE_PROFILES
 from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._routing import MoeInitRoutingV2Result, invert_expanded_row_idx, moe_init_routing_v2
+from moegrad._routing import MoeInitRoutingV2Result, expert_range, invert_expanded_row_idx, moe_init_routing_v2
 from moegrad._tensors import to_numpy, to_torch
 
 __all__ = [
@@ -390,30 +390,33 @@ def npu_moe_token_permute(
 
 
 def _expert_range(active_expert_range: Sequence[int], expert_num: int, ids: np.ndarray) -> tuple[int, int]:
-    """[start, end) of the active experts, checked to hold every id (module docstring)."""
+    """[start, end) of the active experts: the default () every expert, else the range as the
+    routing's own :func:`moegrad._routing.expert_range` checks it (561002)."""
     if len(active_expert_range) == 0:
-        start, end = 0, max(expert_num, int(ids.max()) + 1 if ids.size else 0, 1)
-    elif len(active_expert_range) == 2:
-        start, end = (int(value) for value in active_expert_range)
-        if not 0 <= start < end:
-            raise ValueError(
-                f"active_expert_range={list(active_expert_range)} must be [start, end) with 0 <= start < end"
-            )
-    else:
-        raise ValueError(f"active_expert_range={list(active_expert_range)} must have two values")
-    if ids.size and (int(ids.min()) < start or int(ids.max()) >= end):
-        raise NotImplementedError(
-            f"expert ids outside active_expert_range [{start}, {end}): the NPU leaves their rows invalid, "
-            "which moegrad does not emulate"
-        )
-    return start, end
+        return 0, max(expert_num, int(ids.max()) + 1 if ids.size else 0, 1)
+    checked = expert_range(active_expert_range, max(expert_num, 0))
+    assert checked is not None, "a range that is given comes back"
+    return checked
 
 
 class _Routing(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, expert_idx: torch.Tensor, options: tuple[int, int, int, bool, int]) -> Any:
         start, end, count_type, count_flag, row_idx_type = options
-        expanded_x, routed = _route(x, expert_idx, expert_num=end, expert_tokens_count_or_cumsum_flag=2)
+        ids = to_numpy(expert_idx)
+        top = int(ids.max()) + 1 if ids.size else 0
+        expanded_x, routed = _route(
+            x,
+            expert_idx,
+            expert_num=max(end, top),
+            expert_tokens_count_or_cumsum_flag=2,
+            active_expert_range=(start, end),
+        )
+        if (routed.expanded_row_idx < 0).any():  # the routing's -1: a slot whose expert is outside the range
+            raise NotImplementedError(
+                f"expert ids outside active_expert_range [{start}, {end}): the NPU leaves their rows of "
+                "expanded_x undefined, which moegrad does not emulate"
+            )
         assert routed.expert_tokens_count_or_cumsum is not None, "flag 2 asks the routing for the counts"
         slot_to_row = _int_tensor(routed.expanded_row_idx, torch.int32)
         index = (
@@ -425,7 +428,7 @@ class _Routing(torch.autograd.Function):
         ctx.save_for_backward(slot_to_row)
         outputs = [expanded_x, index]
         if count_flag:
-            counts = routed.expert_tokens_count_or_cumsum[start:end].astype(np.int64)
+            counts = routed.expert_tokens_count_or_cumsum.astype(np.int64)  # the range's experts
             outputs.append(_int_tensor(np.cumsum(counts) if count_type == 0 else counts, torch.int64))
         ctx.mark_non_differentiable(*outputs[1:])
         return tuple(outputs)
@@ -463,7 +466,8 @@ def npu_moe_init_routing_v2(
             ``drop_pad_mode=1``, ``expert_tokens_num_type=2`` (key_value) or an id outside
             ``active_expert_range``.
         ValueError: an attribute the operator rejects.
-        InvalidArgument: a dtype or an id the routing rejects (161002), as :func:`moegrad.moe_init_routing_v2`.
+        InvalidArgument: a dtype or an id the routing rejects (161002), or an ``active_expert_range``
+            it rejects (561002), as :func:`moegrad.moe_init_routing_v2`.
     """
     unsupported = {
         "quant_mode": quant_mode != -1,

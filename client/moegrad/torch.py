@@ -305,8 +305,8 @@ moe_init_routing_grad_ordered.register_autograd(_grad_backward, setup_context=_g
     mutates_args=(),
     schema=(
         "(Tensor x, Tensor expert_idx, int active_num=0, int expert_capacity=0, int expert_num=0, int drop_pad_mode=0, "
-        "int expert_tokens_count_or_cumsum_flag=0, bool expert_tokens_before_capacity_flag=False) "
-        "-> (Tensor, Tensor, Tensor, Tensor)"
+        "int expert_tokens_count_or_cumsum_flag=0, bool expert_tokens_before_capacity_flag=False, "
+        "int[]? active_expert_range=None) -> (Tensor, Tensor, Tensor, Tensor)"
     ),
 )
 def _routing_op(
@@ -318,6 +318,7 @@ def _routing_op(
     drop_pad_mode: int = 0,
     expert_tokens_count_or_cumsum_flag: int = 0,
     expert_tokens_before_capacity_flag: bool = False,
+    active_expert_range: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     result = _routing_numpy(
         to_numpy(x),
@@ -328,6 +329,7 @@ def _routing_op(
         drop_pad_mode,
         expert_tokens_count_or_cumsum_flag,
         expert_tokens_before_capacity_flag,
+        active_expert_range=active_expert_range,
     )
     return tuple(
         torch.empty(0, dtype=torch.int32, device=x.device) if value is None else to_torch(value, x) for value in result
@@ -344,6 +346,7 @@ def _routing_fake(
     drop_pad_mode=0,
     expert_tokens_count_or_cumsum_flag=0,
     expert_tokens_before_capacity_flag=False,
+    active_expert_range=None,
 ):
     slots = expert_idx.shape[0] * expert_idx.shape[1]
     if drop_pad_mode == 1:
@@ -357,7 +360,12 @@ def _routing_fake(
     return (
         expanded_x,
         torch.empty(slots, **int32),
-        torch.empty(expert_num if counts else 0, **int32),
+        torch.empty(
+            (expert_num if not active_expert_range else active_expert_range[1] - active_expert_range[0])
+            if counts
+            else 0,
+            **int32,
+        ),
         torch.empty(expert_num if before else 0, **int32),
     )
 
@@ -366,7 +374,8 @@ class MoeInitRoutingV2(torch.autograd.Function):
     """The forward routing with aclnnMoeInitRoutingV2Grad as its backward.
 
     ``MoeInitRoutingV2.apply(x, expert_idx, active_num, expert_capacity, expert_num, drop_pad_mode,
-    expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag)`` returns the four
+    expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag, active_expert_range)``
+    returns the four
     outputs of ``torch.ops.moegrad.moe_init_routing_v2`` (an absent count output is an empty int32
     tensor); the gradient of expanded_x flows to x through ``moe_init_routing_grad_ordered`` with
     the order that was set when the forward ran. Only x is differentiable.
@@ -383,6 +392,7 @@ class MoeInitRoutingV2(torch.autograd.Function):
         drop_pad_mode=0,
         expert_tokens_count_or_cumsum_flag=0,
         expert_tokens_before_capacity_flag=False,
+        active_expert_range=None,
     ):
         outputs = torch.ops.moegrad.moe_init_routing_v2(
             x,
@@ -393,6 +403,7 @@ class MoeInitRoutingV2(torch.autograd.Function):
             drop_pad_mode,
             expert_tokens_count_or_cumsum_flag,
             expert_tokens_before_capacity_flag,
+            None if active_expert_range is None else [int(value) for value in active_expert_range],
         )
         expanded_row_idx = outputs[1]
         ctx.save_for_backward(expanded_row_idx)
@@ -410,7 +421,7 @@ class MoeInitRoutingV2(torch.autograd.Function):
         grad_x = torch.ops.moegrad.moe_init_routing_grad_ordered(
             grad_expanded_x.contiguous(), expanded_row_idx, ctx.top_k, ctx.drop_pad_mode, ctx.active_num, ctx.order
         )
-        return (grad_x,) + (None,) * 7
+        return (grad_x,) + (None,) * 8
 
 
 def moe_init_routing_v2(
@@ -422,6 +433,8 @@ def moe_init_routing_v2(
     drop_pad_mode: int = 0,
     expert_tokens_count_or_cumsum_flag: int = 0,
     expert_tokens_before_capacity_flag: bool = False,
+    *,
+    active_expert_range: typing.Sequence[int] | None = None,
 ) -> MoeInitRoutingV2Result:
     """aclnnMoeInitRoutingV2 on torch tensors, differentiable in x with the device's backward.
 
@@ -429,6 +442,12 @@ def moe_init_routing_v2(
     bfloat16 / float32, expert_idx [N, K] int32 or int64, on any device); the outputs are tensors on
     x's device, an absent count output is None. ``expanded_x.backward(g)`` sets ``x.grad`` to
     aclnnMoeInitRoutingV2Grad's result for g (through :class:`MoeInitRoutingV2`).
+
+    With ``active_expert_range=(start, end)`` the slots of other experts get index -1, as Huawei's
+    Ascend 950 binding (``cann_ops_transformer.moe_init_routing``) returns them; its backward, the
+    operator in dropless mode with those -1 slots, is defined only on the 950 from CANN 9.1: set
+    the order to ``"ascend950@9.1"`` (:func:`set_order`) before the forward, or the backward raises
+    InvalidArgument (161002) naming that profile.
     """
     outputs = MoeInitRoutingV2.apply(
         x,
@@ -439,6 +458,7 @@ def moe_init_routing_v2(
         drop_pad_mode,
         expert_tokens_count_or_cumsum_flag,
         expert_tokens_before_capacity_flag,
+        active_expert_range,
     )
     expanded_x, expanded_row_idx, count_or_cumsum, before_capacity = outputs
     counts = drop_pad_mode == 0 and expert_tokens_count_or_cumsum_flag > 0

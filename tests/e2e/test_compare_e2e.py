@@ -232,8 +232,9 @@ def test_cli_json_is_the_report(server_url, tmp_path, capsys, mode, where):
     printed = json.loads(done.stdout)
     context = printed.pop("context")  # the command records the call; compare() alone does not
     assert context["top_k"] == 3 and context["shapes"]["candidate"] == list(candidate.shape)
+    assert printed.pop("profiles_matching") == list(moegrad.identify(call, candidate).matching)  # the command asks
     expected = moegrad.compare(call, candidate, standards=["bitwise", "threshold"]).to_dict()
-    assert printed == {k: v for k, v in expected.items() if k != "context"}
+    assert printed == {k: v for k, v in expected.items() if k not in ("context", "profiles_matching")}
 
 
 @pytest.mark.parametrize("case", ["one_ulp_noise", "scaled_up"])

@@ -221,3 +221,79 @@ def test_bad_input_names_the_field_and_code(kwargs, status, field, text):
         moe_init_routing_v2(**arguments)
     assert caught.value.aclnn_status == status and caught.value.field == field
     assert text in caught.value.message
+
+
+# --------------------------------------------------------------------------------------------------
+# active_expert_range: aclnnMoeInitRoutingV3/V4's attribute (recursion-ascend/ops-transformer
+# moe/moe_init_routing_v4/docs/aclnnMoeInitRoutingV4.md @ a093e954: only experts in [start, end) are
+# routed, availableIdxNum of them; rowIdxType 0 fills the other slots' expandedRowIdxOut with -1).
+# --------------------------------------------------------------------------------------------------
+
+
+def range_oracle(x, expert_idx, start, end, active_num=0, count_flag=0):
+    """expanded_x, expanded_row_idx and the range's counts, by loops over the V4 documentation's steps."""
+    k = expert_idx.shape[1]
+    flat = [int(v) for v in expert_idx.reshape(-1)]
+    routed = []  # the key-value sort, restricted to the range: experts in increasing id, slots in order
+    for expert in range(start, end):
+        routed += [s for s in range(len(flat)) if flat[s] == expert]
+    expanded_row_idx = [-1] * len(flat)
+    for row, slot in enumerate(routed):
+        expanded_row_idx[slot] = row
+    rows = len(flat) if active_num == 0 else min(active_num, len(flat))
+    expanded_x = np.zeros((rows, x.shape[1]), dtype=x.dtype)  # rows past the routed ones: zeros (moegrad's choice)
+    for row in range(min(rows, len(routed))):
+        expanded_x[row] = x[routed[row] // k]
+    counts = [sum(1 for e in flat if e == expert) for expert in range(start, end)]
+    if count_flag == 1:
+        counts = [sum(counts[: i + 1]) for i in range(len(counts))]
+    return expanded_x, expanded_row_idx, counts if count_flag else None
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 6), (0, 1), (2, 5), (5, 6), (3, 4)])
+@pytest.mark.parametrize("active_num", [0, 7, 39, 100])
+@pytest.mark.parametrize("count_flag", [0, 1, 2])
+def test_active_expert_range_routes_the_range_and_marks_the_rest_minus_one(start, end, active_num, count_flag):
+    rng = np.random.default_rng(6)
+    x = features(rng, 13, 4)
+    expert_idx = rng.integers(0, 6, (13, 3)).astype(np.int32)
+    want = range_oracle(x, expert_idx, start, end, active_num, count_flag)
+    got = moe_init_routing_v2(x, expert_idx, active_num=active_num, expert_num=6,
+                              expert_tokens_count_or_cumsum_flag=count_flag, active_expert_range=(start, end))
+    assert got.expanded_x.shape == want[0].shape and got.expanded_x.tobytes() == want[0].tobytes()
+    assert got.expanded_row_idx.dtype == np.int32 and got.expanded_row_idx.tolist() == want[1]
+    if count_flag:
+        assert got.expert_tokens_count_or_cumsum.tolist() == want[2]
+    else:
+        assert got.expert_tokens_count_or_cumsum is None
+
+
+def test_the_whole_range_is_no_range():
+    rng = np.random.default_rng(7)
+    x, expert_idx = features(rng, 9, 3), rng.integers(0, 4, (9, 2)).astype(np.int32)
+    plain = moe_init_routing_v2(x, expert_idx, expert_num=4)
+    ranged = moe_init_routing_v2(x, expert_idx, expert_num=4, active_expert_range=[0, 4])
+    assert plain.expanded_row_idx.tolist() == ranged.expanded_row_idx.tolist()
+    assert plain.expanded_x.tobytes() == ranged.expanded_x.tobytes()
+    # drop/pad mode takes only the whole range (V4's DropPad constraint) and is then unchanged
+    dropped = moe_init_routing_v2(x, expert_idx, expert_capacity=2, expert_num=4, drop_pad_mode=1,
+                                  active_expert_range=(0, 4))
+    assert dropped.expanded_row_idx.tolist() == check(x, expert_idx, expert_capacity=2, expert_num=4,
+                                                      drop_pad_mode=1).expanded_row_idx.tolist()
+
+
+@pytest.mark.parametrize(("active_expert_range", "kwargs", "text"), [
+    ((2, 2), {}, "0 <= start < end"),
+    ((-1, 2), {}, "0 <= start < end"),
+    ((0, 5), {"expert_num": 4}, "expert_num=4"),
+    ((0,), {}, "two values"),
+    ("ab", {}, "two integers"),
+    ((0, 1.5), {}, "must be an integer"),
+    ((1, 4), {"expert_num": 4, "expert_capacity": 2, "drop_pad_mode": 1}, "drop/pad"),
+])
+def test_a_bad_active_expert_range_is_561002(active_expert_range, kwargs, text):
+    arguments = {"x": np.zeros((4, 2), np.float32), "expert_idx": np.zeros((4, 2), np.int32), **kwargs}
+    with pytest.raises(InvalidArgument) as caught:
+        moe_init_routing_v2(**arguments, active_expert_range=active_expert_range)
+    assert caught.value.aclnn_status == TILING and caught.value.field == "active_expert_range"
+    assert text in caught.value.message

@@ -13,12 +13,14 @@ standard, with the thresholds per dtype and their sources.
 - reports: :func:`format_report` (terminal), :func:`markdown_report` / :func:`write_markdown_report`
   (with the plot, :func:`write_histogram`), :func:`write_json_report` / :func:`read_json_report`,
   :func:`write_csv_report` (msprobe's column names), :func:`report_context` / :func:`with_context`
-  (what makes a saved report reproducible), :func:`rejudge` (verdicts again from stored metrics);
+  (what makes a saved report reproducible), :func:`with_profiles` (the device profiles whose
+  emulation is bit-identical to the candidate), :func:`rejudge` (verdicts again from stored metrics);
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results).
 """
 
+from moegrad._identify import with_profiles
 from moegrad.accuracy._cases import (
     SUMMARY_COLUMNS,
     CaseResult,
@@ -117,6 +119,7 @@ __all__ = [
     "summand_magnitude",
     "warm_up_compare",
     "with_context",
+    "with_profiles",
     "write_csv_report",
     "write_histogram",
     "write_json_report",

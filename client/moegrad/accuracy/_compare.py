@@ -367,6 +367,7 @@ def _report(
     zr: ZeroRowCheck,
     dzr: ZeroRowCheck,
     context: ReportContext | None = None,
+    profiles_matching: tuple[str, ...] | None = None,
 ) -> ComparisonReport:
     dd = _self_metrics(dg)
     verdicts = tuple(_judge(name, dtype, cg, dg, cd, zr, dd, dzr) for name in names)
@@ -394,6 +395,7 @@ def _report(
         exact=exact,
         device_zero_rows=dzr,
         context=context,
+        profiles_matching=profiles_matching,
     )
 
 
@@ -403,7 +405,7 @@ def rejudge(
     """Judge a report's stored metrics again (a report read back from JSON, or with other standards).
 
     The verdicts are a pure function of the three comparisons and the zero rows, so a saved report
-    reproduces its verdict without the tensors.
+    reproduces its verdict without the tensors (its context and profiles_matching are kept).
 
     Args:
         report: a :class:`ComparisonReport` (for example :func:`read_json_report`'s).
@@ -434,6 +436,7 @@ def rejudge(
         report.zero_rows,
         device_rows,
         report.context,
+        report.profiles_matching,
     )
 
 

@@ -158,6 +158,8 @@ def _summary(report: ComparisonReport, source: str | None) -> list[str]:
         f"grad_x [{n}, {h}] {report.dtype}; candidate {report.candidate_dtype}",
         exactness_line(report),
     ]
+    if report.profiles_matching is not None:
+        lines.append(f"profiles bit-identical to the candidate: {', '.join(report.profiles_matching) or 'none'}")
     if source:
         lines.append(f"device result: {source}")
     return lines
@@ -521,6 +523,7 @@ def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
         Two dicts keyed by :data:`MSPROBE_DETAIL_COLUMNS` and moegrad's columns.
     """
     name = report.context.case if report.context is not None and report.context.case else "aclnnMoeInitRoutingV2Grad"
+    profiles = "" if report.profiles_matching is None else "+".join(report.profiles_matching) or "none"
     device_status = "pass"
     for v in report.verdicts:
         if SEVERITY[v.device_status] > SEVERITY[device_status]:
@@ -572,6 +575,7 @@ def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
                 "worst_row": "" if worst is None else str(worst.row),
                 "worst_column": "" if worst is None else str(worst.column),
                 "standards": "+".join(v.standard for v in report.verdicts),
+                "profiles_matching": profiles if is_candidate else "",
             }
         )
     return rows
@@ -584,6 +588,6 @@ def write_csv_report(path: str | os.PathLike[str], report: ComparisonReport) -> 
         OSError: the file cannot be written.
     """
     with open(os.fspath(path), "w", encoding="utf-8-sig", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=[*MSPROBE_DETAIL_COLUMNS, *_MOEGRAD_COLUMNS])
+        writer = csv.DictWriter(file, fieldnames=[*MSPROBE_DETAIL_COLUMNS, *_MOEGRAD_COLUMNS, "profiles_matching"])
         writer.writeheader()
         writer.writerows(csv_rows(report))

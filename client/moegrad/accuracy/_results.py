@@ -335,6 +335,9 @@ class ComparisonReport(_Serializable):
         device_zero_rows: :class:`ZeroRowCheck` of the device's result (for ``device_status``).
         context: :class:`ReportContext` when the report was made for saving (CLI, bulk runs,
             :func:`with_context`); None otherwise.
+        profiles_matching: the device profiles (:data:`moegrad.PROFILES`) whose emulation of the
+            call is bit-identical to the candidate, possibly none, when asked for
+            (:func:`with_profiles`; ``moegrad compare`` asks); None otherwise.
     """
 
     dtype: Str
@@ -349,6 +352,7 @@ class ComparisonReport(_Serializable):
     exact: ExactMatch | None = None
     device_zero_rows: ZeroRowCheck | None = None
     context: ReportContext | None = None
+    profiles_matching: tuple[Str, ...] | None = None
 
     @property
     def passed(self) -> bool:
