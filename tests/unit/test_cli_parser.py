@@ -124,7 +124,7 @@ def test_a_rejection_names_the_flag_typed_and_the_field(tmp_path, capsys):
 def test_an_attribute_rejection_names_the_flag_and_its_value(tmp_path, capsys):
     assert main([*local_argv(tmp_path, DOC_IDX), "--drop-pad-mode", "2"]) == 3
     err = capsys.readouterr().err
-    assert "--drop-pad-mode 2 (drop_pad_mode)" in err and "[field drop_pad_mode]" in err and "561002" in err
+    assert "--drop-pad-mode 2 (drop_pad_mode)" in err and "[field drop_pad_mode]" in err and "561103" in err
 
 
 def test_an_int64_index_whose_values_fit_is_read_as_int32_with_a_note(tmp_path, capsys):
