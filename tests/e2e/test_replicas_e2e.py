@@ -1,7 +1,10 @@
 """Sweeps over three real servers on loopback: replicas, a lost replica, an interrupted sweep, shards.
 
 One module-scoped set of three reference-backend servers (started together: each start costs
-seconds); the SIGKILL test kills a fourth of its own, so the tests run in any order. The cases are tests/oracle.py's
+seconds); the SIGKILL and SIGTERM tests stop a fourth of their own, so the tests run in any order.
+The SIGTERM test's transport (httpx's, its request body held back) sends the signal while a batch
+is on its way to that server, so the server answers it as a draining one does, every item 503,
+on every run. The cases are tests/oracle.py's
 float32 K=2 calls, whose device result is one float32 add (``device_k2``), so every expected status
 comes from the oracle's own figures (``float32_statuses``), never from moegrad; an oversized case
 is refused by the servers' ``max_elements`` (413, a check the client cannot make), and a wire
@@ -18,17 +21,20 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 
 import moegrad
 from moegrad import accuracy
 from moegrad._cli import main
+from moegrad._cli_sweep import sweep_status
 from support.launch import moegrad_server
 from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
@@ -57,17 +63,18 @@ def expected_status(call, candidate) -> str:
     return "fail" if any(status == "fail" for name, status in statuses.items() if name != "bitwise") else "pass"
 
 
-def write_cases(folder: Path, count: int, *, tokens: int = 8, hidden: int = 16) -> dict[str, str]:
-    """``count`` case files (every 7th scaled by 1 + 2^-12, the others the device itself) -> expected status."""
+def write_cases(folder: Path, count: int, *, tokens: int = 8, hidden: int = 16, scaled: bool = True) -> dict[str, str]:
+    """``count`` case files (with ``scaled``, every 7th scaled by 1 + 2^-12; the others the device
+    itself) -> expected status."""
     folder.mkdir(parents=True, exist_ok=True)
     expected = {}
     for i in range(count):
         call = oracle_call(seed=i, tokens=tokens, hidden=hidden)
-        candidate = oracle_candidate("scaled_up" if i % 7 == 3 else "device", device_k2(call))
+        candidate = oracle_candidate("scaled_up" if scaled and i % 7 == 3 else "device", device_k2(call))
         accuracy.save_case(folder / f"case{i:04d}.npz", grad_expanded_x=call.grad_expanded_x,
                            expanded_row_idx=call.expanded_row_idx, top_k=2, candidate=candidate)
         expected[f"case{i:04d}"] = expected_status(call, candidate)
-    assert set(expected.values()) == {"pass", "fail"}
+    assert set(expected.values()) == ({"pass", "fail"} if scaled else {"pass"})
     return expected
 
 
@@ -236,3 +243,91 @@ def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(
     assert all(stats[url].served > 0 for url in urls[:2]), stats  # both survivors served
     assert stats[victim.url].failures >= 1, stats  # its loss was seen, and its calls went elsewhere
     assert {line["server"] for line in lines} <= set(urls)
+
+
+
+
+class Stopping(httpx.SyncByteStream):
+    """A request body that stops ``victim`` with SIGTERM after its first byte is sent."""
+
+    def __init__(self, victim, body: bytes) -> None:
+        self.victim, self.body = victim, body
+
+    def __iter__(self):
+        yield self.body[:1]  # the head and a byte of the body: the server's handler admits the batch
+        time.sleep(0.3)
+        self.victim.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the drain has begun: the server admits no more calls
+        yield self.body[1:]
+
+
+class StopsAServerMidBatch(httpx.HTTPTransport):
+    """httpx's transport, which stops a server with SIGTERM while a batch's body is on its way to it,
+    once armed, and notes each batch item any server answered 503 (its detail).
+
+    The server has then admitted the batch (its handler started on the request's head) but its calls
+    meet a pool that no longer admits: the whole-batch 200 whose items are each 503 "shutting down"
+    that a replica draining after SIGTERM answers."""
+
+    def __init__(self, victim) -> None:
+        super().__init__()
+        self.victim, self.armed, self.stopped = victim, threading.Event(), threading.Event()
+        self.refused: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        original = request.stream
+        if (request.url.port == self.victim.port and request.url.path.endswith("/batch") and self.armed.is_set()
+                and not self.stopped.is_set()):
+            self.stopped.set()
+            request.stream = Stopping(self.victim, b"".join(original))
+        response = super().handle_request(request)
+        if request.url.path.endswith("/batch") and response.status_code == 200:
+            response.read()
+            for item in msgpack.unpackb(response.content, raw=False)["results"]:
+                if (item.get("problem") or {}).get("status") == 503:
+                    self.refused.append(item["problem"]["detail"])
+        return response
+
+
+def test_a_sweep_that_loses_a_replica_to_sigterm_while_it_drains_judges_every_case_exactly_once(servers, tmp_path):
+    """Two of the module's servers and a third of its own (draining for ``shutdown_drain_s`` after
+    SIGTERM), stopped a third of the way through while a batch is on its way to it: that batch's
+    items are each answered 503 "shutting down" and go to the other servers, and later requests to
+    it meet 503s, then a closed port. Every case passes (the device's own result), so the sweep's
+    exit status 0 means every case was judged."""
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(moegrad_server, tmp_path / "logs", name="draining", ready_within_s=120.0,
+                               settings={"max_elements": MAX_ELEMENTS, "shutdown_drain_s": 2.0})
+        expected = write_cases(tmp_path / "cases", 300, scaled=False)
+        victim = starting.result()
+    files = accuracy.find_cases(tmp_path / "cases")
+    urls = [servers[0].url, servers[1].url, victim.url]
+    transport = StopsAServerMidBatch(victim)
+    client = moegrad.Client(urls, transport=transport)
+    seen: list[str] = []
+    armed_at: list[int] = []
+
+    def arm_a_third_of_the_way(result) -> None:
+        seen.append(result.name)
+        if len(seen) == 100:
+            armed_at.append(len(seen))
+            transport.armed.set()
+
+    try:
+        with client:
+            results = client.compare_many(files, progress=False, concurrency=9, on_result=arm_a_third_of_the_way,
+                                          output=tmp_path / "sweep.jsonl")
+            stats = {s.url: s for s in client.stats}
+        assert victim.process.wait(30) == 0  # a drained stop is a clean one
+    finally:
+        victim.stop()
+    assert transport.stopped.is_set() and len(seen) == 300
+    assert transport.refused and set(transport.refused) == {"the service is not ready or is shutting down"}
+    assert [r.name for r in results] == sorted(expected) and sorted(seen) == sorted(expected)
+    assert {r.name: r.status for r in results} == expected
+    assert sweep_status(results) == 0  # the exit status of `moegrad compare --cases`: every case judged, passed
+    lines = case_lines(tmp_path / "sweep.jsonl")
+    assert sorted(line["case"] for line in lines) == sorted(expected)  # written exactly once each
+    assert {line["server"] for line in lines} <= set(urls)
+    assert all(stats[url].served > 0 for url in urls[:2]), stats  # both survivors served
+    assert stats[victim.url].failures >= 1, stats  # its refusal was seen, and set it aside
