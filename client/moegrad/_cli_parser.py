@@ -15,6 +15,7 @@ from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
 
 __all__ = [
     "EXIT_FAILURE",
+    "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
     "EXIT_MISMATCH",
     "EXIT_OK",
@@ -43,6 +44,7 @@ exit status:
   2  usage error (bad arguments, an input .npy that cannot be read, an output that cannot be written)
   3  input rejected by the operator's constraints (the message names the field and the aclnn code)
   4  the server failed, was busy past all retries, timed out, or could not be reached
+  70  an internal error: a bug in moegrad (the message says how to report it)
   130, 143  interrupted by SIGINT (Ctrl-C) / SIGTERM
 `compare --cases` and `--merge`, over all the cases (of the shard), the first that applies: 4 a case
   is not judged (or, --merge, missing; or --output is locked by another run), 3 a case is invalid
@@ -65,6 +67,7 @@ environment:
 #: The exit statuses (the epilog's table).
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_REJECTED, EXIT_FAILURE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
+EXIT_INTERNAL = 70  # EX_SOFTWARE of sysexits.h: an internal software error
 
 
 class UsageError(Exception):
@@ -316,8 +319,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a progress line on stderr: cases done/total, cases/s, failed, errors (default: when "
+        help="a progress line on stderr: cases done/total, cases/s, failed, invalid, errors (default: when "
         "stderr is a terminal)",
+    )
+    bulk.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="list every case after a sweep (default: the failed, invalid and not judged ones, and a count "
+        "of the rest)",
     )
     bulk.add_argument(
         "--shard",
