@@ -220,10 +220,11 @@ def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(
     client = moegrad.Client(urls)
 
     def kill_a_third_of_the_way(result) -> None:
-        """SIGKILL once 100 cases are judged, at a moment the victim has a batch in flight."""
+        """SIGKILL once 100 cases are judged, at a moment the victim has a batch in flight (by 130
+        cases at the latest, so that batches are still to come, which meet it dead)."""
         seen.append(result.name)
         in_flight = next(s.in_flight for s in client.stats if s.url == victim.url)
-        if victim.process.poll() is None and ((100 <= len(seen) and in_flight) or len(seen) == 200):
+        if victim.process.poll() is None and ((100 <= len(seen) and in_flight) or len(seen) == 130):
             os.killpg(victim.pid, signal.SIGKILL)
             victim.process.wait(10)
             killed_at.append(len(seen))
@@ -236,7 +237,7 @@ def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(
         assert victim.process.returncode == -signal.SIGKILL
     finally:
         victim.stop()
-    assert killed_at and killed_at[0] < 250  # mid-way: most of the sweep was still to come
+    assert killed_at and killed_at[0] <= 130  # mid-way: most of the sweep was still to come
     assert [r.name for r in results] == sorted(expected) and sorted(seen) == sorted(expected)
     assert {r.name: r.status for r in results} == expected  # no case lost to the dead replica
     lines = case_lines(tmp_path / "sweep.jsonl")
@@ -246,41 +247,51 @@ def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(
     assert {line["server"] for line in lines} <= set(urls)
 
 
-
-
 class Stopping(httpx.SyncByteStream):
-    """A request body that stops ``victim`` with SIGTERM after its first byte is sent."""
+    """A request body that stops ``victim`` with SIGTERM after its first byte is sent, and goes on
+    once the server no longer admits calls (its readiness 503: it drains)."""
 
-    def __init__(self, victim, body: bytes) -> None:
-        self.victim, self.body = victim, body
+    def __init__(self, victim, body: bytes, stopped: threading.Event) -> None:
+        self.victim, self.body, self.stopped = victim, body, stopped
 
     def __iter__(self):
         yield self.body[:1]  # the head and a byte of the body: the server's handler admits the batch
-        time.sleep(0.3)
+        time.sleep(1.0)
         self.victim.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)  # the drain has begun: the server admits no more calls
+        deadline = time.monotonic() + 30
+        while httpx.get(self.victim.url + "/health/ready", timeout=10).status_code == 200:
+            assert time.monotonic() < deadline, "the server did not begin to drain"
+            time.sleep(0.01)
+        self.stopped.set()
         yield self.body[1:]
 
 
 class StopsAServerMidBatch(httpx.HTTPTransport):
-    """httpx's transport, which stops a server with SIGTERM while a batch's body is on its way to it,
-    once armed, and notes each batch item any server answered 503 (its detail).
+    """httpx's transport, which stops ``victim`` with SIGTERM while the body of its first batch sent
+    after the first ``after`` batches is on its way to it (:class:`Stopping`), and notes the detail
+    of each batch item any server answered 503.
 
     The server has then admitted the batch (its handler started on the request's head) but its calls
     meet a pool that no longer admits: the whole-batch 200 whose items are each 503 "shutting down"
-    that a replica draining after SIGTERM answers."""
+    that a replica draining after SIGTERM answers. Until then a batch for another server waits
+    before it is sent: the client's choice of the less busy replica turns to the victim."""
 
-    def __init__(self, victim) -> None:
+    def __init__(self, victim, *, after: int) -> None:
         super().__init__()
-        self.victim, self.armed, self.stopped = victim, threading.Event(), threading.Event()
+        self.victim, self.after, self.sent = victim, after, 0
+        self.lock, self.stopping, self.stopped = threading.Lock(), False, threading.Event()
         self.refused: list[str] = []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        original = request.stream
-        if (request.url.port == self.victim.port and request.url.path.endswith("/batch") and self.armed.is_set()
-                and not self.stopped.is_set()):
-            self.stopped.set()
-            request.stream = Stopping(self.victim, b"".join(original))
+        if request.url.path.endswith("/batch"):
+            with self.lock:
+                self.sent += 1
+                stop = self.sent > self.after and not self.stopping and request.url.port == self.victim.port
+                self.stopping = self.stopping or stop
+            if stop:
+                request.stream = Stopping(self.victim, b"".join(request.stream), self.stopped)
+            elif self.sent > self.after and request.url.port != self.victim.port:
+                assert self.stopped.wait(60), "no batch went to the victim"
         response = super().handle_request(request)
         if request.url.path.endswith("/batch") and response.status_code == 200:
             response.read()
@@ -292,37 +303,42 @@ class StopsAServerMidBatch(httpx.HTTPTransport):
 
 def test_a_sweep_that_loses_a_replica_to_sigterm_while_it_drains_judges_every_case_exactly_once(servers, tmp_path):
     """Two of the module's servers and a third of its own (draining for ``shutdown_drain_s`` after
-    SIGTERM), stopped a third of the way through while a batch is on its way to it: that batch's
-    items are each answered 503 "shutting down" and go to the other servers, and later requests to
-    it meet 503s, then a closed port. Every case passes (the device's own result), so the sweep's
-    exit status 0 means every case was judged."""
+    SIGTERM), stopped after the first wave of batches while a batch is on its way to it: that
+    batch's items are each answered 503 "shutting down" and go to the other servers, and later
+    requests to it meet 503s, then a closed port. Every case passes (the device's own result), so
+    the sweep's exit status 0 means every case was judged."""
     with ThreadPoolExecutor(1) as pool:
         starting = pool.submit(moegrad_server, tmp_path / "logs", name="draining", ready_within_s=120.0,
+                               flags=("--backend", "reference", "--log-level", "info"),  # its stop, step by step
                                settings={"max_elements": MAX_ELEMENTS, "shutdown_drain_s": 2.0})
         expected = write_cases(tmp_path / "cases", 300, scaled=False)
         victim = starting.result()
     files = accuracy.find_cases(tmp_path / "cases")
     urls = [servers[0].url, servers[1].url, victim.url]
-    transport = StopsAServerMidBatch(victim)
+    concurrency = 9  # batches of 17 cases (about 2 per worker: 300 / 18), 9 sent at once
+    transport = StopsAServerMidBatch(victim, after=concurrency)
     client = moegrad.Client(urls, transport=transport)
     seen: list[str] = []
-    armed_at: list[int] = []
+    at_stop: list[int] = []
 
-    def arm_a_third_of_the_way(result) -> None:
+    def note(result) -> None:
         seen.append(result.name)
-        if len(seen) == 100:
-            armed_at.append(len(seen))
-            transport.armed.set()
+        if transport.stopped.is_set() and not at_stop:
+            at_stop.append(len(seen))
 
     try:
         with client:
-            results = client.compare_many(files, progress=False, concurrency=9, on_result=arm_a_third_of_the_way,
+            results = client.compare_many(files, progress=False, concurrency=concurrency, on_result=note,
                                           output=tmp_path / "sweep.jsonl")
             stats = {s.url: s for s in client.stats}
-        assert victim.process.wait(30) == 0  # a drained stop is a clean one
+        try:
+            stopped = victim.process.wait(60)
+        except subprocess.TimeoutExpired:
+            stopped = None
+        assert stopped == 0, victim.log()  # a drained stop is a clean one
     finally:
         victim.stop()
-    assert transport.stopped.is_set() and len(seen) == 300
+    assert transport.stopped.is_set() and at_stop and at_stop[0] < 250  # mid-way: much was still to come
     assert transport.refused and set(transport.refused) == {"the service is not ready or is shutting down"}
     assert [r.name for r in results] == sorted(expected) and sorted(seen) == sorted(expected)
     assert {r.name: r.status for r in results} == expected
