@@ -19,6 +19,8 @@ import numpy as np
 
 from moegrad._cli_parser import (
     EXIT_FAILURE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
     EXIT_MISMATCH,
     EXIT_OK,
     EXIT_REJECTED,
@@ -36,6 +38,7 @@ from moegrad._identify import identify
 from moegrad._reference import moe_init_routing_v2_grad
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad._version import __version__
 from moegrad.accuracy import (
     CaseResult,
     ComparisonReport,
@@ -430,15 +433,27 @@ def _rejection(exc: InvalidArgument | MalformedRequest) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``moegrad`` command; returns the exit status (argparse exits with 2 on usage errors)."""
+    """Run the ``moegrad`` command; returns the exit status (argparse exits with 2 on usage errors).
+
+    A reader that leaves early (``moegrad ... | head``) does not change the status: what is left to
+    print goes to ``os.devnull`` (:class:`_Stdout`). Ctrl-C is 130 without a traceback; an exception
+    that is not one of moegrad's is a bug: one line saying so, and :data:`EXIT_INTERNAL` (70).
+    """
     args = build_parser().parse_args(argv)
     if getattr(args, "url", False) is None:
         args.url = default_urls()
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)
+    try:
+        return _run(args)
+    finally:
+        sys.stdout.flush()  # here, not at exit: a closed pipe then costs nothing (exit 120 otherwise)
+        sys.stdout = stdout
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return _COMMANDS[args.command](args)
-    except BrokenPipeError:  # `moegrad ... | head`: the reader left; say nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
     except UsageError as exc:
         print(f"moegrad: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -448,3 +463,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoegradError as exc:
         print(f"moegrad: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("\nmoegrad: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: say so in one line, with the exit status no verdict uses
+        if sys.flags.dev_mode:  # python -X dev -m moegrad ...: the traceback, for the report
+            raise
+        print(
+            f"moegrad: internal error: {type(exc).__name__}: {exc}. This is a bug in moegrad {__version__}: "
+            "please report it with the command line; `python -X dev -m moegrad ...` prints the traceback",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs. Once the reader has gone (``moegrad ... | head``: a
+    write raises BrokenPipeError), the rest goes to ``os.devnull``, as the Python documentation
+    advises for SIGPIPE ("Note on SIGPIPE", the signal module), and the command runs on to its own
+    exit status: a verdict does not depend on who reads it."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

@@ -22,6 +22,7 @@ from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
 
 __all__ = [
     "EXIT_FAILURE",
+    "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
     "EXIT_MISMATCH",
     "EXIT_OK",
@@ -59,6 +60,7 @@ _EXIT_USAGE_FILES = (
 _EXIT_USAGE_ARGS = "  2  usage error (bad arguments, a --url that is not an http(s) URL)\n"
 _EXIT_REJECTED = "  3  input rejected by the operator's constraints (the message names the field and the aclnn code)\n"
 _EXIT_SERVER = "  4  the server failed, was busy past all retries, timed out, or could not be reached\n"
+_EXIT_INTERNAL = "  70  an internal error: a bug in moegrad (the message says how to report it)\n"
 _EXIT_SIGNALS = "  130, 143  interrupted by SIGINT (Ctrl-C) / SIGTERM\n"
 _EXIT_CASES = """\
 `compare --cases` and `--merge`, over all the cases (of the shard), the first that applies: 4 a case
@@ -90,6 +92,7 @@ _EPILOG = (
     + _EXIT_USAGE_FILES
     + _EXIT_REJECTED
     + _EXIT_SERVER
+    + _EXIT_INTERNAL
     + _EXIT_SIGNALS
     + _EXIT_CASES
     + _NPY
@@ -102,22 +105,31 @@ _EPILOGS = {
     + _EXIT_USAGE_FILES
     + _EXIT_REJECTED
     + _EXIT_SERVER
+    + _EXIT_INTERNAL
     + _EXIT_SIGNALS
     + _NPY
     + _ENVIRONMENT,
-    "local": _EXIT_HEAD + _EXIT_OK + _EXIT_USAGE_FILES + _EXIT_REJECTED + _EXIT_SIGNALS + _NPY,
+    "local": _EXIT_HEAD + _EXIT_OK + _EXIT_USAGE_FILES + _EXIT_REJECTED + _EXIT_INTERNAL + _EXIT_SIGNALS + _NPY,
     "compare": _EXIT_HEAD
     + _EXIT_COMPARE
     + _EXIT_USAGE_FILES
     + _EXIT_REJECTED
     + _EXIT_SERVER.replace("reached", "reached (not with --local)")
+    + _EXIT_INTERNAL
     + _EXIT_SIGNALS
     + _EXIT_CASES
     + _NPY
     + _ENVIRONMENT
     + _CASE_ENVIRONMENT,
-    "example": _EXIT_HEAD + _EXIT_OK + _EXIT_EXAMPLE + _EXIT_USAGE_ARGS + _EXIT_SERVER + _EXIT_SIGNALS + _ENVIRONMENT,
-    "info": _EXIT_HEAD + _EXIT_OK + _EXIT_USAGE_ARGS + _EXIT_SERVER + _EXIT_SIGNALS + _ENVIRONMENT,
+    "example": _EXIT_HEAD
+    + _EXIT_OK
+    + _EXIT_EXAMPLE
+    + _EXIT_USAGE_ARGS
+    + _EXIT_SERVER
+    + _EXIT_INTERNAL
+    + _EXIT_SIGNALS
+    + _ENVIRONMENT,
+    "info": _EXIT_HEAD + _EXIT_OK + _EXIT_USAGE_ARGS + _EXIT_SERVER + _EXIT_INTERNAL + _EXIT_SIGNALS + _ENVIRONMENT,
 }
 
 #: The most shards ``--shard I/N`` may name (more than any sweep has cases).
@@ -144,6 +156,7 @@ _FIELD = re.compile(r"(?<![\w.\[-])(?<!field )" + rf"({'|'.join(_FLAGS)})(?:=('[
 #: The exit statuses (the epilog's table).
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_REJECTED, EXIT_FAILURE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
+EXIT_INTERNAL = 70  # EX_SOFTWARE of sysexits.h: an internal software error
 
 
 class UsageError(Exception):
@@ -442,8 +455,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a progress line on stderr: cases done/total, cases/s, failed, errors (default: when "
+        help="a progress line on stderr: cases done/total, cases/s, failed, invalid, errors (default: when "
         "stderr is a terminal)",
+    )
+    bulk.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="list every case after a sweep (default: the failed, invalid and not judged ones, and a count "
+        "of the rest)",
     )
     bulk.add_argument(
         "--shard",

@@ -4,8 +4,7 @@ A sweep judges the ``.npz`` cases of a folder (its shard of them with ``--shard 
 ``Client.compare_many`` (over every ``--url``) or in-process (``--local``); with ``--output FILE``
 each judged case is written as it is known and a rerun skips what FILE records
 (:mod:`moegrad.accuracy._ledger`). ``--merge`` joins shard files (:mod:`moegrad.accuracy._merge`).
-The interface, the file format and the exit statuses are those of /work/notes/sweep-cli.md, which
-deploy/sweep's Indexed Job is written against:
+The exit statuses (docs/accuracy.md, "Sweeps"), which deploy/sweep's Indexed Job is written against:
 
 ======  ==================================================================================
 status  over all the cases of the run (its shard; for ``--merge``, the sweep), the first that applies
@@ -16,10 +15,15 @@ status  over all the cases of the run (its shard; for ``--merge``, the sweep), t
 1       a case failed a standard
 0       every case passed (warnings pass)
 2       usage (bad flags, FILE written for another shard, files that are not one sweep)
+70      an internal error (a bug in moegrad; :func:`moegrad._cli.main` says how to report it)
 130/143 interrupted by SIGINT / SIGTERM: the lines written are whole; the workers finish the
         batch in hand for up to 2 s, then requests still in flight are abandoned (the process
-        ends at once), so the command ends within seconds
+        ends at once), so the command ends within seconds; interrupted once every case is
+        judged, while the summary is written, each summary file is the old one or the new, whole
 ======  ==================================================================================
+
+The console lists the cases that did not pass, worst first (``--verbose``: every case), and says
+in one line that no replica was reachable rather than once per case.
 """
 
 from __future__ import annotations
@@ -102,21 +106,59 @@ def _check_writable(path: str, flag: str) -> None:
         raise UsageError(f"cannot write {flag} {path}: the folder {folder} does not exist")
 
 
-def _print_results(results: Sequence[CaseResult], where: str, prefix: str | None) -> list[CaseResult]:
-    """The console lines of a sweep (and its summary files): the counts, then each case, worst first."""
+#: How a case that no replica answered reads (:func:`moegrad._status.error_from_transport`'s message).
+_UNREACHABLE = "TransportError: cannot reach "
+
+
+def _write_summary(results: Sequence[CaseResult], prefix: str) -> list[CaseResult]:
+    """PREFIX.csv and PREFIX.md, each written beside its place and then moved there: a run stopped
+    while writing them leaves each file whole, the old one or the new."""
+    paths = (prefix + ".csv", prefix + ".md")
+    partial = [f"{path}.{os.getpid()}.partial" for path in paths]
     try:
-        ordered = worst_first(results) if prefix is None else write_summary(results, prefix + ".csv", prefix + ".md")
+        ordered = write_summary(results, *partial)
+        for written, path in zip(partial, paths, strict=True):
+            os.replace(written, path)
+    finally:
+        for written in partial:
+            with contextlib.suppress(OSError):
+                os.unlink(written)
+    return ordered
+
+
+def _print_results(
+    results: Sequence[CaseResult], where: str, prefix: str | None, *, verbose: bool, urls: Sequence[str] = ()
+) -> list[CaseResult]:
+    """The console lines of a sweep (and its summary files): the counts, then each case that did not
+    pass, worst first (every case with ``verbose``), and one line for the cases no replica answered."""
+    try:
+        ordered = worst_first(results) if prefix is None else _write_summary(results, prefix)
     except OSError as exc:
         raise UsageError(f"cannot write --summary {prefix}: {exc}") from None
     counts = statuses(ordered)
     print(f"{len(ordered)} cases against {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    unreachable = {id(r) for r in ordered if r.status == "error" and (r.error or "").startswith(_UNREACHABLE)}
     for result in ordered:
+        if result.status in ("pass", "warning") and not verbose:
+            continue
+        if id(result) in unreachable and not verbose:
+            continue
         worst = None if result.report is None else result.report.candidate_vs_golden.worst  # None: error says why
         detail = result.error or (worst and f"worst row {worst.row}") or ""
         print(f"  {result.status:<8} {result.name}  {detail}")
+    if unreachable and not verbose:
+        print(f"  error    {len(unreachable)} cases not judged: no replica reachable")
+    passing = counts["pass"] + counts["warning"]
+    if passing and not verbose:
+        print(f"  ({passing} passing cases not listed; --verbose lists every case)")
     for result in ordered:
-        if result.status == "error":
+        if result.status == "error" and id(result) not in unreachable:
             print(f"moegrad: not judged: {result.name}: {result.error}", file=sys.stderr)
+    if unreachable:
+        print(
+            f"moegrad: no replica reachable: {', '.join(urls) or where}; start a server or check --url",
+            file=sys.stderr,
+        )
     return ordered
 
 
@@ -158,23 +200,40 @@ def run_cases(
             raise UsageError(str(exc)) from None
         except OSError as exc:
             raise UsageError(f"cannot open --output {args.output}: {exc}") from None
-    try:
-        with _sigterm_raises():
+    with _sigterm_raises():
+        try:
             results = _judge(args, files, ledger, open_client, on_result)
-    except (KeyboardInterrupt, _Terminated) as exc:
-        written = f"; {ledger.written} cases written to {args.output}, run again to resume" if ledger else ""
-        print(f"\nmoegrad: interrupted{written}", file=sys.stderr)
-        status = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
-        if ledger is not None:
-            ledger.close()
-        _exit_now_if_a_worker_is_left(status)
-        return status
-    finally:
-        if ledger is not None:
-            ledger.close()
+        except (KeyboardInterrupt, _Terminated) as exc:
+            written = f"; {ledger.written} cases written to {args.output}, run again to resume" if ledger else ""
+            print(f"\nmoegrad: interrupted{written}", file=sys.stderr)
+            status = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
+            if ledger is not None:
+                ledger.close()
+            _exit_now_if_a_worker_is_left(status)
+            return status
+        finally:
+            if ledger is not None:
+                ledger.close()
+        try:
+            return _report(args, results, ledger, len(files), prefix, where)
+        except (KeyboardInterrupt, _Terminated) as exc:  # every case is judged (and written): only the summary is left
+            kept = f"; every case is written to {args.output}" if ledger else ""
+            print(f"\nmoegrad: interrupted while reporting{kept}; run again to report", file=sys.stderr)
+            return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
+
+
+def _report(
+    args: argparse.Namespace,
+    results: list[CaseResult],
+    ledger: SweepFile | None,
+    cases: int,
+    prefix: str | None,
+    where: str,
+) -> int:
+    """What a sweep that ran to its end prints and writes; its exit status."""
     if ledger is not None and ledger.skipped:
-        print(f"skipped {ledger.skipped} of {len(files)} cases already judged in {args.output}")
-    _print_results(results, where, prefix)
+        print(f"skipped {ledger.skipped} of {cases} cases already judged in {args.output}")
+    _print_results(results, where, prefix, verbose=args.verbose, urls=() if args.local else args.url)
     if prefix is not None:
         print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
     if ledger is not None:
@@ -223,7 +282,7 @@ def run_merge(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"cannot read the shard files or cases: {exc}") from None
     count = merged.header.shard[1]
-    _print_results(merged.results, f"{len(merged.files)} shard files of {count}", prefix)
+    _print_results(merged.results, f"{len(merged.files)} shard files of {count}", prefix, verbose=args.verbose)
     if merged.stale:
         print(f"left out {merged.stale} lines of cases that are gone or changed since")
     for what in merged.missing:

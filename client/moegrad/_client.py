@@ -368,7 +368,7 @@ class Client(_ClientBase):
             cases: case files (``.npz``, :func:`moegrad.accuracy.save_case`) or
                 ``(name, fields, candidate)`` tuples, ``fields`` the call's keyword arguments.
             standards, require_exact: as :meth:`compare`, for every case.
-            progress: a progress line on stderr (cases done/total, cases/s, failed, errors); None:
+            progress: a progress line on stderr (cases done/total, cases/s, failed, invalid, errors); None:
                 when stderr is a terminal.
             on_result: called with each :class:`~moegrad.accuracy.CaseResult` as it is known, one at
                 a time, from the sweep's threads.

@@ -43,6 +43,7 @@ from moegrad._requests import (
     MSGPACK,
     Body,
     RequestBuilder,
+    Sent,
     batch_items,
     call_document,
     compare_body,
@@ -100,6 +101,8 @@ class ClientCore:
         retries: int,
         body: Body | None = None,
         content_type: str = MSGPACK,
+        tried: list[Replica] | None = None,
+        started: float | None = None,
     ) -> Flow[httpx.Response]:
         """Send one logical request, retrying 503, 504 and connection errors; return its 2xx response.
 
@@ -109,11 +112,16 @@ class ClientCore:
         another replica (the deadline that passed on one server has not on the next, whose cap
         may differ); 4xx and 500 never are. A replica that gives no reply before the deadline is
         set aside as a failing one is. The response's extension ``"moegrad.replica"`` is the
-        root URL of the replica that answered."""
+        root URL of the replica that answered.
+
+        ``tried``: the replicas this call tried before (a batch's items sent again: not sent back
+        there while another is ready); every attempt's replica is appended to it, the one that
+        answered last. ``started``: the clock reading ``timeout_s`` counts from (default: now)."""
         request_id = uuid.uuid4().hex
-        deadline = None if timeout_s is None else self._clock() + timeout_s
+        started = self._clock() if started is None else started
+        deadline = None if timeout_s is None else started + timeout_s
         attempt = 0
-        tried: list[Replica] = []
+        tried = [] if tried is None else tried
         while True:
             remaining_s = None if deadline is None else deadline - self._clock()
             if remaining_s is not None and remaining_s < _MIN_ATTEMPT_S:
@@ -143,6 +151,7 @@ class ClientCore:
                     if outcome.is_success:
                         answered = True
                         outcome.extensions[REPLICA_EXTENSION] = str(replica.url)
+                        tried.append(replica)
                         return outcome
                     error, cause = error_from_response(outcome), None
                     status = outcome.status_code
@@ -211,7 +220,9 @@ class ClientCore:
         return self._server_frames
 
     def batch_flow(self, items: Iterable[Any], timeout_s: Any) -> Flow[list[GradResult | CompareResult | MoegradError]]:
-        """Send the items in batches of at most MAX_BATCH_CALLS; one answer (or exception) per item, in order."""
+        """Send the items in batches of at most MAX_BATCH_CALLS; one answer (or exception) per item, in order.
+
+        Each batch has ``timeout_s`` and the client's retries (:meth:`_batch_flow`)."""
         timeout_s = self.config.call_timeout_s(timeout_s)
         documents, sent = batch_items(items, validate=self.config.validate)
         answers: list[GradResult | CompareResult | MoegradError | None] = [
@@ -220,18 +231,82 @@ class ClientCore:
         indices = [index for index, document in enumerate(documents) if not isinstance(document, MoegradError)]
         for start in range(0, len(indices), MAX_BATCH_CALLS):
             chunk = indices[start : start + MAX_BATCH_CALLS]
+            yield from self._batch_flow(chunk, documents, sent, answers, timeout_s)
+        return answers  # type: ignore[return-value]
+
+    def _batch_flow(
+        self,
+        chunk: list[int],
+        documents: list[dict[str, Any] | MoegradError],
+        sent: list[Sent],
+        answers: list[GradResult | CompareResult | MoegradError | None],
+        timeout_s: float | None,
+    ) -> Flow[None]:
+        """One batch (the items ``chunk`` indexes): each answer into ``answers``; the items that a
+        replica answered 503 (busy, or shutting down: a replica draining after SIGTERM answers its
+        batches so) or 504 are sent again, alone, to another replica.
+
+        The whole batch is retried as :meth:`exchange` retries a request. Items sent again share
+        its budget (each sending after the first is one of the ``retries``) and its deadline; they
+        go to a replica the batch has not tried while one is ready, else, 503s only, after
+        :meth:`Retries.delay_s` (the items' largest ``retry_after_s`` honoured); the replica that
+        answered them is set aside as a failing one (:meth:`ReplicaSet.set_aside`). A 4xx item is
+        its own answer, never sent again (the operator is pure: the next answer is the same). An
+        item left unanswered when the budget, the deadline or the replicas run out keeps its error
+        (or, when sending it again failed as a whole, that failure's).
+
+        Raises:
+            the errors of :meth:`exchange` and ServiceError for a malformed batch reply, for the
+            batch's first sending; TypeError: items that cannot be packed.
+        """
+        started, retries = self._clock(), self.config.retries.count
+        tried: list[Replica] = []
+        pending = chunk
+        while True:
             try:
-                body = encode_batch([documents[index] for index in chunk])  # type: ignore[misc]
+                body = encode_batch([documents[index] for index in pending])  # type: ignore[misc]
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"the batch cannot be packed as msgpack: {exc}") from None
-            response = yield from self.exchange(
-                "POST", BATCH_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=self.config.retries.count, body=body
-            )
-            results = parse_batch(response, len(chunk))
+            try:
+                response = yield from self.exchange(
+                    "POST",
+                    BATCH_PATH,
+                    accept=MSGPACK,
+                    timeout_s=timeout_s,
+                    retries=retries - len(tried),
+                    body=body,
+                    tried=tried,
+                    started=started,
+                )
+                results = parse_batch(response, len(pending))
+            except MoegradError as exc:
+                if pending is chunk:  # the batch's first sending: the whole batch failed
+                    raise
+                for index in pending:  # sent again and failed as a whole: that is why they have no answer
+                    answers[index] = exc
+                return
             request_id = response.headers.get("x-request-id")  # once: a header lookup costs more than a small answer
-            for index, result in zip(chunk, results, strict=True):
-                answers[index] = batch_answer(response, result, *sent[index], request_id)
-        return answers  # type: ignore[return-value]
+            again: list[int] = []
+            retry_after_s: float | None = None
+            for index, result in zip(pending, results, strict=True):
+                answers[index] = answer = batch_answer(response, result, *sent[index], request_id)
+                if isinstance(answer, (DeviceBusy, DeadlineExceeded)):  # an item's 503 or 504
+                    again.append(index)
+                    if isinstance(answer, DeviceBusy):
+                        retry_after_s = max(retry_after_s or 0.0, answer.retry_after_s)
+            if not again:
+                return
+            self.replicas.set_aside(tried[-1], retry_after_s=retry_after_s)
+            if len(tried) > retries:
+                return
+            if not self.replicas.has_other(tried):  # no replica left to try: 503s only, after the wait
+                again = [index for index in again if isinstance(answers[index], DeviceBusy)]
+                delay_s = self.config.retries.delay_s(len(tried) - 1, retry_after_s)
+                deadline = None if timeout_s is None else started + timeout_s
+                if not again or (deadline is not None and self._clock() + delay_s + _MIN_ATTEMPT_S >= deadline):
+                    return
+                yield delay_s
+            pending = again
 
     def compare_flow(
         self,

@@ -16,7 +16,8 @@ attempt; a lock makes it safe for a client shared by threads):
   flight (the "power of two choices": Mitzenmacher, *The Power of Two Choices in Randomized Load
   Balancing*, 2001), among those not set aside and not yet tried by this call;
 - **which are set aside**: a replica whose attempt failed (no connection, a dropped connection, a
-  503 or a 504, or no reply before the call's deadline) is not picked for ``min(1 s * 2**(n-1),
+  503 or a 504, no reply before the call's deadline, or a batch answer some of whose items got a
+  503 or a 504: a replica shutting down answers so while it drains) is not picked for ``min(1 s * 2**(n-1),
   30 s)`` after its n-th failure in a row (at least its Retry-After, at most 30 s), then tried
   again; an answer ends the run of failures. When every
   replica is set aside, the one back soonest is picked, so a single replica is always tried;
@@ -65,7 +66,8 @@ class ReplicaStats:
         url: the replica's root URL (for a ``dns+`` URL, the address it resolved to).
         served: calls it answered (any HTTP answer that ended the call: a result, a 4xx, a 500).
         failures: attempts that failed on it and were retried elsewhere or given up: no connection,
-            a dropped connection, 503 or 504, no reply before the call's deadline.
+            a dropped connection, 503 or 504, no reply before the call's deadline; and batch
+            answers with items answered 503 or 504 (those items are sent again).
         in_flight: attempts on it now.
         set_aside_until: ``time.monotonic()`` seconds until which it is not picked, or None when
             it is not set aside.
@@ -295,8 +297,19 @@ class ReplicaSet:
                 replica.consecutive = 0
                 replica.set_aside_until = 0.0
             elif failed:
-                replica.failures += 1
-                replica.consecutive += 1
-                pause_s = min(self._first_s * 2 ** (replica.consecutive - 1), self._max_s)
-                # a Retry-After past the longest set-aside (a day) would leave a replica out that long
-                replica.set_aside_until = self._clock() + min(max(pause_s, retry_after_s or 0.0), self._max_s)
+                self._fail(replica, retry_after_s)
+
+    def set_aside(self, replica: Replica, *, retry_after_s: float | None = None) -> None:
+        """``replica`` answered, but some of the calls its answer holds failed as a failing replica's
+        do (a batch whose items got 503, busy or shutting down, or 504): count a failure and set it
+        aside as :meth:`done` does a failed attempt's (its attempt was already given back)."""
+        with self._lock:
+            self._fail(replica, retry_after_s)
+
+    def _fail(self, replica: Replica, retry_after_s: float | None) -> None:
+        """One more failure in a row of ``replica``'s: set it aside (the lock held)."""
+        replica.failures += 1
+        replica.consecutive += 1
+        pause_s = min(self._first_s * 2 ** (replica.consecutive - 1), self._max_s)
+        # a Retry-After past the longest set-aside (a day) would leave a replica out that long
+        replica.set_aside_until = self._clock() + min(max(pause_s, retry_after_s or 0.0), self._max_s)

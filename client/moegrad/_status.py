@@ -115,6 +115,15 @@ def retry_after_s(response: httpx.Response) -> float:
     return max(0.0, seconds) if math.isfinite(seconds) else _DEFAULT_RETRY_AFTER_S
 
 
+def _busy_retry_after_s(problem: Mapping[str, Any], response: httpx.Response) -> float:
+    """A 503's seconds to wait: its problem's ``retry_after_s`` (a batch item's, whose reply is a
+    200) when it is a finite number >= 0, else the response's Retry-After (:func:`retry_after_s`)."""
+    value = problem.get("retry_after_s")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return retry_after_s(response)
+
+
 _ErrorFactory = Callable[[str, dict[str, Any], httpx.Response], MoegradError]
 
 #: HTTP status -> the exception the client raises (problem fields carried over). Any other
@@ -134,7 +143,7 @@ STATUS_ERRORS: Mapping[int, _ErrorFactory] = {
     500: lambda msg, p, r: DeviceFault(
         msg, aclnn_status=int_or_none(p.get("aclnn_status")), device_message=str_or_none(p.get("device_message"))
     ),
-    503: lambda msg, p, r: DeviceBusy(msg, retry_after_s=retry_after_s(r)),
+    503: lambda msg, p, r: DeviceBusy(msg, retry_after_s=_busy_retry_after_s(p, r)),
     504: lambda msg, p, r: DeadlineExceeded(msg),
 }
 

@@ -320,3 +320,36 @@ def test_compare_against_an_unreachable_server_exits_4(tmp_path, capsys):
     argv = [arg for arg in compare_args(tmp_path, call, device_k2(call)) if arg != "--local"]
     assert main([*argv, "--url", closed_port_url(), "--retries", "0", "--timeout", "10"]) == 4
     assert "TransportError" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_does_not_change_the_exit_status(tmp_path, monkeypatch, capsys):
+    """`moegrad compare ... | head`: the pipe closes before the verdict is printed; the status is the
+    verdict's (1, a standard failed) all the same, and nothing is raised."""
+    call = oracle_call(seed=3)
+    device = device_k2(call)
+    candidate = oracle_candidate("scaled_up", device)
+    assert "fail" in float32_statuses(candidate, device, *golden_and_scale(call)).values()
+    standards = [arg for name in ALL_STANDARDS for arg in ("--standard", name)]
+    argv = compare_args(tmp_path, call, candidate, *standards)
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader has gone: every write to the pipe fails (EPIPE)
+    closed = os.fdopen(writer, "w", buffering=1)  # line-buffered: the first line printed meets it
+    monkeypatch.setattr(sys, "stdout", closed)
+    try:
+        assert main(argv) == 1
+    finally:
+        monkeypatch.undo()
+        closed.close()  # its fd is os.devnull's now: closing it loses nothing
+
+
+def test_an_internal_error_is_one_line_and_exit_70(monkeypatch, capsys):
+    import moegrad._cli as cli
+
+    def broken(args):
+        raise RuntimeError("an invariant does not hold")
+
+    monkeypatch.setitem(cli._COMMANDS, "info", broken)  # no command fails so today: a stand-in for a bug
+    assert main(["info"]) == 70  # EX_SOFTWARE (sysexits.h), which no verdict uses
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "internal error: RuntimeError: an invariant does not hold" in err and "please report it" in err

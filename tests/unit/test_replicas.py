@@ -22,6 +22,7 @@ from moegrad import (
     AsyncClient,
     Client,
     DeadlineExceeded,
+    DeviceBusy,
     InvalidArgument,
     MoeInitRoutingV2GradCall,
     ReplicaStats,
@@ -348,3 +349,109 @@ def test_both_clients_resolve_a_dns_name_and_send_its_host_to_each_address():
     assert {host for host, _ in seen} <= addresses and len(seen) == 2  # the resolver's own answer
     assert {header for _, header in seen} == {"localhost:8000"}
     assert sum(s.served for s in stats) == 1
+
+
+# ---- a batch's items answered 503 / 504 ---------------------------------------------------------
+
+
+def batch_reply(request: httpx.Request, *results: dict) -> httpx.Response:
+    return httpx.Response(200, content=msgpack.packb({"results": list(results)}, use_bin_type=True),
+                          headers={"content-type": "application/msgpack"}, request=request)
+
+
+def example_item() -> dict:
+    return {"grad_x": {"dtype": "float32", "shape": [2, 2], "data": EXAMPLE_BITS.tobytes()},
+            "backend": "fake", "order": "ascend910b", "device": None, "timings_ms": {}}
+
+
+def problem_item(status: int, detail: str, **fields) -> dict:
+    """A failed item as docs/protocol.md's batch answer carries it (a draining server's 503 below)."""
+    return {"problem": {"type": "about:blank", "title": "t", "status": status, "detail": detail, **fields}}
+
+
+SHUTTING_DOWN = problem_item(503, "the service is shutting down", retry_after_s=2.0)
+
+
+def items_sent(request: httpx.Request) -> int:
+    return len(msgpack.unpackb(request.read(), raw=False))
+
+
+def test_a_batch_item_answered_503_alone_goes_to_another_replica_and_the_draining_one_is_set_aside():
+    clock = FakeClock()
+    core = Client([A, B], transport=httpx.MockTransport(no_io), timeout_s=None)._core
+    core.replicas._clock = core._clock = clock
+    flow = core.batch_flow([example_call()] * 3, USE_CLIENT_DEFAULT)
+    first = next(flow)
+    assert items_sent(first) == 3
+    again = flow.send(batch_reply(first, example_item(), SHUTTING_DOWN, example_item()))
+    assert isinstance(again, httpx.Request) and again.url.host != first.url.host  # at once, elsewhere
+    assert items_sent(again) == 1  # only the refused item
+    with pytest.raises(StopIteration) as stop:
+        flow.send(batch_reply(again, example_item()))
+    answers = stop.value.value
+    assert [a.server_url for a in answers] == [f"http://{h}:8000" for h in
+                                               (first.url.host, again.url.host, first.url.host)]
+    assert all(np.array_equal(a.grad_x.view(np.uint32), EXAMPLE_BITS) for a in answers)
+    stats = {s.url: s for s in core.replicas.stats()}
+    draining, other = stats[f"http://{first.url.host}:8000"], stats[f"http://{again.url.host}:8000"]
+    assert (draining.served, draining.failures, other.served, other.failures) == (1, 1, 1, 0)
+    assert draining.set_aside_until == clock.now + 2.0  # its item's retry_after_s, past the first 1 s
+
+
+def test_a_batch_item_answered_422_is_never_sent_again():
+    core = Client([A, B], transport=httpx.MockTransport(no_io), timeout_s=None)._core
+    flow = core.batch_flow([example_call()] * 2, USE_CLIENT_DEFAULT)
+    first = next(flow)
+    refused = problem_item(422, "bad", aclnn_status=161002, field="expanded_row_idx")
+    with pytest.raises(StopIteration) as stop:
+        flow.send(batch_reply(first, example_item(), refused))
+    assert isinstance(stop.value.value[1], InvalidArgument) and stop.value.value[1].aclnn_status == 161002
+    assert [(s.served, s.failures, s.set_aside_until) for s in core.replicas.stats()
+            if first.url.host in s.url] == [(1, 0, None)]
+
+
+def test_with_no_other_replica_a_503_item_waits_its_retry_after_and_the_retries_bound_the_resends():
+    core = Client([A], transport=httpx.MockTransport(no_io), timeout_s=None, retries=1)._core
+    flow = core.batch_flow([example_call()] * 2, USE_CLIENT_DEFAULT)
+    first = next(flow)
+    assert flow.send(batch_reply(first, SHUTTING_DOWN, example_item())) == 2.0  # the item's retry_after_s
+    again = flow.send(None)
+    assert isinstance(again, httpx.Request) and items_sent(again) == 1
+    with pytest.raises(StopIteration) as stop:  # retries=1: that was the one resend
+        flow.send(batch_reply(again, SHUTTING_DOWN))
+    busy, done = stop.value.value
+    assert isinstance(busy, DeviceBusy) and busy.retry_after_s == 2.0 and "shutting down" in busy.message
+    assert np.array_equal(done.grad_x.view(np.uint32), EXAMPLE_BITS)
+
+
+def test_a_504_item_is_sent_again_only_to_another_replica():
+    core = Client([A], transport=httpx.MockTransport(no_io), timeout_s=None)._core
+    flow = core.batch_flow([example_call()], USE_CLIENT_DEFAULT)
+    first = next(flow)
+    with pytest.raises(StopIteration) as stop:
+        flow.send(batch_reply(first, problem_item(504, "the deadline passed")))
+    assert isinstance(stop.value.value[0], DeadlineExceeded)
+
+
+def draining_a(request: httpx.Request) -> httpx.Response:
+    """Replica a drains (every item 503, shutting down); the others answer the example."""
+    count = items_sent(request)
+    item = SHUTTING_DOWN if request.url.host == "a.test" else example_item()
+    return batch_reply(request, *[item] * count)
+
+
+def test_the_sync_and_async_clients_send_a_draining_replica_s_items_elsewhere_alike():
+    with Client([A, B, C], transport=httpx.MockTransport(draining_a)) as client:
+        answers = [a for _ in range(10) for a in client.batch([example_call()] * 4)]
+        sync_a = next(s for s in client.stats if s.url == A)
+
+    async def run_async():
+        async with AsyncClient([A, B, C], transport=httpx.MockTransport(draining_a)) as client:
+            batches = await asyncio.gather(*(client.batch([example_call()] * 4) for _ in range(10)))
+            return [a for batch in batches for a in batch], next(s for s in client.stats if s.url == A)
+
+    async_answers, async_a = asyncio.run(run_async())
+    for every, a_stats in ((answers, sync_a), (async_answers, async_a)):
+        assert len(every) == 40 and all(np.array_equal(r.grad_x.view(np.uint32), EXAMPLE_BITS) for r in every)
+        assert all(r.server_url in (B, C) for r in every)  # no answer from the draining replica
+        assert a_stats.failures == a_stats.served  # each batch it answered counted as a failure

@@ -12,13 +12,17 @@ import hashlib
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
+import moegrad
+import moegrad._cli_sweep as cli_sweep
 from moegrad import DeviceFault, accuracy
 from moegrad._cli import main
 from moegrad.accuracy._cases import shard_of
@@ -57,6 +61,13 @@ def lines(path: Path) -> list[dict]:
 
 def case_lines(path: Path) -> list[dict]:
     return [line for line in lines(path) if line["kind"] == "case"]
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there once the socket is closed
 
 
 def sweep(folder: Path, *flags: str) -> int:
@@ -226,3 +237,94 @@ def test_merge_names_what_is_missing_and_leaves_stale_lines_out(cases, tmp_path,
     assert "left out 1 lines" in out and "11 cases against 3 shard files of 3" in out
     with open(tmp_path / "m.csv", encoding="utf-8-sig") as file:
         assert sorted(row.split(",")[0] for row in file.read().splitlines()[1:]) == sorted(expected)
+
+
+def test_a_resumed_run_writes_no_second_header_and_a_changed_folder_one_with_its_count(cases, tmp_path):
+    folder, expected = cases
+    output = tmp_path / "run.jsonl"
+    sweep(folder, "--output", str(output))
+    sweep(folder, "--output", str(output))  # every case recorded: nothing to add
+    assert [line["kind"] for line in lines(output)].count("header") == 1
+    assert save(folder, "c12", 12) == "pass"  # a 13th case: the merge reads a shard's count from its last header
+    sweep(folder, "--output", str(output))
+    headers = [line for line in lines(output) if line["kind"] == "header"]
+    assert [header["cases"] for header in headers] == [12, 13]
+    assert len(case_lines(output)) == 13
+    merged = merge_sweeps([output])
+    assert not merged.missing and {r.name: r.status for r in merged.results} == {**expected, "c12": "pass"}
+
+
+@pytest.mark.parametrize(("written", "read"), [("false", False), ("true", True), ("False", False)])
+def test_a_header_s_require_exact_is_a_json_boolean_and_an_earlier_string_reads_as_it_says(tmp_path, written, read):
+    header = SweepHeader.of(cases=1, standards=None, require_exact=False).to_json()
+    assert header["require_exact"] is False  # a JSON boolean, not the string "false"
+    path = tmp_path / "run.jsonl"
+    path.write_text(json.dumps({**header, "require_exact": written}) + "\n")
+    [(old, _)] = accuracy._ledger.read_sweep_file(path)
+    assert old.require_exact is read
+    path.write_text(json.dumps({**header, "require_exact": 1}) + "\n")
+    with pytest.raises(accuracy.SweepFileError, match="require_exact 1 is not a boolean"):
+        accuracy._ledger.read_sweep_file(path)
+    with pytest.raises(TypeError, match="require_exact must be a bool"):
+        SweepHeader.of(cases=1, standards=None, require_exact="false")
+    with moegrad.Client("http://moegrad.test", transport=httpx.MockTransport(lambda r: pytest.fail("no I/O"))) as c, \
+            pytest.raises(TypeError, match="require_exact must be a bool"):
+        c.compare_many([("a", {}, np.zeros(1))], require_exact="false")  # refused before any case is read
+
+
+def test_the_progress_line_counts_failed_and_invalid_cases_apart(cases, tmp_path):
+    folder, expected = cases
+    (folder / "broken.npz").write_bytes(b"not an npz")
+    (folder / "gone.npz").write_bytes(b"neither")
+    stream = io.StringIO()
+    results = accuracy.compare_cases(accuracy.find_cases(folder), accuracy.compare_in_process(), progress=True,
+                                     progress_stream=stream)
+    failed = sum(status == "fail" for status in expected.values())
+    assert sum(r.status == "invalid" for r in results) == 2 and failed == 3
+    last = stream.getvalue().rstrip().split("\r")[-1]  # the line as it was drawn last
+    assert "] 14/14 cases, " in last and last.endswith(f" cases/s, {failed} failed, 2 invalid, 0 errors")
+
+
+def test_the_console_lists_what_did_not_pass_and_verbose_lists_every_case(cases, capsys):
+    folder, expected = cases
+    (folder / "broken.npz").write_bytes(b"not an npz")
+    assert sweep(folder) == 3
+    listed = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")
+              and not line.startswith("  (")]
+    assert sorted(listed) == sorted(["broken", *(name for name, status in expected.items() if status == "fail")])
+    assert sweep(folder, "--verbose") == 3
+    out = capsys.readouterr().out
+    every = sorted(line.split()[1] for line in out.splitlines() if line.startswith("  "))
+    assert every == sorted([*expected, "broken"])
+
+
+def test_a_sweep_no_replica_answers_says_so_once(cases, capsys):
+    folder, _ = cases
+    urls = [closed_port_url(), closed_port_url()]
+    argv = ["compare", "--cases", str(folder), "--no-progress", "--retries", "0", "--timeout", "10"]
+    assert main([*argv, *(arg for url in urls for arg in ("--url", url))]) == 4
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"moegrad: no replica reachable: {', '.join(urls)}; start a server or "
+                                         "check --url"]
+    assert "12 cases against" in captured.out and "12 cases not judged: no replica reachable" in captured.out
+
+
+def test_ctrl_c_while_the_summary_is_written_is_exit_130_and_leaves_each_file_whole(cases, tmp_path, monkeypatch,
+                                                                                    capsys):
+    folder, _ = cases
+    output = tmp_path / "run.jsonl"
+    assert sweep(folder, "--output", str(output), "--summary", str(tmp_path / "s")) == 1
+    before = (tmp_path / "s.csv").read_bytes(), (tmp_path / "s.md").read_bytes(), output.read_bytes()
+    real = cli_sweep.write_summary
+
+    def interrupted(results, csv_path, markdown_path):  # Ctrl-C once the CSV is half written
+        real(results, csv_path, markdown_path)
+        Path(csv_path).write_bytes(Path(csv_path).read_bytes()[:50])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_sweep, "write_summary", interrupted)
+    capsys.readouterr()
+    assert sweep(folder, "--output", str(output), "--summary", str(tmp_path / "s")) == 130
+    assert "interrupted while reporting; every case is written to" in capsys.readouterr().err
+    assert ((tmp_path / "s.csv").read_bytes(), (tmp_path / "s.md").read_bytes(), output.read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cases", "run.jsonl", "s.csv", "s.md"]  # nothing partial

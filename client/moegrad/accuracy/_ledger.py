@@ -1,7 +1,9 @@
 """A sweep's results file: one JSON line per judged case, written as it is judged, read back to resume.
 
-The format ``moegrad-sweep/1`` (docs/accuracy.md, "Sweeps"): UTF-8 JSON lines, appended only. Each
-run appends one header line, then one line per case it judged::
+The format ``moegrad-sweep/1`` (docs/accuracy.md, "Sweeps"): UTF-8 JSON lines, appended only. A
+header line, then one line per case judged; a run that resumes the file appends its case lines
+after the last header, and a header of its own only when it is over another number of cases (the
+folder changed: a merge reads a shard's count from its last header)::
 
     {"kind": "header", "format": "moegrad-sweep/1", "shard": {"index": 2, "count": 8}, "cases": 137,
      "standards": ["dual_thousandth", ...], "require_exact": false, "moegrad": "0.4.0",
@@ -102,7 +104,10 @@ class SweepHeader:
 
         Raises:
             InvalidArgument: an unknown standard (161002).
+            TypeError: ``require_exact`` is not a bool.
         """
+        if not isinstance(require_exact, bool):
+            raise TypeError(f"require_exact must be a bool, got {type(require_exact).__name__}")
         return cls(shard=shard, cases=cases, standards=_check_standards(standards), require_exact=require_exact)
 
     def to_json(self) -> dict[str, Any]:
@@ -127,7 +132,7 @@ class SweepHeader:
             shard=(int(shard["index"]), int(shard["count"])),
             cases=int(line["cases"]),
             standards=tuple(str(name) for name in line["standards"]),
-            require_exact=bool(line["require_exact"]),
+            require_exact=_boolean(line["require_exact"]),
             moegrad=str(line.get("moegrad", "")),
             started=str(line.get("started", "")),
         )
@@ -141,6 +146,20 @@ class SweepHeader:
         if self.require_exact != other.require_exact:
             return f"require_exact={other.require_exact}"
         return None
+
+
+def _boolean(value: Any) -> bool:
+    """A header's ``require_exact``: a JSON boolean, or the string ``"true"`` / ``"false"`` that
+    an earlier writer may have put there (``bool("false")`` would read it as true).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"require_exact {value!r} is not a boolean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +251,9 @@ class SweepFile:
 
     Args:
         path: the file (created, with its folder, when missing).
-        header: this run's header, appended once the file is checked.
+        header: this run's header, written once the file is checked when the file has none yet,
+            or when its last one is over another number of cases; a run that resumes the file
+            otherwise appends case lines only.
 
     Attributes:
         judged: per case name, its last case line in the file (before this run's).
@@ -271,7 +292,8 @@ class SweepFile:
                 print(warning, file=sys.stderr)
             self.judged: dict[str, CaseLine] = {line.result.name: line for _, lines in runs for line in lines}
             self.skipped = self.written = 0
-            self._write(header.to_json())
+            if not runs or runs[-1][0].cases != header.cases:  # a new file, or a folder that changed
+                self._write(header.to_json())
         except BaseException:
             os.close(self._fd)
             raise

@@ -81,16 +81,17 @@ STOP_GRACE_S = 2.0
 
 
 class _Progress:
-    """One progress line on a terminal: ``[=====     ] 12/40 cases, 35.2 cases/s, 1 failed, 0 errors``."""
+    """One progress line on a terminal: ``[=====     ] 12/40 cases, 35.2 cases/s, 1 failed, 0 invalid, 0 errors``."""
 
     def __init__(self, total: int, stream: TextIO | None, enabled: bool | None) -> None:
         self.total, self.stream = total, stream if stream is not None else sys.stderr
         self.enabled = (self.stream.isatty() and total > 1) if enabled is None else enabled
         self.started = self.drawn = time.monotonic()
 
-    def show(self, done: int, judged: int, failed: int, errors: int, *, final: bool = False) -> None:
-        """``done`` of total (skipped ones too), ``judged`` by this run, ``failed`` (fail or
-        invalid), ``errors`` (not judged); drawn at most every 0.1 s, and at the end."""
+    def show(self, done: int, judged: int, failed: int, invalid: int, errors: int, *, final: bool = False) -> None:
+        """``done`` of total (skipped ones too), ``judged`` by this run, ``failed`` (a standard
+        failed), ``invalid`` (unreadable or refused), ``errors`` (not judged); drawn at most every
+        0.1 s, and at the end."""
         now = time.monotonic()
         if not self.enabled or not self.total or (not final and now - self.drawn < _DRAW_EVERY_S):
             return
@@ -102,7 +103,7 @@ class _Progress:
         eta = f", {(self.total - done) / rate:.0f} s left" if rate and done < self.total else ""
         self.stream.write(
             f"\r[{'=' * filled}{' ' * (width - filled)}] {done}/{self.total} cases, {rate:.1f} cases/s, "
-            f"{failed} failed, {errors} errors{eta}  "
+            f"{failed} failed, {invalid} invalid, {errors} errors{eta}  "
         )
         self.stream.flush()
 
@@ -153,7 +154,7 @@ class _Sweep:
         self.bar = _Progress(len(self.items), progress_stream, progress)
         self._lock = threading.Lock()
         self._stopped = False
-        self.done = self.judged = self.failed = self.errors = 0
+        self.done = self.judged = self.failed = self.invalid = self.errors = 0
 
     def batches(self) -> Iterator[list[_Pending]]:
         """Load the cases in turn: record the skipped (already in the output) and unreadable ones,
@@ -204,13 +205,14 @@ class _Sweep:
                 self.output.skipped += 1
             else:
                 self.judged += 1
-                self.failed += result.status in ("fail", "invalid")
+                self.failed += result.status == "fail"
+                self.invalid += result.status == "invalid"
                 self.errors += result.status == "error"
                 if self.output is not None:
                     self.output.append(result, digest)
                 if self.on_result is not None:
                     self.on_result(result)
-            self.bar.show(self.done, self.judged, self.failed, self.errors)
+            self.bar.show(self.done, self.judged, self.failed, self.invalid, self.errors)
 
     def record_batch(self, batch: list[_Pending], outcomes: Sequence[ComparisonReport | Exception]) -> None:
         for case, outcome in zip(batch, outcomes, strict=True):
@@ -226,7 +228,7 @@ class _Sweep:
         return self._stopped
 
     def finish(self) -> list[CaseResult]:
-        self.bar.show(self.done, self.judged, self.failed, self.errors, final=True)
+        self.bar.show(self.done, self.judged, self.failed, self.invalid, self.errors, final=True)
         self.bar.close()
         assert all(result is not None for result in self.results)
         return self.results  # type: ignore[return-value]  # every slot recorded
@@ -358,7 +360,7 @@ def compare_cases(
             endpoint); cases are loaded and sent in batches of at most BATCH_CASES cases and about
             BATCH_BYTES bytes of inputs (fewer, down to BATCH_MIN_CASES, when a sweep has few cases
             per worker). Give this or ``compare_one``.
-        progress: draw a progress line (done/total, cases/s, failed, errors) on ``progress_stream``;
+        progress: draw a progress line (done/total, cases/s, failed, invalid, errors) on ``progress_stream``;
             None: when it is a terminal.
         progress_stream: default ``sys.stderr``.
         on_result: called with each case's result as it is known, one at a time (from a worker
@@ -514,7 +516,11 @@ def compare_batch_on(send: SendCompares, *, require_exact: bool, server_url: str
     Returns:
         ``compare_batch(chunk)``: per case, its report (with its :class:`ReportContext`: the inputs'
         SHA-256, the server, the time) or the exception it earned.
+
+    Raises:
+        TypeError: ``require_exact`` is not a bool (``"false"`` would read as true).
     """
+    _check_bool(require_exact)
 
     def judged(chunk: list[tuple[str, Mapping[str, Any], np.ndarray]]) -> list[ComparisonReport | Exception]:
         batch = _Batch(chunk)
@@ -526,6 +532,7 @@ def compare_batch_on(send: SendCompares, *, require_exact: bool, server_url: str
 
 def acompare_batch_on(send: AsyncSendCompares, *, require_exact: bool, server_url: str) -> AsyncCompareBatch:
     """:func:`compare_batch_on` with an awaited ``send`` (``AsyncClient.compare_many``)."""
+    _check_bool(require_exact)
 
     async def judged(chunk: list[tuple[str, Mapping[str, Any], np.ndarray]]) -> list[ComparisonReport | Exception]:
         batch = _Batch(chunk)
@@ -533,3 +540,8 @@ def acompare_batch_on(send: AsyncSendCompares, *, require_exact: bool, server_ur
         return batch.judged(answers, require_exact=require_exact, server_url=server_url)
 
     return judged
+
+
+def _check_bool(require_exact: Any) -> None:
+    if not isinstance(require_exact, bool):
+        raise TypeError(f"require_exact must be a bool, got {type(require_exact).__name__}")
