@@ -161,19 +161,26 @@ def ascend950_row(values: list[np.ndarray | None], hidden: int, chunk: int, grou
 
 
 def slow950(grad, idx, top_k, drop_pad_mode=0, active_num=0, *, chunk=None, grouped=True) -> np.ndarray:
-    """gradX one token and one slot at a time in the 950's order (chunk None: all K slots at once)."""
+    """gradX one token and one slot at a time in the 950's order (chunk None: all K slots at once),
+    skipping the slots every release skips (-1 in drop/pad mode, >= A in active mode)."""
+    return _slow_rows(
+        grad, idx, top_k, lambda j: slot_skipped(j, drop_pad_mode, active_num, idx.shape[0], False),
+        lambda values, hidden: ascend950_row(values, hidden, chunk or top_k, grouped),
+    )
+
+
+def _slow_rows(grad, idx, top_k, skipped, row_sum) -> np.ndarray:
+    """gradX one token at a time: ``skipped(j)`` says whether slot index j reads no row, and
+    ``row_sum(values, hidden)`` sums one token's rows (None for a skipped slot) in float32."""
     hidden = grad.shape[-1]
     flat = grad.reshape(-1, hidden)
     tokens = idx.shape[0] // top_k
     out = np.empty((tokens, hidden), dtype=grad.dtype.newbyteorder("="))
     with np.errstate(all="ignore"):
         for i in range(tokens):
-            values: list[np.ndarray | None] = []
-            for t in range(top_k):
-                j = int(idx[i * top_k + t])
-                skipped = j == -1 if drop_pad_mode == 1 else active_num > 0 and j >= active_num
-                values.append(None if skipped else flat[j].astype(np.float32))
-            total = ascend950_row(values, hidden, chunk or top_k, grouped)
+            values = [None if skipped(j) else flat[j].astype(np.float32)
+                      for j in (int(v) for v in idx[i * top_k:(i + 1) * top_k])]
+            total = row_sum(values, hidden)
             for h in range(hidden):
                 out[i, h] = round_from_float32(total[h], out.dtype)
     return out
@@ -197,27 +204,18 @@ def slow_profile(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, acti
     :data:`SLOW_PROFILES` or :data:`SLOW_ALIASES`) computes it; ``chunk``: the 950's K chunk
     (None: all K slots at once)."""
     kind, lenient = SLOW_PROFILES[SLOW_ALIASES.get(profile, profile)]
-    grad, idx = grad_expanded_x, expanded_row_idx
-    hidden = grad.shape[-1]
-    flat = grad.reshape(-1, hidden)
-    tokens = idx.shape[0] // top_k
-    out = np.empty((tokens, hidden), dtype=grad.dtype.newbyteorder("="))
-    with np.errstate(all="ignore"):
-        for i in range(tokens):
-            values: list[np.ndarray | None] = []
-            for t in range(top_k):
-                j = int(idx[i * top_k + t])
-                skipped = slot_skipped(j, drop_pad_mode, active_num, idx.shape[0], lenient)
-                values.append(None if skipped else flat[j].astype(np.float32))
-            if kind == "bins":
-                total = device_order_row(values, hidden)
-            elif kind == "chain":
-                total = sequential_row(values, hidden)
-            else:
-                total = ascend950_row(values, hidden, chunk or top_k, kind == "groups")
-            for h in range(hidden):
-                out[i, h] = round_from_float32(total[h], out.dtype)
-    return out
+
+    def row_sum(values, hidden):
+        if kind == "bins":
+            return device_order_row(values, hidden)
+        if kind == "chain":
+            return sequential_row(values, hidden)
+        return ascend950_row(values, hidden, chunk or top_k, kind == "groups")
+
+    return _slow_rows(
+        grad_expanded_x, expanded_row_idx, top_k,
+        lambda j: slot_skipped(j, drop_pad_mode, active_num, expanded_row_idx.shape[0], lenient), row_sum,
+    )
 
 
 def expected_chunk(dtype: np.dtype, top_k: int, hidden: int, ub: int) -> int:
