@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute grad_x in-process (no server)",
         formatter_class=formatter,
         description="Compute grad_x in this process with the NumPy emulation of the "
-        "device (bit-exact for Atlas A2/A3).",
+        "device profile --order names (bit-exact for each chip at each CANN release).",
         epilog=_EPILOGS["local"],
     )
     _add_call_arguments(local, order_default=DEFAULT_PROFILE)

@@ -354,17 +354,21 @@ class MoeInitRoutingV2GradCall(BaseModel):
         profile: Profile,
     ) -> InvalidArgument:
         value = int(idx[where])
+        reason = "whose kernel would read outside its buffer" if profile.chip else "which defines no row for it"
         accepting = _accepting(value, mode, active, idx.shape[0], grad_shape)
         if accepting:
             verb = "accepts" if len(accepting) == 1 else "accept"
-            then = f"; {', '.join(accepting)} {verb} it (a +0.0 row): name that profile in order"
+            then = (
+                f"; {', '.join(accepting)} {verb} it (a +0.0 row): to emulate that device, pass "
+                f"order='{accepting[0]}' (moegrad.torch: using_order('{accepting[0]}'))"
+            )
         else:
             then = "; no profile defines it: fix the index (it must come from the forward routing)"
         return _fail(
             _INVALID,
             "expanded_row_idx",
             f"expanded_row_idx[{where}]={value} is outside {rule.text} = {rule.bounds()} for this call on "
-            f"profile {profile.name}, whose kernel would read outside its buffer{then}",
+            f"profile {profile.name}, {reason}{then}",
         )
 
     @staticmethod

@@ -111,10 +111,12 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
         metrics.bind(lambda: pool.queue_depth, lambda: pool.in_flight)
         metrics.bind_memory(lambda: memory.budget.held_bytes, lambda: memory.buffers.kept_bytes)
         log.info(
-            "moegrad %s ready: backend=%s device=%s streams=%d",
+            "moegrad %s ready: backend=%s device=%s profile=%s streams=%d",
             __version__,
             opened.name,
             opened.device,
+            opened.order
+            or (f"{settings.order} (a call naming another gets it)" if opened.name == "reference" else "unknown"),
             settings.streams,
         )
         try:

@@ -83,3 +83,28 @@ def test_the_golden_is_correctly_rounded_where_the_compensation_rounds(monkeypat
     compiled, reference = _both(call, candidate, monkeypatch)
     _assert_same(compiled, reference)
     assert compiled.candidate_vs_golden.worst.golden == math.fsum(values)
+
+
+def test_read_only_inputs_use_the_signatures_warm_up_compiled():
+    """A request's tensors arrive read-only (viewed in its receive buffer) and numba types a
+    read-only array apart from a writeable one: after warm_up_compare, judging read-only and
+    writeable inputs of every kind compiles nothing more."""
+    from moegrad.accuracy import _fused_jit
+
+    assert moegrad.accuracy.warm_up_compare()
+    compiled = len(_fused_jit.compare_rows.signatures)
+
+    def frozen(array):
+        array = array.copy()
+        array.flags.writeable = False
+        return array
+
+    rng = np.random.default_rng(5)
+    grad = rng.standard_normal((12, 4)).astype(np.float32)
+    idx = rng.permutation(12).astype(np.int32)
+    for wrap in (np.copy, frozen):
+        call = MoeInitRoutingV2GradCall(grad_expanded_x=wrap(grad), expanded_row_idx=wrap(idx), top_k=3)
+        candidate = wrap(moegrad.moe_init_routing_v2_grad(grad, idx, 3))
+        for device_result in (None, candidate):
+            moegrad.compare(call, candidate, device_result=device_result)
+    assert len(_fused_jit.compare_rows.signatures) == compiled

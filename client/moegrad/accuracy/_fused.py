@@ -93,7 +93,16 @@ def _view(array: np.ndarray) -> np.ndarray | None:
     view = _VIEWS.get(array.dtype)
     if view is None or not array.flags.c_contiguous:
         return None
-    return array.view(view)
+    return _read_only(array.view(view))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view: numba types a read-only array apart from a writeable one, so every input
+    goes in read-only and one compiled signature (the one :func:`warm_up_compare` compiles) serves
+    both an array of the caller's and one viewed in a request's receive buffer."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def fused_metrics(
@@ -114,7 +123,7 @@ def fused_metrics(
         return None
     if golden is not None and (golden.dtype != np.float64 or not golden.flags.c_contiguous):
         return None
-    index = np.ascontiguousarray(call.expanded_row_idx.reshape(-1, call.top_k), dtype=np.int32)
+    index = _read_only(np.ascontiguousarray(call.expanded_row_idx.reshape(-1, call.top_k), dtype=np.int32))
     # what a slot whose index is outside [0, rows) does: 1 skips index < 0 (drop/pad), 2 skips any (active,
     # and dropless where the profile makes such a slot a +0.0 row), 0 none (dropless: validation left none)
     lenient = call.profile.skips_any_negative or call.profile.skips_dropless_overflow
@@ -126,7 +135,7 @@ def fused_metrics(
     acc = np.zeros((tokens, 3, jit.SLOTS), dtype=np.float64)
     acc[:, :, jit.BAD] = -2.0
     has_golden = golden is not None
-    golden_in = golden if has_golden else np.zeros((1, 1), dtype=np.float64)
+    golden_in = _read_only(golden if has_golden else np.zeros((1, 1), dtype=np.float64))
 
     def run(start: int, stop: int) -> None:
         jit.compare_rows(
