@@ -330,3 +330,24 @@ def test_wrong_content_type_is_415(client):
     response = client.post(PATH, content=pack(document(call, moegrad.moe_init_routing_v2_grad(call))),
                            headers={"content-type": "application/json"})
     assert problem(response, 415)["status"] == 415
+
+
+def test_an_empty_integer_call_is_valid_but_has_nothing_to_judge(client):
+    """From CANN 9.1 phase one skips the dtype check of an empty tensor, so an empty int32 call is a
+    valid grad call (200, an empty int32 grad_x); a comparison judges floating results only, so the
+    same call sent to compare is the caller's mistake: 422, 161002, field grad_expanded_x; inside a
+    batch it is that item's problem alone (its neighbours answered)."""
+    empty = {"dtype": "int32", "shape": [0, 4], "data": b""}
+    doc = {"grad_expanded_x": empty, "expanded_row_idx": {"dtype": "int32", "shape": [0], "data": b""}, "top_k": 2}
+    grad = client.post("/v1/moe_init_routing_v2_grad", content=pack(doc), headers=MSGPACK_HEADERS)
+    assert grad.status_code == 200
+    assert msgpack.unpackb(grad.content, raw=False)["grad_x"]["shape"] == [0, 4]
+    found = problem(post(client, {**doc, "candidate": empty}), 422)
+    assert (found["aclnn_status"], found["field"]) == (161002, "grad_expanded_x")
+    call = make_call("dropless")
+    good = {**document(call, moegrad.moe_init_routing_v2_grad(call)), "op": "compare"}
+    items = [good, {**doc, "candidate": empty, "op": "compare"}, good]
+    response = client.post("/v1/moe_init_routing_v2_grad/batch", content=pack(items), headers=MSGPACK_HEADERS)
+    results = reply(response)["results"]
+    assert "report" in results[0] and "report" in results[2]
+    assert (results[1]["problem"]["status"], results[1]["problem"]["aclnn_status"]) == (422, 161002)

@@ -35,11 +35,10 @@ from moegrad.accuracy._compare import (
     compare,
     compare_arrays,
     rejudge,
-    report_context,
     skipped_rows,
     summand_magnitude,
-    with_context,
 )
+from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._fused import warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps

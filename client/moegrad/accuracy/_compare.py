@@ -16,8 +16,6 @@ NumPy only; no device, no I/O.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import hashlib
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping
@@ -26,10 +24,8 @@ from typing import Any
 import numpy as np
 
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._profiles import resolve_profile
 from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
-from moegrad._spec import GRAD_DTYPES, ORDERS, MoeInitRoutingV2GradCall
-from moegrad._version import __version__
+from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad._wire import dtype_name
 from moegrad.accuracy._fused import fused_metrics
 from moegrad.accuracy._metrics import FLOAT_INPUTS, float_array, metrics
@@ -49,10 +45,8 @@ __all__ = [
     "compare",
     "compare_arrays",
     "rejudge",
-    "report_context",
     "skipped_rows",
     "summand_magnitude",
-    "with_context",
 ]
 
 _FUSED = "auto"  # compare()'s path: "auto" (the compiled pass when numba imports) or "numpy"
@@ -266,11 +260,22 @@ def check_compare_arguments(
     Raises:
         InvalidArgument: the candidate is missing (None; aclnn 161001, as the operator answers a null
             tensor), or not an ndarray, or of another dtype or shape (aclnn 161002), field
-            ``"candidate"``; a standard is unknown or none is given (aclnn 161002, field ``"standards"``).
+            ``"candidate"``; a standard is unknown or none is given (aclnn 161002, field ``"standards"``);
+            an empty call whose grad_expanded_x is not floating (from CANN 9.1 phase one skips the
+            dtype check of an empty tensor, so the call is valid, but a comparison judges floating
+            values only: aclnn 161002, field ``"grad_expanded_x"``).
         TypeError: ``call`` is not a :class:`~moegrad.MoeInitRoutingV2GradCall`.
     """
     if not isinstance(call, MoeInitRoutingV2GradCall):
         raise TypeError(f"call must be a MoeInitRoutingV2GradCall, got {type(call).__name__}")
+    if call.dtype_name not in GRAD_DTYPES:
+        raise InvalidArgument(
+            f"grad_expanded_x.dtype={call.dtype_name}: this empty call is valid on profile {call.order} (an "
+            f"empty tensor's dtype is not checked), but a comparison judges {', '.join(GRAD_DTYPES)} results only; "
+            "send the call in one of those dtypes",
+            aclnn_status=_INVALID,
+            field="grad_expanded_x",
+        )
     if candidate is None:
         raise InvalidArgument(
             "candidate is missing: send the implementation's grad_x [N, H]", aclnn_status=_NULLPTR, field="candidate"
@@ -526,74 +531,3 @@ def compare(
         standards=standards,
         require_exact=require_exact,
     )
-
-
-def _product_line(order: str) -> str:
-    """``"Atlas A2, CANN 9.1"``..., or ``order`` itself (``"unknown"``: a device of no known profile)."""
-    return resolve_profile(order).product_line if order in ORDERS else order
-
-
-def _sha256(array: np.ndarray) -> str:
-    data = np.ascontiguousarray(array)
-    if data.dtype.itemsize > 1:  # the bytes as the wire sends them: little-endian
-        data = data.view(f"u{data.dtype.itemsize}").astype(f"<u{data.dtype.itemsize}", copy=False)
-    if data.size == 0:  # memoryview.cast refuses a shape with a zero in it: the digest of no bytes
-        return hashlib.sha256(b"").hexdigest()
-    return hashlib.sha256(data.data.cast("B")).hexdigest()
-
-
-def report_context(
-    call: MoeInitRoutingV2GradCall,
-    candidate: np.ndarray,
-    *,
-    backend: str = "in-process",
-    device: str | None = None,
-    server_url: str | None = None,
-    order: str | None = None,
-    case: str | None = None,
-    created: str | None = None,
-) -> ReportContext:
-    """The record that makes a saved report reproducible: the call, SHA-256 of its inputs, who answered, when.
-
-    Args:
-        call: the validated call the report judged.
-        candidate: [N, H], the candidate it judged.
-        backend: who computed the device result (a service's backend name, or ``"in-process"``).
-        device: the device that ran it, or None for an emulation.
-        server_url: the service's URL, or None in-process.
-        order: the device result's profile (a name of :data:`moegrad.PROFILES`, or ``"unknown"``);
-            default ``call.order``.
-        case: the case's name in a bulk run.
-        created: ISO 8601 time; default now, in UTC.
-
-    Returns:
-        A :class:`ReportContext` (attach it with :func:`with_context`).
-    """
-    tensors = {
-        "grad_expanded_x": call.grad_expanded_x,
-        "expanded_row_idx": call.expanded_row_idx,
-        "candidate": np.asarray(candidate),
-    }
-    used = call.order if order is None else order
-    return ReportContext(
-        operator="aclnnMoeInitRoutingV2Grad",
-        shapes={name: tuple(int(n) for n in t.shape) for name, t in tensors.items()},
-        dtypes={name: dtype_name(t.dtype) or str(t.dtype) for name, t in tensors.items()},
-        sha256={name: _sha256(t) for name, t in tensors.items()},
-        top_k=call.top_k,
-        drop_pad_mode=call.drop_pad_mode,
-        active_num=call.active_num,
-        order=used,
-        product_line=_product_line(used),
-        moegrad_version=__version__,
-        backend=backend,
-        device=device,
-        server_url=server_url,
-        case=case,
-        created=created or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    )
-
-
-def with_context(report: ComparisonReport, context: ReportContext | None) -> ComparisonReport:
-    """``report`` with its :attr:`~ComparisonReport.context` set (the metrics and verdicts unchanged)."""
-    return dataclasses.replace(report, context=context)
