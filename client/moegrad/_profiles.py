@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moegrad._errors import AclnnStatus
+from moegrad._wire import brief
 
 __all__ = [
     "ALIASES",
@@ -167,7 +168,7 @@ def resolve_profile(name: str) -> Profile:
     if name in ALIASES:
         return PROFILES[ALIASES[name]]
     raise ValueError(
-        f"{name!r} is not a device profile: use '<chip>@<release>' with chip one of {', '.join(CHIPS)} "
+        f"{brief(name)} is not a device profile: use '<chip>@<release>' with chip one of {', '.join(CHIPS)} "
         f"and release one of {', '.join(RELEASES)}, a bare chip (its newest release), 'sequential', "
         f"or an alias ({', '.join(f'{a} = {p}' for a, p in ALIASES.items())})"
     )

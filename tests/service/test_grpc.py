@@ -494,3 +494,22 @@ def test_tls_with_the_http_certificate(grpc_service, tmp_path):
             with untrusting, pytest.raises(InferenceServerException) as raised:
                 untrusting.infer(MODEL, inputs(triton, doc_call()), parameters={"top_k": 2}, client_timeout=10)
             assert raised.value.status() == "StatusCode.UNAVAILABLE"
+
+
+@pytest.mark.parametrize("where", ["order", "parameter name"])
+def test_a_client_string_echoed_in_an_error_is_cut_short(client, where):
+    """A 20,000-character string the client sent (a profile name, an unknown parameter's name) is
+    echoed in the refusal cut to about 1,000 characters: the answer is INVALID_ARGUMENT, not the
+    RESOURCE_EXHAUSTED of a status over gRPC's 16 KiB metadata limit."""
+    call = doc_call()
+    parameters = parameters_of(call)
+    long = "x" * 20_000
+    if where == "order":
+        parameters["order"] = long
+    else:
+        parameters[long] = 1
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer(MODEL, inputs(triton, call), parameters=parameters)
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    message = raised.value.message()
+    assert len(message) < 1_200 and ("characters left out" in message or "x" * 29 + "..." in message), message

@@ -38,13 +38,19 @@ from moegrad_service.dataplane import ClientDisconnected
 
 __all__ = [
     "ERRORS",
+    "FIELD_LIMIT",
+    "MESSAGE_LIMIT",
     "ErrorAnswer",
     "NotFound",
     "RequestTimeout",
     "UnsupportedMediaType",
     "answer_for",
+    "bounded",
+    "detail_of",
     "error_response",
+    "field_of",
     "install_error_handlers",
+    "message_of",
     "protocol_of",
     "shared_headers",
 ]
@@ -140,15 +146,44 @@ def shared_headers(exc: BaseException) -> dict[str, str]:
     return headers
 
 
+#: The longest message and field name an error answer carries, in characters: a client's string
+#: echoed in a message (an unknown parameter, input or model name, a long ``order``) is cut to fit,
+#: so every path answers alike and a gRPC status stays under the metadata limit (8 KiB soft).
+MESSAGE_LIMIT, FIELD_LIMIT = 1024, 128
+
+
+def bounded(text: str | None, limit: int = MESSAGE_LIMIT) -> str | None:
+    """``text`` cut to at most about ``limit`` characters (its start and end kept, and how much was
+    left out said), or as it is when shorter."""
+    if text is None or len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 4
+    return f"{text[:head]}... ({len(text) - head - tail} characters left out) ...{text[-tail:]}"
+
+
 def message_of(exc: BaseException) -> str:
-    """The human message of an error: a domain error's own text (InvalidArgument's names the field
-    and the aclnn code), a device fault with the device's message, an unexpected error's type."""
+    """The human message of an error (at most about :data:`MESSAGE_LIMIT` characters): a domain
+    error's own text (InvalidArgument's names the field and the aclnn code), a device fault with the
+    device's message, an unexpected error's type."""
     if not isinstance(exc, MoegradError):
-        return f"internal error ({type(exc).__name__}: {exc})"
+        return bounded(f"internal error ({type(exc).__name__}: {exc})") or ""
     message = str(exc) or type(exc).__name__
     if isinstance(exc, DeviceFault) and exc.device_message:
         message = f"{message} (device: {exc.device_message})"
-    return message
+    return bounded(message) or ""
+
+
+def detail_of(exc: BaseException) -> str:
+    """A problem document's ``detail``: the error's message without the field and code (which the
+    document carries apart), bounded as :func:`message_of`."""
+    if not isinstance(exc, MoegradError):
+        return message_of(exc)
+    return bounded(getattr(exc, "message", None) or str(exc) or type(exc).__name__) or ""
+
+
+def field_of(exc: BaseException) -> str | None:
+    """A problem document's ``field``, at most about :data:`FIELD_LIMIT` characters."""
+    return bounded(getattr(exc, "field", None), FIELD_LIMIT)
 
 
 def protocol_of(scope: Scope) -> str:
@@ -184,8 +219,8 @@ def error_response(request: Request, exc: BaseException) -> JSONResponse:
         "type": "about:blank",
         "title": title,
         "status": status,
-        "detail": getattr(exc, "message", None) or str(exc) or type(exc).__name__,
-        "field": getattr(exc, "field", None),
+        "detail": detail_of(exc),
+        "field": field_of(exc),
         "aclnn_status": getattr(exc, "aclnn_status", None),
         "aclnn_name": getattr(exc, "aclnn_name", None),
         "request_id": request_id,

@@ -21,7 +21,7 @@ from moegrad import (
     decode_tensor,
     encode_tensor,
 )
-from moegrad_service.api.errors import answer_for, message_of
+from moegrad_service.api.errors import answer_for, detail_of, field_of
 from moegrad_service.api.v1.grouping import group_calls
 from moegrad_service.dataplane import (
     BatchAnswer,
@@ -195,8 +195,8 @@ def problem_document(exc: BaseException) -> dict[str, Any]:
         "type": "about:blank",
         "title": answer.title,
         "status": answer.status,
-        "detail": getattr(exc, "message", None) or message_of(exc),
-        "field": getattr(exc, "field", None),
+        "detail": detail_of(exc),
+        "field": field_of(exc),
         "aclnn_status": status,
         "aclnn_name": None if status is None else AclnnStatus.name_of(status),
     }
