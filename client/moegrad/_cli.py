@@ -117,7 +117,8 @@ def _client(args: argparse.Namespace) -> Client:
 def _load(path: str, flag: str) -> np.ndarray:
     try:
         return load_npy(path)
-    except (OSError, ValueError) as exc:
+    # EOFError: an empty file; MemoryError: a header that claims more bytes than the machine has
+    except (OSError, ValueError, EOFError, MemoryError) as exc:
         raise UsageError(f"cannot read {flag} {path}: {exc}") from None
 
 

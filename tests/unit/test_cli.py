@@ -353,3 +353,23 @@ def test_an_internal_error_is_one_line_and_exit_70(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "internal error: RuntimeError: an invariant does not hold" in err and "please report it" in err
+
+
+@pytest.mark.parametrize("content", ["empty", "huge header"])
+@pytest.mark.parametrize("command", ["local", "identify"])
+def test_an_unreadable_npy_file_is_a_usage_error(example_files, capsys, command, content):
+    """An empty .npy file (numpy raises EOFError) and one whose header declares 10**11 float32 over a
+    few bytes (MemoryError when numpy allocates) are files that cannot be read: exit 2 naming the
+    flag and the file, not exit 70 (a bug)."""
+    x, idx, out = example_files
+    if content == "empty":
+        x.write_bytes(b"")
+    else:
+        header = "{'descr': '<f4', 'fortran_order': False, 'shape': (100000000000,), }"
+        header += " " * (63 - (10 + len(header)) % 64) + "\n"
+        x.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + b"\0" * 64)
+    argv = local_args(x, idx, out) if command == "local" else [
+        "identify", "--grad-expanded-x", str(x), "--expanded-row-idx", str(idx), "--top-k", "2", "--grad-x", str(x)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read --grad-expanded-x {x}" in err
