@@ -168,8 +168,14 @@ def _outside_documented_range(call: MoeInitRoutingV2GradCall) -> bool:
 
 
 def _differing(a: np.ndarray, b: np.ndarray) -> int:
+    """Elements whose bits differ, a NaN matching any NaN (its payload is not part of the contract:
+    docs/semantics.md section 4)."""
     words = _UINT[a.dtype.itemsize]
-    return int(np.count_nonzero(a.view(words) != b.view(words)))
+    differ = a.view(words) != b.view(words)
+    if differ.any():
+        with np.errstate(invalid="ignore"):
+            differ &= ~(np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32)))
+    return int(np.count_nonzero(differ))
 
 
 def _check_grad_x(grad_x: Any, call: MoeInitRoutingV2GradCall) -> np.ndarray:
@@ -207,8 +213,9 @@ def identify(
 
     Each profile validates the call as that chip and release do (a refusal is an outcome, not an
     error); each accepting profile's emulation (:func:`moegrad.moe_init_routing_v2_grad` with
-    ``order=`` the profile) is compared with ``grad_x`` as unsigned integers, so NaN payloads and
-    the sign of zero count. Profiles with the same arithmetic for this call share one emulation
+    ``order=`` the profile) is compared with ``grad_x`` as unsigned integers, so the sign of zero
+    counts; a NaN matches a NaN at the same position whatever its payload (the payload is not part
+    of the contract, docs/semantics.md section 4). Profiles with the same arithmetic for this call share one emulation
     (module docstring), so at most four are computed (A2/A3, the 950's groups of four with and
     without its 9.1 invalid-slot rule, the chain).
 
@@ -219,7 +226,8 @@ def identify(
             ``active_num``, ``allow_duplicate_indices``; an ``order`` is ignored). A mapping lets a
             call that some profiles refuse (an index -1 in dropless mode) be asked about at all.
         grad_x: [N, H] in grad_expanded_x's dtype (bfloat16 as ``ml_dtypes.bfloat16``), any strides.
-        profiles: profile names or aliases to ask (default: every profile, :data:`PROFILES` order).
+        profiles: profile names or aliases to ask (default: every profile, :data:`PROFILES` order);
+            a single name is one profile.
         ub_size_bytes, vector_core_count: the 950 platform (docs/semantics.md section 7.4); they
             decide the 950's K chunk and so its bits.
 
@@ -231,10 +239,14 @@ def identify(
         InvalidArgument: grad_x is not an ndarray, or not of the call's dtype or [N, H] shape (161002,
             field ``grad_x``).
         TypeError: ``call`` is neither a call nor a mapping, or names an unknown field.
-        ValueError: an unknown profile name.
+        ValueError: an unknown profile name, or no profile to ask.
     """
     fields = _call_fields(call)
+    if isinstance(profiles, str):
+        profiles = (profiles,)
     names = list(PROFILES) if profiles is None else list(dict.fromkeys(resolve_profile(p).name for p in profiles))
+    if not names:
+        raise ValueError("profiles is empty: name at least one profile, or pass None for every profile")
     accepted: dict[str, MoeInitRoutingV2GradCall] = {}
     refused: dict[str, InvalidArgument] = {}
     for name in names:

@@ -153,6 +153,11 @@ class MoeInitRoutingV2GradCall(BaseModel):
             message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
             raise _fail(_INVALID, field, f"{field}: {message}") from None
 
+    @field_validator("order", mode="before")
+    @classmethod
+    def _no_order(cls, value: Any) -> Any:
+        return DEFAULT_PROFILE if value is None else value  # None names no profile, as on the wire (nil)
+
     @field_validator("order")
     @classmethod
     def _canonical_order(cls, value: str) -> str:

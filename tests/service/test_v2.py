@@ -499,3 +499,29 @@ def test_a_datatype_that_is_not_a_string_is_400_naming_the_input(client, datatyp
     response = client.post("/v2/models/moe_init_routing_v2_grad/infer", content=json.dumps(body))
     assert response.status_code == 400, response.text
     assert "grad_expanded_x.datatype" in response.json()["error"]
+
+
+def test_a_null_order_is_the_servers_default_as_on_v1():
+    """``"order": null`` names no profile on v2 JSON, as nil does on v1: the server's default
+    (MOEGRAD_ORDER), not the library's; both paths answer with the same profile."""
+    import msgpack
+    from fastapi.testclient import TestClient
+
+    from moegrad_service.app import create_app
+    from moegrad_service.settings import Settings
+    from support.docexample import example_document
+    from support.servicekit import MSGPACK_HEADERS, pack
+
+    body = {
+        "inputs": [
+            {"name": "grad_expanded_x", "datatype": "FP32", "shape": [4, 2], "data": DOC_GRAD.ravel().tolist()},
+            {"name": "expanded_row_idx", "datatype": "INT32", "shape": [4], "data": DOC_IDX.tolist()},
+        ],
+        "parameters": {"top_k": 2, "order": None},
+    }
+    with TestClient(create_app(Settings(order="ascend950", warm_up=False))) as client:
+        v2 = client.post("/v2/models/moe_init_routing_v2_grad/infer", json=body)
+        v1 = client.post("/v1/moe_init_routing_v2_grad", content=pack({**example_document(), "order": None}),
+                         headers=MSGPACK_HEADERS)
+    assert v2.status_code == 200 and v2.json()["parameters"]["order"] == "ascend950@9.1"
+    assert msgpack.unpackb(v1.content, raw=False)["order"] == "ascend950@9.1"

@@ -128,6 +128,25 @@ def test_a_nan_payload_counts():
     assert one.matching == two.matching == ()
 
 
+def test_a_nan_matches_a_nan_of_any_payload():
+    # docs/semantics.md 4: which NaN comes out is not part of the contract; NaN is compared by position.
+    grad = np.full((6, 2), 0x7FC00123, np.uint32).view(np.float32)  # NaN with a payload in every slot
+    fields = {"grad_expanded_x": grad, "expanded_row_idx": np.arange(6, dtype=np.int32), "top_k": 2}
+    canonical = np.full((3, 2), np.nan, np.float32)  # another payload, 0x7FC00000
+    assert canonical.view(np.uint32)[0, 0] != 0x7FC00123
+    assert set(identify(fields, canonical).matching) == set(moegrad.PROFILES)
+    finite = canonical.copy()
+    finite[0, 0] = 1.0  # a number where every profile gives NaN: one element differs
+    assert identify(fields, finite).outcome_of("ascend950@9.1").differing_elements == 1
+
+
+def test_a_single_name_is_one_profile_and_none_is_refused():
+    fields, results = a_call(np.random.default_rng(7), "dropless", 3, F32)
+    assert [p.profile for p in identify(fields, results["bins"], profiles="ascend950").profiles] == ["ascend950@9.1"]
+    with pytest.raises(ValueError, match="profiles is empty"):
+        identify(fields, results["bins"], profiles=[])
+
+
 def test_a_call_only_950_at_9_1_defines_is_refused_by_the_others():
     # Dropless with -1 slots (Huawei's binding with active_expert_range): only 950@9.1 reads them as +0.0 rows.
     rng = np.random.default_rng(6)

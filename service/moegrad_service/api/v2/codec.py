@@ -359,7 +359,8 @@ def decode_infer_request(
     _keys(parameters, frozenset(ATTRIBUTES + CONTROLS), "parameters")
     tensors = _decode_inputs(document.get("inputs", []), binary, max_elements)
     fields: dict[str, Any] = {name: parameters[name] for name in ATTRIBUTES if name in parameters}
-    fields.setdefault("order", default_order)
+    if fields.get("order") is None:  # absent or null: the server's default, as v1's nil
+        fields["order"] = default_order
     call = MoeInitRoutingV2GradCall(**tensors, **fields)
     binary_output = _binary_output(
         document.get("outputs"), _flag(parameters.get("binary_data_output", False), "parameters.binary_data_output")
