@@ -36,6 +36,7 @@ from moegrad._client import Client
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
 from moegrad._identify import identify
 from moegrad._reference import moe_init_routing_v2_grad
+from moegrad._requests import fields_document
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._version import __version__
@@ -52,6 +53,7 @@ from moegrad.accuracy import (
     write_json_report,
     write_markdown_report,
 )
+from moegrad.accuracy._batches import context_call, named
 from moegrad.accuracy._report import PLOT_MISSING
 
 __all__ = ["load_npy", "main", "save_npy"]
@@ -173,11 +175,22 @@ def _server_summary(result: GradResult | CompareResult) -> str:
     return f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}"
 
 
+def _call_document(fields: dict[str, Any]) -> dict[str, Any]:
+    """The call as a wire document, which ``Client.run`` checks before sending it (by the server's
+    profile when it names none); a tensor of a dtype the wire does not carry is refused here, as
+    every profile refuses it (161002)."""
+    try:
+        return fields_document(fields)
+    except TypeError:
+        MoeInitRoutingV2GradCall(**fields)  # raises InvalidArgument, naming the tensor and its dtype
+        raise
+
+
 def _cmd_grad(args: argparse.Namespace) -> int:
-    call = MoeInitRoutingV2GradCall(**_call_fields(args))  # the Client's own local check, before connecting
+    document = _call_document(_call_fields(args))
     _check_writable(args.output)
     with _client(args) as client:
-        result = client.run(call)
+        result = client.run(document)
     _write(args.output, result.grad_x)
     print(f"wrote {args.output}: grad_x {_describe(result.grad_x)} ({_server_summary(result)})")
     return EXIT_OK
@@ -238,7 +251,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 return_grad_x=bool(args.report),
             )
         report, source, device_result = result.report, _server_summary(result), result.grad_x
-        call = MoeInitRoutingV2GradCall(**fields)  # the Client checked it already
+        call = context_call(fields, result.order)  # the Client checked it already, on the profile that answered
         context = report_context(
             call,
             candidate,
@@ -319,7 +332,9 @@ def _cmd_compare_cases(args: argparse.Namespace) -> int:
         if not args.reports or result.report is None or result.path is None:
             return
         fields, candidate = load_case(result.path)
-        call = MoeInitRoutingV2GradCall(**fields)
+        context = result.report.context
+        judged = context.order if context is not None else None  # the profile that judged it
+        call = context_call(fields, judged) if judged else MoeInitRoutingV2GradCall(**named(fields, args.order))
         base = os.path.join(args.reports, result.name)
         device = moe_init_routing_v2_grad(call) if args.local else None
         _write_reports(base + ".md", base + ".json", base + ".csv", result.report, call, candidate, None, device)

@@ -40,22 +40,24 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
     with_context,
 )
+from moegrad.accuracy._export import (
+    MSPROBE_DETAIL_COLUMNS,
+    MSPROBE_STATUS,
+    csv_rows,
+    read_json_report,
+    write_csv_report,
+    write_json_report,
+)
 from moegrad.accuracy._fused import warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
 from moegrad.accuracy._report import (
-    MSPROBE_DETAIL_COLUMNS,
-    MSPROBE_STATUS,
-    csv_rows,
     exactness_line,
     format_report,
     markdown_report,
-    read_json_report,
     relative_errors,
-    write_csv_report,
     write_histogram,
-    write_json_report,
     write_markdown_report,
 )
 from moegrad.accuracy._results import (
