@@ -189,29 +189,15 @@ def run_cases(
     if prefix is not None:
         _check_writable(prefix, "--summary")
     client = None if args.local else open_client()
-    orders = {} if client is None else _replica_orders(client)
     try:
-        refuse_mixed_profiles(orders, files, args.order)
-        header = SweepHeader.of(
-            cases=len(files),
-            standards=args.standards,
-            require_exact=args.require_exact,
-            shard=(index, count),
-            orders=orders,
-        )
-    except (InvalidArgument, ProfilesDiffer) as exc:
-        raise UsageError(str(exc)) from None
-    ledger = None
-    if args.output:
-        try:
-            ledger = SweepFile(args.output, header)
-        except SweepFileBusy as exc:
-            print(f"moegrad: failed: {exc}", file=sys.stderr)
-            return EXIT_FAILURE
-        except SweepFileError as exc:
-            raise UsageError(str(exc)) from None
-        except OSError as exc:
-            raise UsageError(f"cannot open --output {args.output}: {exc}") from None
+        ledger = _open_output(args, files, (index, count), client)
+    except BaseException as exc:  # nothing judged: the client is closed
+        if client is not None:
+            client.close()
+        if not isinstance(exc, SweepFileBusy):
+            raise
+        print(f"moegrad: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     with _sigterm_raises():
         try:
             results = _judge(args, files, ledger, client, on_result)
@@ -253,6 +239,36 @@ def _report(
     return sweep_status(results)
 
 
+def _open_output(
+    args: argparse.Namespace, files: list[Path], shard: tuple[int, int], client: Client | None
+) -> SweepFile | None:
+    """The results file of ``--output`` (None without it), its header holding each replica's profile.
+
+    Raises:
+        UsageError: replicas of different profiles for cases that name none (without ``--order``),
+            an unknown standard, FILE written for another sweep or not openable.
+        SweepFileBusy: another run holds FILE.
+    """
+    orders = {} if client is None else _replica_orders(client)
+    try:
+        refuse_mixed_profiles(orders, files, args.order)
+        header = SweepHeader.of(
+            cases=len(files), standards=args.standards, require_exact=args.require_exact, shard=shard, orders=orders
+        )
+    except (InvalidArgument, ProfilesDiffer) as exc:
+        raise UsageError(str(exc)) from None
+    if not args.output:
+        return None
+    try:
+        return SweepFile(args.output, header)
+    except SweepFileError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        if isinstance(exc, SweepFileBusy):
+            raise
+        raise UsageError(f"cannot open --output {args.output}: {exc}") from None
+
+
 def _replica_orders(client: Client) -> dict[str, str | None]:
     """Each replica's profile (``Client.info()``'s ``orders``); none when no replica answers (the
     sweep then reports its cases not judged)."""
@@ -283,7 +299,8 @@ def _judge(
             concurrency=args.max_concurrency,
             output=ledger,
         )
-    except ProfilesDiffer as exc:  # a replica changed its profile since it was asked
+    except ProfilesDiffer as exc:  # a replica changed its profile since it was asked: nothing was sent
+        client.close()
         raise UsageError(str(exc)) from None
     client.close()
     return results

@@ -214,9 +214,16 @@ def _rules_of(name: str) -> tuple[Any, ...]:
     return tuple(value for key, value in profile.items() if key not in ("name", "chip", "release", "order", "source"))
 
 
+def _rule_sets() -> tuple[str, ...]:
+    first: dict[tuple[Any, ...], str] = {}
+    for name in PROFILES:
+        first.setdefault(_rules_of(name), name)
+    return tuple(first.values())
+
+
 #: One profile of each set of phase-one rules (the first of :data:`moegrad.PROFILES` with it): a
 #: call they all accept, or all refuse alike, gets that answer on every profile.
-RULE_SETS: tuple[str, ...] = tuple({_rules_of(name): name for name in reversed(PROFILES)}.values())[::-1]
+RULE_SETS: tuple[str, ...] = _rule_sets()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
