@@ -212,8 +212,7 @@ class Client(_ClientBase):
             active_num: A; 0 dropless, > 0 active (ignored in drop/pad mode).
             order: the device profile, a name of :data:`moegrad.ORDERS` (``"ascend950@9.0"``...);
                 None: the server's (a device's own, else its ``MOEGRAD_ORDER``), and checked locally
-                by the replicas' profile (docs/semantics.md section 8: learnt from their
-                ``/v1/info``; until known, the rules every profile shares, the server judging the rest).
+                by it (docs/protocol.md, "Errors": asked of ``/v1/info`` when the call needs it).
             allow_duplicate_indices: accept repeated indices, which the documentation forbids.
             timeout_s: this call's deadline in seconds (None: none); not passed: the client's.
 
@@ -243,7 +242,7 @@ class Client(_ClientBase):
         Args:
             call: a :class:`~moegrad.MoeInitRoutingV2GradCall` (its ``order`` is sent only when it
                 was set explicitly), or a wire document (docs/protocol.md; validated first when
-                ``validate=True``, always sent exactly as given).
+                ``validate=True``, by the replicas' profile when it names none; sent as given).
             timeout_s: as in :meth:`moe_init_routing_v2_grad`.
 
         Raises:
