@@ -409,24 +409,36 @@ def _cmd_identify(args: argparse.Namespace) -> int:
     return EXIT_REJECTED if len(result.refusing) == len(result.profiles) else EXIT_MISMATCH
 
 
+def _note_profiles(orders: dict[str, Any]) -> None:
+    """A line on stderr when the replicas run different device profiles (their ``/v1/info`` ``order``)."""
+    known = {url: order for url, order in orders.items() if order is not None}
+    if len(set(known.values())) > 1:
+        listed = ", ".join(f"{url} {order}" for url, order in known.items())
+        print(f"moegrad: the replicas run different device profiles: {listed}", file=sys.stderr)
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     if len(args.url) == 1:
         with _client(args) as client:
             info = client.info()
             served = [stats.url for stats in client.stats if stats.served]
+        orders = info.pop("orders", {})  # printed: the server's own document
         print(json.dumps(info, indent=2, sort_keys=True))
         if args.url[0].lower().startswith("dns+") and served:
             print(f"moegrad: info of {served[0]}, one of the replicas of {args.url[0]}", file=sys.stderr)
+        _note_profiles(orders)
         return EXIT_OK
     infos: dict[str, Any] = {}  # each replica's, in the order given
     for url in args.url:
         try:
             with _client(argparse.Namespace(**{**vars(args), "url": [url]})) as client:
                 infos[url] = client.info()
+                infos[url].pop("orders", None)
         except MoegradError as exc:
             infos[url] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"moegrad: failed: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
     print(json.dumps(infos, indent=2, sort_keys=False))
+    _note_profiles({url: info.get("order") for url, info in infos.items()})
     return EXIT_FAILURE if any("error" in info for info in infos.values()) else EXIT_OK
 
 

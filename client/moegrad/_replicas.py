@@ -343,16 +343,23 @@ class ReplicaSet:
                     return
 
     def profile(self) -> str | None:
-        """The profile every replica known now runs calls that name none with, when each one's is
-        known and they are one; else None (one unknown, or replicas that differ)."""
+        """The profile the replicas that may take a call run calls that name none with, when each
+        one's is known and they are one; else None (one unknown, or replicas that differ). A
+        replica set aside whose profile is unknown (forgotten when it failed) is left out until it
+        is back."""
         with self._lock:
-            profiles = {r.profile for r in self._replicas}
+            now = self._clock()
+            profiles = {r.profile for r in self._replicas if r.profile is not None or r.set_aside_until <= now}
         return profiles.pop() if len(profiles) == 1 else None
 
     def unasked(self) -> tuple[Replica, ...]:
-        """The replicas whose profile is unknown and whose /v1/info was not asked for it."""
+        """The replicas whose profile is unknown and whose /v1/info was not asked for it; each is
+        marked asked now (so that concurrent calls ask it once)."""
         with self._lock:
-            return tuple(r for r in self._replicas if r.profile is None and not r.asked)
+            found = tuple(r for r in self._replicas if r.profile is None and not r.asked)
+            for replica in found:
+                replica.asked = True
+            return found
 
     def profiles(self) -> dict[str, str | None]:
         """Each replica's root URL -> its profile, or None when unknown."""

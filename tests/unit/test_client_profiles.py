@@ -181,3 +181,24 @@ def test_a_comparison_that_names_no_profile_is_checked_by_the_server_s():
     with client(server) as c, pytest.raises(InvalidArgument) as refused:
         c.compare(GRAD, IDX, 3, candidate=np.zeros((1, 2), np.float32))
     assert refused.value.aclnn_status == TILING and server.seen == [("GET", "/v1/info")]
+
+
+def test_a_replica_set_aside_does_not_stop_the_others_profile_from_judging():
+    a, b = Server("ascend910b@9.0", "http://a.test"), Server("ascend910b@9.0", "http://b.test")
+    fleet = Fleet(a, b)
+
+    def b_down_after_info(request):
+        if request.url.host == "b.test" and request.method == "POST":
+            b.seen.append(("POST", "failed"))
+            raise httpx.ConnectError("down")
+        return fleet(request)
+
+    with moegrad.Client(["http://a.test", "http://b.test"], transport=httpx.MockTransport(b_down_after_info),
+                        retries=3) as c:
+        assert c.info()["orders"] == {"http://a.test": "ascend910b@9.0", "http://b.test": "ascend910b@9.0"}
+        while ("POST", "failed") not in b.seen:  # until a call tried b (set aside now, its profile forgotten)
+            c.moe_init_routing_v2_grad(GRAD, IDX, 2)
+        with pytest.raises(InvalidArgument) as refused:  # judged by a's profile, b not asked while set aside
+            c.moe_init_routing_v2_grad(GRAD, IDX, 3)
+    assert refused.value.aclnn_status == TILING
+    assert b.seen.count(("GET", "/v1/info")) == 1
