@@ -17,8 +17,9 @@ client, differing by ``await``. What is built where:
 - many case files judged in batches over every replica, and their results file
   (:meth:`Client.compare_many`): :mod:`moegrad.accuracy._sweep`, ``_batches``, ``_ledger``.
 
-Misuse (a wrong type, a negative count, a call that breaks a documented constraint while
-``validate=True``) raises ``TypeError`` / ``ValueError`` / ``InvalidArgument`` before any I/O.
+Misuse (a wrong type, a negative count) raises ``TypeError`` / ``ValueError`` before any I/O; a call
+that breaks a documented constraint raises ``InvalidArgument`` before it is sent (``validate=True``;
+one that names no profile may first ask the replicas' ``/v1/info``: docs/protocol.md, "Errors").
 """
 
 from __future__ import annotations
@@ -327,10 +328,11 @@ class Client(_ClientBase):
             A :class:`CompareResult`; ``.passed`` is False only when a standard failed.
 
         Raises:
-            InvalidArgument: a documented constraint of the call (161001 / 161002 / 561002), a missing
-                candidate (161001), a candidate of the wrong dtype or shape or an unknown standard
-                (161002; fields ``"candidate"``, ``"standards"``): locally before any I/O when
-                ``validate=True``, else from the server.
+            InvalidArgument: a documented constraint of the call (161001 / 161002 / 561002 or
+                561103, as in :meth:`moe_init_routing_v2_grad`), a missing candidate (161001), a
+                candidate of the wrong dtype or shape or an unknown standard (161002; fields
+                ``"candidate"``, ``"standards"``): locally before it is sent when ``validate=True``,
+                else from the server.
             TypeError: ``return_grad_x`` or ``require_exact`` is not a bool, the request cannot be
                 packed, or a call is passed with other call arguments.
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
