@@ -36,6 +36,7 @@ from moegrad._client import Client
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
 from moegrad._identify import identify
 from moegrad._reference import moe_init_routing_v2_grad
+from moegrad._requests import fields_document
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._version import __version__
@@ -52,6 +53,7 @@ from moegrad.accuracy import (
     write_json_report,
     write_markdown_report,
 )
+from moegrad.accuracy._batches import context_call, named
 from moegrad.accuracy._report import PLOT_MISSING
 
 __all__ = ["load_npy", "main", "save_npy"]
@@ -174,11 +176,22 @@ def _server_summary(result: GradResult | CompareResult) -> str:
     return f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}"
 
 
+def _call_document(fields: dict[str, Any]) -> dict[str, Any]:
+    """The call as a wire document, which ``Client.run`` checks before sending it (by the server's
+    profile when it names none); a tensor of a dtype the wire does not carry is refused here, as
+    every profile refuses it (161002)."""
+    try:
+        return fields_document(fields)
+    except TypeError:
+        MoeInitRoutingV2GradCall(**fields)  # raises InvalidArgument, naming the tensor and its dtype
+        raise
+
+
 def _cmd_grad(args: argparse.Namespace) -> int:
-    call = MoeInitRoutingV2GradCall(**_call_fields(args))  # the Client's own local check, before connecting
+    document = _call_document(_call_fields(args))
     _check_writable(args.output)
     with _client(args) as client:
-        result = client.run(call)
+        result = client.run(document)
     _write(args.output, result.grad_x)
     print(f"wrote {args.output}: grad_x {_describe(result.grad_x)} ({_server_summary(result)})")
     return EXIT_OK
@@ -239,7 +252,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 return_grad_x=bool(args.report),
             )
         report, source, device_result = result.report, _server_summary(result), result.grad_x
-        call = MoeInitRoutingV2GradCall(**fields)  # the Client checked it already
+        call = context_call(fields, result.order)  # the Client checked it already, on the profile that answered
         context = report_context(
             call,
             candidate,
@@ -320,7 +333,9 @@ def _cmd_compare_cases(args: argparse.Namespace) -> int:
         if not args.reports or result.report is None or result.path is None:
             return
         fields, candidate = load_case(result.path)
-        call = MoeInitRoutingV2GradCall(**fields)
+        context = result.report.context
+        judged = context.order if context is not None else None  # the profile that judged it
+        call = context_call(fields, judged) if judged else MoeInitRoutingV2GradCall(**named(fields, args.order))
         base = os.path.join(args.reports, result.name)
         device = moe_init_routing_v2_grad(call) if args.local else None
         _write_reports(base + ".md", base + ".json", base + ".csv", result.report, call, candidate, None, device)
@@ -395,24 +410,36 @@ def _cmd_identify(args: argparse.Namespace) -> int:
     return EXIT_REJECTED if len(result.refusing) == len(result.profiles) else EXIT_MISMATCH
 
 
+def _note_profiles(orders: dict[str, Any]) -> None:
+    """A line on stderr when the replicas run different device profiles (their ``/v1/info`` ``order``)."""
+    known = {url: order for url, order in orders.items() if order is not None}
+    if len(set(known.values())) > 1:
+        listed = ", ".join(f"{url} {order}" for url, order in known.items())
+        print(f"moegrad: the replicas run different device profiles: {listed}", file=sys.stderr)
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     if len(args.url) == 1:
         with _client(args) as client:
             info = client.info()
             served = [stats.url for stats in client.stats if stats.served]
+        orders = info.pop("orders", {})  # printed: the server's own document
         print(json.dumps(info, indent=2, sort_keys=True))
         if args.url[0].lower().startswith("dns+") and served:
             print(f"moegrad: info of {served[0]}, one of the replicas of {args.url[0]}", file=sys.stderr)
+        _note_profiles(orders)
         return EXIT_OK
     infos: dict[str, Any] = {}  # each replica's, in the order given
     for url in args.url:
         try:
             with _client(argparse.Namespace(**{**vars(args), "url": [url]})) as client:
                 infos[url] = client.info()
+                infos[url].pop("orders", None)
         except MoegradError as exc:
             infos[url] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"moegrad: failed: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
     print(json.dumps(infos, indent=2, sort_keys=False))
+    _note_profiles({url: info.get("order") for url, info in infos.items()})
     return EXIT_FAILURE if any("error" in info for info in infos.values()) else EXIT_OK
 
 

@@ -24,6 +24,10 @@ status  over all the cases of the run (its shard; for ``--merge``, the sweep), t
 
 The console lists the cases that did not pass, worst first (``--verbose``: every case), and says
 in one line that no replica was reachable rather than once per case.
+
+Before it sends anything, a sweep asks every ``--url`` its device profile (``/v1/info``'s
+``order``): the results file's header records them, and a sweep whose replicas differ is refused
+(exit 2) while a case names no profile and ``--order`` gives it none.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ from moegrad._cli_parser import (
     UsageError,
 )
 from moegrad._client import Client
-from moegrad._errors import InvalidArgument
+from moegrad._errors import InvalidArgument, MoegradError
 from moegrad.accuracy import CaseResult, compare_cases, compare_in_process, find_cases, write_summary
+from moegrad.accuracy._batches import ProfilesDiffer, refuse_mixed_profiles
 from moegrad.accuracy._cases import shard_of, worst_first
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergeError, merge_sweeps
@@ -183,26 +188,19 @@ def run_cases(
     prefix = args.summary or (None if args.output else os.path.join(args.cases, "summary"))
     if prefix is not None:
         _check_writable(prefix, "--summary")
+    client = None if args.local else open_client()
     try:
-        header = SweepHeader.of(
-            cases=len(files), standards=args.standards, require_exact=args.require_exact, shard=(index, count)
-        )
-    except InvalidArgument as exc:
-        raise UsageError(str(exc)) from None
-    ledger = None
-    if args.output:
-        try:
-            ledger = SweepFile(args.output, header)
-        except SweepFileBusy as exc:
-            print(f"moegrad: failed: {exc}", file=sys.stderr)
-            return EXIT_FAILURE
-        except SweepFileError as exc:
-            raise UsageError(str(exc)) from None
-        except OSError as exc:
-            raise UsageError(f"cannot open --output {args.output}: {exc}") from None
+        ledger = _open_output(args, files, (index, count), client)
+    except BaseException as exc:  # nothing judged: the client is closed
+        if client is not None:
+            client.close()
+        if not isinstance(exc, SweepFileBusy):
+            raise
+        print(f"moegrad: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     with _sigterm_raises():
         try:
-            results = _judge(args, files, ledger, open_client, on_result)
+            results = _judge(args, files, ledger, client, on_result)
         except (KeyboardInterrupt, _Terminated) as exc:
             written = f"; {ledger.written} cases written to {args.output}, run again to resume" if ledger else ""
             print(f"\nmoegrad: interrupted{written}", file=sys.stderr)
@@ -241,26 +239,69 @@ def _report(
     return sweep_status(results)
 
 
+def _open_output(
+    args: argparse.Namespace, files: list[Path], shard: tuple[int, int], client: Client | None
+) -> SweepFile | None:
+    """The results file of ``--output`` (None without it), its header holding each replica's profile.
+
+    Raises:
+        UsageError: replicas of different profiles for cases that name none (without ``--order``),
+            an unknown standard, FILE written for another sweep or not openable.
+        SweepFileBusy: another run holds FILE.
+    """
+    orders = {} if client is None else _replica_orders(client)
+    try:
+        refuse_mixed_profiles(orders, files, args.order)
+        header = SweepHeader.of(
+            cases=len(files), standards=args.standards, require_exact=args.require_exact, shard=shard, orders=orders
+        )
+    except (InvalidArgument, ProfilesDiffer) as exc:
+        raise UsageError(str(exc)) from None
+    if not args.output:
+        return None
+    try:
+        return SweepFile(args.output, header)
+    except SweepFileError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        if isinstance(exc, SweepFileBusy):
+            raise
+        raise UsageError(f"cannot open --output {args.output}: {exc}") from None
+
+
+def _replica_orders(client: Client) -> dict[str, str | None]:
+    """Each replica's profile (``Client.info()``'s ``orders``); none when no replica answers (the
+    sweep then reports its cases not judged)."""
+    try:
+        return dict(client.info()["orders"])
+    except MoegradError:
+        return {}
+
+
 def _judge(
     args: argparse.Namespace,
     files: list[Path],
     ledger: SweepFile | None,
-    open_client: Callable[[], Client],
+    client: Client | None,
     on_result: Callable[[CaseResult], None] | None,
 ) -> list[CaseResult]:
-    if args.local:
-        judge_one = compare_in_process(args.standards, args.require_exact)
+    if client is None:
+        judge_one = compare_in_process(args.standards, args.require_exact, args.order)
         return compare_cases(files, judge_one, progress=args.progress, on_result=on_result, output=ledger)
-    client = open_client()
-    results = client.compare_many(  # interrupted, the client is left open: closing it could wait on a request
-        files,
-        standards=args.standards,
-        require_exact=args.require_exact,
-        progress=args.progress,
-        on_result=on_result,
-        concurrency=args.max_concurrency,
-        output=ledger,
-    )
+    try:
+        results = client.compare_many(  # interrupted, the client is left open: closing it could wait on a request
+            files,
+            standards=args.standards,
+            require_exact=args.require_exact,
+            order=args.order,
+            progress=args.progress,
+            on_result=on_result,
+            concurrency=args.max_concurrency,
+            output=ledger,
+        )
+    except ProfilesDiffer as exc:  # a replica changed its profile since it was asked: nothing was sent
+        client.close()
+        raise UsageError(str(exc)) from None
     client.close()
     return results
 

@@ -15,10 +15,11 @@ client, differing by ``await``. What is built where:
   straight from the socket);
 - the replicas, the choice of each attempt's and what each served: :mod:`moegrad._replicas`;
 - many case files judged in batches over every replica, and their results file
-  (:meth:`Client.compare_many`): :mod:`moegrad.accuracy._sweep`, :mod:`moegrad.accuracy._ledger`.
+  (:meth:`Client.compare_many`): :mod:`moegrad.accuracy._sweep`, ``_batches``, ``_ledger``.
 
-Misuse (a wrong type, a negative count, a call that breaks a documented constraint while
-``validate=True``) raises ``TypeError`` / ``ValueError`` / ``InvalidArgument`` before any I/O.
+Misuse (a wrong type, a negative count) raises ``TypeError`` / ``ValueError`` before any I/O; a call
+that breaks a documented constraint raises ``InvalidArgument`` before it is sent (``validate=True``;
+one that names no profile may first ask the replicas' ``/v1/info``: docs/protocol.md, "Errors").
 """
 
 from __future__ import annotations
@@ -40,24 +41,24 @@ from moegrad._core import ClientCore, Flow
 from moegrad._errors import MoegradError
 from moegrad._replicas import ReplicaStats, Resolve
 from moegrad._replies import frames_reader
-from moegrad._requests import BatchCompare, compare_call, grad_call
+from moegrad._requests import BatchCompare, batch_compares, compare_call, grad_call
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import to_numpy, to_torch
 from moegrad._transport import PerReplica, aread_frames, async_http_transport, http_transport, read_frames
 from moegrad.accuracy import CaseResult
+from moegrad.accuracy._batches import SentCall, acompare_batch_on, compare_batch_on, refuse_mixed_profiles
 from moegrad.accuracy._ledger import SweepFile, sweep_output
-from moegrad.accuracy._sweep import acompare_batch_on, acompare_cases, compare_batch_on, compare_cases
+from moegrad.accuracy._sweep import acompare_cases, compare_cases
 
 __all__ = ["USE_CLIENT_DEFAULT", "AsyncClient", "Client"]
 
 T = TypeVar("T")
-_READY_PATH = "/health/ready"
-_LIVE_PATH = "/health/live"
+_READY_PATH, _LIVE_PATH = "/health/ready", "/health/live"
 
 
 class _ClientBase:
-    """What both clients share: the configuration, the core, and the keyword API's calls."""
+    """What both clients share: the configuration, the core, and a sweep's setting up."""
 
     _ASYNC = False  # whether the httpx client under it is an httpx.AsyncClient
 
@@ -103,25 +104,17 @@ class _ClientBase:
         shown = f"dns+{config.base_url}" if config.dns else urls[0] if len(urls) == 1 else urls
         return f"{type(self).__name__}(base_url={shown!r})"
 
-    def _grad_call(
-        self, grad_expanded_x: Any, expanded_row_idx: Any, *fields: Any
-    ) -> MoeInitRoutingV2GradCall | dict[str, Any]:
-        """The keyword API's call (arrays or torch tensors) as :func:`moegrad._requests.grad_call` makes it."""
-        validate = self._core.config.validate
-        return grad_call(to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), *fields, validate=validate)
-
-    def _compare_call(self, *fields: Any) -> MoeInitRoutingV2GradCall | dict[str, Any]:
-        """A comparison's call as :func:`moegrad._requests.compare_call` makes it."""
-        return compare_call(*fields, validate=self._core.config.validate)
-
     @contextlib.contextmanager
-    def _sweep(self, cases: Iterable[Any], standards: Any, require_exact: bool, output: Any, concurrency: Any) -> Any:
-        """compare_many's cases, results file (a path opened here) and concurrency (2 per replica, at least 4)."""
-        items = list(cases)
-        with sweep_output(output, cases=len(items), standards=standards, require_exact=require_exact) as ledger:
+    def _sweep(self, items: list[Any], orders: dict[str, str | None], order: Any, *options: Any) -> Any:
+        """compare_many's cases (refuse_mixed_profiles), results file (``orders`` in its header), concurrency."""
+        refuse_mixed_profiles(orders, items, order)
+        standards, require_exact, output, concurrency = options
+        with sweep_output(
+            output, cases=len(items), standards=standards, require_exact=require_exact, orders=orders
+        ) as o:
             yield {
                 "cases": items,
-                "output": ledger,
+                "output": o,
                 "concurrency": max(4, 2 * len(self._core.config.replicas)) if concurrency is None else concurrency,
             }
 
@@ -219,7 +212,8 @@ class Client(_ClientBase):
             drop_pad_mode: 0 dropless/active, 1 drop/pad.
             active_num: A; 0 dropless, > 0 active (ignored in drop/pad mode).
             order: the device profile, a name of :data:`moegrad.ORDERS` (``"ascend950@9.0"``...);
-                None: the server's (a device's own), checked locally by ``"ascend910b@9.1"``'s rules.
+                None: the server's (a device's own, else its ``MOEGRAD_ORDER``), and checked locally
+                by it (docs/protocol.md, "Errors": asked of ``/v1/info`` when the call needs it).
             allow_duplicate_indices: accept repeated indices, which the documentation forbids.
             timeout_s: this call's deadline in seconds (None: none); not passed: the client's.
 
@@ -228,15 +222,15 @@ class Client(_ClientBase):
             ``torch.Tensor`` on grad_expanded_x's device when grad_expanded_x is one.
 
         Raises:
-            InvalidArgument: a documented constraint is broken (161001 / 161002 / 561002), locally
-                (``validate=True``) before any I/O, or by the server's check.
+            InvalidArgument: a documented constraint is broken (161001 / 161002 / the profile's
+                561002 or 561103), locally (``validate=True``) before the call is sent, or by the
+                server's check: the same answer either way.
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
             DeviceFault, ServiceError, TransportError: see the table in ``moegrad._status``.
         """
-        call = self._grad_call(
-            grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
-        )
-        return to_torch(self.run(call, timeout_s=timeout_s).grad_x, grad_expanded_x)
+        x, idx, fields = to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), (top_k, drop_pad_mode, active_num)
+        call = grad_call(x, idx, *fields, order, allow_duplicate_indices, validate=self._core.config.validate)
+        return to_torch(self._drive(self._core.grad_flow(call, timeout_s)).grad_x, grad_expanded_x)
 
     def run(
         self,
@@ -249,7 +243,7 @@ class Client(_ClientBase):
         Args:
             call: a :class:`~moegrad.MoeInitRoutingV2GradCall` (its ``order`` is sent only when it
                 was set explicitly), or a wire document (docs/protocol.md; validated first when
-                ``validate=True``, always sent exactly as given).
+                ``validate=True``, by the replicas' profile when it names none; sent as given).
             timeout_s: as in :meth:`moe_init_routing_v2_grad`.
 
         Raises:
@@ -334,18 +328,18 @@ class Client(_ClientBase):
             A :class:`CompareResult`; ``.passed`` is False only when a standard failed.
 
         Raises:
-            InvalidArgument: a documented constraint of the call (161001 / 161002 / 561002), a missing
-                candidate (161001), a candidate of the wrong dtype or shape or an unknown standard
-                (161002; fields ``"candidate"``, ``"standards"``): locally before any I/O when
-                ``validate=True``, else from the server.
+            InvalidArgument: a documented constraint of the call (161001 / 161002 / 561002 or
+                561103, as in :meth:`moe_init_routing_v2_grad`), a missing candidate (161001), a
+                candidate of the wrong dtype or shape or an unknown standard (161002; fields
+                ``"candidate"``, ``"standards"``): locally before it is sent when ``validate=True``,
+                else from the server.
             TypeError: ``return_grad_x`` or ``require_exact`` is not a bool, the request cannot be
                 packed, or a call is passed with other call arguments.
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
             DeviceFault, ServiceError, TransportError: see the table in ``moegrad._status``.
         """
-        call = self._compare_call(
-            grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
-        )
+        fields = (grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
+        call = compare_call(*fields, validate=self._core.config.validate)
         return self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s, require_exact))
 
     def compare_many(
@@ -354,6 +348,7 @@ class Client(_ClientBase):
         *,
         standards: Iterable[str] | str | None = None,
         require_exact: bool = False,
+        order: str | None = None,
         progress: bool | None = None,
         on_result: Callable[[CaseResult], None] | None = None,
         concurrency: int | None = None,
@@ -363,11 +358,14 @@ class Client(_ClientBase):
 
         docs/accuracy.md, "Bulk checking" and "Sweeps". The cases travel in batches; a batch whose
         replica fails is retried on another, so a sweep that loses a replica judges every case once.
+        Before anything is sent, every replica is asked its profile (``GET /v1/info``'s ``order``).
 
         Args:
             cases: case files (``.npz``, :func:`moegrad.accuracy.save_case`) or
                 ``(name, fields, candidate)`` tuples, ``fields`` the call's keyword arguments.
             standards, require_exact: as :meth:`compare`, for every case.
+            order: the device profile of the cases that name none; None: their replica's own, checked
+                locally by it (the replicas must then run one profile).
             progress: a progress line on stderr (cases done/total, cases/s, failed, invalid, errors); None:
                 when stderr is a terminal.
             on_result: called with each :class:`~moegrad.accuracy.CaseResult` as it is known, one at
@@ -381,27 +379,31 @@ class Client(_ClientBase):
         Returns:
             One :class:`~moegrad.accuracy.CaseResult` per case, in the order given; each report
             carries its :class:`~moegrad.accuracy.ReportContext` (the inputs' SHA-256, the replica
-            that answered, the time). A file that cannot be read or a call the operator rejects is
-            ``"invalid"``; a service failure is ``"error"`` (not written to ``output``, so a later
-            run judges it); neither stops the run. :func:`moegrad.accuracy.write_summary` writes
-            them worst first.
+            that answered, the profile that judged it, the time). A file that cannot be read or a
+            call the operator rejects is ``"invalid"``; a service failure is ``"error"`` (not
+            written to ``output``, so a later run judges it); neither stops the run.
+            :func:`moegrad.accuracy.write_summary` writes them worst first.
 
         Raises:
             KeyboardInterrupt: the sweep was interrupted; the cases written to ``output`` are whole.
+            ProfilesDiffer (a ValueError): the replicas' profiles differ, ``order`` is None and a
+                case names none (nothing was sent; the message names each replica's profile).
             SweepFileBusy, SweepFileError, OSError: ``output`` cannot be used.
         """
 
-        def send(pairs: list[tuple[MoeInitRoutingV2GradCall, np.ndarray]]) -> list[CompareResult | MoegradError]:
-            answers = self.batch([BatchCompare(call, candidate, standards) for call, candidate in pairs])
-            return cast(list[CompareResult | MoegradError], answers)  # a BatchCompare is answered as a comparison
+        def send(pairs: list[tuple[SentCall, np.ndarray]]) -> list[CompareResult | MoegradError]:
+            return cast(list[CompareResult | MoegradError], self.batch(batch_compares(pairs, standards)))
 
-        judged = compare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url))
-        with self._sweep(cases, standards, require_exact, output, concurrency) as sweep:
+        judged = compare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url), order=order)
+        items, orders = list(cases), self._drive(self._core.replica_orders_flow())
+        with self._sweep(items, orders, order, standards, require_exact, output, concurrency) as sweep:
             return compare_cases(compare_batch=judged, progress=progress, on_result=on_result, **sweep)
 
     def info(self) -> dict[str, Any]:
-        """``GET /v1/info``: version, backend, device, order, streams, max_queue and the limits."""
-        return self._drive(self._core.info_flow())
+        """``GET /v1/info`` of every replica: the first answer (version, backend, device, order, streams,
+        max_queue, the limits) plus ``orders``, each replica's root URL -> its ``order`` (None: no
+        answer; two profiles: the replicas differ). Raises the first error when none answers."""
+        return self._drive(self._core.replicas_info_flow())
 
     def ready(self) -> bool:
         """``GET /health/ready``: False when unreachable, not ready (503) or too slow; no retries."""
@@ -506,10 +508,9 @@ class AsyncClient(_ClientBase):
         timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> np.ndarray:
         """As :meth:`Client.moe_init_routing_v2_grad`, awaited."""
-        call = self._grad_call(
-            grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
-        )
-        return to_torch((await self.run(call, timeout_s=timeout_s)).grad_x, grad_expanded_x)
+        x, idx, fields = to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), (top_k, drop_pad_mode, active_num)
+        call = grad_call(x, idx, *fields, order, allow_duplicate_indices, validate=self._core.config.validate)
+        return to_torch((await self._drive(self._core.grad_flow(call, timeout_s))).grad_x, grad_expanded_x)
 
     async def run(
         self,
@@ -546,9 +547,8 @@ class AsyncClient(_ClientBase):
         timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
     ) -> CompareResult:
         """As :meth:`Client.compare`, awaited."""
-        call = self._compare_call(
-            grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
-        )
+        fields = (grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
+        call = compare_call(*fields, validate=self._core.config.validate)
         return await self._drive(
             self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s, require_exact)
         )
@@ -559,6 +559,7 @@ class AsyncClient(_ClientBase):
         *,
         standards: Iterable[str] | str | None = None,
         require_exact: bool = False,
+        order: str | None = None,
         progress: bool | None = None,
         on_result: Callable[[CaseResult], None] | None = None,
         concurrency: int | None = None,
@@ -567,17 +568,17 @@ class AsyncClient(_ClientBase):
         """As :meth:`Client.compare_many`, awaited: ``concurrency`` tasks send the batches (the cases
         are read in a thread); cancelled, the cases written to ``output`` are whole."""
 
-        async def send(pairs: list[tuple[MoeInitRoutingV2GradCall, np.ndarray]]) -> list[CompareResult | MoegradError]:
-            answers = await self.batch([BatchCompare(call, candidate, standards) for call, candidate in pairs])
-            return cast(list[CompareResult | MoegradError], answers)
+        async def send(pairs: list[tuple[SentCall, np.ndarray]]) -> list[CompareResult | MoegradError]:
+            return cast(list[CompareResult | MoegradError], await self.batch(batch_compares(pairs, standards)))
 
-        judged = acompare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url))
-        with self._sweep(cases, standards, require_exact, output, concurrency) as sweep:
+        judged = acompare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url), order=order)
+        items, orders = list(cases), await self._drive(self._core.replica_orders_flow())
+        with self._sweep(items, orders, order, standards, require_exact, output, concurrency) as sweep:
             return await acompare_cases(compare_batch=judged, progress=progress, on_result=on_result, **sweep)
 
     async def info(self) -> dict[str, Any]:
         """As :meth:`Client.info`, awaited."""
-        return await self._drive(self._core.info_flow())
+        return await self._drive(self._core.replicas_info_flow())
 
     async def ready(self) -> bool:
         """As :meth:`Client.ready`, awaited."""

@@ -55,7 +55,10 @@ CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, docs/proto
         transport: an httpx {transport} (``httpx.MockTransport``, ``httpx.ASGITransport``, ...)
             used instead of the network.
         validate: check every call locally with :class:`~moegrad.MoeInitRoutingV2GradCall` before
-            sending it (so a bad call raises InvalidArgument with no I/O). False sends calls as given.
+            sending it, so a bad call raises InvalidArgument without being sent: by the profile it
+            names, else by the replicas' own (their ``/v1/info`` ``order``, asked once when a call
+            needs it; ``info()["orders"]``), the same answer the server gives. False sends calls as
+            given, for the server to judge.
         headers: extra headers sent with every request.
         wire: how a call's tensors travel: ``"auto"`` (frames for calls of FRAMES_MIN_BYTES or more
             when the server's ``/v1/info`` offers them, else msgpack), ``"msgpack"`` (always one

@@ -11,7 +11,9 @@ A flow is a generator that yields what it wants done and is sent back what happe
 
 The core builds every request (:mod:`moegrad._requests`), maps every response and every network
 error (:mod:`moegrad._status`, :mod:`moegrad._replies`), picks each attempt's replica
-(:mod:`moegrad._replicas`) and decides every retry; it does no I/O.
+(:mod:`moegrad._replicas`) and decides every retry; it does no I/O. It also keeps what it learns of
+each replica's device profile (the ``order`` of its ``/v1/info``, and of its answers to calls that
+name none), by which such calls are checked before they are sent (:func:`moegrad._requests.prepare`).
 ``Client`` and ``AsyncClient`` (:mod:`moegrad._client`) only drive flows, the same dozen lines in
 each, differing by ``await``. A new endpoint is one flow here plus one short method in each client.
 """
@@ -22,7 +24,7 @@ import dataclasses
 import random
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar
 
 import httpx
@@ -42,12 +44,15 @@ from moegrad._requests import (
     JSON,
     MSGPACK,
     Body,
+    Prepared,
     RequestBuilder,
     Sent,
+    batch_calls,
     batch_items,
     call_document,
     compare_body,
     grad_body,
+    prepare,
 )
 from moegrad._results import CompareResult, GradResult
 from moegrad._spec import MoeInitRoutingV2GradCall
@@ -103,6 +108,7 @@ class ClientCore:
         content_type: str = MSGPACK,
         tried: list[Replica] | None = None,
         started: float | None = None,
+        only: Replica | None = None,
     ) -> Flow[httpx.Response]:
         """Send one logical request, retrying 503, 504 and connection errors; return its 2xx response.
 
@@ -129,10 +135,10 @@ class ClientCore:
                     f"{method} {path}: the deadline of {timeout_s} s passed before a reply"
                     + (f" ({attempt} attempts)" if attempt else "")
                 )
-            resolve = self.replicas.due()
+            resolve = None if only is not None else self.replicas.due()
             if resolve is not None:
                 self.replicas.resolved((yield resolve))
-            replica = self.replicas.pick(tried)
+            replica = self.replicas.pick(tried) if only is None else self.replicas.take(only)
             answered = failed = False
             retry_after_s: float | None = None
             try:
@@ -157,7 +163,9 @@ class ClientCore:
                     status = outcome.status_code
                     failed = status in (503, 504)
                     answered = not failed
-                    retryable = status == 503 or (status == 504 and self.replicas.has_other([*tried, replica]))
+                    retryable = status == 503 or (
+                        status == 504 and only is None and self.replicas.has_other([*tried, replica])
+                    )
                     retry_after_s = error.retry_after_s if isinstance(error, DeviceBusy) else None
                 elif isinstance(outcome, httpx.HTTPError):
                     passed = deadline is not None and self._clock() >= deadline
@@ -170,7 +178,7 @@ class ClientCore:
                 self.replicas.done(replica, answered=answered, failed=failed, retry_after_s=retry_after_s)
             tried.append(replica)
             if retryable and attempt < retries:
-                if self.replicas.has_other(tried):
+                if only is None and self.replicas.has_other(tried):
                     attempt += 1
                     continue
                 delay_s = self.config.retries.delay_s(attempt, retry_after_s)
@@ -180,12 +188,18 @@ class ClientCore:
                     continue
             raise error from cause
 
-    def grad_flow(self, call: MoeInitRoutingV2GradCall | Mapping[str, Any], timeout_s: Any) -> Flow[GradResult]:
-        """One call (``POST /v1/moe_init_routing_v2_grad``): msgpack, or frames when :meth:`frames_for` says so."""
+    def grad_flow(self, call: Any, timeout_s: Any) -> Flow[GradResult]:
+        """One call (``POST /v1/moe_init_routing_v2_grad``): msgpack, or frames when :meth:`frames_for` says so.
+
+        ``call``: a :class:`MoeInitRoutingV2GradCall`, a wire document or an :class:`Unnamed`
+        (:func:`moegrad._requests.prepare`, checked by the replicas' profile when it names none)."""
         timeout_s = self.config.call_timeout_s(timeout_s)
         retries = self.config.retries.count
-        if isinstance(call, MoeInitRoutingV2GradCall) and (yield from self.frames_for(call)):
-            parts, _ = encode_frames(call_document(call))
+        ready = (yield from self.prepared_flow([call], raise_refusals=True))[0]
+        assert not isinstance(ready, MoegradError)  # raised above
+        sendable, checked, unnamed = ready
+        if isinstance(sendable, MoeInitRoutingV2GradCall) and (yield from self.frames_for(sendable)):
+            parts, _ = encode_frames(call_document(sendable))
             response = yield from self.exchange(
                 "POST",
                 GRAD_PATH,
@@ -195,12 +209,109 @@ class ClientCore:
                 body=parts,
                 content_type=FRAMES_MEDIA_TYPE,
             )
-            return parse_grad(response, call)
-        body, checked = grad_body(call, validate=self.config.validate)
-        response = yield from self.exchange(
-            "POST", GRAD_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=retries, body=body
-        )
-        return parse_grad(response, checked)
+        else:
+            response = yield from self.exchange(
+                "POST", GRAD_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=retries, body=grad_body(sendable)
+            )
+        result = parse_grad(response, checked)
+        if unnamed:  # run on its replica's own profile: the answer names it
+            self.replicas.learn(result.server_url, result.order)
+        return result
+
+    def prepared_flow(self, calls: list[Any], *, raise_refusals: bool = False) -> Flow[list[Prepared | MoegradError]]:
+        """Each call as :func:`moegrad._requests.prepare` makes it ready to send (or the MoegradError it
+        raised locally), those that name no profile checked by the replicas' profile.
+
+        When that profile is not known and the profiles' rules disagree about a call, the replicas
+        whose profile is unknown are asked for it first (``GET /v1/info``, once each); when they
+        still do not name one profile, such a call is sent unchecked and the server judges it.
+
+        Raises:
+            TypeError: as :func:`prepare`; with ``raise_refusals``, the MoegradError of a refused call.
+        """
+        validate = self.config.validate
+        profile = self.replicas.profile()
+        ready: list[Prepared | MoegradError | None] = []
+        for call in calls:
+            try:
+                ready.append(prepare(call, validate=validate, profile=profile))
+            except MoegradError as exc:
+                if raise_refusals:
+                    raise
+                ready.append(exc.with_traceback(None))  # no cycle through ``ready`` holding the arrays
+        if any(item is None for item in ready):
+            yield from self.ask_profiles_flow()
+            profile = self.replicas.profile()
+            for index, item in enumerate(ready):
+                if item is None:
+                    try:
+                        ready[index] = prepare(calls[index], validate=validate, profile=profile, last=True)
+                    except MoegradError as exc:
+                        if raise_refusals:
+                            raise
+                        ready[index] = exc.with_traceback(None)
+        return ready  # type: ignore[return-value]  # every None replaced above
+
+    def ask_profiles_flow(self) -> Flow[None]:
+        """Ask each replica whose profile is unknown, and was not asked yet, for its ``/v1/info``
+        (once, no retry): its ``order`` is its profile. A replica that does not answer stays unknown."""
+        resolve = self.replicas.due()
+        if resolve is not None:
+            try:
+                self.replicas.resolved((yield resolve))
+            except MoegradError:
+                return
+        for replica in self.replicas.unasked():
+            try:
+                yield from self.info_flow(replica, retries=0)
+            except MoegradError:
+                self.replicas.learn(str(replica.url), None, asked=True)
+
+    def orders_flow(self) -> Flow[tuple[dict[str, Any], dict[str, str | None]]]:
+        """``GET /v1/info`` of every replica (each asked once, with the retries when it is the only one).
+
+        Returns:
+            The first answer's document, and each replica's root URL -> its ``order`` (None: no answer).
+
+        Raises:
+            the first replica's error when none answers.
+        """
+        resolve = self.replicas.due()
+        if resolve is not None:
+            self.replicas.resolved((yield resolve))
+        replicas = self.replicas.replicas
+        retries = self.config.retries.count if len(replicas) == 1 else 0
+        first: dict[str, Any] | None = None
+        error: MoegradError | None = None
+        orders: dict[str, str | None] = {}
+        for replica in replicas:
+            try:
+                info = yield from self.info_flow(replica, retries=retries)
+            except MoegradError as exc:
+                self.replicas.learn(str(replica.url), None, asked=True)
+                orders[str(replica.url)], error = None, error or exc
+                continue
+            order = info.get("order")
+            orders[str(replica.url)] = order if isinstance(order, str) else None
+            first = info if first is None else first
+        if first is None:
+            assert error is not None  # a replica set is never empty here: resolved() raised otherwise
+            raise error
+        return first, orders
+
+    def replicas_info_flow(self) -> Flow[dict[str, Any]]:
+        """``Client.info()``: the first replica's ``/v1/info`` answer plus ``orders`` (:meth:`orders_flow`)."""
+        info, orders = yield from self.orders_flow()
+        return {**info, "orders": orders}
+
+    def replica_orders_flow(self) -> Flow[dict[str, str | None]]:
+        """Each replica's profile, asked now (:meth:`orders_flow`): every one None when none answers
+        (a sweep goes on, and reports its cases unjudged)."""
+        try:
+            _, orders = yield from self.orders_flow()
+        except MoegradError:
+            return {str(replica.url): None for replica in self.replicas.replicas}
+        return orders
 
     def frames_for(self, call: MoeInitRoutingV2GradCall) -> Flow[bool]:
         """Whether ``call`` travels as frames: ``wire="frames"`` always; ``"auto"`` when its tensors
@@ -212,7 +323,7 @@ class ClientCore:
             return False
         if self._server_frames is None:
             try:
-                info = yield from self.info_flow()
+                info = yield from self.info_flow()  # tells the profile of the replica that answers, too
             except MoegradError:
                 info = {}
             formats = info.get("wire_formats")
@@ -224,7 +335,9 @@ class ClientCore:
 
         Each batch has ``timeout_s`` and the client's retries (:meth:`_batch_flow`)."""
         timeout_s = self.config.call_timeout_s(timeout_s)
-        documents, sent = batch_items(items, validate=self.config.validate)
+        items = list(items)
+        prepared = yield from self.prepared_flow(batch_calls(items))
+        documents, sent = batch_items(items, prepared)
         answers: list[GradResult | CompareResult | MoegradError | None] = [
             document if isinstance(document, MoegradError) else None for document in documents
         ]
@@ -289,7 +402,9 @@ class ClientCore:
             again: list[int] = []
             retry_after_s: float | None = None
             for index, result in zip(pending, results, strict=True):
-                answers[index] = answer = batch_answer(response, result, *sent[index], request_id)
+                answers[index] = answer = batch_answer(response, result, *sent[index][:3], request_id)
+                if sent[index].unnamed and isinstance(answer, (GradResult, CompareResult)):
+                    self.replicas.learn(answer.server_url, answer.order)
                 if isinstance(answer, (DeviceBusy, DeadlineExceeded)):  # an item's 503 or 504
                     again.append(index)
                     if isinstance(answer, DeviceBusy):
@@ -310,7 +425,7 @@ class ClientCore:
 
     def compare_flow(
         self,
-        call: MoeInitRoutingV2GradCall | dict[str, Any],
+        call: Any,
         candidate: Any,
         standards: Any,
         return_grad_x: Any,
@@ -321,21 +436,34 @@ class ClientCore:
         if not isinstance(require_exact, bool):
             raise TypeError(f"require_exact must be a bool, got {type(require_exact).__name__}")
         timeout_s = self.config.call_timeout_s(timeout_s)
-        body, checked = compare_body(call, candidate, standards, return_grad_x)
+        ready = (yield from self.prepared_flow([call], raise_refusals=True))[0]
+        assert not isinstance(ready, MoegradError)  # raised above
+        sendable, checked, unnamed = ready
+        body = compare_body(sendable, checked, candidate, standards, return_grad_x)
         response = yield from self.exchange(
             "POST", COMPARE_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=self.config.retries.count, body=body
         )
         result = parse_compare(response, checked, return_grad_x)
+        if unnamed:
+            self.replicas.learn(result.server_url, result.order)
         if require_exact:  # the report states exactness either way; requiring it only changes the verdict
             result = dataclasses.replace(result, report=rejudge(result.report, require_exact=True))
         return result
 
-    def info_flow(self) -> Flow[dict[str, Any]]:
-        """``GET /v1/info``: the service's JSON object."""
+    def info_flow(self, replica: Replica | None = None, *, retries: int | None = None) -> Flow[dict[str, Any]]:
+        """``GET /v1/info`` (of ``replica``, else of any): the service's JSON object; its ``order`` is
+        the profile of the replica that answered (learnt)."""
         response = yield from self.exchange(
-            "GET", INFO_PATH, accept=JSON, timeout_s=self.config.timeouts.call_s, retries=self.config.retries.count
+            "GET",
+            INFO_PATH,
+            accept=JSON,
+            timeout_s=self.config.timeouts.call_s,
+            retries=self.config.retries.count if retries is None else retries,
+            only=replica,
         )
-        return parse_json(response)
+        info = parse_json(response)
+        self.replicas.learn(response.extensions.get(REPLICA_EXTENSION), info.get("order"), asked=True)
+        return info
 
     def probe_flow(self, path: str) -> Flow[bool]:
         """A health probe: True on 2xx, False when unreachable, busy (503) or out of time; no retries."""

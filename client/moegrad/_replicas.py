@@ -21,7 +21,11 @@ attempt; a lock makes it safe for a client shared by threads):
   30 s)`` after its n-th failure in a row (at least its Retry-After, at most 30 s), then tried
   again; an answer ends the run of failures. When every
   replica is set aside, the one back soonest is picked, so a single replica is always tried;
-- **what each served** (:class:`ReplicaStats`, ``client.stats``).
+- **what each served** (:class:`ReplicaStats`, ``client.stats``);
+- **which device profile each runs** (the ``order`` of its ``GET /v1/info``, or of its answer to a
+  call that named none): :meth:`ReplicaSet.profile` is the profile the client checks such calls
+  by. A replica's profile is forgotten when it fails (it may come back another server) and is
+  unknown for an address a name resolves to anew.
 """
 
 from __future__ import annotations
@@ -98,12 +102,25 @@ class Replica:
             (``NAME:PORT``), else None; ``sni`` the TLS server name then.
     """
 
-    __slots__ = ("consecutive", "failures", "host_header", "in_flight", "served", "set_aside_until", "sni", "url")
+    __slots__ = (
+        "asked",
+        "consecutive",
+        "failures",
+        "host_header",
+        "in_flight",
+        "profile",
+        "served",
+        "set_aside_until",
+        "sni",
+        "url",
+    )
 
     def __init__(self, url: httpx.URL, *, host_header: str | None = None, sni: str | None = None) -> None:
         self.url, self.host_header, self.sni = url, host_header, sni
         self.served = self.failures = self.in_flight = self.consecutive = 0
         self.set_aside_until = 0.0
+        self.profile: str | None = None  # the ``order`` it runs calls that name none with, once known
+        self.asked = False  # its /v1/info was asked for the profile (and gave none): not asked again
 
     def __repr__(self) -> str:
         return f"Replica({str(self.url)!r})"
@@ -277,6 +294,12 @@ class ReplicaSet:
             choice.in_flight += 1
             return choice
 
+    def take(self, replica: Replica) -> Replica:
+        """``replica`` for an attempt that must go to it (its in-flight count taken, as :meth:`pick`'s)."""
+        with self._lock:
+            replica.in_flight += 1
+            return replica
+
     def has_other(self, tried: Collection[Replica]) -> bool:
         """Whether a replica not in ``tried`` and not set aside could take the next attempt now."""
         with self._lock:
@@ -306,8 +329,46 @@ class ReplicaSet:
         with self._lock:
             self._fail(replica, retry_after_s)
 
+    # ---- the replicas' device profiles --------------------------------------------------------
+
+    def learn(self, url: str | None, order: Any, *, asked: bool = False) -> None:
+        """The replica whose root URL is ``url`` runs calls that name no profile with ``order`` (its
+        ``/v1/info``'s, or its answer's to such a call); ``asked``: its /v1/info was asked (an
+        ``order`` that is not a string then leaves it unknown, and it is not asked again)."""
+        with self._lock:
+            for replica in self._replicas:
+                if str(replica.url) == url:
+                    replica.profile = order if isinstance(order, str) and order else None
+                    replica.asked = replica.asked or asked
+                    return
+
+    def profile(self) -> str | None:
+        """The profile the replicas that may take a call run calls that name none with, when each
+        one's is known and they are one; else None (one unknown, or replicas that differ). A
+        replica set aside whose profile is unknown (forgotten when it failed) is left out until it
+        is back."""
+        with self._lock:
+            now = self._clock()
+            profiles = {r.profile for r in self._replicas if r.profile is not None or r.set_aside_until <= now}
+        return profiles.pop() if len(profiles) == 1 else None
+
+    def unasked(self) -> tuple[Replica, ...]:
+        """The replicas whose profile is unknown and whose /v1/info was not asked for it; each is
+        marked asked now (so that concurrent calls ask it once)."""
+        with self._lock:
+            found = tuple(r for r in self._replicas if r.profile is None and not r.asked)
+            for replica in found:
+                replica.asked = True
+            return found
+
+    def profiles(self) -> dict[str, str | None]:
+        """Each replica's root URL -> its profile, or None when unknown."""
+        with self._lock:
+            return {str(r.url): r.profile for r in self._replicas}
+
     def _fail(self, replica: Replica, retry_after_s: float | None) -> None:
-        """One more failure in a row of ``replica``'s: set it aside (the lock held)."""
+        """One more failure in a row of ``replica``'s: set it aside and forget its profile (the lock held)."""
+        replica.profile, replica.asked = None, False
         replica.failures += 1
         replica.consecutive += 1
         pause_s = min(self._first_s * 2 ** (replica.consecutive - 1), self._max_s)

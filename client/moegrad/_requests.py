@@ -1,23 +1,32 @@
 """Request building: the documents, bodies and httpx requests of every endpoint, with no I/O (docs/protocol.md).
 
 One builder for the sync and the async client: a call's wire document (validated first when the
-client's ``validate`` is on, so a bad call raises before any I/O), a comparison's, a batch's items,
-and :class:`RequestBuilder`, which makes each attempt's ``httpx.Request`` (URL, headers, the body in
-slices of the buffer it views, the attempt's timeouts).
+client's ``validate`` is on, so a bad call raises before it is sent), a comparison's, a batch's
+items, and :class:`RequestBuilder`, which makes each attempt's ``httpx.Request`` (URL, headers, the
+body in slices of the buffer it views, the attempt's timeouts).
+
+A call that names no device profile (no ``order``) is run by the server with its own (a device's,
+or ``MOEGRAD_ORDER``), so the client checks it by that profile too: such a call is an
+:class:`Unnamed` until :func:`prepare` is given the replicas' profile. When the client does not know
+it yet, :func:`prepare` checks the call by one profile of each set of rules (:data:`RULE_SETS`):
+when all accept it, or all refuse it with the same status, field and message, that is the answer
+whatever the server's profile; otherwise it is undecided, and the core asks the replicas' profile
+(``GET /v1/info``) or, when they do not agree, sends the call unchecked for the server to judge.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
 import httpx
 import numpy as np
 
 from moegrad._config import ClientConfig
-from moegrad._errors import MoegradError
+from moegrad._errors import InvalidArgument, MoegradError
 from moegrad._frames import FRAMES_MEDIA_TYPE
+from moegrad._profiles import PROFILE_NAMES, PROFILES
 from moegrad._replicas import Replica
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._wire import decode_body, encode_body_view, encode_tensor
@@ -32,16 +41,22 @@ __all__ = [
     "INFO_PATH",
     "JSON",
     "MSGPACK",
+    "RULE_SETS",
     "BatchCompare",
     "Body",
+    "Prepared",
     "RequestBuilder",
     "Sent",
+    "Unnamed",
+    "batch_compares",
     "batch_items",
     "call_document",
     "compare_body",
     "compare_call",
+    "fields_document",
     "grad_body",
     "grad_call",
+    "prepare",
 ]
 
 GRAD_PATH = "/v1/moe_init_routing_v2_grad"
@@ -63,14 +78,15 @@ class BatchCompare:
     """A comparison to send in a batch (:meth:`Client.batch`), answered as a :class:`CompareResult`.
 
     Attributes:
-        call: the operator call (a :class:`~moegrad.MoeInitRoutingV2GradCall`, or a wire document
-            when the client's ``validate`` is False).
+        call: the operator call: a :class:`~moegrad.MoeInitRoutingV2GradCall`, or a wire document
+            (docs/protocol.md; checked first when the client's ``validate`` is on, by the replicas'
+            profile when it names none).
         candidate: [N, H] grad_x of the implementation under test, in the call's dtype or float32.
         standards: names from :data:`moegrad.STANDARDS` (one or several); None: all.
         return_grad_x: also return the device's grad_x.
     """
 
-    call: MoeInitRoutingV2GradCall | Mapping[str, Any]
+    call: MoeInitRoutingV2GradCall | Mapping[str, Any] | Unnamed
     candidate: Any
     standards: Iterable[str] | str | None = None
     return_grad_x: bool = False
@@ -78,11 +94,13 @@ class BatchCompare:
 
 class Sent(NamedTuple):
     """What a batch item's answer is checked against: the operation, the validated call (None for a
-    raw document) and whether grad_x was asked for."""
+    raw document) and whether grad_x was asked for; and whether it named no profile (its answer's
+    ``order`` is then its replica's profile)."""
 
     op: Literal["grad", "compare"]
     call: MoeInitRoutingV2GradCall | None
     return_grad_x: bool
+    unnamed: bool = False
 
 
 def _check_no_arrays(document: Mapping[str, Any]) -> None:
@@ -184,6 +202,175 @@ class RequestBuilder:
 
 
 # --------------------------------------------------------------------------------------------------
+# Calls that name no profile
+# --------------------------------------------------------------------------------------------------
+
+
+def _rules_of(name: str) -> tuple[Any, ...]:
+    """What of a profile decides phase one's answer (every field but its name, chip, release,
+    order of adds and source): profiles that agree here answer every call alike, but for the
+    profile's name in a message."""
+    profile = dataclasses.asdict(PROFILES[name])
+    return tuple(value for key, value in profile.items() if key not in ("name", "chip", "release", "order", "source"))
+
+
+def _rule_sets() -> tuple[str, ...]:
+    first: dict[tuple[Any, ...], str] = {}
+    for name in PROFILES:
+        first.setdefault(_rules_of(name), name)
+    return tuple(first.values())
+
+
+#: One profile of each set of phase-one rules (the first of :data:`moegrad.PROFILES` with it): a
+#: call they all accept, or all refuse alike, gets that answer on every profile.
+RULE_SETS: tuple[str, ...] = _rule_sets()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Unnamed:
+    """A call that names no device profile, before it is checked by the replicas' (:func:`prepare`).
+
+    Attributes:
+        build: the call checked on a profile (raises as :class:`MoeInitRoutingV2GradCall` does).
+        document: its wire document, as it is sent unchecked.
+        given: it is a wire document the caller gave: sent exactly as given, whatever checks it.
+    """
+
+    build: Callable[[str], MoeInitRoutingV2GradCall]
+    document: Callable[[], dict[str, Any]]
+    given: bool
+
+    @classmethod
+    def of_fields(cls, fields: Mapping[str, Any]) -> Unnamed:
+        """The keyword arguments of :class:`MoeInitRoutingV2GradCall`, without ``order`` (arrays, not tensor maps)."""
+        fields = dict(fields)
+        return cls(
+            lambda order: MoeInitRoutingV2GradCall(**fields, order=order), lambda: fields_document(fields), False
+        )
+
+    @classmethod
+    def of_document(cls, document: Mapping[str, Any]) -> Unnamed:
+        """A wire document whose ``order`` is absent or nil.
+
+        Raises:
+            TypeError: it cannot be packed as msgpack.
+        """
+        decoded = _decoded(document)
+        return cls(
+            lambda order: MoeInitRoutingV2GradCall.from_wire(decoded, default_order=order), lambda: dict(document), True
+        )
+
+
+def _decoded(document: Mapping[str, Any]) -> dict[str, Any]:
+    """A wire document as the server reads it (packed, then unpacked).
+
+    Raises:
+        TypeError: it cannot be packed as msgpack.
+    """
+    try:
+        return decode_body(encode_body_view(document))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"the request document cannot be packed as msgpack: {exc}") from None
+
+
+def fields_document(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's keyword arguments as a wire document: each array a tensor map (no copy of a
+    C-contiguous little-endian array), an absent tensor left out (the wire's null tensor).
+
+    Raises:
+        TypeError: an array of a dtype the wire does not carry.
+    """
+    return {
+        name: encode_tensor(np.asarray(value)) if name in ("grad_expanded_x", "expanded_row_idx") else value
+        for name, value in fields.items()
+        if value is not None or name not in ("grad_expanded_x", "expanded_row_idx")
+    }
+
+
+def _unnamed(call: MoeInitRoutingV2GradCall) -> MoeInitRoutingV2GradCall:
+    """``call`` (checked on a profile) as a call that names none: its document leaves ``order`` out."""
+    return MoeInitRoutingV2GradCall.model_construct(_fields_set=call.model_fields_set - {"order"}, **dict(call))
+
+
+def _same(first: InvalidArgument, other: InvalidArgument) -> bool:
+    return (first.aclnn_status, first.field, first.message) == (other.aclnn_status, other.field, other.message)
+
+
+def _judged(unnamed: Unnamed, profile: str | None) -> MoeInitRoutingV2GradCall | None:
+    """``unnamed`` checked on ``profile``; with None, on every set of rules: the call when all accept
+    it, their refusal when all refuse it alike (raised), None when they disagree.
+
+    Raises:
+        InvalidArgument, MalformedRequest: as :class:`MoeInitRoutingV2GradCall`.
+    """
+    if profile is not None:
+        return unnamed.build(profile)
+    accepted: MoeInitRoutingV2GradCall | None = None
+    refused: InvalidArgument | None = None
+    for name in RULE_SETS:
+        try:
+            call = unnamed.build(name)
+        except InvalidArgument as exc:
+            if accepted is not None or (refused is not None and not _same(refused, exc)):
+                return None
+            refused = exc
+            continue
+        if refused is not None:
+            return None
+        accepted = accepted or call
+    if refused is not None:
+        raise refused
+    return accepted
+
+
+#: A call ready to send: a validated call or a wire document; the validated call its answer is
+#: checked against (None: not checked); whether it names no profile.
+Prepared = tuple[MoeInitRoutingV2GradCall | dict[str, Any], MoeInitRoutingV2GradCall | None, bool]
+
+
+def prepare(call: Any, *, validate: bool, profile: str | None, last: bool = False) -> Prepared | None:
+    """A call as it is sent: checked locally when ``validate`` is on.
+
+    Args:
+        call: a :class:`MoeInitRoutingV2GradCall` (sent as it is), an :class:`Unnamed`, or a wire
+            document (checked with ``from_wire`` when ``validate``; one that names no profile as an
+            :class:`Unnamed`).
+        validate: the client's ``validate``.
+        profile: the profile of the replicas (:meth:`ReplicaSet.profile`), or None when unknown.
+        last: no profile will be known: an undecided call is sent unchecked, for the server to judge.
+
+    Returns:
+        What to send, or None when the call names no profile and the profiles' rules disagree about
+        it (the caller learns the replicas' profile and asks again, or asks with ``last``).
+
+    Raises:
+        InvalidArgument, MalformedRequest: the call broke a rule (the replicas' profile's, or every
+            profile's alike). TypeError: a call of another type, or a wire document holding arrays.
+    """
+    if profile is not None and profile not in PROFILE_NAMES:
+        profile = None  # a profile this client does not know: the server judges what the others disagree on
+    if isinstance(call, MoeInitRoutingV2GradCall):
+        return call, call, "order" not in call.model_fields_set
+    if isinstance(call, Mapping):
+        _check_no_arrays(call)
+        if not validate:
+            return dict(call), None, call.get("order") is None
+        if call.get("order") is not None:
+            return dict(call), MoeInitRoutingV2GradCall.from_wire(_decoded(call)), False
+        call = Unnamed.of_document(call)
+    if not isinstance(call, Unnamed):
+        raise TypeError(
+            f"call must be a MoeInitRoutingV2GradCall or a wire document mapping, got {type(call).__name__}"
+        )
+    if last and profile is None:
+        return call.document(), None, True
+    checked = _judged(call, profile)
+    if checked is None:
+        return None
+    return (call.document() if call.given else _unnamed(checked)), checked, True
+
+
+# --------------------------------------------------------------------------------------------------
 # Documents and bodies
 # --------------------------------------------------------------------------------------------------
 
@@ -206,8 +393,9 @@ def grad_call(
     allow_duplicate_indices: bool,
     *,
     validate: bool,
-) -> MoeInitRoutingV2GradCall | dict[str, Any]:
-    """The keyword API's arguments as a validated call (``validate=True``) or a raw wire document."""
+) -> MoeInitRoutingV2GradCall | Unnamed | dict[str, Any]:
+    """The keyword API's arguments as a validated call (``validate=True``; an :class:`Unnamed`, to be
+    checked by the replicas' profile, when ``order`` is None) or a raw wire document."""
     fields: dict[str, Any] = {
         "grad_expanded_x": grad_expanded_x,
         "expanded_row_idx": expanded_row_idx,
@@ -216,18 +404,11 @@ def grad_call(
         "active_num": active_num,
         "allow_duplicate_indices": allow_duplicate_indices,
     }
-    if order is not None:
-        fields["order"] = order
-    if validate:
-        return MoeInitRoutingV2GradCall(**fields)
-    document = {}
-    for name, value in fields.items():
-        if name in ("grad_expanded_x", "expanded_row_idx"):
-            if value is not None:  # an absent tensor is the wire's null tensor
-                document[name] = encode_tensor(np.asarray(value))
-        else:
-            document[name] = value
-    return document
+    if not validate:
+        return fields_document({**fields, "order": order} if order is not None else fields)
+    if order is None:
+        return Unnamed.of_fields(fields)
+    return MoeInitRoutingV2GradCall(**fields, order=order)
 
 
 def compare_call(
@@ -240,7 +421,7 @@ def compare_call(
     allow_duplicate_indices: bool,
     *,
     validate: bool,
-) -> MoeInitRoutingV2GradCall | dict[str, Any]:
+) -> MoeInitRoutingV2GradCall | Unnamed | dict[str, Any]:
     """:func:`grad_call`, or a :class:`MoeInitRoutingV2GradCall` passed as the first argument
     with no other call argument (as :func:`moegrad.compare` and :class:`BatchCompare` take it)."""
     if not isinstance(grad_expanded_x, MoeInitRoutingV2GradCall):
@@ -263,47 +444,42 @@ def compare_call(
     return grad_expanded_x
 
 
-def grad_body(
-    call: MoeInitRoutingV2GradCall | Mapping[str, Any], *, validate: bool
-) -> tuple[memoryview, MoeInitRoutingV2GradCall | None]:
-    """The msgpack body of a call, and the validated call when there is one (to check the reply against).
+def grad_body(call: MoeInitRoutingV2GradCall | Mapping[str, Any]) -> memoryview:
+    """The msgpack body of a prepared call (:func:`prepare`): a :class:`MoeInitRoutingV2GradCall`'s
+    document (its ``order`` only when it was set explicitly, else the server's profile applies), or
+    a wire document exactly as given.
 
-    A :class:`MoeInitRoutingV2GradCall` is sent as it is (its ``order`` only when it was set
-    explicitly, else the server's default applies). A mapping is a wire document (docs/protocol.md,
-    "The call"): it is validated with :meth:`MoeInitRoutingV2GradCall.from_wire` when ``validate``
-    is on, and sent as given either way.
+    Raises:
+        TypeError: a document that cannot be packed as msgpack.
     """
     if isinstance(call, MoeInitRoutingV2GradCall):
-        return encode_body_view(call_document(call)), call
-    if isinstance(call, Mapping):
-        _check_no_arrays(call)
-        try:
-            body = encode_body_view(call)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"the request document cannot be packed as msgpack: {exc}") from None
-        checked = MoeInitRoutingV2GradCall.from_wire(decode_body(body)) if validate else None
-        return body, checked
-    raise TypeError(f"call must be a MoeInitRoutingV2GradCall or a wire document mapping, got {type(call).__name__}")
+        return encode_body_view(call_document(call))
+    try:
+        return encode_body_view(call)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"the request document cannot be packed as msgpack: {exc}") from None
 
 
 def compare_body(
-    call: MoeInitRoutingV2GradCall | dict[str, Any], candidate: Any, standards: Any, return_grad_x: Any
-) -> tuple[memoryview, MoeInitRoutingV2GradCall | None]:
-    """The msgpack body of a comparison: the call's fields plus ``candidate``, ``standards``, ``return_grad_x``.
+    call: MoeInitRoutingV2GradCall | Mapping[str, Any],
+    checked: MoeInitRoutingV2GradCall | None,
+    candidate: Any,
+    standards: Any,
+    return_grad_x: Any,
+) -> memoryview:
+    """The msgpack body of a comparison: a prepared call's fields (:func:`prepare`) plus
+    ``candidate``, ``standards``, ``return_grad_x``.
 
-    ``call`` comes from :func:`compare_call`. A validated call has its candidate and standards
-    checked by :func:`moegrad.check_compare_arguments` first, so a bad one raises InvalidArgument
-    before any I/O; a raw document (``validate=False``) is sent as given.
+    The candidate and standards of a ``checked`` call are checked by
+    :func:`moegrad.check_compare_arguments` first, so a bad one raises InvalidArgument before any
+    I/O; those of a call not checked are sent as given.
     """
     if not isinstance(return_grad_x, bool):
         raise TypeError(f"return_grad_x must be a bool, got {type(return_grad_x).__name__}")
-    if isinstance(call, MoeInitRoutingV2GradCall):
-        document, checked = call_document(call), call
-    else:
-        document, checked = dict(call), None
+    document = call_document(call) if isinstance(call, MoeInitRoutingV2GradCall) else dict(call)
     _add_comparison(document, checked, candidate, standards, return_grad_x)
     try:
-        return encode_body_view(document), checked
+        return encode_body_view(document)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"the comparison cannot be packed as msgpack: {exc}") from None
 
@@ -335,48 +511,64 @@ def _add_comparison(
 # --------------------------------------------------------------------------------------------------
 
 
-def batch_items(items: Iterable[Any], *, validate: bool) -> tuple[list[dict[str, Any] | MoegradError], list[Sent]]:
-    """Each batch item's wire document (or the error it raised locally), and what its answer is checked against."""
+def batch_calls(items: list[Any]) -> list[Any]:
+    """Each batch item's call (a :class:`BatchCompare`'s ``call``), for :func:`prepare`.
+
+    Raises:
+        TypeError: an item of another type, or a BatchCompare whose ``return_grad_x`` is not a bool.
+    """
+    calls = []
+    for item in items:
+        if isinstance(item, BatchCompare):
+            if not isinstance(item.return_grad_x, bool):
+                raise TypeError(f"return_grad_x must be a bool, got {type(item.return_grad_x).__name__}")
+            calls.append(item.call)
+        elif isinstance(item, (MoeInitRoutingV2GradCall, Mapping, Unnamed)):
+            calls.append(item)
+        else:
+            raise TypeError(
+                f"a batch item must be a MoeInitRoutingV2GradCall, a wire document mapping or a "
+                f"BatchCompare, got {type(item).__name__}"
+            )
+    return calls
+
+
+def batch_items(
+    items: list[Any], prepared: list[Prepared | MoegradError]
+) -> tuple[list[dict[str, Any] | MoegradError], list[Sent]]:
+    """Each batch item's wire document (or the error it raised locally), and what its answer is
+    checked against; ``prepared``: each item's call from :func:`prepare` (or the error it raised)."""
     documents: list[dict[str, Any] | MoegradError] = []
     sent: list[Sent] = []
-    for item in items:
+    for item, ready in zip(items, prepared, strict=True):
+        if isinstance(ready, MoegradError):  # refused locally: its own answer, not sent
+            documents.append(ready)
+            sent.append(Sent("grad", None, False))
+            continue
+        call, checked, unnamed = ready
+        document = call_document(call) if isinstance(call, MoeInitRoutingV2GradCall) else dict(call)
         try:
             if isinstance(item, BatchCompare):
-                document, checked = _batch_compare_document(item, validate=validate)
-                sent.append(Sent("compare", checked, item.return_grad_x))
+                document["op"] = "compare"
+                _add_comparison(document, checked, item.candidate, item.standards, item.return_grad_x)
+                sent.append(Sent("compare", checked, item.return_grad_x, unnamed))
             else:
-                document, checked = _batch_grad_document(item, validate=validate)
-                sent.append(Sent("grad", checked, True))
+                sent.append(Sent("grad", checked, True, unnamed))
             documents.append(document)
-        except MoegradError as exc:  # a call refused locally (InvalidArgument, MalformedRequest): its own answer
+        except MoegradError as exc:  # a candidate or standard refused locally
             # without its traceback: through ``documents`` it would be a cycle holding every item's arrays
             documents.append(exc.with_traceback(None))
             sent.append(Sent("grad", None, False))
     return documents, sent
 
 
-def _batch_grad_document(call: Any, *, validate: bool) -> tuple[dict[str, Any], MoeInitRoutingV2GradCall | None]:
-    if isinstance(call, MoeInitRoutingV2GradCall):
-        return call_document(call), call
-    if isinstance(call, Mapping):
-        _check_no_arrays(call)
-        document = dict(call)
-        checked = None
-        if validate:
-            checked = MoeInitRoutingV2GradCall.from_wire(decode_body(encode_body_view(document)))
-        return document, checked
-    raise TypeError(
-        f"a batch item must be a MoeInitRoutingV2GradCall, a wire document mapping or a "
-        f"BatchCompare, got {type(call).__name__}"
-    )
-
-
-def _batch_compare_document(
-    item: BatchCompare, *, validate: bool
-) -> tuple[dict[str, Any], MoeInitRoutingV2GradCall | None]:
-    if not isinstance(item.return_grad_x, bool):
-        raise TypeError(f"return_grad_x must be a bool, got {type(item.return_grad_x).__name__}")
-    document, checked = _batch_grad_document(item.call, validate=validate)
-    document["op"] = "compare"
-    _add_comparison(document, checked, item.candidate, item.standards, item.return_grad_x)
-    return document, checked
+def batch_compares(
+    pairs: Iterable[tuple[MoeInitRoutingV2GradCall | Mapping[str, Any], Any]], standards: Any
+) -> list[BatchCompare]:
+    """A sweep's ``(call, candidate)`` pairs as batch items; a call given as keyword arguments
+    (a case that names no profile) is an :class:`Unnamed`, checked by the replicas' profile."""
+    items = []
+    for call, candidate in pairs:
+        sent = call if isinstance(call, MoeInitRoutingV2GradCall) else Unnamed.of_fields(call)
+        items.append(BatchCompare(sent, candidate, standards))
+    return items

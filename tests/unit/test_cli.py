@@ -213,12 +213,20 @@ def test_unreachable_server_exits_4(command, capsys):
     assert "TransportError" in capsys.readouterr().err
 
 
-def test_grad_rejects_locally_before_connecting(example_files, capsys):
+def test_grad_rejects_locally_before_connecting(example_files, tmp_path, capsys):
     x, idx, out = example_files
-    argv = ["grad", "--url", closed_port_url(), "--grad-expanded-x", str(x), "--expanded-row-idx", str(idx),
-            "--top-k", "3", "-o", str(out), "--retries", "0"]
-    assert main(argv) == 3  # not 4: the call never reached the (absent) server
-    assert "561103" in capsys.readouterr().err  # the default profile's (CANN 9.1) shape code
+    grad = ["grad", "--url", closed_port_url(), "--expanded-row-idx", str(idx), "-o", str(out), "--retries", "0"]
+    # a call that names its profile is checked on it: a shape failure is 561103 from CANN 9.1, 561002 before
+    for order, code in (("ascend910b@9.1", "561103"), ("ascend910b@9.0", "561002")):
+        assert main([*grad, "--grad-expanded-x", str(x), "--top-k", "3", "--order", order]) == 3  # not 4: never sent
+        assert code in capsys.readouterr().err
+    # one that names none is the server's to judge, but a float64 grad is refused alike by every profile (161002)
+    np.save(wide := tmp_path / "x64.npy", EXAMPLE_X.astype(np.float64))
+    assert main([*grad, "--grad-expanded-x", str(wide), "--top-k", "2"]) == 3
+    assert "161002" in capsys.readouterr().err
+    # a shape failure's code is the server's profile's: with no server to ask, the call is not judged
+    assert main([*grad, "--grad-expanded-x", str(x), "--top-k", "3"]) == 4
+    assert "TransportError" in capsys.readouterr().err
 
 
 def test_url_defaults_to_env(monkeypatch, capsys):

@@ -161,7 +161,8 @@ def test_a_port_inside_the_range_is_taken(url):
 
 class _Info(BaseHTTPRequestHandler):
     def do_GET(self):  # http.server's name
-        body = json.dumps({"backend": self.server.name, "version": "test"}).encode()
+        order = {"order": self.server.order} if getattr(self.server, "order", None) else {}
+        body = json.dumps({"backend": self.server.name, "version": "test", **order}).encode()
         self.send_response(200 if self.path == "/v1/info" else 404)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -211,6 +212,26 @@ def test_info_with_a_replica_down_shows_the_others_and_exits_4(info_servers, cap
 def test_info_with_one_url_prints_its_info_alone(info_servers, capsys):
     assert main(["info", "--url", info_servers[1]]) == 0
     assert json.loads(capsys.readouterr().out) == {"backend": "second", "version": "test"}
+
+
+def test_info_says_when_the_replicas_run_different_profiles(capsys):
+    servers = []
+    for name, order in (("first", "ascend950@9.1"), ("second", "ascend910b@9.1")):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _Info)
+        server.name, server.order = name, order
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    first, second = (f"http://127.0.0.1:{server.server_address[1]}" for server in servers)
+    try:
+        assert main(["info", "--url", first, "--url", second]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)[second]["order"] == "ascend910b@9.1"
+        assert f"different device profiles: {first} ascend950@9.1, {second} ascend910b@9.1" in captured.err
+        assert main(["info", "--url", first]) == 0 and "different" not in capsys.readouterr().err
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
 
 
 def test_info_over_a_dns_name_says_which_replica_answered(info_servers, capsys):

@@ -104,6 +104,14 @@ def no_io(request: httpx.Request) -> httpx.Response:
     raise AssertionError(f"no request should be sent, got {request.method} {request.url}")
 
 
+def info_only(order: str):
+    """A server that answers GET /v1/info with ``order`` (its profile) and fails the test on any call."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert (request.method, request.url.path) == ("GET", "/v1/info"), f"the call was sent: {request.url}"
+        return httpx.Response(200, json={"order": order})
+    return handler
+
+
 def client(handler, **kwargs) -> Client:
     return Client(BASE, transport=httpx.MockTransport(handler), **kwargs)
 
@@ -201,7 +209,7 @@ def test_info_ready_live():
     rec = Recorder(httpx.Response(200, json=info), httpx.Response(200, json={"status": "ready"}),
                    httpx.Response(200, json={"status": "live"}))
     with client(rec) as c:
-        assert c.info() == info
+        assert c.info() == {**info, "orders": {BASE: "ascend910b"}}  # each replica's profile
         assert c.ready() is True
         assert c.live() is True
     assert [(r.method, r.url.path) for r in rec.requests] == [
@@ -457,9 +465,10 @@ def test_retry_after_as_http_date():
         ({"expanded_row_idx": np.array([2, 0, 2, 3], np.int32)}, INVALID, "expanded_row_idx"),
     ],
 )
-def test_local_validation_raises_before_any_io(kwargs, code, field):
+def test_local_validation_raises_before_the_call_is_sent(kwargs, code, field):
+    # the call names no profile: it is checked by the server's (ascend910b@9.1 here, its /v1/info says)
     args = {"grad_expanded_x": EXAMPLE_X, "expanded_row_idx": EXAMPLE_IDX, "top_k": 2, **kwargs}
-    with client(no_io) as c, pytest.raises(InvalidArgument) as info:
+    with client(info_only("ascend910b@9.1")) as c, pytest.raises(InvalidArgument) as info:
         c.moe_init_routing_v2_grad(**args)
     assert (info.value.aclnn_status, info.value.field) == (code, field)
 
@@ -654,7 +663,7 @@ async def test_async_error_mapping_and_local_validation():
         with pytest.raises(InvalidArgument) as info:
             await c.moe_init_routing_v2_grad(EXAMPLE_X, EXAMPLE_IDX, 2)
     assert (info.value.aclnn_status, info.value.field) == (INVALID, "expanded_row_idx")
-    async with aclient(no_io) as c:
+    async with aclient(info_only("ascend910b@9.1")) as c:
         with pytest.raises(InvalidArgument) as info:
             await c.moe_init_routing_v2_grad(EXAMPLE_X, EXAMPLE_IDX, 3)
     assert (info.value.aclnn_status, info.value.field) == (SHAPE, "expanded_row_idx")
@@ -664,7 +673,7 @@ async def test_async_error_mapping_and_local_validation():
 async def test_async_info_ready_live():
     rec = Recorder(httpx.Response(200, json={"version": "v"}), problem(503), httpx.Response(200, json={"status": "live"}))
     async with aclient(rec) as c:
-        assert await c.info() == {"version": "v"}
+        assert await c.info() == {"version": "v", "orders": {BASE: None}}  # a server that names no profile
         assert await c.ready() is False
         assert await c.live() is True
 

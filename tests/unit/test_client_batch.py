@@ -31,6 +31,8 @@ class Scripted:
         self.bodies: list[list] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/info":  # asked for its profile
+            return httpx.Response(200, json={"order": "ascend910b@9.1"})
         assert request.url.path == "/v1/moe_init_routing_v2_grad/batch"
         assert request.headers["content-type"] == "application/msgpack"
         self.bodies.append(msgpack.unpackb(request.content, raw=False))
@@ -85,7 +87,7 @@ def test_a_locally_invalid_call_is_answered_without_being_sent_and_compares_carr
         answers = client.batch([call(), bad, moegrad.BatchCompare(call(), candidate=BITS.view(np.float32),
                                                                   standards="bitwise"), {**bad, "extra": 1}])
     assert isinstance(answers[0], GradResult)
-    assert isinstance(answers[1], InvalidArgument) and answers[1].aclnn_status == 561103  # the default: CANN 9.1
+    assert isinstance(answers[1], InvalidArgument) and answers[1].aclnn_status == 561103  # the server's: CANN 9.1
     assert isinstance(answers[2], ServiceError)  # the scripted report is not a report
     assert isinstance(answers[3], MalformedRequest) and answers[3].field == "extra"
     (body,) = server.bodies

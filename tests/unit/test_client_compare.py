@@ -116,6 +116,12 @@ def no_io(request: httpx.Request) -> httpx.Response:
     raise AssertionError(f"no request should be sent, got {request.method} {request.url}")
 
 
+def info_only(request: httpx.Request) -> httpx.Response:
+    """A server of profile ascend910b@9.1 that answers only GET /v1/info (a call sent fails the test)."""
+    assert (request.method, request.url.path) == ("GET", "/v1/info"), f"the call was sent: {request.url}"
+    return httpx.Response(200, json={"order": "ascend910b@9.1"})
+
+
 def client(handler, **kwargs) -> Client:
     return Client(BASE, transport=httpx.MockTransport(handler), **kwargs)
 
@@ -233,9 +239,9 @@ def test_bfloat16_call_with_a_float32_candidate():
         ({"candidate": EXAMPLE, "order": "ascend960"}, INVALID, "order"),
     ],
 )
-def test_bad_arguments_raise_before_any_io(kwargs, aclnn, field):
+def test_bad_arguments_raise_before_the_comparison_is_sent(kwargs, aclnn, field):
     arguments = {"top_k": 2, **kwargs}
-    with client(no_io) as c, pytest.raises(InvalidArgument) as caught:
+    with client(info_only) as c, pytest.raises(InvalidArgument) as caught:
         c.compare(EXAMPLE_X, EXAMPLE_IDX, **arguments)
     assert (caught.value.aclnn_status, caught.value.field) == (aclnn, field)
 
@@ -427,6 +433,8 @@ class FakeBatch:
         self.requests: list[list[dict]] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/info":  # a sweep asks every replica's profile first
+            return httpx.Response(200, json={"order": "ascend910b@9.1"})
         assert request.url.path.endswith("/batch"), request.url
         items = msgpack.unpackb(request.content, raw=False)
         self.requests.append(items)

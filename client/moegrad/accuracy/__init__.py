@@ -12,15 +12,18 @@ standard, with the thresholds per dtype and their sources.
 - results: :class:`ComparisonReport` and its parts, each with ``to_dict`` / ``from_dict``;
 - reports: :func:`format_report` (terminal), :func:`markdown_report` / :func:`write_markdown_report`
   (with the plot, :func:`write_histogram`), :func:`write_json_report` / :func:`read_json_report`,
-  :func:`write_csv_report` (msprobe's column names), :func:`report_context` / :func:`with_context`
+  :func:`write_csv_report` (msprobe's column names, then the call's: :data:`CSV_CONTEXT_COLUMNS`),
+  :func:`report_context` / :func:`with_context`
   (what makes a saved report reproducible), :func:`with_profiles` (the device profiles whose
   emulation is bit-identical to the candidate), :func:`rejudge` (verdicts again from stored metrics);
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
-  resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results).
+  resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
+  :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles).
 """
 
 from moegrad._identify import with_profiles
+from moegrad.accuracy._batches import ProfilesDiffer
 from moegrad.accuracy._cases import (
     SUMMARY_COLUMNS,
     CaseResult,
@@ -39,22 +42,25 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
 )
 from moegrad.accuracy._context import report_context, with_context
+from moegrad.accuracy._export import (
+    CSV_CONTEXT_COLUMNS,
+    MSPROBE_DETAIL_COLUMNS,
+    MSPROBE_STATUS,
+    csv_rows,
+    read_json_report,
+    write_csv_report,
+    write_json_report,
+)
 from moegrad.accuracy._fused import warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
 from moegrad.accuracy._report import (
-    MSPROBE_DETAIL_COLUMNS,
-    MSPROBE_STATUS,
-    csv_rows,
     exactness_line,
     format_report,
     markdown_report,
-    read_json_report,
     relative_errors,
-    write_csv_report,
     write_histogram,
-    write_json_report,
     write_markdown_report,
 )
 from moegrad.accuracy._results import (
@@ -71,6 +77,7 @@ from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDAR
 from moegrad.accuracy._sweep import compare_cases, compare_in_process
 
 __all__ = [
+    "CSV_CONTEXT_COLUMNS",
     "DEFAULT_STANDARDS",
     "DTYPE_LIMITS",
     "MSPROBE_DETAIL_COLUMNS",
@@ -87,6 +94,7 @@ __all__ = [
     "MergeError",
     "MergedSweep",
     "Metrics",
+    "ProfilesDiffer",
     "ReportContext",
     "StandardVerdict",
     "SweepFile",

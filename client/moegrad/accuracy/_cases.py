@@ -34,7 +34,7 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
-from moegrad.accuracy._report import MSPROBE_STATUS
+from moegrad.accuracy._export import MSPROBE_STATUS
 from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
 
@@ -46,6 +46,7 @@ __all__ = [
     "CaseStatus",
     "case_digest",
     "case_from_bytes",
+    "case_names_order",
     "fields_digest",
     "find_cases",
     "load_case",
@@ -287,6 +288,20 @@ def _member(archive: Any, name: str, path: str) -> np.ndarray:
         raise ValueError(f"{path}: the array {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
+def case_names_order(case: str | os.PathLike[str] | tuple[str, Mapping[str, Any], Any]) -> bool:
+    """Whether a case names its device profile: a ``(name, fields, candidate)`` case whose fields
+    hold an ``order`` that is not None, or a case file holding an ``order`` array (its archive's
+    names are read, not its arrays). A file that cannot be read counts as naming one: it is not
+    sent, it is an invalid case."""
+    if isinstance(case, tuple):
+        return case[1].get("order") is not None
+    try:
+        with zipfile.ZipFile(os.fspath(case)) as archive:
+            return "order.npy" in archive.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return True
+
+
 def shard_of(name: str, count: int) -> int:
     """The shard of ``count`` (>= 1) that the case called ``name`` belongs to: the first 8 bytes of
     the SHA-256 of its UTF-8 name, big-endian, modulo ``count``. Shards are disjoint and cover any
@@ -336,6 +351,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "bit_exact",
     "bitwise_mismatches",
     "worst_row",
+    "order",
     "file",
 )
 
@@ -373,6 +389,7 @@ def _summary_row(result: CaseResult) -> dict[str, str]:
             "bit_exact": "" if exact is None else str(exact.bit_exact).lower(),
             "bitwise_mismatches": "" if exact is None else str(exact.mismatched),
             "worst_row": "" if r.candidate_vs_golden.worst is None else str(r.candidate_vs_golden.worst.row),
+            "order": "" if r.context is None else r.context.order,
         }
     )
     return row

@@ -7,11 +7,16 @@ folder changed: a merge reads a shard's count from its last header)::
 
     {"kind": "header", "format": "moegrad-sweep/1", "shard": {"index": 2, "count": 8}, "cases": 137,
      "standards": ["dual_thousandth", ...], "require_exact": false, "moegrad": "0.4.0",
-     "started": "2026-07-14T09:12:03Z"}
+     "started": "2026-07-14T09:12:03Z", "orders": {"http://10.0.3.7:8000": "ascend950@9.1"}}
     {"kind": "case", "case": "0042", "file": "cases/0042.npz", "digest": "sha256:<64 hex>",
      "status": "fail", "verdicts": {"dual_thousandth": "pass", ...}, "bit_exact": false,
      "error": null, "report": {<ComparisonReport.to_dict()>}, "server": "http://10.0.3.7:8000",
-     "time": "2026-07-14T09:12:05Z"}
+     "order": "ascend950@9.1", "time": "2026-07-14T09:12:05Z"}
+
+``orders`` is each replica's device profile as the run found it before it sent anything (its
+``/v1/info``'s ``order``; null: no answer; ``{}`` in-process); a case's ``order`` is the profile its
+answer names, the one that judged it (its report's ``context.order``). A resumed run writes a header
+of its own too when its replicas' profiles are not those of the last header.
 
 Only judged cases are written (pass, warning, fail, invalid); a case the service did not judge
 (``"error"``) is not, so that a later run judges it. Each line is written whole with one
@@ -87,6 +92,9 @@ class SweepHeader:
         require_exact: verdicts fail unless the candidate is bit-exact.
         moegrad: the version that wrote it.
         started: when the run started (ISO 8601, UTC).
+        orders: each replica's root URL -> its device profile (``/v1/info``'s ``order``; None: it
+            did not answer), asked before the run sent anything; empty in-process. Not part of
+            what makes two runs one sweep (:meth:`difference`).
     """
 
     shard: tuple[int, int]
@@ -95,10 +103,17 @@ class SweepHeader:
     require_exact: bool
     moegrad: str = __version__
     started: str = dataclasses.field(default_factory=utc_now)
+    orders: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
-        cls, *, cases: int, standards: Iterable[str] | str | None, require_exact: bool, shard: tuple[int, int] = (0, 1)
+        cls,
+        *,
+        cases: int,
+        standards: Iterable[str] | str | None,
+        require_exact: bool,
+        shard: tuple[int, int] = (0, 1),
+        orders: Mapping[str, str | None] | None = None,
     ) -> SweepHeader:
         """The header of a run starting now (``standards`` as :func:`moegrad.compare` takes them).
 
@@ -108,7 +123,13 @@ class SweepHeader:
         """
         if not isinstance(require_exact, bool):
             raise TypeError(f"require_exact must be a bool, got {type(require_exact).__name__}")
-        return cls(shard=shard, cases=cases, standards=_check_standards(standards), require_exact=require_exact)
+        return cls(
+            shard=shard,
+            cases=cases,
+            standards=_check_standards(standards),
+            require_exact=require_exact,
+            orders=dict(orders or {}),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -120,6 +141,7 @@ class SweepHeader:
             "require_exact": self.require_exact,
             "moegrad": self.moegrad,
             "started": self.started,
+            "orders": dict(self.orders),
         }
 
     @classmethod
@@ -127,7 +149,9 @@ class SweepHeader:
         """Raises: ValueError (KeyError, TypeError, OverflowError) for a header that is not one."""
         if line.get("format") != FORMAT:
             raise ValueError(f"format {line.get('format')!r}, not {FORMAT!r}")
-        shard = line["shard"]
+        shard, orders = line["shard"], line.get("orders") or {}
+        if not isinstance(orders, dict):
+            raise ValueError(f"orders {orders!r} is not a map")
         return cls(
             shard=(int(shard["index"]), int(shard["count"])),
             cases=int(line["cases"]),
@@ -135,6 +159,7 @@ class SweepHeader:
             require_exact=_boolean(line["require_exact"]),
             moegrad=str(line.get("moegrad", "")),
             started=str(line.get("started", "")),
+            orders={str(url): None if order is None else str(order) for url, order in orders.items()},
         )
 
     def difference(self, other: SweepHeader) -> str | None:
@@ -186,6 +211,7 @@ def case_json(result: CaseResult, digest: str | None, time: str | None = None) -
         "error": result.error,
         "report": None if report is None else report.to_dict(),
         "server": None if report is None or report.context is None else report.context.server_url,
+        "order": None if report is None or report.context is None else report.context.order,
         "time": time or utc_now(),
     }
 
@@ -292,7 +318,9 @@ class SweepFile:
                 print(warning, file=sys.stderr)
             self.judged: dict[str, CaseLine] = {line.result.name: line for _, lines in runs for line in lines}
             self.skipped = self.written = 0
-            if not runs or runs[-1][0].cases != header.cases:  # a new file, or a folder that changed
+            last = runs[-1][0] if runs else None
+            # a new file, a folder that changed, or replicas of other profiles
+            if last is None or last.cases != header.cases or (header.orders and last.orders != header.orders):
                 self._write(header.to_json())
         except BaseException:
             os.close(self._fd)
@@ -353,9 +381,11 @@ def sweep_output(
     cases: int,
     standards: Iterable[str] | str | None,
     require_exact: bool,
+    orders: Mapping[str, str | None] | None = None,
 ) -> Iterator[SweepFile | None]:
     """``output`` as a :class:`SweepFile` for a run over ``cases`` cases (a path is opened for every
-    case, shard 0/1, and closed after; a SweepFile is used as it is; None stays None).
+    case, shard 0/1, with the replicas' ``orders`` in its header, and closed after; a SweepFile is
+    used as it is; None stays None).
 
     Raises:
         as :class:`SweepFile`; InvalidArgument for an unknown standard.
@@ -363,7 +393,7 @@ def sweep_output(
     if output is None or isinstance(output, SweepFile):
         yield output
         return
-    header = SweepHeader.of(cases=cases, standards=standards, require_exact=require_exact)
+    header = SweepHeader.of(cases=cases, standards=standards, require_exact=require_exact, orders=orders)
     with SweepFile(output, header) as opened:
         yield opened
 

@@ -10,8 +10,7 @@ in-process one alike. The terminal and markdown renderings share their sections 
 - the key metrics of the three comparisons side by side (docs/accuracy.md, "Metrics");
 - the worst element of each comparison, and the rows that must be +0.0.
 
-JSON is ``report.to_dict()`` (read back with :func:`read_json_report`); CSV uses the column names of
-msprobe's accuracy-checking details table (docs/accuracy.md, "CSV columns"). The plot (the
+JSON and CSV files are :mod:`moegrad.accuracy._export`'s. The plot (the
 candidate's and the device's error distributions on the same axes, and the error balance) needs
 matplotlib (the optional extra ``plot``); without it :func:`write_markdown_report` writes the report
 and says the histogram was skipped.
@@ -19,8 +18,6 @@ and says the histogram was skipped.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -33,21 +30,15 @@ from moegrad._reference import moe_init_routing_v2_grad_golden
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy._compare import summand_magnitude
 from moegrad.accuracy._results import ComparisonReport, CriterionResult, Metrics, ReportContext
-from moegrad.accuracy._standards import DTYPE_LIMITS, SEVERITY, THRESHOLDS
+from moegrad.accuracy._standards import DTYPE_LIMITS, THRESHOLDS
 
 __all__ = [
-    "MSPROBE_DETAIL_COLUMNS",
-    "MSPROBE_STATUS",
     "PLOT_MISSING",
-    "csv_rows",
     "exactness_line",
     "format_report",
     "markdown_report",
-    "read_json_report",
     "relative_errors",
-    "write_csv_report",
     "write_histogram",
-    "write_json_report",
     "write_markdown_report",
 ]
 
@@ -445,149 +436,3 @@ def write_markdown_report(
         encoding="utf-8",
     )
     return written
-
-
-# --------------------------------------------------------------------------------------------------
-# JSON and CSV
-
-
-def write_json_report(path: str | os.PathLike[str], report: ComparisonReport) -> None:
-    """Write ``report.to_dict()`` as JSON (``allow_nan=False``: non-finite floats are strings).
-
-    Raises:
-        OSError: the file cannot be written.
-    """
-    Path(path).write_text(json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-
-
-def read_json_report(path: str | os.PathLike[str]) -> ComparisonReport:
-    """Read a report written by :func:`write_json_report` (or ``moegrad compare --json``).
-
-    :func:`moegrad.accuracy.rejudge` of the result reproduces its verdicts from its stored metrics.
-
-    Raises:
-        OSError: the file cannot be read.
-        ValueError: it is not JSON, or not a report (the message names the field).
-    """
-    return ComparisonReport.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-
-
-#: The columns of msprobe's accuracy-checking details table (``accuracy_checking_details_*.csv``), in
-#: its order, followed by moegrad's own (docs/accuracy.md, "CSV columns").
-MSPROBE_DETAIL_COLUMNS: tuple[str, ...] = (
-    "API Name",
-    "Bench Dtype",
-    "DEVICE Dtype",
-    "Shape",
-    "余弦相似度",
-    "最大绝对误差",
-    "双百指标",
-    "双千指标",
-    "双万指标",
-    "二进制一致错误率",
-    "误差均衡性",
-    "均方根误差",
-    "小值域错误占比",
-    "相对误差最大值",
-    "相对误差平均值",
-    "inf/nan错误率",
-    "相对误差错误率",
-    "绝对误差错误率",
-    "ULP误差最大值",
-    "ULP误差平均值",
-    "ULP误差大于阈值占比",
-    "Status",
-    "Message",
-)
-_MOEGRAD_COLUMNS = ("moegrad_status", "bit_exact", "bitwise_mismatches", "worst_row", "worst_column", "standards")
-#: moegrad's status -> the word msprobe writes in its Status column.
-MSPROBE_STATUS = {"pass": "pass", "warning": "warning", "fail": "error", "invalid": "error", "error": "error"}
-
-
-def _cell(value: float | int | None) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else repr(value)
-    return str(value)
-
-
-def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
-    """The report as two rows of msprobe's details table: the candidate's, then the device's (both against the golden).
-
-    Values are written in full precision (``repr`` of the float); a figure moegrad does not compute
-    (msprobe's absolute-threshold error rates) is left empty, as is ``ULP误差大于阈值占比`` for
-    float32 (msprobe counts errors above 32 ULP there, moegrad above 1).
-
-    Returns:
-        Two dicts keyed by :data:`MSPROBE_DETAIL_COLUMNS` and moegrad's columns.
-    """
-    name = report.context.case if report.context is not None and report.context.case else "aclnnMoeInitRoutingV2Grad"
-    profiles = "" if report.profiles_matching is None else "+".join(report.profiles_matching) or "none"
-    device_status = "pass"
-    for v in report.verdicts:
-        if SEVERITY[v.device_status] > SEVERITY[device_status]:
-            device_status = v.device_status
-    rows = []
-    for role, metric, status in (
-        ("candidate", report.candidate_vs_golden, report.verdict),
-        ("device", report.device_vs_golden, device_status),
-    ):
-        is_candidate = role == "candidate"
-        mismatched = report.exact.mismatched if report.exact is not None and is_candidate else 0
-        share = report.exact.share if report.exact is not None and is_candidate else 0.0
-        messages = (
-            [c.describe() for v in report.verdicts for c in v.criteria if c.status != "pass"] if is_candidate else []
-        )
-        worst = metric.worst
-        rows.append(
-            {
-                "API Name": f"{name}.{role}",
-                "Bench Dtype": "float64",
-                "DEVICE Dtype": metric.actual_dtype,
-                "Shape": str(tuple(report.shape)),
-                "余弦相似度": _cell(metric.cosine_similarity),
-                "最大绝对误差": _cell(metric.max_abs_error),
-                "双百指标": _cell(metric.hundredth_share),
-                "双千指标": _cell(metric.thousandth_share),
-                "双万指标": _cell(metric.ten_thousandth_share),
-                "二进制一致错误率": _cell(share),
-                "误差均衡性": _cell(metric.error_imbalance),
-                "均方根误差": _cell(metric.rmse),
-                "小值域错误占比": _cell(metric.small_value_error_rate),
-                "相对误差最大值": _cell(metric.max_relative_error),
-                "相对误差平均值": _cell(metric.mean_relative_error),
-                "inf/nan错误率": _cell(
-                    (metric.nan_mismatch_count + metric.inf_mismatch_count) / metric.count if metric.count else math.nan
-                ),
-                "相对误差错误率": "",
-                "绝对误差错误率": "",
-                "ULP误差最大值": _cell(metric.max_ulp_error),
-                "ULP误差平均值": _cell(metric.mean_ulp_error),
-                "ULP误差大于阈值占比": ""
-                if metric.actual_dtype == "float32"
-                else _cell(metric.ulp_error_above_1_share),
-                "Status": MSPROBE_STATUS[status],
-                "Message": "; ".join(messages),
-                "moegrad_status": status,
-                "bit_exact": "" if report.exact is None else str(mismatched == 0).lower(),
-                "bitwise_mismatches": str(mismatched),
-                "worst_row": "" if worst is None else str(worst.row),
-                "worst_column": "" if worst is None else str(worst.column),
-                "standards": "+".join(v.standard for v in report.verdicts),
-                "profiles_matching": profiles if is_candidate else "",
-            }
-        )
-    return rows
-
-
-def write_csv_report(path: str | os.PathLike[str], report: ComparisonReport) -> None:
-    """Write :func:`csv_rows` to ``path`` (UTF-8 with a byte-order mark, as spreadsheet tools expect).
-
-    Raises:
-        OSError: the file cannot be written.
-    """
-    with open(os.fspath(path), "w", encoding="utf-8-sig", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=[*MSPROBE_DETAIL_COLUMNS, *_MOEGRAD_COLUMNS, "profiles_matching"])
-        writer.writeheader()
-        writer.writerows(csv_rows(report))

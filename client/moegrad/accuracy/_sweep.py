@@ -2,9 +2,9 @@
 
 :func:`compare_cases` (and :func:`acompare_cases`, for asyncio) loads each case
 (:func:`~moegrad.accuracy.load_case`), judges it in this process (:func:`compare_in_process`) or,
-in batches, on a service (:func:`compare_batch_on`, which ``Client.compare_many`` passes its batch
-endpoint to), and classifies each outcome as a :class:`~moegrad.accuracy.CaseResult`;
-docs/accuracy.md, "Bulk checking" and "Sweeps".
+in batches, on a service (:func:`moegrad.accuracy._batches.compare_batch_on`, which
+``Client.compare_many`` passes its batch endpoint to), and classifies each outcome as a
+:class:`~moegrad.accuracy.CaseResult`; docs/accuracy.md, "Bulk checking" and "Sweeps".
 
 The batches are judged by ``concurrency`` worker threads (daemon threads: an interrupted sweep never
 waits for a request in flight) or asyncio tasks; the loading stays one case ahead of them at most
@@ -23,23 +23,21 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
 from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad.accuracy._batches import AsyncCompareBatch, Case, CompareBatch, named
 from moegrad.accuracy._cases import CaseResult, case_digest, case_from_bytes, fields_digest
-from moegrad.accuracy._compare import compare, rejudge
+from moegrad.accuracy._compare import compare
 from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._ledger import SweepFile
 from moegrad.accuracy._results import ComparisonReport
-
-if TYPE_CHECKING:  # moegrad._results imports moegrad.accuracy: a type only, to keep the import one way
-    from moegrad._results import CompareResult
 
 __all__ = [
     "BATCH_BYTES",
@@ -47,27 +45,14 @@ __all__ = [
     "BATCH_MIN_CASES",
     "STOP_GRACE_S",
     "SWEEP_THREAD",
-    "AsyncCompareBatch",
-    "AsyncSendCompares",
-    "CompareBatch",
     "CompareOne",
-    "SendCompares",
-    "acompare_batch_on",
     "acompare_cases",
-    "compare_batch_on",
     "compare_cases",
     "compare_in_process",
 ]
 
-Case = str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]
 #: compare_one(name, fields, candidate) -> the report of one case (raise for a bad one).
 CompareOne = Callable[[str, Mapping[str, Any], np.ndarray], ComparisonReport]
-#: compare_batch([(name, fields, candidate), ...]) -> per case, its report or the exception it raised.
-CompareBatch = Callable[[list[tuple[str, Mapping[str, Any], np.ndarray]]], list["ComparisonReport | Exception"]]
-#: As CompareBatch, awaited.
-AsyncCompareBatch = Callable[
-    [list[tuple[str, Mapping[str, Any], np.ndarray]]], Awaitable[list["ComparisonReport | Exception"]]
-]
 #: A batch holds at most this many cases and about this many input bytes ...
 BATCH_CASES = 64
 BATCH_BYTES = 32 << 20
@@ -439,110 +424,16 @@ def _classified(name: str, path: str | None, outcome: ComparisonReport | Excepti
     return CaseResult(name, outcome.verdict, outcome, None, path)
 
 
-def compare_in_process(standards: Iterable[str] | str | None = None, require_exact: bool = False) -> CompareOne:
+def compare_in_process(
+    standards: Iterable[str] | str | None = None, require_exact: bool = False, order: str | None = None
+) -> CompareOne:
     """A ``compare_one`` for :func:`compare_cases` that judges each case in this process (:func:`compare`),
-    against the bit-exact emulation, and records its :class:`ReportContext`."""
+    against the bit-exact emulation, and records its :class:`ReportContext`. ``order``: the profile
+    of the cases that name none (None: the default profile)."""
 
     def one(name: str, fields: Mapping[str, Any], candidate: np.ndarray) -> ComparisonReport:
-        call = MoeInitRoutingV2GradCall(**fields)
+        call = MoeInitRoutingV2GradCall(**named(fields, order))
         report = compare(call, candidate, standards=standards, require_exact=require_exact)
         return with_context(report, report_context(call, candidate, case=name))
 
     return one
-
-
-#: send([(call, candidate), ...]) -> per pair, in order, the service's answer or the exception that case earned.
-SendCompares = Callable[[list[tuple[MoeInitRoutingV2GradCall, np.ndarray]]], Sequence["CompareResult | MoegradError"]]
-#: As SendCompares, awaited.
-AsyncSendCompares = Callable[
-    [list[tuple[MoeInitRoutingV2GradCall, np.ndarray]]], Awaitable[Sequence["CompareResult | MoegradError"]]
-]
-
-
-class _Batch:
-    """One batch of cases on its way to a service: each case's call validated here first (one the
-    operator refuses is that case's outcome and is not sent), the others' answers then judged."""
-
-    def __init__(self, chunk: list[tuple[str, Mapping[str, Any], np.ndarray]]) -> None:
-        self.chunk = chunk
-        self.outcomes: list[ComparisonReport | Exception | None] = [None] * len(chunk)
-        self.pairs: list[tuple[MoeInitRoutingV2GradCall, np.ndarray]] = []
-        self.sent: list[int] = []
-        for index, (_, fields, candidate) in enumerate(chunk):
-            try:
-                call = MoeInitRoutingV2GradCall(**fields)
-            except (InvalidArgument, MalformedRequest, TypeError, ValueError) as exc:
-                self.outcomes[index] = exc.with_traceback(None)  # a cycle through ``outcomes`` otherwise
-                continue
-            self.pairs.append((call, candidate))
-            self.sent.append(index)
-
-    def judged(
-        self, answers: Sequence[CompareResult | MoegradError], *, require_exact: bool, server_url: str
-    ) -> list[ComparisonReport | Exception]:
-        for index, (call, _), answer in zip(self.sent, self.pairs, answers, strict=True):
-            if isinstance(answer, Exception):
-                self.outcomes[index] = answer
-                continue
-            name, _, candidate = self.chunk[index]
-            report = rejudge(answer.report, require_exact=True) if require_exact else answer.report
-            context = report_context(
-                call,
-                candidate,
-                backend=answer.backend,
-                device=answer.device,
-                server_url=answer.server_url or server_url,
-                order=answer.order,
-                case=name,
-            )
-            self.outcomes[index] = with_context(report, context)
-        assert all(outcome is not None for outcome in self.outcomes)
-        return self.outcomes  # type: ignore[return-value]  # every slot filled above
-
-
-def compare_batch_on(send: SendCompares, *, require_exact: bool, server_url: str) -> CompareBatch:
-    """A ``compare_batch`` for :func:`compare_cases` that judges each batch of cases with one call of ``send``.
-
-    ``Client.compare_many`` passes a ``send`` that asks its service's batch endpoint
-    (``Client.batch`` with a ``BatchCompare`` per case). Each case's call is validated here first:
-    one the operator refuses (InvalidArgument, MalformedRequest, TypeError, ValueError) is that
-    case's outcome and is not sent.
-
-    Args:
-        send: judges calls with their candidates on the service, one answer per pair, in order.
-        require_exact: each verdict fails unless the candidate is bit-exact (:func:`rejudge`).
-        server_url: the service's root URL, recorded in each report's context when the answer does
-            not name the replica that gave it.
-
-    Returns:
-        ``compare_batch(chunk)``: per case, its report (with its :class:`ReportContext`: the inputs'
-        SHA-256, the server, the time) or the exception it earned.
-
-    Raises:
-        TypeError: ``require_exact`` is not a bool (``"false"`` would read as true).
-    """
-    _check_bool(require_exact)
-
-    def judged(chunk: list[tuple[str, Mapping[str, Any], np.ndarray]]) -> list[ComparisonReport | Exception]:
-        batch = _Batch(chunk)
-        answers = send(batch.pairs) if batch.pairs else []
-        return batch.judged(answers, require_exact=require_exact, server_url=server_url)
-
-    return judged
-
-
-def acompare_batch_on(send: AsyncSendCompares, *, require_exact: bool, server_url: str) -> AsyncCompareBatch:
-    """:func:`compare_batch_on` with an awaited ``send`` (``AsyncClient.compare_many``)."""
-    _check_bool(require_exact)
-
-    async def judged(chunk: list[tuple[str, Mapping[str, Any], np.ndarray]]) -> list[ComparisonReport | Exception]:
-        batch = _Batch(chunk)
-        answers = await send(batch.pairs) if batch.pairs else []
-        return batch.judged(answers, require_exact=require_exact, server_url=server_url)
-
-    return judged
-
-
-def _check_bool(require_exact: Any) -> None:
-    if not isinstance(require_exact, bool):
-        raise TypeError(f"require_exact must be a bool, got {type(require_exact).__name__}")
