@@ -135,7 +135,7 @@ def fused_metrics(
     acc = np.zeros((tokens, 3, jit.SLOTS), dtype=np.float64)
     acc[:, :, jit.BAD] = -2.0
     has_golden = golden is not None
-    golden_in = _read_only(golden if has_golden else np.zeros((1, 1), dtype=np.float64))
+    golden_in = _read_only(golden if golden is not None else np.zeros((1, 1), dtype=np.float64))
 
     def run(start: int, stop: int) -> None:
         jit.compare_rows(
