@@ -216,6 +216,7 @@ def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(
     files = accuracy.find_cases(tmp_path / "cases")
     seen: list[str] = []
     killed_at: list[int] = []
+    busy_at_kill: list[int] = []
     urls = [servers[0].url, servers[1].url, victim.url]
     client = moegrad.Client(urls)
 
@@ -228,6 +229,7 @@ def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(
             os.killpg(victim.pid, signal.SIGKILL)
             victim.process.wait(10)
             killed_at.append(len(seen))
+            busy_at_kill.append(in_flight)
 
     try:
         with client:
@@ -243,7 +245,8 @@ def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(
     lines = case_lines(tmp_path / "sweep.jsonl")
     assert sorted(line["case"] for line in lines) == sorted(expected)  # written exactly once each
     assert all(stats[url].served > 0 for url in urls[:2]), stats  # both survivors served
-    assert stats[victim.url].failures >= 1, stats  # its loss was seen, and its calls went elsewhere
+    if busy_at_kill[0]:  # killed with a batch in hand (killed idle at 130, every batch left may be in flight elsewhere)
+        assert stats[victim.url].failures >= 1, stats  # its loss was seen, and its calls went elsewhere
     assert {line["server"] for line in lines} <= set(urls)
 
 
