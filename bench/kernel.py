@@ -41,7 +41,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from moegrad import MoeInitRoutingV2GradCall, _fast, _reference, accumulation_schedule
+from moegrad import MoeInitRoutingV2GradCall, accumulation_schedule
+from moegrad.numerics import _fast, _reference
 
 __all__ = ["WORKLOADS", "Workload", "main"]
 

@@ -28,8 +28,8 @@ import torch
 import moegrad
 import moegrad.torch  # noqa: F401  (registers torch.ops.moegrad)
 from bench.kernel import WORKLOADS, build
-from moegrad import _reference
 from moegrad._tensors import to_numpy, to_torch
+from moegrad.numerics import _reference
 
 __all__ = ["main"]
 

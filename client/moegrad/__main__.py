@@ -1,6 +1,6 @@
 """``python -m moegrad``: the ``moegrad`` command (see ``moegrad --help``)."""
 
-from moegrad._cli import main
+from moegrad.cli._main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

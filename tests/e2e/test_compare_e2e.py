@@ -1,6 +1,6 @@
 """Accuracy comparisons end to end: a real moegrad-service (uvicorn), the Client, the AsyncClient and
 the ``moegrad compare`` command, in all three modes. Against the server the command runs as a
-subprocess, as a user runs it; ``--local`` runs in this process (``moegrad._cli.main``), which
+subprocess, as a user runs it; ``--local`` runs in this process (``moegrad.cli._main.main``), which
 spares a process start per case.
 
 Most of these tests check **transport only**: the expected report is :func:`moegrad.compare` of the
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import moegrad
-from moegrad._cli import main
+from moegrad.cli._main import main
 from support import routing
 from support.oracle import (
     ALL_STANDARDS,
@@ -44,7 +44,7 @@ TOLERANCE = ("dual_thousandth", "threshold", "benchmark", "accumulative")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Runs the command with matplotlib made unimportable, as on a host without the ``plot`` extra.
 WITHOUT_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None; "
-                      "from moegrad._cli import main; sys.exit(main(sys.argv[1:]))")
+                      "from moegrad.cli._main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def make_call(mode: str, dtype=np.float32, *, tokens: int = 20, top_k: int = 4, hidden: int = 24, seed: int = 0):

@@ -14,7 +14,8 @@ import pytest
 
 import moegrad
 from moegrad import DeviceFault
-from moegrad_service.engine import ReferenceBackend, pool as pool_module
+from moegrad_service.engine import ReferenceBackend
+from moegrad_service.engine import pool as pool_module
 from support.docexample import DOC_GRAD, DOC_IDX, DOC_RESULT_BITS
 
 MODEL = "moe_init_routing_v2_grad"

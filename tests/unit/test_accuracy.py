@@ -26,13 +26,13 @@ from moegrad import (
     InvalidArgument,
     Metrics,
     MoeInitRoutingV2GradCall,
+    accuracy,
     compare,
     compare_arrays,
     metrics,
     moe_init_routing_v2_grad,
     skipped_rows,
 )
-from moegrad import accuracy
 from support.oracle import (
     ALL_STANDARDS,
     ORACLE_CASES,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moegrad import accuracy
-from moegrad._cli import main
+from moegrad.cli._main import main
 from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -2,7 +2,7 @@
 
 Oracle: the source tree itself. A module is named by its dotted name inside its package, in
 backticks (``_client``, ``accuracy._compare``, ``api.v1.codec``, ``engine.ascend._abi``), or by its
-full dotted name (``moegrad._client``); a package by its name (``api.v1``) or full name.
+full dotted name (``moegrad.http._client``); a package by its name (``api.v1``) or full name.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Ascend 950 order (moegrad._ascend950) against independent computations (docs/semantics.md section 7).
+"""The Ascend 950 order (moegrad.numerics._ascend950) against independent computations (docs/semantics.md section 7).
 
 The expected values never come from moegrad's 950 code: templates come from the public tiling unit
 tests of the arch35 kernel (hicann/ops-transformer's
@@ -123,8 +123,8 @@ def test_tiling_matches_hand_worked_values(shape, expected):
 
 
 def test_tiling_defaults_are_the_950pr_950dt_platform():
-    assert moegrad._ascend950.UB_SIZE_BYTES == 253952
-    assert moegrad._ascend950.VECTOR_CORE_COUNT == 64
+    assert moegrad.numerics._ascend950.UB_SIZE_BYTES == 253952
+    assert moegrad.numerics._ascend950.VECTOR_CORE_COUNT == 64
     default = ascend950_tiling("bfloat16", 64, 64, 2048)
     assert (default.template, default.k_ub_factor) == ("regbase", 29)
     assert default.hidden_align == 2048

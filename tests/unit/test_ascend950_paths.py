@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moegrad import _fast, _reference, moe_init_routing_v2_grad
+from moegrad import moe_init_routing_v2_grad
+from moegrad.numerics import _fast, _reference
 
 pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
 
-from moegrad import _fast_jit  # noqa: E402  (imports numba)
+from moegrad.numerics import _fast_jit  # noqa: E402  (imports numba)
 from support.bits import assert_bitwise_equal
 from support.inputs import BF16, F32, GRAD_DTYPES, KS, MODES, random_call, wide_values
 from support.kernel_paths import record_stream_flags, streamed_into_offset_buffer

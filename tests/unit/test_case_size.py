@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from moegrad import accuracy
-from moegrad._cli import main
+from moegrad.cli._main import main
 from support.oracle import device_k2, oracle_call
 
 GIB = 1 << 30

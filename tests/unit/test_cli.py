@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moegrad._cli import load_npy, main, save_npy
+from moegrad.cli._main import load_npy, main, save_npy
 from support.docexample import DOC_GRAD as EXAMPLE_X
 from support.docexample import DOC_IDX as EXAMPLE_IDX
 from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
@@ -351,7 +351,7 @@ def test_a_reader_that_leaves_early_does_not_change_the_exit_status(tmp_path, mo
 
 
 def test_an_internal_error_is_one_line_and_exit_70(monkeypatch, capsys):
-    import moegrad._cli as cli
+    import moegrad.cli._main as cli
 
     def broken(args):
         raise RuntimeError("an invariant does not hold")

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import moegrad
-from moegrad._cli import _server_summary, main
+from moegrad.cli._main import _server_summary, main
 from support.docexample import DOC_GRAD, DOC_IDX, DOC_RESULT_BITS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -33,7 +33,7 @@ from moegrad import (
     TransportError,
     Unauthorized,
 )
-from moegrad._client import USE_CLIENT_DEFAULT
+from moegrad.http._client import USE_CLIENT_DEFAULT
 from support.docexample import DOC_GRAD as EXAMPLE_X
 from support.docexample import DOC_IDX as EXAMPLE_IDX
 from support.docexample import DOC_RESULT_BITS as EXAMPLE_BITS
@@ -126,7 +126,7 @@ def bits(array: np.ndarray) -> np.ndarray:
 def test_public_names_are_exported():
     for name in ("AsyncClient", "Client", "GradResult"):
         assert name in moegrad.__all__
-        assert getattr(moegrad, name).__module__ == ("moegrad._results" if name == "GradResult" else "moegrad._client")
+        assert getattr(moegrad, name).__module__ == ("moegrad.http._answers" if name == "GradResult" else "moegrad.http._client")
 
 
 # ---- requests ------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def client(handler, **kwargs) -> Client:
 
 
 def test_public_names_are_exported():
-    assert "CompareResult" in moegrad.__all__ and CompareResult.__module__ == "moegrad._results"
+    assert "CompareResult" in moegrad.__all__ and CompareResult.__module__ == "moegrad.http._answers"
     assert "check_compare_arguments" in moegrad.__all__
 
 

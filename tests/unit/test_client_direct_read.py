@@ -1,4 +1,4 @@
-"""The sync client receives a large frames reply's tensors straight from the socket (moegrad._transport.read_frames).
+"""The sync client receives a large frames reply's tensors straight from the socket (moegrad.http._transport.read_frames).
 
 A local HTTP/1.1 responder answers with a frames reply built here from docs/protocol.md (magic
 ``MGF1``, the header's length, the msgpack header, the tensor at the next 16-byte aligned offset),
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import moegrad
-from moegrad import _transport
+from moegrad.http import _transport
 from support.rawhttp import Responder
 
 N, K, H = 2048, 2, 512  # grad_x 4 MiB of float32

@@ -16,7 +16,7 @@ import pytest
 
 import moegrad
 from moegrad import InvalidArgument
-from moegrad._requests import RULE_SETS
+from moegrad.http._requests import RULE_SETS
 from support.docexample import DOC_GRAD as GRAD
 from support.docexample import DOC_IDX as IDX
 from support.docexample import DOC_RESULT_BITS as BITS

@@ -28,7 +28,7 @@ from moegrad import (
     encode_frames,
     encode_tensor,
 )
-from moegrad._frames import FramesReader
+from moegrad.wire._frames import FramesReader
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "int32": np.int32}
 UINT = {2: np.uint16, 4: np.uint32}

@@ -28,7 +28,7 @@ PROFILES = list(SLOW_PROFILES)
 def path(request, monkeypatch):
     if request.param == "numba":
         pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
-    monkeypatch.setattr(moegrad._reference, "_KERNEL", request.param)
+    monkeypatch.setattr(moegrad.numerics._reference, "_KERNEL", request.param)
     return request.param
 
 

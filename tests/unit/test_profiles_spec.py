@@ -71,7 +71,7 @@ def test_each_boundary_is_accepted_or_refused_as_the_kernel_source_says(profile,
 def test_the_950_at_9_1_adds_a_zero_row_for_every_invalid_slot_on_every_path(monkeypatch, path, layout, mode):
     if path == "numba":
         pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
-    monkeypatch.setattr(moegrad._reference, "_KERNEL", path)
+    monkeypatch.setattr(moegrad.numerics._reference, "_KERNEL", path)
     rng = np.random.default_rng([len(mode), len(layout), len(path)])
     slots = 40 * 9
     rows = {"dropless": slots, "active": 200, "drop_pad": 400}[mode]

@@ -14,7 +14,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import moegrad._reference
+import moegrad.numerics._reference
 from moegrad import InvalidArgument, moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
 from support import routing
 from support.bits import assert_bitwise_equal, bits
@@ -290,7 +290,7 @@ def test_no_n_k_h_intermediate(path, monkeypatch):
     # tracemalloc sees NumPy's allocations only, so the NumPy path (and the float64 golden, always
     # NumPy) is run explicitly: the compiled path's buffers are invisible to it.
     if path == "numpy":
-        monkeypatch.setattr(moegrad._reference, "_KERNEL", "numpy")
+        monkeypatch.setattr(moegrad.numerics._reference, "_KERNEL", "numpy")
     function = moe_init_routing_v2_grad_golden if path == "golden" else moe_init_routing_v2_grad
     rng = np.random.default_rng(3)
     tokens, top_k, hidden = 2048, 64, 64

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moegrad import InvalidArgument, MoeInitRoutingV2GradCall, _reference, _reference_many, ascend950_tiling
-from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
-from moegrad._spec import CallGroup
+from moegrad import InvalidArgument, MoeInitRoutingV2GradCall, ascend950_tiling
+from moegrad.numerics import _reference, _reference_many
+from moegrad.numerics._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad.operator._call import CallGroup
 from support.bits import assert_bitwise_equal
 from support.docexample import DOC_GRAD, DOC_IDX
 from support.inputs import GRAD_DTYPES, MODES, random_call

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from moegrad import InvalidArgument, _fast, _reference, ascend950_tiling, moe_init_routing_v2_grad
+from moegrad import InvalidArgument, ascend950_tiling, moe_init_routing_v2_grad
+from moegrad.numerics import _fast, _reference
 from support.bits import assert_bitwise_equal, bits
 from support.inputs import F16, F32, GRAD_DTYPES, MODES, random_call
 from support.slow_loops import slow950, slow_grad_x

@@ -18,11 +18,12 @@ import threading
 import numpy as np
 import pytest
 
-from moegrad import MoeInitRoutingV2GradCall, _fast, _reference, accumulation_schedule, moe_init_routing_v2_grad
+from moegrad import MoeInitRoutingV2GradCall, accumulation_schedule, moe_init_routing_v2_grad
+from moegrad.numerics import _fast, _reference
 
 pytest.importorskip("numba", reason="the compiled path needs the 'fast' extra")
 
-from moegrad import _fast_jit  # noqa: E402  (imports numba)
+from moegrad.numerics import _fast_jit  # noqa: E402  (imports numba)
 from support.bits import assert_bitwise_equal
 from support.inputs import BF16, F16, F32, GRAD_DTYPES, KS, MODES, ORDERS, random_call
 from support.kernel_paths import record_stream_flags, streamed_into_offset_buffer

@@ -28,8 +28,8 @@ from moegrad import (
     ReplicaStats,
     TransportError,
 )
-from moegrad._client import USE_CLIENT_DEFAULT
-from moegrad._replicas import ReplicaSet, Resolve
+from moegrad.http._client import USE_CLIENT_DEFAULT
+from moegrad.http._replicas import ReplicaSet, Resolve
 
 A, B, C = "http://a.test:8000", "http://b.test:8000", "http://c.test:8000"
 # The operator documentation's example: gradX = [[0.3, 0.3], [0.7, 0.7]] (float32 bits below).

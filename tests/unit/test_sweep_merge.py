@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moegrad import accuracy
-from moegrad._cli import main
+from moegrad.cli._main import main
 from support.oracle import device_k2, oracle_call
 
 COUNT = 3

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 
 import moegrad
-import moegrad._cli_sweep as cli_sweep
+import moegrad.cli._sweep as cli_sweep
 from moegrad import DeviceFault, accuracy
-from moegrad._cli import main
 from moegrad.accuracy._cases import shard_of
 from moegrad.accuracy._ledger import SweepFile, SweepHeader
 from moegrad.accuracy._merge import merge_sweeps
+from moegrad.cli._main import main
 from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 
 

@@ -1,4 +1,4 @@
-"""The clients' default transports (moegrad._transport): httpx's, with reads of up to READ_BYTES.
+"""The clients' default transports (moegrad.http._transport): httpx's, with reads of up to READ_BYTES.
 
 A local HTTP/1.1 responder sends a 6 MiB body in one ``sendall``; through httpx's own transport
 (httpcore reads 64 KiB at a time) that body is at least 96 chunks, through ours far fewer, and the
@@ -15,7 +15,7 @@ import socket
 import httpx
 import pytest
 
-from moegrad._transport import READ_BYTES, async_http_transport, http_transport
+from moegrad.http._transport import READ_BYTES, async_http_transport, http_transport
 from support.rawhttp import BODY, Responder
 
 

@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 
 from moegrad import (
+    DTYPES,
     REQUEST_LIMITS,
     InvalidArgument,
-    DTYPES,
     MalformedRequest,
     PayloadTooLarge,
     decode_body,
     decode_tensor,
     dtype_name,
     encode_body,
+    encode_body_view,
     encode_tensor,
 )
-from moegrad import encode_body_view
 
 WIRE = {
     "float16": (np.dtype("<f2"), np.uint16),

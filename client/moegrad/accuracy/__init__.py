@@ -22,7 +22,6 @@ standard, with the thresholds per dtype and their sources.
   :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles).
 """
 
-from moegrad._identify import with_profiles
 from moegrad.accuracy._batches import ProfilesDiffer
 from moegrad.accuracy._cases import (
     SUMMARY_COLUMNS,
@@ -75,6 +74,7 @@ from moegrad.accuracy._results import (
 )
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
 from moegrad.accuracy._sweep import compare_cases, compare_in_process
+from moegrad.numerics._identify import with_profiles
 
 __all__ = [
     "CSV_CONTEXT_COLUMNS",

@@ -8,7 +8,7 @@ SHA-256, the replica that answered, the profile that judged it, the time).
 
 A case that names no device profile (no ``order``) is run by its replica on the replica's own
 profile: it is sent as its keyword arguments, for the client to check by the replicas' profile
-(``moegrad._requests.prepare``), and :func:`refuse_mixed_profiles` stops a sweep of such cases over
+(``moegrad.http._requests.prepare``), and :func:`refuse_mixed_profiles` stops a sweep of such cases over
 replicas whose profiles differ before anything is sent (docs/accuracy.md, "Sweeps").
 """
 
@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy._cases import case_names_order
 from moegrad.accuracy._compare import rejudge
 from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._results import ComparisonReport
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
-if TYPE_CHECKING:  # moegrad._results imports moegrad.accuracy: a type only, to keep the import one way
-    from moegrad._results import CompareResult
+if TYPE_CHECKING:  # moegrad.http._answers imports moegrad.accuracy: a type only, to keep the import one way
+    from moegrad.http._answers import CompareResult
 
 __all__ = [
     "AsyncCompareBatch",

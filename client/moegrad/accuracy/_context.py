@@ -10,11 +10,11 @@ import hashlib
 
 import numpy as np
 
-from moegrad._profiles import resolve_profile
-from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
-from moegrad._wire import dtype_name
 from moegrad.accuracy._results import ComparisonReport, ReportContext
+from moegrad.operator._call import ORDERS, MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import resolve_profile
+from moegrad.wire._codec import dtype_name
 
 __all__ = ["report_context", "with_context"]
 

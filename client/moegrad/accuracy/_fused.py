@@ -17,10 +17,10 @@ from types import ModuleType
 import ml_dtypes
 import numpy as np
 
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad._wire import dtype_name
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS
+from moegrad.operator._call import MoeInitRoutingV2GradCall
+from moegrad.wire._codec import dtype_name
 
 __all__ = ["available", "fused_metrics", "warm_up_compare"]
 
@@ -154,7 +154,7 @@ def fused_metrics(
             acc,
         )
 
-    from moegrad import _reference  # the shared pool of the reference kernels
+    from moegrad.numerics import _reference  # the shared pool of the reference kernels
 
     _reference._map_chunks(run, tokens, max(1, _CHUNK_ELEMENTS // hidden))
     totals = acc.sum(axis=0)

@@ -1,7 +1,7 @@
 """Which device profile made these bits? :func:`identify` emulates every profile and compares.
 
 A gradX that came from an NPU (or from a port of the operator) is compared bit for bit with the
-emulation of every profile of :data:`moegrad._profiles.PROFILES` (a chip at one CANN release, and
+emulation of every profile of :data:`moegrad.operator._profiles.PROFILES` (a chip at one CANN release, and
 Huawei's sequential golden): the profiles whose result is bit-identical are the ones that could
 have made it. Profiles whose arithmetic is the same for the call are computed once: the result
 depends only on the order of adds (:attr:`Profile.order`) and, for an index outside the documented
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import TypeAdapter
 
-from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._profiles import PROFILES, resolve_profile
-from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad._wire import dtype_name
+from moegrad.numerics._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad.numerics._reference import moe_init_routing_v2_grad
+from moegrad.operator._call import MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import PROFILES, resolve_profile
+from moegrad.wire._codec import dtype_name
 
 if TYPE_CHECKING:
     from moegrad.accuracy._results import ComparisonReport

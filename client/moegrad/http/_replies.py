@@ -4,7 +4,7 @@ A single call's reply, a comparison's and each item of a batch's are read by :fu
 same fields (docs/protocol.md, "The reply"), the same checks against the call that was sent (grad_x
 of its shape [N, H] and dtype, a report about grad_x of that shape), the same ServiceError for a
 reply that is not valid (the server's reply is broken, not the caller's request). A frames reply is
-read into a :class:`~moegrad._frames.FramesReader` by the driver (:func:`frames_reader`) and its
+read into a :class:`~moegrad.wire._frames.FramesReader` by the driver (:func:`frames_reader`) and its
 document taken from there; every other reply is one msgpack map.
 """
 
@@ -17,12 +17,12 @@ import httpx
 import numpy as np
 
 from moegrad._errors import MalformedRequest, MoegradError, ServiceError
-from moegrad._frames import FRAMES_MEDIA_TYPE, FramesReader
-from moegrad._results import CompareResult, GradResult
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad._status import error_from_problem, str_or_none
-from moegrad._wire import decode_body, decode_tensor, dtype_name
 from moegrad.accuracy import ComparisonReport
+from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._status import error_from_problem, str_or_none
+from moegrad.operator._call import MoeInitRoutingV2GradCall
+from moegrad.wire._codec import decode_body, decode_tensor, dtype_name
+from moegrad.wire._frames import FRAMES_MEDIA_TYPE, FramesReader
 
 __all__ = [
     "REPLICA_EXTENSION",

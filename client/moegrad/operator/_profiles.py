@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moegrad._errors import AclnnStatus
-from moegrad._wire import brief
+from moegrad.wire._codec import brief
 
 __all__ = [
     "ALIASES",
@@ -43,7 +43,7 @@ CHIPS: dict[str, str] = {
 #: The CANN releases a profile names, oldest first.
 RELEASES: tuple[str, ...] = ("8.5", "9.0", "9.1")
 
-# Kernel orders of adds (docs/semantics.md sections 3 and 7; moegrad._orders writes each out).
+# Kernel orders of adds (docs/semantics.md sections 3 and 7; moegrad.numerics._schedules writes each out).
 BINS = "bins"  # A2/A3: B accumulators over interleaved slots, then a pairwise tree
 CHAIN = "chain"  # one float32 accumulator from +0.0, slot by slot
 GROUPS_OF_FOUR = "groups_of_four"  # 950: s += ((v0 + v1) + (v2 + v3)) per K chunk, leftovers one by one

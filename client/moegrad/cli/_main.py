@@ -17,28 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from moegrad._cli_parser import (
-    EXIT_FAILURE,
-    EXIT_INTERNAL,
-    EXIT_INTERRUPTED,
-    EXIT_MISMATCH,
-    EXIT_OK,
-    EXIT_REJECTED,
-    EXIT_USAGE,
-    UsageError,
-    build_parser,
-    default_urls,
-    index_as_int32,
-    with_flags,
-)
-from moegrad._cli_sweep import run_cases, run_merge
-from moegrad._client import Client
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._identify import identify
-from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._requests import fields_document
-from moegrad._results import CompareResult, GradResult
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._version import __version__
 from moegrad.accuracy import (
     CaseResult,
@@ -55,6 +34,27 @@ from moegrad.accuracy import (
 )
 from moegrad.accuracy._batches import context_call, named
 from moegrad.accuracy._report import PLOT_MISSING
+from moegrad.cli._parser import (
+    EXIT_FAILURE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_USAGE,
+    UsageError,
+    build_parser,
+    default_urls,
+    index_as_int32,
+    with_flags,
+)
+from moegrad.cli._sweep import run_cases, run_merge
+from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._client import Client
+from moegrad.http._requests import fields_document
+from moegrad.numerics._identify import identify
+from moegrad.numerics._reference import moe_init_routing_v2_grad
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = ["load_npy", "main", "save_npy"]
 
@@ -322,7 +322,7 @@ def _write_reports(
 
 
 def _cmd_compare_cases(args: argparse.Namespace) -> int:
-    """``compare --cases DIR``: the sweep is :func:`moegrad._cli_sweep.run_cases`'s; here, each case's reports."""
+    """``compare --cases DIR``: the sweep is :func:`moegrad.cli._sweep.run_cases`'s; here, each case's reports."""
     if args.reports:
         try:
             os.makedirs(args.reports, exist_ok=True)

@@ -5,13 +5,13 @@ docs/semantics.md section 2: a slot whose index names no row of grad_expanded_x 
 drop/pad mode, an index >= active_num in active mode, and on ``ascend950@9.1`` any negative index
 and a dropless index >= N*K, which validation accepts there alone). Rows are widened exactly to
 float32, every add is float32 round-to-nearest-even, and the result is rounded once to the input
-dtype. What differs between profiles is only the order of adds (:mod:`moegrad._orders` writes each
-one out; many small calls run as one in :mod:`moegrad._reference_many`).
+dtype. What differs between profiles is only the order of adds (:mod:`moegrad.numerics._schedules` writes each
+one out; many small calls run as one in :mod:`moegrad.numerics._reference_many`).
 
 Nothing materialises an [N, K, H] intermediate: rows are processed in chunks whose float32 bins fit
 in a few MiB, the chunks spread over the machine's cores (NumPy releases the GIL while it copies
 and adds). Where numba is installed (the ``fast`` extra), the float32 accumulation runs compiled
-instead (:mod:`moegrad._fast`), with the same bits; ``_KERNEL`` or ``_accumulate(kernel=...)``
+instead (:mod:`moegrad.numerics._fast`), with the same bits; ``_KERNEL`` or ``_accumulate(kernel=...)``
 picks the path ("auto", "numba", "numpy"). The shared pool has ``MOEGRAD_REFERENCE_THREADS``
 threads, default the CPUs this process may use (at most 8); concurrent calls share it.
 """
@@ -27,12 +27,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from moegrad import _fast
-from moegrad._ascend950 import ASCEND950, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._orders import order_schedule
-from moegrad._profiles import CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR
-from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
+from moegrad.numerics import _fast
+from moegrad.numerics._ascend950 import (
+    ASCEND950,
+    UB_SIZE_BYTES,
+    VECTOR_CORE_COUNT,
+    ascend950_schedule,
+    ascend950_tiling,
+)
+from moegrad.numerics._schedules import order_schedule
+from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR
 
 __all__ = ["moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden", "warm_up"]
 

@@ -38,8 +38,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._spec import GRAD_DTYPES
-from moegrad._wire import brief, dtype_name
+from moegrad.operator._call import GRAD_DTYPES
+from moegrad.wire._codec import brief, dtype_name
 
 __all__ = [
     "MoeInitRoutingV2Result",

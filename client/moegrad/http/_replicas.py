@@ -9,7 +9,7 @@ A client's ``base_url`` names its replicas (:func:`parse_replicas`):
   :data:`DNS_REFRESH_S` seconds, e.g. a Kubernetes headless Service's name. Requests go to each
   address, with ``Host`` (and, over TLS, the SNI name and the certificate check) set to NAME.
 
-:class:`ReplicaSet` decides, with no I/O (the sans-I/O core, :mod:`moegrad._core`, asks it at every
+:class:`ReplicaSet` decides, with no I/O (the sans-I/O core, :mod:`moegrad.http._core`, asks it at every
 attempt; a lock makes it safe for a client shared by threads):
 
 - **which replica takes an attempt**: of two replicas picked at random, the one with fewer calls in
@@ -131,7 +131,7 @@ def parse_replicas(value: Any, check_url: Callable[[Any], httpx.URL]) -> tuple[t
 
     Args:
         value: a URL (str or ``httpx.URL``), a ``dns+http(s)://`` URL, or a non-empty list or tuple of URLs.
-        check_url: checks one ``http(s)://`` URL (:mod:`moegrad._config`'s), raising TypeError/ValueError.
+        check_url: checks one ``http(s)://`` URL (:mod:`moegrad.http._config`'s), raising TypeError/ValueError.
 
     Raises:
         TypeError: not a URL nor a list of them.

@@ -15,7 +15,7 @@ httpx or httpcore the client touches, set in one function (:func:`_install_pool`
 :data:`PRIVATE_MEMBERS`.
 
 :func:`read_frames` and :func:`aread_frames` stream a frames reply into its
-:class:`~moegrad._frames.FramesReader`; the sync one receives the rest of a large reply (1 MiB or
+:class:`~moegrad.wire._frames.FramesReader`; the sync one receives the rest of a large reply (1 MiB or
 more left) from the plain TCP socket straight into the result's arrays, past h11's copies.
 """
 
@@ -30,7 +30,7 @@ import httpcore
 import httpx
 
 from moegrad._errors import MalformedRequest
-from moegrad._frames import FramesReader
+from moegrad.wire._frames import FramesReader
 
 __all__ = [
     "DIRECT_READ_MIN_BYTES",

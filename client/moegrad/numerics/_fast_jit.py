@@ -1,6 +1,6 @@
-"""The compiled body of the fast path: numba functions, imported only by :mod:`moegrad._fast`.
+"""The compiled body of the fast path: numba functions, imported only by :mod:`moegrad.numerics._fast`.
 
-Importing this module imports numba; :mod:`moegrad._fast` does so lazily, on the first call that can
+Importing this module imports numba; :mod:`moegrad.numerics._fast` does so lazily, on the first call that can
 use it, and falls back to the NumPy path when numba is missing.
 
 Why one file of 800 lines: numba's on-disk cache (``cache=True``) checks only the source file of
@@ -31,7 +31,7 @@ Numerics (docs/semantics.md), and how this code keeps them exact:
   narrowed into a staging row as it would be into grad_x, then copied out line by line, and a fence
   before the kernel returns makes the stores visible to the thread that reads grad_x.
 - The schedule (``accumulation_schedule``) is data: per-bin chains of slots (see ``run_rows`` and
-  ``moegrad._fast._plan``), so both A2/A3-shaped orders run through the same compiled code. The
+  ``moegrad.numerics._fast._plan``), so both A2/A3-shaped orders run through the same compiled code. The
   Ascend 950 order (one accumulator, groups of four restarting every chunk of slots) has its own
   loop, ``run_rows_950``, with the same conversions.
 """
@@ -505,7 +505,7 @@ def _fill(n, target, value):
 def _stream_row(n, source, target, line):
     """``n`` elements from ``source`` to ``target``: the whole 64-byte lines of ``target`` by
     :func:`_stream_line`, the partial lines at either end by ordinary stores. ``line`` is the
-    elements per 64 bytes; ``target`` is aligned to its element size (``moegrad._fast._streams``
+    elements per 64 bytes; ``target`` is aligned to its element size (``moegrad.numerics._fast._streams``
     streams no other grad_x): otherwise no element would start a line, and the line stores fault."""
     head = min(n, ((-_address(target)) & 63) // (64 // line))
     for h in range(head):
@@ -713,7 +713,7 @@ def _run_rows(rows, aux, index, top_k, chains, group, work, results, layers, sta
         _order_stores()
 
 
-# The Ascend 950 order (moegrad._ascend950): one float32 accumulator per element from +0.0; groups of
+# The Ascend 950 order (moegrad.numerics._ascend950): one float32 accumulator per element from +0.0; groups of
 # four slots added as ((a + b) + (c + d)), leftovers one by one; a skipped slot reads the +0.0 row.
 
 

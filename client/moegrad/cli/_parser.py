@@ -1,6 +1,6 @@
 """The ``moegrad`` command's arguments: the parser of its subcommands (grad, local, compare, example, info, identify).
 
-What each subcommand does is :mod:`moegrad._cli`'s; this module only says what it takes, with the
+What each subcommand does is :mod:`moegrad.cli._main`'s; this module only says what it takes, with the
 help text, the exit statuses and the environment it reads for defaults (MOEGRAD_URL, MOEGRAD_TOKEN).
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from moegrad._profiles import ALIASES, DEFAULT_PROFILE, PROFILES
-from moegrad._spec import ORDERS
 from moegrad._version import __version__
 from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
+from moegrad.operator._call import ORDERS
+from moegrad.operator._profiles import ALIASES, DEFAULT_PROFILE, PROFILES
 
 __all__ = [
     "EXIT_FAILURE",

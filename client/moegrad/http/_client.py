@@ -1,19 +1,19 @@
 """Client and AsyncClient: call a moegrad service over HTTP (wire protocol v1, docs/protocol.md).
 
-Both clients are thin shells over one sans-I/O core (:class:`~moegrad._core.ClientCore`): each
+Both clients are thin shells over one sans-I/O core (:class:`~moegrad.http._core.ClientCore`): each
 method asks the core for a *flow* and drives it, and ``_drive`` is the same dozen lines in each
 client, differing by ``await``. What is built where:
 
-- configuration, checked before any I/O: :mod:`moegrad._config`;
-- requests (documents, bodies, headers, timeouts): :mod:`moegrad._requests`;
-- replies (one parser for every endpoint): :mod:`moegrad._replies`;
-- each HTTP status and network failure -> the exception raised: :mod:`moegrad._status`, whose
+- configuration, checked before any I/O: :mod:`moegrad.http._config`;
+- requests (documents, bodies, headers, timeouts): :mod:`moegrad.http._requests`;
+- replies (one parser for every endpoint): :mod:`moegrad.http._replies`;
+- each HTTP status and network failure -> the exception raised: :mod:`moegrad.http._status`, whose
   docstring holds the table (the exception tree is drawn in ``moegrad._errors``);
-- the flows, the retries and the deadline: :mod:`moegrad._core`;
-- the default transports and the frames readers: :mod:`moegrad._transport` (a frames reply's
+- the flows, the retries and the deadline: :mod:`moegrad.http._core`;
+- the default transports and the frames readers: :mod:`moegrad.http._transport` (a frames reply's
   tensors are copied once, into arrays of their own; the sync client receives a large one's
   straight from the socket);
-- the replicas, the choice of each attempt's and what each served: :mod:`moegrad._replicas`;
+- the replicas, the choice of each attempt's and what each served: :mod:`moegrad.http._replicas`;
 - many case files judged in batches over every replica, and their results file
   (:meth:`Client.compare_many`): :mod:`moegrad.accuracy._sweep`, ``_batches``, ``_ledger``.
 
@@ -36,20 +36,20 @@ from typing import Any, TypeVar, cast
 import httpx
 import numpy as np
 
-from moegrad._config import CLIENT_DOC, USE_CLIENT_DEFAULT, ClientConfig, _UseClientDefault, ssl_verify
-from moegrad._core import ClientCore, Flow
 from moegrad._errors import MoegradError
-from moegrad._replicas import ReplicaStats, Resolve
-from moegrad._replies import frames_reader
-from moegrad._requests import BatchCompare, batch_compares, compare_call, grad_call
-from moegrad._results import CompareResult, GradResult
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import to_numpy, to_torch
-from moegrad._transport import PerReplica, aread_frames, async_http_transport, http_transport, read_frames
 from moegrad.accuracy import CaseResult
 from moegrad.accuracy._batches import SentCall, acompare_batch_on, compare_batch_on, refuse_mixed_profiles
 from moegrad.accuracy._ledger import SweepFile, sweep_output
 from moegrad.accuracy._sweep import acompare_cases, compare_cases
+from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._config import CLIENT_DOC, USE_CLIENT_DEFAULT, ClientConfig, _UseClientDefault, ssl_verify
+from moegrad.http._core import ClientCore, Flow
+from moegrad.http._replicas import ReplicaStats, Resolve
+from moegrad.http._replies import frames_reader
+from moegrad.http._requests import BatchCompare, batch_compares, compare_call, grad_call
+from moegrad.http._transport import PerReplica, aread_frames, async_http_transport, http_transport, read_frames
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = ["USE_CLIENT_DEFAULT", "AsyncClient", "Client"]
 
@@ -226,7 +226,7 @@ class Client(_ClientBase):
                 561002 or 561103), locally (``validate=True``) before the call is sent, or by the
                 server's check: the same answer either way.
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
-            DeviceFault, ServiceError, TransportError: see the table in ``moegrad._status``.
+            DeviceFault, ServiceError, TransportError: see the table in ``moegrad.http._status``.
         """
         x, idx, fields = to_numpy(grad_expanded_x), to_numpy(expanded_row_idx), (top_k, drop_pad_mode, active_num)
         call = grad_call(x, idx, *fields, order, allow_duplicate_indices, validate=self._core.config.validate)
@@ -336,7 +336,7 @@ class Client(_ClientBase):
             TypeError: ``return_grad_x`` or ``require_exact`` is not a bool, the request cannot be
                 packed, or a call is passed with other call arguments.
             MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
-            DeviceFault, ServiceError, TransportError: see the table in ``moegrad._status``.
+            DeviceFault, ServiceError, TransportError: see the table in ``moegrad.http._status``.
         """
         fields = (grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
         call = compare_call(*fields, validate=self._core.config.validate)

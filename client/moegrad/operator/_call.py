@@ -1,7 +1,7 @@
 """One operator call, validated as aclnnMoeInitRoutingV2GradGetWorkspaceSize checks it on one device profile.
 
 The client checks a call with this model before sending it; the service checks it again on receipt.
-The call's ``order`` names a device profile (:mod:`moegrad._profiles`: a chip at one CANN release),
+The call's ``order`` names a device profile (:mod:`moegrad.operator._profiles`: a chip at one CANN release),
 and the profile decides three things here: which index values are accepted (rule 7), the status
 of an attribute or shape failure (``S`` below: the profile's ``attribute_status``, 561002
 ACLNN_ERR_INNER_TILING_ERROR before CANN 9.1, 561103 ACLNN_ERR_INNER_NULLPTR from 9.1), and what an
@@ -38,8 +38,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError, field_validator, model_validator
 
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
-from moegrad._profiles import DEFAULT_PROFILE, PROFILE_NAMES, PROFILES, Profile, resolve_profile
-from moegrad._wire import DTYPES, brief, decode_tensor, dtype_name, encode_tensor
+from moegrad.operator._profiles import DEFAULT_PROFILE, PROFILE_NAMES, PROFILES, Profile, resolve_profile
+from moegrad.wire._codec import DTYPES, brief, decode_tensor, dtype_name, encode_tensor
 
 __all__ = ["GRAD_DTYPES", "ORDERS", "CallGroup", "MoeInitRoutingV2GradCall"]
 

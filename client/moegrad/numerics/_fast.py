@@ -1,10 +1,10 @@
 """The compiled path of the reference numerics: one pass over the gathered rows, when numba is installed.
 
-:func:`moegrad._reference.moe_init_routing_v2_grad` hands its float32 accumulation here first; when
+:func:`moegrad.numerics._reference.moe_init_routing_v2_grad` hands its float32 accumulation here first; when
 this path cannot take a call (numba missing, or an input layout it does not handle) it returns False
 and the NumPy path runs instead. Both give the same bits (a NaN's payload aside: NaN where the other
-has NaN): the adds are the ones :func:`~moegrad._reference.accumulation_schedule` lists, in its
-order, on exactly widened float32 values, rounded once, half to even (see :mod:`moegrad._fast_jit`
+has NaN): the adds are the ones :func:`~moegrad.numerics._reference.accumulation_schedule` lists, in its
+order, on exactly widened float32 values, rounded once, half to even (see :mod:`moegrad.numerics._fast_jit`
 for how the compiled code keeps that).
 
 Why it is faster than the NumPy path: NumPy gathers each slot's rows into a buffer, widens them into
@@ -67,7 +67,7 @@ def _load_jit() -> ModuleType | None:
     global _jit, _jit_missing
     if _jit is None and not _jit_missing:
         try:
-            from moegrad import _fast_jit
+            from moegrad.numerics import _fast_jit
         except ImportError:
             _jit_missing = True
         else:
@@ -200,7 +200,7 @@ def accumulate(
         index: [N*K] int32 expanded_row_idx; a slot outside [0, R) is skipped (docs/semantics.md
             section 2: validation leaves there only the profile's skipped slots).
         top_k: K.
-        schedule: :func:`~moegrad._orders.accumulation_schedule` of K (a tuple).
+        schedule: :func:`~moegrad.numerics._schedules.accumulation_schedule` of K (a tuple).
         out: [N, H] C-contiguous, the dtype of ``rows``; N >= 1, H >= 1.
         map_chunks: runs ``fn(start, stop)`` over row chunks (the reference module's thread pool).
         lanes: how many of the pool's threads this call may use.
@@ -236,7 +236,7 @@ def accumulate_950(
 ) -> bool:
     """grad_x into ``out`` in the Ascend 950 order; False (``out`` untouched) when it cannot take the call.
 
-    Same bits as the NumPy path running :func:`moegrad._ascend950.ascend950_schedule` (one float32
+    Same bits as the NumPy path running :func:`moegrad.numerics._ascend950.ascend950_schedule` (one float32
     accumulator from +0.0; groups of four restarting every ``k_chunk`` slots, or a plain chain when
     ``grouped`` is False; a skipped slot adds +0.0; one rounding at the end).
 

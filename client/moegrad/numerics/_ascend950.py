@@ -25,7 +25,7 @@ A slot whose index is invalid (skipped) is a row of +0.0 added in its place. So 
 with ``kUbFactor < K`` gives bits that differ from one pass over all K slots, and which template
 runs depends on N, K, H, the dtype, the UB size and the core count.
 
-The summing routine changed between CANN releases (the profiles of :mod:`moegrad._profiles`):
+The summing routine changed between CANN releases (the profiles of :mod:`moegrad.operator._profiles`):
 
 - from 9.0 (``ascend950@9.0``, ``ascend950@9.1``; ``Profile.order == "groups_of_four"``): the
   groups of four above;
@@ -48,7 +48,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from moegrad._wire import dtype_name
+from moegrad.wire._codec import dtype_name
 
 __all__ = [
     "ASCEND950",

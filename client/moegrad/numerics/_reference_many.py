@@ -3,7 +3,7 @@
 
 Every row of grad_x depends only on its own K slots, and the order of its adds only on K and the
 profile's kernel order (the 950's groups of four: also on the tiling's k_chunk), so calls that share
-those are stacked into one drop/pad call over their rows and run through :mod:`moegrad._reference`'s
+those are stacked into one drop/pad call over their rows and run through :mod:`moegrad.numerics._reference`'s
 kernels once.
 """
 
@@ -14,11 +14,17 @@ from typing import cast
 
 import numpy as np
 
-from moegrad._ascend950 import ASCEND950, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
-from moegrad._orders import order_schedule
-from moegrad._profiles import GROUPS_OF_FOUR
-from moegrad._reference import _accumulate, moe_init_routing_v2_grad
-from moegrad._spec import CallGroup, MoeInitRoutingV2GradCall
+from moegrad.numerics._ascend950 import (
+    ASCEND950,
+    UB_SIZE_BYTES,
+    VECTOR_CORE_COUNT,
+    ascend950_schedule,
+    ascend950_tiling,
+)
+from moegrad.numerics._reference import _accumulate, moe_init_routing_v2_grad
+from moegrad.numerics._schedules import order_schedule
+from moegrad.operator._call import CallGroup, MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import GROUPS_OF_FOUR
 
 __all__ = ["moe_init_routing_v2_grad_group", "moe_init_routing_v2_grad_many"]
 

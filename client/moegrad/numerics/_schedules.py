@@ -1,7 +1,7 @@
 """The orders of adds: which float32 add of aclnnMoeInitRoutingV2Grad comes when (docs/semantics.md).
 
 Every order sums the same widened float32 values with float32 round-to-nearest-even adds; only the
-order of the adds differs, and with it the bits. A device profile (:mod:`moegrad._profiles`) names
+order of the adds differs, and with it the bits. A device profile (:mod:`moegrad.operator._profiles`) names
 one of three kernel orders (``Profile.order``):
 
 ``"bins"`` reproduces the Atlas A2/A3 kernel (ascend910b, ascend910_93, every release) bit for bit:
@@ -12,21 +12,27 @@ S3 ``bin[((t-1)/2) % B] += v[t]`` for odd t, increasing (a skipped slot in S2/S3
 S4 a pairwise tree ``bin[j-s] += bin[j]`` for s = 1, 2, 4, ... < B and j = s, 3s, 5s, ... < B.
 ``"chain"`` is float32 from +0.0, t = 0..K-1: Huawei's public test golden (``"sequential"``) and the
 Ascend 950 kernel at CANN 8.5.
-``"groups_of_four"`` reproduces the Ascend 950PR/950DT kernel from CANN 9.0 (:mod:`moegrad._ascend950`):
+``"groups_of_four"`` reproduces the Ascend 950PR/950DT kernel from CANN 9.0 (:mod:`moegrad.numerics._ascend950`):
 one float32 accumulator from +0.0, groups of four slots added as ``s += ((v0 + v1) + (v2 + v3))``,
 leftovers one by one, the groups restarting at each chunk of slots the tiling picks (which depends
 on N, K, H, the dtype, the UB size and the vector core count); a skipped slot adds +0.0.
 
 :func:`accumulation_schedule` writes an order out as data (steps of one output row), which both
-kernel paths of :mod:`moegrad._reference` run.
+kernel paths of :mod:`moegrad.numerics._reference` run.
 """
 
 from __future__ import annotations
 
 import functools
 
-from moegrad._ascend950 import ASCEND950, UB_SIZE_BYTES, VECTOR_CORE_COUNT, ascend950_schedule, ascend950_tiling
-from moegrad._profiles import BINS, CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR, resolve_profile
+from moegrad.numerics._ascend950 import (
+    ASCEND950,
+    UB_SIZE_BYTES,
+    VECTOR_CORE_COUNT,
+    ascend950_schedule,
+    ascend950_tiling,
+)
+from moegrad.operator._profiles import BINS, CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR, resolve_profile
 
 __all__ = ["accumulation_schedule", "bin_count", "order_schedule"]
 
@@ -92,7 +98,7 @@ def accumulation_schedule(
 @functools.lru_cache(maxsize=512)
 def order_schedule(top_k: int, kind: str) -> tuple[tuple[str, int, int], ...]:
     """The steps of one output row in the kernel order ``kind``, ``"bins"`` or ``"chain"`` (the 950's
-    ``"groups_of_four"`` depends on its tiling: :func:`moegrad._ascend950.ascend950_schedule`).
+    ``"groups_of_four"`` depends on its tiling: :func:`moegrad.numerics._ascend950.ascend950_schedule`).
 
     Raises:
         ValueError: ``top_k < 1`` or another ``kind``.

@@ -18,8 +18,8 @@ import msgpack
 import numpy as np
 
 from moegrad._errors import MalformedRequest
-from moegrad._limits import StructureLimits
-from moegrad._wire import DTYPES, TENSOR_KEYS, Segment, brief, decode_body
+from moegrad.wire._codec import DTYPES, TENSOR_KEYS, Segment, brief, decode_body
+from moegrad.wire._limits import StructureLimits
 
 __all__ = [
     "FRAMES_ALIGN",

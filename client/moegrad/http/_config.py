@@ -2,7 +2,7 @@
 
 - :class:`Timeouts`: a call's deadline and one connection attempt's limit, in seconds;
 - :class:`Retries`: how many times a call is retried, and how long it waits before each retry;
-- :class:`ClientConfig`: all the sans-I/O core (:mod:`moegrad._core`) needs, built from the
+- :class:`ClientConfig`: all the sans-I/O core (:mod:`moegrad.http._core`) needs, built from the
   clients' keyword arguments by :meth:`ClientConfig.from_arguments` (TypeError / ValueError for a
   value of the wrong type or out of range, naming the argument);
 - :data:`USE_CLIENT_DEFAULT`: a call's ``timeout_s`` when not passed, as opposed to None (no deadline);
@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import httpx
 
-from moegrad._replicas import parse_replicas
 from moegrad._version import __version__
+from moegrad.http._replicas import parse_replicas
 
 __all__ = ["CLIENT_DOC", "USE_CLIENT_DEFAULT", "WIRES", "ClientConfig", "Retries", "Timeouts", "Wire", "ssl_verify"]
 
@@ -41,7 +41,7 @@ CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, docs/proto
             replicas are NAME's addresses (a Kubernetes headless Service), resolved again every
             30 s. Each call goes to the less busy of two replicas picked at random, and a call that
             cannot connect, is dropped or gets 503/504 is retried on another one at once; a failing
-            replica is set aside for 1 s to 30 s (:mod:`moegrad._replicas`; ``stats`` says what
+            replica is set aside for 1 s to 30 s (:mod:`moegrad.http._replicas`; ``stats`` says what
             each served).
         timeout_s: each call's deadline in seconds, covering retries and waits; sent to the server as
             ``X-Request-Timeout`` (which the server may cap). None: no deadline.
@@ -141,7 +141,7 @@ class ClientConfig:
         base_url: the service's root URL (absolute http(s), no query or fragment; a path prefix is
             kept); of several replicas, the first; for a ``dns+`` URL, the name's URL without ``dns+``.
         replicas: every replica's root URL (one for a single URL or a ``dns+`` URL).
-        dns: the replicas are the addresses of ``base_url``'s host (:mod:`moegrad._replicas`).
+        dns: the replicas are the addresses of ``base_url``'s host (:mod:`moegrad.http._replicas`).
         timeouts: the call's deadline and the connection limit.
         retries: the retry policy.
         token: the bearer token sent as ``Authorization: Bearer <token>``, or None.
@@ -241,7 +241,7 @@ def _seconds(name: str, value: Any, *, allow_none: bool) -> float | None:
 
 
 def _base_url(value: Any) -> httpx.URL:
-    """One replica's root URL, checked (:func:`moegrad._replicas.parse_replicas` takes lists and ``dns+``)."""
+    """One replica's root URL, checked (:func:`moegrad.http._replicas.parse_replicas` takes lists and ``dns+``)."""
     if not isinstance(value, (str, httpx.URL)):
         raise TypeError(f"base_url must be a str or httpx.URL, got {type(value).__name__}")
     try:

@@ -23,14 +23,14 @@ from typing import Any, Literal, NamedTuple
 import httpx
 import numpy as np
 
-from moegrad._config import ClientConfig
 from moegrad._errors import InvalidArgument, MoegradError
-from moegrad._frames import FRAMES_MEDIA_TYPE
-from moegrad._profiles import PROFILE_NAMES, PROFILES
-from moegrad._replicas import Replica
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad._wire import decode_body, encode_body_view, encode_tensor
 from moegrad.accuracy import check_compare_arguments
+from moegrad.http._config import ClientConfig
+from moegrad.http._replicas import Replica
+from moegrad.operator._call import MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import PROFILE_NAMES, PROFILES
+from moegrad.wire._codec import decode_body, encode_body_view, encode_tensor
+from moegrad.wire._frames import FRAMES_MEDIA_TYPE
 
 __all__ = [
     "BATCH_PATH",

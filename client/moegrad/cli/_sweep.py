@@ -15,7 +15,7 @@ status  over all the cases of the run (its shard; for ``--merge``, the sweep), t
 1       a case failed a standard
 0       every case passed (warnings pass)
 2       usage (bad flags, FILE written for another shard, files that are not one sweep)
-70      an internal error (a bug in moegrad; :func:`moegrad._cli.main` says how to report it)
+70      an internal error (a bug in moegrad; :func:`moegrad.cli._main.main` says how to report it)
 130/143 interrupted by SIGINT / SIGTERM: the lines written are whole; the workers finish the
         batch in hand for up to 2 s, then requests still in flight are abandoned (the process
         ends at once), so the command ends within seconds; interrupted once every case is
@@ -42,7 +42,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from moegrad._cli_parser import (
+from moegrad._errors import InvalidArgument, MoegradError
+from moegrad.accuracy import CaseResult, compare_cases, compare_in_process, find_cases, write_summary
+from moegrad.accuracy._batches import ProfilesDiffer, refuse_mixed_profiles
+from moegrad.accuracy._cases import shard_of, worst_first
+from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
+from moegrad.accuracy._merge import MergeError, merge_sweeps
+from moegrad.accuracy._sweep import SWEEP_THREAD
+from moegrad.cli._parser import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_MISMATCH,
@@ -51,14 +58,7 @@ from moegrad._cli_parser import (
     EXIT_TERMINATED,
     UsageError,
 )
-from moegrad._client import Client
-from moegrad._errors import InvalidArgument, MoegradError
-from moegrad.accuracy import CaseResult, compare_cases, compare_in_process, find_cases, write_summary
-from moegrad.accuracy._batches import ProfilesDiffer, refuse_mixed_profiles
-from moegrad.accuracy._cases import shard_of, worst_first
-from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
-from moegrad.accuracy._merge import MergeError, merge_sweeps
-from moegrad.accuracy._sweep import SWEEP_THREAD
+from moegrad.http._client import Client
 
 __all__ = ["run_cases", "run_merge", "sweep_status"]
 
@@ -111,7 +111,7 @@ def _check_writable(path: str, flag: str) -> None:
         raise UsageError(f"cannot write {flag} {path}: the folder {folder} does not exist")
 
 
-#: How a case that no replica answered reads (:func:`moegrad._status.error_from_transport`'s message).
+#: How a case that no replica answered reads (:func:`moegrad.http._status.error_from_transport`'s message).
 _UNREACHABLE = "TransportError: cannot reach "
 
 

@@ -4,7 +4,7 @@ A tensor travels as the map ``{"dtype": str, "shape": [int, ...], "data": bin}``
 the C-order, little-endian bytes of the array. bfloat16 travels as raw 2-byte words
 (``ml_dtypes.bfloat16``). No msgpack ext types are sent or accepted, and nothing is ever unpickled.
 A body is one msgpack map (one call or reply), or an array of them (a batch). The bounds on a
-body's structure are :mod:`moegrad._limits`'; the frames form of a body is :mod:`moegrad._frames`.
+body's structure are :mod:`moegrad.wire._limits`'; the frames form of a body is :mod:`moegrad.wire._frames`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest, PayloadTooLarge
-from moegrad._limits import MAX_BATCH_CALLS, MAX_DEPTH, MAX_RANK, StructureLimits
+from moegrad.wire._limits import MAX_BATCH_CALLS, MAX_DEPTH, MAX_RANK, StructureLimits
 
 __all__ = [
     "DTYPES",

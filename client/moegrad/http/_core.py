@@ -5,16 +5,16 @@ A flow is a generator that yields what it wants done and is sent back what happe
 - it yields an ``httpx.Request`` and is sent the ``httpx.Response`` (body read) or the
   ``httpx.HTTPError`` the transport raised;
 - it yields a ``float`` (seconds to wait before a retry) and is sent ``None``;
-- it yields a :class:`~moegrad._replicas.Resolve` (a ``dns+`` URL's name) and is sent
+- it yields a :class:`~moegrad.http._replicas.Resolve` (a ``dns+`` URL's name) and is sent
   ``socket.getaddrinfo``'s list, or the ``OSError`` it raised;
 - it returns the call's result, or raises the mapped :class:`~moegrad.MoegradError`.
 
-The core builds every request (:mod:`moegrad._requests`), maps every response and every network
-error (:mod:`moegrad._status`, :mod:`moegrad._replies`), picks each attempt's replica
-(:mod:`moegrad._replicas`) and decides every retry; it does no I/O. It also keeps what it learns of
+The core builds every request (:mod:`moegrad.http._requests`), maps every response and every network
+error (:mod:`moegrad.http._status`, :mod:`moegrad.http._replies`), picks each attempt's replica
+(:mod:`moegrad.http._replicas`) and decides every retry; it does no I/O. It also keeps what it learns of
 each replica's device profile (the ``order`` of its ``/v1/info``, and of its answers to calls that
-name none), by which such calls are checked before they are sent (:func:`moegrad._requests.prepare`).
-``Client`` and ``AsyncClient`` (:mod:`moegrad._client`) only drive flows, the same dozen lines in
+name none), by which such calls are checked before they are sent (:func:`moegrad.http._requests.prepare`).
+``Client`` and ``AsyncClient`` (:mod:`moegrad.http._client`) only drive flows, the same dozen lines in
 each, differing by ``await``. A new endpoint is one flow here plus one short method in each client.
 """
 
@@ -29,13 +29,13 @@ from typing import Any, TypeVar
 
 import httpx
 
-from moegrad._config import ClientConfig
 from moegrad._errors import DeadlineExceeded, DeviceBusy, MoegradError, TransportError
-from moegrad._frames import FRAMES_MEDIA_TYPE, encode_frames
-from moegrad._limits import MAX_BATCH_CALLS
-from moegrad._replicas import Replica, ReplicaSet, Resolve
-from moegrad._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_compare, parse_grad, parse_json
-from moegrad._requests import (
+from moegrad.accuracy import rejudge
+from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._config import ClientConfig
+from moegrad.http._replicas import Replica, ReplicaSet, Resolve
+from moegrad.http._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_compare, parse_grad, parse_json
+from moegrad.http._requests import (
     BATCH_PATH,
     COMPARE_PATH,
     FRAMES_ACCEPT,
@@ -54,11 +54,11 @@ from moegrad._requests import (
     grad_body,
     prepare,
 )
-from moegrad._results import CompareResult, GradResult
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad._status import error_from_response, error_from_transport
-from moegrad._wire import encode_batch
-from moegrad.accuracy import rejudge
+from moegrad.http._status import error_from_response, error_from_transport
+from moegrad.operator._call import MoeInitRoutingV2GradCall
+from moegrad.wire._codec import encode_batch
+from moegrad.wire._frames import FRAMES_MEDIA_TYPE, encode_frames
+from moegrad.wire._limits import MAX_BATCH_CALLS
 
 __all__ = ["FRAMES_MIN_BYTES", "ClientCore", "Flow"]
 
@@ -79,7 +79,7 @@ class ClientCore:
         config: the client's configuration.
         clock: monotonic seconds (the deadline's and the replicas' clock).
         async_body: request bodies as async iterables (httpx.AsyncClient takes no others).
-        rng: the replicas' random choice (:class:`~moegrad._replicas.ReplicaSet`).
+        rng: the replicas' random choice (:class:`~moegrad.http._replicas.ReplicaSet`).
     """
 
     def __init__(
@@ -192,7 +192,7 @@ class ClientCore:
         """One call (``POST /v1/moe_init_routing_v2_grad``): msgpack, or frames when :meth:`frames_for` says so.
 
         ``call``: a :class:`MoeInitRoutingV2GradCall`, a wire document or an :class:`Unnamed`
-        (:func:`moegrad._requests.prepare`, checked by the replicas' profile when it names none)."""
+        (:func:`moegrad.http._requests.prepare`, checked by the replicas' profile when it names none)."""
         timeout_s = self.config.call_timeout_s(timeout_s)
         retries = self.config.retries.count
         ready = (yield from self.prepared_flow([call], raise_refusals=True))[0]
@@ -219,7 +219,7 @@ class ClientCore:
         return result
 
     def prepared_flow(self, calls: list[Any], *, raise_refusals: bool = False) -> Flow[list[Prepared | MoegradError]]:
-        """Each call as :func:`moegrad._requests.prepare` makes it ready to send (or the MoegradError it
+        """Each call as :func:`moegrad.http._requests.prepare` makes it ready to send (or the MoegradError it
         raised locally), those that name no profile checked by the replicas' profile.
 
         When that profile is not known and the profiles' rules disagree about a call, the replicas

@@ -1,0 +1,1 @@
+"""The ``moegrad`` command: a client of the library, never a second code path."""
