@@ -7,7 +7,7 @@ Most of these tests check **transport only**: the expected report is :func:`moeg
 same call and candidate, the very function the server runs, and the device result is
 :func:`moegrad.moe_init_routing_v2_grad` (the emulation the reference backend serves), so they prove
 that the numbers arrive intact, not that they are right. The numbers are proven by the oracles in
-tests/unit/test_accuracy.py and tests/service/test_compare.py (tests/support/oracle.py), and
+tests/unit/accuracy/test_accuracy.py and tests/service/test_compare.py (tests/support/oracle.py), and
 ``test_cli_json_exit_code_follows_the_independent_verdicts`` here takes its expected exit code and
 statuses from that oracle. Exit codes are the ones ``moegrad --help`` documents: 0 pass (a warning
 passes), 1 a failed standard, 2 usage, 3 rejected input, 4 server or transport failure.

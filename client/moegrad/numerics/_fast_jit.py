@@ -19,7 +19,7 @@ Numerics (docs/semantics.md), and how this code keeps them exact:
   contracts into FMAs. It vectorises the loops over H, which only runs the adds of
   different output elements side by side; the adds of one element stay in the schedule's order.
   (LLVM may swap the two operands of an add. That changes nothing but which NaN's payload and sign
-  a NaN + NaN keeps; NumPy's own add does not fix that either, see tests/unit/test_reference_paths.py.)
+  a NaN + NaN keeps; NumPy's own add does not fix that either, see tests/unit/numerics/test_reference_paths.py.)
 - Narrowing rounds half to even exactly as NumPy (float16) and ml_dtypes (bfloat16) cast: overflow
   goes to inf, subnormals are rounded. A NaN gets the bits those casts give it, except that the
   CPU's float16 conversion (where used) returns it quiet with the top payload bits.

@@ -16,7 +16,7 @@ import pytest
 
 from moegrad import PROFILES
 
-SEMANTICS = Path(__file__).resolve().parents[2] / "docs" / "semantics.md"
+SEMANTICS = Path(__file__).resolve().parents[3] / "docs" / "semantics.md"
 HEADER = "| profile | chip | release | order of adds |"
 ORDER_WORDS = {"bins": "bins", "groups_of_four": "groups of four", "chain": "chain from +0.0"}
 

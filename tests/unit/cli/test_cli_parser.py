@@ -25,7 +25,7 @@ import moegrad
 from moegrad.cli._main import _server_summary, main
 from support.docexample import DOC_GRAD, DOC_IDX, DOC_RESULT_BITS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def help_text(capsys, *command: str) -> str:

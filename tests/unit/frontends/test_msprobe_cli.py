@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _WITHOUT_TORCH = (
     "import runpy, sys\n"
     "sys.modules['torch'] = None\n"

@@ -5,7 +5,7 @@ Codes and names are the operator documentation's (docs/operator.md) in docs/sema
 -> 561103 ACLNN_ERR_INNER_NULLPTR on the default profile (ascend910b@9.1: the CANN 9.1 documentation's
 code, zh docs at commit 192ebbfa), 561002 ACLNN_ERR_INNER_TILING_ERROR on every profile before 9.1
 (the earlier documentation's); 7 index values and uniqueness -> 161002. The profile rules of 9.1
-(invalid slots, empty grad_x) are in tests/unit/test_profiles_spec.py.
+(invalid slots, empty grad_x) are in tests/unit/operator/test_profiles_spec.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Both paths of the Ascend 950 order, the compiled one (numba) and the NumPy one, bit for bit.
 
 Expected values come from the slow per-row loop of tests/support/slow_loops.py (written from
-docs/semantics.md section 7.2); NaN is compared by position (see tests/unit/test_reference_paths.py).
+docs/semantics.md section 7.2); NaN is compared by position (see tests/unit/numerics/test_reference_paths.py).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_compiled_path_over_several_tiles_of_h(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=lambda d: d.name)
 def test_streamed_grad_x_is_the_slow_loops_and_stays_in_its_rows(monkeypatch, compiled_stream_flags, dtype, top_k,
                                                                   hidden, offset):
-    # as in tests/unit/test_reference_paths.py: every grad_x streamed; tiles of 64 elements (H = 67: two)
+    # as in tests/unit/numerics/test_reference_paths.py: every grad_x streamed; tiles of 64 elements (H = 67: two)
     monkeypatch.setattr(_reference, "_KERNEL", "numba")
     monkeypatch.setattr(_fast, "_STREAM_BYTES", 0)
     monkeypatch.setattr(_fast, "_TILE_950", 64)
