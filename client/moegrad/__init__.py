@@ -16,6 +16,7 @@
   report writers (docs/accuracy.md).
 """
 
+from moegrad._dtypes import DTYPES, brief, dtype_name
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -69,12 +70,9 @@ from moegrad.numerics._schedules import accumulation_schedule, bin_count
 from moegrad.operator._call import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import PROFILES, Profile, resolve_profile
 from moegrad.wire._codec import (
-    DTYPES,
-    brief,
     decode_batch,
     decode_body,
     decode_tensor,
-    dtype_name,
     encode_batch,
     encode_body,
     encode_body_view,

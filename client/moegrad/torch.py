@@ -20,7 +20,8 @@ host memory and the result back to that device. With :func:`set_service` (a :cla
 every call of the backward op goes to that service instead, e.g. a server with an Ascend NPU.
 
 Bad input raises :class:`moegrad.InvalidArgument` with the aclnn code and the field, as the NumPy
-functions do.
+functions do. :func:`to_numpy` and :func:`to_torch` are the conversions at moegrad's edges (a CPU
+tensor's memory viewed, bfloat16 as 2-byte words), for code that times or checks the op.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ __all__ = [
     "moe_init_routing_v2",
     "set_order",
     "set_service",
+    "to_numpy",
+    "to_torch",
     "using_order",
     "using_service",
 ]

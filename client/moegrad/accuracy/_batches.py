@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,13 +27,11 @@ from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._results import ComparisonReport
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 
-if TYPE_CHECKING:  # moegrad.http._answers imports moegrad.accuracy: a type only, to keep the import one way
-    from moegrad.http._answers import CompareResult
-
 __all__ = [
     "AsyncCompareBatch",
     "AsyncSendCompares",
     "Case",
+    "CompareAnswer",
     "CompareBatch",
     "ProfilesDiffer",
     "SendCompares",
@@ -41,9 +39,25 @@ __all__ = [
     "acompare_batch_on",
     "compare_batch_on",
     "context_call",
-    "named",
+    "fields_with_order",
     "refuse_mixed_profiles",
 ]
+
+
+class CompareAnswer(Protocol):
+    """What a batch's comparison answers (``moegrad.CompareResult`` is one): read here, never built."""
+
+    @property
+    def report(self) -> ComparisonReport: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def order(self) -> str: ...
+    @property
+    def device(self) -> str | None: ...
+    @property
+    def server_url(self) -> str | None: ...
+
 
 #: A case: a case file, or ``(name, fields, candidate)`` (``fields``: the call's keyword arguments).
 Case = str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]
@@ -55,7 +69,7 @@ AsyncCompareBatch = Callable[
 ]
 
 
-def named(fields: Mapping[str, Any], order: str | None) -> Mapping[str, Any]:
+def fields_with_order(fields: Mapping[str, Any], order: str | None) -> Mapping[str, Any]:
     """A case's fields, ``order`` given to it when it names none; an ``order`` of None left out."""
     if fields.get("order") is not None:
         return fields
@@ -67,9 +81,9 @@ def named(fields: Mapping[str, Any], order: str | None) -> Mapping[str, Any]:
 #: arguments, which the client checks by the replicas' profile.
 SentCall = MoeInitRoutingV2GradCall | Mapping[str, Any]
 #: send([(call, candidate), ...]) -> per pair, in order, the service's answer or the exception that case earned.
-SendCompares = Callable[[list[tuple[SentCall, np.ndarray]]], Sequence["CompareResult | MoegradError"]]
+SendCompares = Callable[[list[tuple[SentCall, np.ndarray]]], Sequence[CompareAnswer | MoegradError]]
 #: As SendCompares, awaited.
-AsyncSendCompares = Callable[[list[tuple[SentCall, np.ndarray]]], Awaitable[Sequence["CompareResult | MoegradError"]]]
+AsyncSendCompares = Callable[[list[tuple[SentCall, np.ndarray]]], Awaitable[Sequence[CompareAnswer | MoegradError]]]
 
 
 class ProfilesDiffer(ValueError):
@@ -124,7 +138,7 @@ class _Batch:
         self.pairs: list[tuple[SentCall, np.ndarray]] = []
         self.sent: list[int] = []
         for index, (_, given, candidate) in enumerate(chunk):
-            fields = named(given, order)
+            fields = fields_with_order(given, order)
             if "order" not in fields:
                 self.pairs.append((fields, candidate))
                 self.sent.append(index)
@@ -138,7 +152,7 @@ class _Batch:
             self.sent.append(index)
 
     def judged(
-        self, answers: Sequence[CompareResult | MoegradError], *, require_exact: bool, server_url: str
+        self, answers: Sequence[CompareAnswer | MoegradError], *, require_exact: bool, server_url: str
     ) -> list[ComparisonReport | Exception]:
         for index, (sent, _), answer in zip(self.sent, self.pairs, answers, strict=True):
             if isinstance(answer, Exception):

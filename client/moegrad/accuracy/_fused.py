@@ -17,10 +17,10 @@ from types import ModuleType
 import ml_dtypes
 import numpy as np
 
+from moegrad._dtypes import dtype_name
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS
 from moegrad.operator._call import MoeInitRoutingV2GradCall
-from moegrad.wire._codec import dtype_name
 
 __all__ = ["available", "fused_metrics", "warm_up_compare"]
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from moegrad._dtypes import dtype_name
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS, DtypeLimits
 from moegrad.operator._call import GRAD_DTYPES
-from moegrad.wire._codec import dtype_name
 
 __all__ = ["FLOAT_INPUTS", "float_array", "metrics"]
 

@@ -17,12 +17,25 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._version import __version__
+from moegrad import (
+    Client,
+    CompareResult,
+    GradResult,
+    InvalidArgument,
+    MalformedRequest,
+    MoegradError,
+    MoeInitRoutingV2GradCall,
+    __version__,
+    identify,
+    moe_init_routing_v2_grad,
+)
 from moegrad.accuracy import (
+    PLOT_MISSING,
     CaseResult,
     ComparisonReport,
     compare,
+    context_call,
+    fields_with_order,
     format_report,
     load_case,
     report_context,
@@ -32,8 +45,6 @@ from moegrad.accuracy import (
     write_json_report,
     write_markdown_report,
 )
-from moegrad.accuracy._batches import context_call, named
-from moegrad.accuracy._report import PLOT_MISSING
 from moegrad.cli._parser import (
     EXIT_FAILURE,
     EXIT_INTERNAL,
@@ -49,12 +60,7 @@ from moegrad.cli._parser import (
     with_flags,
 )
 from moegrad.cli._sweep import run_cases, run_merge
-from moegrad.http._answers import CompareResult, GradResult
-from moegrad.http._client import Client
-from moegrad.http._requests import fields_document
-from moegrad.numerics._identify import identify
-from moegrad.numerics._reference import moe_init_routing_v2_grad
-from moegrad.operator._call import MoeInitRoutingV2GradCall
+from moegrad.wire import fields_document
 
 __all__ = ["load_npy", "main", "save_npy"]
 
@@ -335,7 +341,11 @@ def _cmd_compare_cases(args: argparse.Namespace) -> int:
         fields, candidate = load_case(result.path)
         context = result.report.context
         judged = context.order if context is not None else None  # the profile that judged it
-        call = context_call(fields, judged) if judged else MoeInitRoutingV2GradCall(**named(fields, args.order))
+        call = (
+            context_call(fields, judged)
+            if judged
+            else MoeInitRoutingV2GradCall(**fields_with_order(fields, args.order))
+        )
         base = os.path.join(args.reports, result.name)
         device = moe_init_routing_v2_grad(call) if args.local else None
         _write_reports(base + ".md", base + ".json", base + ".csv", result.report, call, candidate, None, device)

@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from moegrad._version import __version__
+from moegrad import ORDERS, __version__
 from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
-from moegrad.operator._call import ORDERS
-from moegrad.operator._profiles import ALIASES, DEFAULT_PROFILE, PROFILES
+from moegrad.operator import ALIASES, DEFAULT_PROFILE, PROFILES
 
 __all__ = [
     "EXIT_FAILURE",

@@ -42,13 +42,26 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from moegrad._errors import InvalidArgument, MoegradError
-from moegrad.accuracy import CaseResult, compare_cases, compare_in_process, find_cases, write_summary
-from moegrad.accuracy._batches import ProfilesDiffer, refuse_mixed_profiles
-from moegrad.accuracy._cases import shard_of, worst_first
-from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
-from moegrad.accuracy._merge import MergeError, merge_sweeps
-from moegrad.accuracy._sweep import SWEEP_THREAD
+from moegrad import Client, InvalidArgument, MoegradError
+from moegrad.accuracy import (
+    SWEEP_THREAD,
+    CaseResult,
+    MergeError,
+    ProfilesDiffer,
+    SweepFile,
+    SweepFileBusy,
+    SweepFileError,
+    SweepHeader,
+    compare_cases,
+    compare_in_process,
+    find_cases,
+    merge_sweeps,
+    refuse_mixed_profiles,
+    shard_of,
+    statuses,
+    worst_first,
+    write_summary,
+)
 from moegrad.cli._parser import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -58,7 +71,6 @@ from moegrad.cli._parser import (
     EXIT_TERMINATED,
     UsageError,
 )
-from moegrad.http._client import Client
 
 __all__ = ["run_cases", "run_merge", "sweep_status"]
 

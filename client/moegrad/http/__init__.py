@@ -1,1 +1,12 @@
-"""The HTTP client: Client and AsyncClient over one sans-I/O core, the replicas, the transports."""
+"""The HTTP client: :class:`Client` and :class:`AsyncClient` over one sans-I/O core, the replicas,
+the transports, and the sweep adapter (docs/protocol.md).
+
+The public face of :mod:`moegrad.http` (``moegrad`` re-exports each of these names).
+"""
+
+from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._client import AsyncClient, Client
+from moegrad.http._replicas import ReplicaStats
+from moegrad.http._requests import BatchCompare
+
+__all__ = ["AsyncClient", "BatchCompare", "Client", "CompareResult", "GradResult", "ReplicaStats"]

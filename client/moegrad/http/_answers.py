@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from moegrad.accuracy._results import ComparisonReport
+from moegrad.http._accuracy import ComparisonReport
 
 __all__ = ["CompareResult", "GradResult"]
 

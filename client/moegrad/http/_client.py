@@ -15,7 +15,8 @@ client, differing by ``await``. What is built where:
   straight from the socket);
 - the replicas, the choice of each attempt's and what each served: :mod:`moegrad.http._replicas`;
 - many case files judged in batches over every replica, and their results file
-  (:meth:`Client.compare_many`): :mod:`moegrad.accuracy._sweep`, ``_batches``, ``_ledger``.
+  (:meth:`Client.compare_many`): the sweep adapter, :mod:`moegrad.http._accuracy` (the one module
+  of the client that imports :mod:`moegrad.accuracy`).
 
 Misuse (a wrong type, a negative count) raises ``TypeError`` / ``ValueError`` before any I/O; a call
 that breaks a documented constraint raises ``InvalidArgument`` before it is sent (``validate=True``;
@@ -38,10 +39,16 @@ import numpy as np
 
 from moegrad._errors import MoegradError
 from moegrad._tensors import to_numpy, to_torch
-from moegrad.accuracy import CaseResult
-from moegrad.accuracy._batches import SentCall, acompare_batch_on, compare_batch_on, refuse_mixed_profiles
-from moegrad.accuracy._ledger import SweepFile, sweep_output
-from moegrad.accuracy._sweep import acompare_cases, compare_cases
+from moegrad.http._accuracy import (
+    CaseResult,
+    SentCall,
+    SweepFile,
+    acompare_batch_on,
+    acompare_cases,
+    compare_batch_on,
+    compare_cases,
+    sweep,
+)
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._config import CLIENT_DOC, USE_CLIENT_DEFAULT, ClientConfig, _UseClientDefault, ssl_verify
 from moegrad.http._core import ClientCore, Flow
@@ -58,7 +65,7 @@ _READY_PATH, _LIVE_PATH = "/health/ready", "/health/live"
 
 
 class _ClientBase:
-    """What both clients share: the configuration, the core, and a sweep's setting up."""
+    """What both clients share: the configuration and the core."""
 
     _ASYNC = False  # whether the httpx client under it is an httpx.AsyncClient
 
@@ -103,20 +110,6 @@ class _ClientBase:
         urls = [str(url) for url in config.replicas]
         shown = f"dns+{config.base_url}" if config.dns else urls[0] if len(urls) == 1 else urls
         return f"{type(self).__name__}(base_url={shown!r})"
-
-    @contextlib.contextmanager
-    def _sweep(self, items: list[Any], orders: dict[str, str | None], order: Any, *options: Any) -> Any:
-        """compare_many's cases (refuse_mixed_profiles), results file (``orders`` in its header), concurrency."""
-        refuse_mixed_profiles(orders, items, order)
-        standards, require_exact, output, concurrency = options
-        with sweep_output(
-            output, cases=len(items), standards=standards, require_exact=require_exact, orders=orders
-        ) as o:
-            yield {
-                "cases": items,
-                "output": o,
-                "concurrency": max(4, 2 * len(self._core.config.replicas)) if concurrency is None else concurrency,
-            }
 
 
 class Client(_ClientBase):
@@ -396,8 +389,9 @@ class Client(_ClientBase):
 
         judged = compare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url), order=order)
         items, orders = list(cases), self._drive(self._core.replica_orders_flow())
-        with self._sweep(items, orders, order, standards, require_exact, output, concurrency) as sweep:
-            return compare_cases(compare_batch=judged, progress=progress, on_result=on_result, **sweep)
+        replicas = len(self._core.config.replicas)
+        with sweep(items, orders, order, replicas, standards, require_exact, output, concurrency) as options:
+            return compare_cases(compare_batch=judged, progress=progress, on_result=on_result, **options)
 
     def info(self) -> dict[str, Any]:
         """``GET /v1/info`` of every replica: the first answer (version, backend, device, order, streams,
@@ -573,8 +567,9 @@ class AsyncClient(_ClientBase):
 
         judged = acompare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url), order=order)
         items, orders = list(cases), await self._drive(self._core.replica_orders_flow())
-        with self._sweep(items, orders, order, standards, require_exact, output, concurrency) as sweep:
-            return await acompare_cases(compare_batch=judged, progress=progress, on_result=on_result, **sweep)
+        replicas = len(self._core.config.replicas)
+        with sweep(items, orders, order, replicas, standards, require_exact, output, concurrency) as options:
+            return await acompare_cases(compare_batch=judged, progress=progress, on_result=on_result, **options)
 
     async def info(self) -> dict[str, Any]:
         """As :meth:`Client.info`, awaited."""

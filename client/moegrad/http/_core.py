@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import httpx
 
 from moegrad._errors import DeadlineExceeded, DeviceBusy, MoegradError, TransportError
-from moegrad.accuracy import rejudge
+from moegrad.http._accuracy import rejudge
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._config import ClientConfig
 from moegrad.http._replicas import Replica, ReplicaSet, Resolve

@@ -16,12 +16,13 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 
+from moegrad._dtypes import dtype_name
 from moegrad._errors import MalformedRequest, MoegradError, ServiceError
-from moegrad.accuracy import ComparisonReport
+from moegrad.http._accuracy import ComparisonReport
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._status import error_from_problem, str_or_none
 from moegrad.operator._call import MoeInitRoutingV2GradCall
-from moegrad.wire._codec import decode_body, decode_tensor, dtype_name
+from moegrad.wire._codec import decode_body, decode_tensor
 from moegrad.wire._frames import FRAMES_MEDIA_TYPE, FramesReader
 
 __all__ = [

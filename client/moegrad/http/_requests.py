@@ -24,13 +24,21 @@ import httpx
 import numpy as np
 
 from moegrad._errors import InvalidArgument, MoegradError
-from moegrad.accuracy import check_compare_arguments
+from moegrad.http._accuracy import check_compare_arguments
 from moegrad.http._config import ClientConfig
 from moegrad.http._replicas import Replica
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import PROFILE_NAMES, PROFILES
-from moegrad.wire._codec import decode_body, encode_body_view, encode_tensor
-from moegrad.wire._frames import FRAMES_MEDIA_TYPE
+from moegrad.wire._codec import decode_body, encode_body_view, encode_tensor, fields_document
+from moegrad.wire._v1 import (
+    BATCH_PATH,
+    COMPARE_PATH,
+    FRAMES_ACCEPT,
+    GRAD_PATH,
+    INFO_PATH,
+    JSON_MEDIA_TYPE,
+    MSGPACK_MEDIA_TYPE,
+)
 
 __all__ = [
     "BATCH_PATH",
@@ -53,19 +61,13 @@ __all__ = [
     "call_document",
     "compare_body",
     "compare_call",
-    "fields_document",
     "grad_body",
     "grad_call",
     "prepare",
 ]
 
-GRAD_PATH = "/v1/moe_init_routing_v2_grad"
-BATCH_PATH = "/v1/moe_init_routing_v2_grad/batch"
-COMPARE_PATH = "/v1/moe_init_routing_v2_grad/compare"
-INFO_PATH = "/v1/info"
-MSGPACK = "application/msgpack"
-JSON = "application/json"
-FRAMES_ACCEPT = f"{FRAMES_MEDIA_TYPE}, {MSGPACK};q=0.5"
+MSGPACK = MSGPACK_MEDIA_TYPE
+JSON = JSON_MEDIA_TYPE
 #: Size of the slices a request body is sent in (see :func:`_body_slices`).
 BODY_SLICE_BYTES = 1 << 20
 
@@ -271,20 +273,6 @@ def _decoded(document: Mapping[str, Any]) -> dict[str, Any]:
         return decode_body(encode_body_view(document))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"the request document cannot be packed as msgpack: {exc}") from None
-
-
-def fields_document(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """A call's keyword arguments as a wire document: each array a tensor map (no copy of a
-    C-contiguous little-endian array), an absent tensor left out (the wire's null tensor).
-
-    Raises:
-        TypeError: an array of a dtype the wire does not carry.
-    """
-    return {
-        name: encode_tensor(np.asarray(value)) if name in ("grad_expanded_x", "expanded_row_idx") else value
-        for name, value in fields.items()
-        if value is not None or name not in ("grad_expanded_x", "expanded_row_idx")
-    }
 
 
 def _unnamed(call: MoeInitRoutingV2GradCall) -> MoeInitRoutingV2GradCall:

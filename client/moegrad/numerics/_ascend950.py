@@ -48,7 +48,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from moegrad.wire._codec import dtype_name
+from moegrad._dtypes import dtype_name
 
 __all__ = [
     "ASCEND950",

@@ -11,26 +11,22 @@ of one kernel order is therefore one emulation, and A2 and A3 at every release a
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import TypeAdapter
 
+from moegrad._dtypes import dtype_name
 from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad.numerics._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad.numerics._reference import moe_init_routing_v2_grad
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import PROFILES, resolve_profile
-from moegrad.wire._codec import dtype_name
 
-if TYPE_CHECKING:
-    from moegrad.accuracy._results import ComparisonReport
-
-__all__ = ["Identification", "ProfileMatch", "identify", "profiles_matching", "with_profiles"]
+__all__ = ["Identification", "ProfileMatch", "identify", "profiles_matching"]
 
 Outcome = Literal["identical", "differs", "refuses"]
 _FIELDS = ("grad_expanded_x", "expanded_row_idx", "top_k", "drop_pad_mode", "active_num", "allow_duplicate_indices")
@@ -299,10 +295,3 @@ def profiles_matching(call: MoeInitRoutingV2GradCall, candidate: np.ndarray) -> 
         if dtype_name(candidate.dtype) == "float32":  # a widened candidate: no profile gives float32 bits here
             return ()
     return identify(call, candidate).matching
-
-
-def with_profiles(report: ComparisonReport, call: MoeInitRoutingV2GradCall, candidate: np.ndarray) -> ComparisonReport:
-    """``report`` with :attr:`~moegrad.ComparisonReport.profiles_matching` set: the profiles whose
-    emulation of ``call`` is bit-identical to ``candidate`` (:func:`profiles_matching`; up to four
-    emulations, so it is asked for, not done by every comparison). Same errors as that function."""
-    return dataclasses.replace(report, profiles_matching=profiles_matching(call, candidate))

@@ -11,7 +11,7 @@ one out; many small calls run as one in :mod:`moegrad.numerics._reference_many`)
 Nothing materialises an [N, K, H] intermediate: rows are processed in chunks whose float32 bins fit
 in a few MiB, the chunks spread over the machine's cores (NumPy releases the GIL while it copies
 and adds). Where numba is installed (the ``fast`` extra), the float32 accumulation runs compiled
-instead (:mod:`moegrad.numerics._fast`), with the same bits; ``_KERNEL`` or ``_accumulate(kernel=...)``
+instead (:mod:`moegrad.numerics._fast`), with the same bits; ``_KERNEL`` or ``accumulate(kernel=...)``
 picks the path ("auto", "numba", "numpy"). The shared pool has ``MOEGRAD_REFERENCE_THREADS``
 threads, default the CPUs this process may use (at most 8); concurrent calls share it.
 """
@@ -40,7 +40,7 @@ from moegrad.numerics._schedules import order_schedule
 from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR
 
-__all__ = ["moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden", "warm_up"]
+__all__ = ["accumulate", "kernel_threads", "moe_init_routing_v2_grad", "moe_init_routing_v2_grad_golden", "warm_up"]
 
 _CHUNK_BYTES = 2 << 20  # float32 bins of one chunk: small enough to stay in cache
 _F32 = np.dtype(np.float32)
@@ -51,7 +51,13 @@ _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
 
-def _workers() -> int:
+def kernel_threads() -> int:
+    """The threads of the shared pool the kernels run on: ``MOEGRAD_REFERENCE_THREADS``, default the
+    CPUs this process may use (at most 8).
+
+    Raises:
+        ValueError: ``MOEGRAD_REFERENCE_THREADS`` is not a positive integer.
+    """
     return _workers_for(os.environ.get("MOEGRAD_REFERENCE_THREADS", ""))
 
 
@@ -69,14 +75,14 @@ def _workers_for(configured: str) -> int:  # cached: a small call would otherwis
 def _map_chunks(fn: Callable[[int, int], None], rows: int, chunk: int) -> None:
     """Run ``fn(start, stop)`` over row chunks, spread over a shared thread pool."""
     spans = [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
-    if len(spans) <= 1 or _workers() == 1:
+    if len(spans) <= 1 or kernel_threads() == 1:
         for span in spans:
             fn(*span)
         return
     global _executor
     with _executor_lock:
         if _executor is None:
-            _executor = ThreadPoolExecutor(_workers(), thread_name_prefix="moegrad-reference")
+            _executor = ThreadPoolExecutor(kernel_threads(), thread_name_prefix="moegrad-reference")
     if threading.current_thread().name.startswith("moegrad-reference"):  # already inside the pool
         for span in spans:
             fn(*span)
@@ -138,66 +144,55 @@ def _prepare(
     return rows, compact, skipped
 
 
-def _accumulate(
+def accumulate(
     call: MoeInitRoutingV2GradCall,
-    acc_dtype: np.dtype,
     schedule: Sequence[tuple[str, int, int]],
     out: np.ndarray,
-    compensated: bool = False,
+    *,
     kernel: str | None = None,
     chunking: tuple[int, bool] | None = None,
 ) -> np.ndarray:
-    """grad_x into ``out`` by ``schedule``; ``chunking`` = (k_chunk, grouped) marks a 950 schedule."""
-    tokens, hidden = out.shape
-    if tokens == 0 or hidden == 0:  # before _prepare: reshape(-1, 0) cannot infer the row count
+    """grad_x of a validated ``call`` into ``out`` with the device's arithmetic: float32 adds in the
+    order of ``schedule`` (:func:`~moegrad.accumulation_schedule`'s steps), one rounding to ``out``'s dtype.
+
+    Args:
+        call: a validated call.
+        schedule: the steps of one output row; ``chunking = (k_chunk, grouped)`` marks an Ascend 950
+            schedule, which the compiled path runs by its own loop.
+        out: [N, H] of the call's dtype, C-contiguous, written whole.
+        kernel: ``"auto"`` (numba when it imports), ``"numba"`` or ``"numpy"``; None: the module's default.
+
+    Raises:
+        ValueError: another ``kernel``. RuntimeError: ``kernel="numba"`` where numba does not import.
+    """
+    prepared = _rows_of(call, out)
+    if prepared is None:
         return out
-    rows, flat_index, skipped = _prepare(call)
-    index = flat_index.reshape(-1, call.top_k)
-    if rows.shape[0] == 0:  # drop/pad with E*C = 0: validation left only -1, every slot is skipped
-        out.fill(0.0)
-        return out
+    rows, flat_index, skipped = prepared
     kernel = _KERNEL if kernel is None else kernel
     if kernel not in ("auto", "numba", "numpy"):
         raise ValueError(f"kernel={kernel!r} is not one of 'auto', 'numba', 'numpy'")
     if kernel == "numba" and not _fast.available():
         raise RuntimeError("kernel='numba' needs numba: pip install 'moegrad[fast]'")
-    if kernel != "numpy" and not compensated and acc_dtype == _F32:
+    if kernel != "numpy":
         if chunking is not None:
-            taken = _fast.accumulate_950(rows, flat_index, call.top_k, *chunking, out, _map_chunks, _workers())
+            taken = _fast.accumulate_950(rows, flat_index, call.top_k, *chunking, out, _map_chunks, kernel_threads())
         else:
-            taken = _fast.accumulate(rows, flat_index, call.top_k, schedule, out, _map_chunks, _workers())
+            taken = _fast.accumulate(rows, flat_index, call.top_k, schedule, out, _map_chunks, kernel_threads())
         if taken:
             return out  # same bits as below; byte-swapped inputs fall through to NumPy
+    index = flat_index.reshape(-1, call.top_k)
     nbins = 1 + max(step[1] for step in schedule)
-    chunk = max(1, _CHUNK_BYTES // (nbins * hidden * acc_dtype.itemsize))
-    widen = rows.dtype != acc_dtype
+    chunk = max(1, _CHUNK_BYTES // (nbins * out.shape[1] * _F32.itemsize))
 
     def run(start: int, stop: int) -> None:
-        n = stop - start
-        bins = np.empty((nbins, n, hidden), dtype=acc_dtype)
-        gathered = np.empty((n, hidden), dtype=rows.dtype) if widen else None
-        value = np.empty((n, hidden), dtype=acc_dtype)
-        comp = np.zeros((n, hidden), dtype=acc_dtype) if compensated else None
-        inexact = np.zeros((n, hidden), dtype=np.bool_) if compensated else None
-        block = index[start:stop]
-
-        def load(t: int, into: np.ndarray) -> np.ndarray | None:
-            column = block[:, t]
-            mask = skipped(column)
-            if mask is not None:
-                column = np.where(mask, 0, column)
-            if widen:
-                assert gathered is not None  # allocated above whenever widen
-                np.take(rows, column, axis=0, out=gathered)
-                np.copyto(into, gathered, casting="unsafe")  # exact: float16/bfloat16 -> float32/64
-            else:
-                np.take(rows, column, axis=0, out=into)
-            return mask
-
+        slots = _Slots(rows, index[start:stop], skipped, _F32)
+        bins = np.empty((nbins, stop - start, out.shape[1]), dtype=_F32)
+        value = np.empty((stop - start, out.shape[1]), dtype=_F32)
         for op, dst, src in schedule:
             target = bins[dst]
             if op == "set":
-                mask = load(src, target)
+                mask = slots.load(src, target)
                 if mask is not None:
                     target[mask] = 0.0
             elif op == "zero":
@@ -205,34 +200,93 @@ def _accumulate(
             elif op == "merge":
                 np.add(target, bins[src], out=target)
             else:
-                mask = load(src, value)
-                keep = None if mask is None else ~mask[:, None]
-                if compensated:
-                    assert comp is not None and inexact is not None  # allocated above whenever compensated
-                    _neumaier_add(target, value, comp, keep, inexact)
-                elif keep is None:
-                    np.add(target, value, out=target)
-                else:
-                    np.add(target, value, out=target, where=keep)
-        if compensated:
-            total = bins[0] + comp
-            bins[0] = np.where(np.isfinite(bins[0]), total, bins[0])
-            # Where comp itself rounded, total + comp is not the exact sum: sum those few elements exactly.
-            for r, h in zip(*np.nonzero(inexact & np.isfinite(bins[0])), strict=True):
-                slots = block[r]
-                mask = skipped(slots)
-                used = slots if mask is None else slots[~mask]
-                bins[0][r, h] = math.fsum(float(x) for x in rows[used, h])
+                mask = slots.load(src, value)
+                np.add(target, value, out=target, where=True if mask is None else ~mask[:, None])
         np.copyto(out[start:stop], bins[0], casting="unsafe")  # one round-half-even cast
 
-    def run_quietly(start: int, stop: int) -> None:
-        # inf - inf, overflow to inf and overflowing casts are the kernel's results, not errors; errstate
-        # is per thread, so it is set here, in the thread that computes the chunk.
+    _map_chunks(_quietly(run), out.shape[0], chunk)
+    return out
+
+
+def _golden(call: MoeInitRoutingV2GradCall, out: np.ndarray) -> np.ndarray:
+    """Each row's exact sum into the float64 ``out``: Neumaier's compensated adds over the slots,
+    then :func:`math.fsum` for the few elements whose compensation term itself rounded."""
+    prepared = _rows_of(call, out)
+    if prepared is None:
+        return out
+    rows, flat_index, skipped = prepared
+    index = flat_index.reshape(-1, call.top_k)
+    chunk = max(1, _CHUNK_BYTES // (out.shape[1] * _F64.itemsize))
+
+    def run(start: int, stop: int) -> None:
+        block = index[start:stop]
+        slots = _Slots(rows, block, skipped, _F64)
+        total = np.zeros((stop - start, out.shape[1]), dtype=_F64)
+        value, comp = np.empty_like(total), np.zeros_like(total)
+        inexact = np.zeros(total.shape, dtype=np.bool_)
+        for t in range(call.top_k):
+            mask = slots.load(t, value)
+            _neumaier_add(total, value, comp, None if mask is None else ~mask[:, None], inexact)
+        summed = total + comp
+        total = np.where(np.isfinite(total), summed, total)
+        # Where comp itself rounded, total + comp is not the exact sum: sum those few elements exactly.
+        for r, h in zip(*np.nonzero(inexact & np.isfinite(total)), strict=True):
+            mask = skipped(block[r])
+            used = block[r] if mask is None else block[r][~mask]
+            total[r, h] = math.fsum(float(x) for x in rows[used, h])
+        out[start:stop] = total
+
+    _map_chunks(_quietly(run), out.shape[0], chunk)
+    return out
+
+
+def _rows_of(
+    call: MoeInitRoutingV2GradCall, out: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray | None]] | None:
+    """:func:`_prepare`'s rows, index and skip mask; None when ``out`` is already the answer (filled
+    here with +0.0 when every slot is skipped)."""
+    tokens, hidden = out.shape
+    if tokens == 0 or hidden == 0:  # before _prepare: reshape(-1, 0) cannot infer the row count
+        return None
+    rows, flat_index, skipped = _prepare(call)
+    if rows.shape[0] == 0:  # drop/pad with E*C = 0: validation left only -1, every slot is skipped
+        out.fill(0.0)
+        return None
+    return rows, flat_index, skipped
+
+
+class _Slots:
+    """The rows one chunk of output rows gathers, slot by slot, widened exactly to ``dtype``."""
+
+    def __init__(
+        self, rows: np.ndarray, block: np.ndarray, skipped: Callable[[np.ndarray], np.ndarray | None], dtype: np.dtype
+    ) -> None:
+        self.rows, self.block, self.skipped = rows, block, skipped
+        self.gathered = np.empty((block.shape[0], rows.shape[1]), dtype=rows.dtype) if rows.dtype != dtype else None
+
+    def load(self, t: int, into: np.ndarray) -> np.ndarray | None:
+        """Slot ``t`` of every row into ``into`` (a skipped slot reads row 0); the skip mask, or None."""
+        column = self.block[:, t]
+        mask = self.skipped(column)
+        if mask is not None:
+            column = np.where(mask, 0, column)
+        if self.gathered is None:
+            np.take(self.rows, column, axis=0, out=into)
+        else:
+            np.take(self.rows, column, axis=0, out=self.gathered)
+            np.copyto(into, self.gathered, casting="unsafe")  # exact: float16/bfloat16 -> float32/64
+        return mask
+
+
+def _quietly(run: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    """``run`` with NumPy's floating-point warnings off: inf - inf, overflow to inf and overflowing
+    casts are the kernel's results, not errors (errstate is per thread: set in the thread that runs)."""
+
+    def quiet(start: int, stop: int) -> None:
         with np.errstate(all="ignore"):
             run(start, stop)
 
-    _map_chunks(run_quietly, tokens, chunk)
-    return out
+    return quiet
 
 
 def _neumaier_add(
@@ -328,7 +382,7 @@ def moe_init_routing_v2_grad(
     out = _result_buffer(call, out)
     profile = call.profile
     if profile.chip != ASCEND950:
-        return _accumulate(call, _F32, order_schedule(call.top_k, profile.order), out)
+        return accumulate(call, order_schedule(call.top_k, profile.order), out)
     # checked even when the result is empty, so a bad setting never passes unnoticed (an empty
     # grad_x of another dtype, which 9.1 lets through, has no tiling: only the settings are checked)
     tiling = ascend950_tiling(
@@ -340,9 +394,9 @@ def moe_init_routing_v2_grad(
         vector_core_count=vector_core_count,
     )
     if profile.order == CHAIN:  # CANN 8.5: a chain from +0.0, whatever the chunks
-        return _accumulate(call, _F32, order_schedule(call.top_k, CHAIN), out)
+        return accumulate(call, order_schedule(call.top_k, CHAIN), out)
     assert profile.order == GROUPS_OF_FOUR
-    return _accumulate(call, _F32, ascend950_schedule(call.top_k, tiling.k_chunk), out, chunking=(tiling.k_chunk, True))
+    return accumulate(call, ascend950_schedule(call.top_k, tiling.k_chunk), out, chunking=(tiling.k_chunk, True))
 
 
 def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np.ndarray:
@@ -403,7 +457,7 @@ def moe_init_routing_v2_grad_golden(
         grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
     )
     out = np.empty((call.num_tokens, call.hidden_size), dtype=_F64)
-    return _accumulate(call, _F64, order_schedule(call.top_k, CHAIN), out, compensated=True)
+    return _golden(call, out)
 
 
 def warm_up() -> bool:

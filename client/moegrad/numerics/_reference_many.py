@@ -21,7 +21,7 @@ from moegrad.numerics._ascend950 import (
     ascend950_schedule,
     ascend950_tiling,
 )
-from moegrad.numerics._reference import _accumulate, moe_init_routing_v2_grad
+from moegrad.numerics._reference import accumulate, moe_init_routing_v2_grad
 from moegrad.numerics._schedules import order_schedule
 from moegrad.operator._call import CallGroup, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import GROUPS_OF_FOUR
@@ -157,7 +157,7 @@ def _run_stacked(
         allow_duplicate_indices=True,
     )
     out = np.empty((stacked_index.shape[0] // top_k, hidden), dtype=rows.dtype.newbyteorder("="))
-    return _accumulate(stacked, _F32, schedule, out, chunking=chunking)
+    return accumulate(stacked, schedule, out, chunking=chunking)
 
 
 def moe_init_routing_v2_grad_group(

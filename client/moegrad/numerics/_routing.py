@@ -37,9 +37,9 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from moegrad._dtypes import brief, dtype_name
 from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad.operator._call import GRAD_DTYPES
-from moegrad.wire._codec import brief, dtype_name
 
 __all__ = [
     "MoeInitRoutingV2Result",

@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError, field_validator, model_validator
 
+from moegrad._dtypes import DTYPES, brief, dtype_name
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
 from moegrad.operator._profiles import DEFAULT_PROFILE, PROFILE_NAMES, PROFILES, Profile, resolve_profile
-from moegrad.wire._codec import DTYPES, brief, decode_tensor, dtype_name, encode_tensor
+from moegrad.wire._codec import decode_tensor, encode_tensor
 
 __all__ = ["GRAD_DTYPES", "ORDERS", "CallGroup", "MoeInitRoutingV2GradCall"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moegrad._dtypes import brief
 from moegrad._errors import AclnnStatus
-from moegrad.wire._codec import brief
 
 __all__ = [
     "ALIASES",

@@ -10,40 +10,29 @@ body's structure are :mod:`moegrad.wire._limits`'; the frames form of a body is 
 from __future__ import annotations
 
 import math
-import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
+from moegrad._dtypes import DTYPES, brief, dtype_name
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest, PayloadTooLarge
 from moegrad.wire._limits import MAX_BATCH_CALLS, MAX_DEPTH, MAX_RANK, StructureLimits
 
 __all__ = [
-    "DTYPES",
     "TENSOR_KEYS",
     "Segment",
-    "brief",
     "decode_batch",
     "decode_body",
     "decode_tensor",
-    "dtype_name",
     "encode_batch",
     "encode_body",
     "encode_body_view",
     "encode_tensor",
+    "fields_document",
 ]
 
-#: The wire dtype names and their little-endian NumPy dtypes: the one table every path uses.
-DTYPES: Mapping[str, np.dtype] = {
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype("<f4"),
-    "int32": np.dtype("<i4"),
-}
-_NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 #: The keys of a tensor map, exactly.
 TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
 #: Dtype names that exist (NumPy's, and the Open Inference Protocol's lower-cased) but that the
@@ -81,17 +70,6 @@ class Segment:
         return len(self.view)
 
 
-def dtype_name(dtype: np.dtype | type) -> str | None:
-    """The wire name of ``dtype`` (either byte order), or None when the wire has no such dtype."""
-    name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None  # the common case, without np.dtype()
-    if name is not None:
-        return name
-    dtype = np.dtype(dtype)
-    if dtype.byteorder == ">":
-        dtype = dtype.newbyteorder("<")
-    return _NAMES.get(dtype)
-
-
 def encode_tensor(array: np.ndarray) -> dict[str, Any]:
     """Encode an array as a wire tensor map.
 
@@ -116,13 +94,18 @@ def encode_tensor(array: np.ndarray) -> dict[str, Any]:
     return {"dtype": name, "shape": shape, "data": data}
 
 
-_BRIEF = reprlib.Repr()
-_BRIEF.maxlist, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlevel = 12, 64, 64, 2
+def fields_document(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's keyword arguments as a wire document: each array a tensor map (no copy of a
+    C-contiguous little-endian array), an absent tensor left out (the wire's null tensor).
 
-
-def brief(value: Any) -> str:
-    """A bounded repr for error messages: a client's million-entry shape is not echoed back whole."""
-    return _BRIEF.repr(value)
+    Raises:
+        TypeError: an array of a dtype the wire does not carry.
+    """
+    return {
+        name: encode_tensor(np.asarray(value)) if name in ("grad_expanded_x", "expanded_row_idx") else value
+        for name, value in fields.items()
+        if value is not None or name not in ("grad_expanded_x", "expanded_row_idx")
+    }
 
 
 def decode_tensor(obj: Any, field: str, *, max_elements: int | None = None) -> np.ndarray:

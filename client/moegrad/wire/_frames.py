@@ -17,8 +17,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from moegrad._dtypes import DTYPES, brief
 from moegrad._errors import MalformedRequest
-from moegrad.wire._codec import DTYPES, TENSOR_KEYS, Segment, brief, decode_body
+from moegrad.wire._codec import TENSOR_KEYS, Segment, decode_body
 from moegrad.wire._limits import StructureLimits
 
 __all__ = [

@@ -58,7 +58,7 @@ def run(grad, idx, top_k, drop_pad_mode=0, active_num=0, *, kernel, order="ascen
     call = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=top_k,
                                     drop_pad_mode=drop_pad_mode, active_num=active_num, order=order)
     out = np.empty((call.num_tokens, call.hidden_size), dtype=grad.dtype.newbyteorder("="))
-    return _reference._accumulate(call, F32, accumulation_schedule(top_k, order), out, kernel=kernel)
+    return _reference.accumulate(call, accumulation_schedule(top_k, order), out, kernel=kernel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def test_duplicate_indices_on_the_compiled_path():
     call = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=idx, top_k=3, active_num=2,
                                     allow_duplicate_indices=True)
     out = np.empty((2, 2), dtype=np.float32)
-    _reference._accumulate(call, F32, accumulation_schedule(3), out, kernel="numba")
+    _reference.accumulate(call, accumulation_schedule(3), out, kernel="numba")
     expected = np.array([[2.0, 3.0], [1.0, 6.0]], dtype=np.float32)
     assert_bitwise_equal(out, expected)
 
@@ -386,14 +386,14 @@ def test_unknown_kernel_is_an_error():
 @pytest.mark.parametrize(("value", "threads"), [("1", 1), ("3", 3), (" 2 ", 2)])
 def test_thread_count_from_the_environment(monkeypatch, value, threads):
     monkeypatch.setenv("MOEGRAD_REFERENCE_THREADS", value)
-    assert _reference._workers() == threads
+    assert _reference.kernel_threads() == threads
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two"])
 def test_bad_thread_count_is_an_error(monkeypatch, value):
     monkeypatch.setenv("MOEGRAD_REFERENCE_THREADS", value)
     with pytest.raises(ValueError, match="MOEGRAD_REFERENCE_THREADS"):
-        _reference._workers()
+        _reference.kernel_threads()
 
 
 def test_one_thread_runs_every_chunk_in_the_caller(monkeypatch, compiled_calls):
