@@ -210,10 +210,11 @@ class RequestBuilder:
 
 def _rules_of(name: str) -> tuple[Any, ...]:
     """What of a profile decides phase one's answer (every field but its name, chip, release,
-    order of adds and source): profiles that agree here answer every call alike, but for the
+    schedule of adds and source): profiles that agree here answer every call alike, but for the
     profile's name in a message."""
     profile = dataclasses.asdict(PROFILES[name])
-    return tuple(value for key, value in profile.items() if key not in ("name", "chip", "release", "order", "source"))
+    kept = profile.keys() - {"name", "chip", "release", "schedule", "source"}
+    return tuple(value for key, value in profile.items() if key in kept)
 
 
 def _rule_sets() -> tuple[str, ...]:

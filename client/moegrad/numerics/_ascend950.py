@@ -1,4 +1,4 @@
-"""The Ascend 950PR/950DT kernel of aclnnMoeInitRoutingV2Grad: its tiling decision and its order of adds.
+"""The Ascend 950PR/950DT kernel of aclnnMoeInitRoutingV2Grad: its tiling decision and its schedule of adds.
 
 The 950 runs the ``arch35`` ("regbase") kernels of hicann/ops-transformer
 (``moe/moe_init_routing_v2_grad/op_kernel/arch35/``), with the tiling of
@@ -27,7 +27,7 @@ runs depends on N, K, H, the dtype, the UB size and the core count.
 
 The summing routine changed between CANN releases (the profiles of :mod:`moegrad.operator._profiles`):
 
-- from 9.0 (``ascend950@9.0``, ``ascend950@9.1``; ``Profile.order == "groups_of_four"``): the
+- from 9.0 (``ascend950@9.0``, ``ascend950@9.1``; ``Profile.schedule == "groups_of_four"``): the
   groups of four above;
 - 8.5 (``ascend950@8.5``; ``"chain"``): a plain chain ``s += x`` slot after slot (the chunking
   then changes nothing, and the bits are those of the ``"sequential"`` golden).

@@ -4,9 +4,9 @@ A gradX that came from an NPU (or from a port of the operator) is compared bit f
 emulation of every profile of :data:`moegrad.operator._profiles.PROFILES` (a chip at one CANN release, and
 Huawei's sequential golden): the profiles whose result is bit-identical are the ones that could
 have made it. Profiles whose arithmetic is the same for the call are computed once: the result
-depends only on the order of adds (:attr:`Profile.order`) and, for an index outside the documented
+depends only on the schedule of adds (:attr:`Profile.schedule`) and, for an index outside the documented
 range (docs/semantics.md section 2), on which invalid slots contribute a +0.0 row; every profile
-of one kernel order is therefore one emulation, and A2 and A3 at every release are one.
+of one kernel schedule is therefore one emulation, and A2 and A3 at every release are one.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def identify(
             outcomes.append(ProfileMatch(name, "refuses", None, refusal.aclnn_status, refusal.message))
             continue
         profile = PROFILES[name]
-        key = (profile.order, (profile.skips_any_negative, profile.skips_dropless_overflow) if special else None)
+        key = (profile.schedule, (profile.skips_any_negative, profile.skips_dropless_overflow) if special else None)
         if key not in computed:
             emulated = moe_init_routing_v2_grad(
                 accepted[name], ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count

@@ -5,7 +5,7 @@ docs/semantics.md section 2: a slot whose index names no row of grad_expanded_x 
 drop/pad mode, an index >= active_num in active mode, and on ``ascend950@9.1`` any negative index
 and a dropless index >= N*K, which validation accepts there alone). Rows are widened exactly to
 float32, every add is float32 round-to-nearest-even, and the result is rounded once to the input
-dtype. What differs between profiles is only the order of adds (:mod:`moegrad.numerics._schedules` writes each
+dtype. What differs between profiles is only the schedule of adds (:mod:`moegrad.numerics._schedules` writes each
 one out; many small calls run as one in :mod:`moegrad.numerics._reference_many`).
 
 Nothing materialises an [N, K, H] intermediate: rows are processed in chunks whose float32 bins fit
@@ -36,7 +36,7 @@ from moegrad.numerics._ascend950 import (
     ascend950_schedule,
     ascend950_tiling,
 )
-from moegrad.numerics._schedules import order_schedule
+from moegrad.numerics._schedules import schedule_steps
 from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR
 
@@ -355,7 +355,7 @@ def moe_init_routing_v2_grad(
             golden); default ``"ascend910b@9.1"``. docs/semantics.md sections 2, 3, 7.
         allow_duplicate_indices: accept repeated indices (the documentation forbids them).
         ub_size_bytes: the 950 platform's unified-buffer size in bytes (default 253952, Ascend
-            950PR/950DT); only the 950 profiles read it, since it decides the tiling and so the order.
+            950PR/950DT); only the 950 profiles read it, since it decides the tiling and so the schedule.
         vector_core_count: the 950 platform's vector (AIV) core count (default 64); as above.
         out: where to write grad_x, as the operator writes into the gradX its caller allocated: a
             writeable C-contiguous [N, H] array of grad_expanded_x's dtype in native byte order,
@@ -382,7 +382,7 @@ def moe_init_routing_v2_grad(
     out = _result_buffer(call, out)
     profile = call.profile
     if profile.chip != ASCEND950:
-        return accumulate(call, order_schedule(call.top_k, profile.order), out)
+        return accumulate(call, schedule_steps(call.top_k, profile.schedule), out)
     # checked even when the result is empty, so a bad setting never passes unnoticed (an empty
     # grad_x of another dtype, which 9.1 lets through, has no tiling: only the settings are checked)
     tiling = ascend950_tiling(
@@ -393,9 +393,9 @@ def moe_init_routing_v2_grad(
         ub_size_bytes=ub_size_bytes,
         vector_core_count=vector_core_count,
     )
-    if profile.order == CHAIN:  # CANN 8.5: a chain from +0.0, whatever the chunks
-        return accumulate(call, order_schedule(call.top_k, CHAIN), out)
-    assert profile.order == GROUPS_OF_FOUR
+    if profile.schedule == CHAIN:  # CANN 8.5: a chain from +0.0, whatever the chunks
+        return accumulate(call, schedule_steps(call.top_k, CHAIN), out)
+    assert profile.schedule == GROUPS_OF_FOUR
     return accumulate(call, ascend950_schedule(call.top_k, tiling.k_chunk), out, chunking=(tiling.k_chunk, True))
 
 

@@ -1,8 +1,8 @@
 """Many small calls computed as one, with each call's own bits: ``moe_init_routing_v2_grad_many``
 (any validated calls) and ``moe_init_routing_v2_grad_group`` (a :class:`~moegrad.CallGroup`).
 
-Every row of grad_x depends only on its own K slots, and the order of its adds only on K and the
-profile's kernel order (the 950's groups of four: also on the tiling's k_chunk), so calls that share
+Every row of grad_x depends only on its own K slots, and the schedule of its adds only on K and the
+profile's kernel schedule (the 950's groups of four: also on the tiling's k_chunk), so calls that share
 those are stacked into one drop/pad call over their rows and run through :mod:`moegrad.numerics._reference`'s
 kernels once.
 """
@@ -22,7 +22,7 @@ from moegrad.numerics._ascend950 import (
     ascend950_tiling,
 )
 from moegrad.numerics._reference import accumulate, moe_init_routing_v2_grad
-from moegrad.numerics._schedules import order_schedule
+from moegrad.numerics._schedules import schedule_steps
 from moegrad.operator._call import CallGroup, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import GROUPS_OF_FOUR
 
@@ -44,9 +44,9 @@ def moe_init_routing_v2_grad_many(
     """grad_x of each of many validated calls: bit for bit what :func:`moe_init_routing_v2_grad`
     gives each one, for a fraction of the per-call cost when the calls are small.
 
-    Every row of grad_x depends only on its own K slots, and the order of its adds only on K and the
-    profile's kernel order (the 950's groups of four: also on the tiling's k_chunk). So small calls
-    that share the dtype, K, H, the kernel order and its k_chunk are computed as one: their rows
+    Every row of grad_x depends only on its own K slots, and the schedule of its adds only on K and the
+    profile's kernel schedule (the 950's groups of four: also on the tiling's k_chunk). So small calls
+    that share the dtype, K, H, the kernel schedule and its k_chunk are computed as one: their rows
     stacked, each call's indices shifted past the rows before it, a skipped slot (an index outside
     the call's rows: -1 in drop/pad mode, >= active_num in active mode, and on 950@9.1 any
     negative or dropless >= N*K) marked -1, and the result rows split back. Calls of more than 1 MiB of input run alone.
@@ -73,9 +73,9 @@ def moe_init_routing_v2_grad_many(
             )
             continue
         chunking = _chunking(call, ub_size_bytes, vector_core_count)
-        stacks.setdefault((grad.dtype, call.top_k, hidden, call.profile.order, chunking), []).append(position)
-    for (_, top_k, hidden, kind, chunking), positions in stacks.items():
-        schedule = _stack_schedule(top_k, kind, chunking)
+        stacks.setdefault((grad.dtype, call.top_k, hidden, call.profile.schedule, chunking), []).append(position)
+    for (_, top_k, hidden, kernel_schedule, chunking), positions in stacks.items():
+        schedule = _stack_schedule(top_k, kernel_schedule, chunking)
         start = 0
         while start < len(positions):  # stacks of at most _STACK_BYTES of input
             stop, size = start, 0
@@ -92,7 +92,7 @@ def moe_init_routing_v2_grad_many(
 
 def _chunking(call: MoeInitRoutingV2GradCall, ub_size_bytes: int, vector_core_count: int) -> tuple[int, bool] | None:
     """A non-empty call's 950 tiling as (k_chunk, True), which the groups of four depend on; None
-    for the other kernel orders (the bins, and the chain, which no chunking changes)."""
+    for the other kernels' schedules (the bins, and the chain, which no chunking changes)."""
     profile = call.profile
     if profile.chip != ASCEND950:
         return None
@@ -104,13 +104,15 @@ def _chunking(call: MoeInitRoutingV2GradCall, ub_size_bytes: int, vector_core_co
         ub_size_bytes=ub_size_bytes,
         vector_core_count=vector_core_count,
     )
-    return (tiling.k_chunk, True) if profile.order == GROUPS_OF_FOUR else None
+    return (tiling.k_chunk, True) if profile.schedule == GROUPS_OF_FOUR else None
 
 
-def _stack_schedule(top_k: int, kind: str, chunking: tuple[int, bool] | None) -> Sequence[tuple[str, int, int]]:
-    """The schedule of adds of stacked calls with this K, kernel order (``Profile.order``) and
+def _stack_schedule(
+    top_k: int, kernel_schedule: str, chunking: tuple[int, bool] | None
+) -> Sequence[tuple[str, int, int]]:
+    """The schedule of adds of stacked calls with this K, kernel schedule (``Profile.schedule``) and
     :func:`_chunking`."""
-    return order_schedule(top_k, kind) if chunking is None else ascend950_schedule(top_k, *chunking)
+    return schedule_steps(top_k, kernel_schedule) if chunking is None else ascend950_schedule(top_k, *chunking)
 
 
 def _stacked(
@@ -182,7 +184,7 @@ def moe_init_routing_v2_grad_group(
     if members == 0 or tokens == 0 or hidden == 0:
         return np.zeros((members, tokens, hidden), dtype=like.grad_expanded_x.dtype.newbyteorder("="))
     chunking = _chunking(like, ub_size_bytes, vector_core_count)
-    schedule = _stack_schedule(like.top_k, like.profile.order, chunking)
+    schedule = _stack_schedule(like.top_k, like.profile.schedule, chunking)
     row_count = like.grad_expanded_x.size // hidden  # dropless N*K, active A, drop/pad E*C
     rows = group.grad_expanded_x.reshape(members * row_count, hidden)
     index = group.expanded_row_idx.astype(np.int64)

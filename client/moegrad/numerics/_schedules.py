@@ -1,8 +1,8 @@
-"""The orders of adds: which float32 add of aclnnMoeInitRoutingV2Grad comes when (docs/semantics.md).
+"""The schedules of adds: which float32 add of aclnnMoeInitRoutingV2Grad comes when (docs/semantics.md).
 
 Every order sums the same widened float32 values with float32 round-to-nearest-even adds; only the
 order of the adds differs, and with it the bits. A device profile (:mod:`moegrad.operator._profiles`) names
-one of three kernel orders (``Profile.order``):
+one of three kernels' schedules (``Profile.schedule``):
 
 ``"bins"`` reproduces the Atlas A2/A3 kernel (ascend910b, ascend910_93, every release) bit for bit:
 B = 64 bins when K >= 128, else 2**max(floor(log2 K) - 1, 0);
@@ -17,7 +17,7 @@ one float32 accumulator from +0.0, groups of four slots added as ``s += ((v0 + v
 leftovers one by one, the groups restarting at each chunk of slots the tiling picks (which depends
 on N, K, H, the dtype, the UB size and the vector core count); a skipped slot adds +0.0.
 
-:func:`accumulation_schedule` writes an order out as data (steps of one output row), which both
+:func:`accumulation_schedule` writes a schedule out as data (steps of one output row), which both
 kernel paths of :mod:`moegrad.numerics._reference` run.
 """
 
@@ -34,7 +34,7 @@ from moegrad.numerics._ascend950 import (
 )
 from moegrad.operator._profiles import BINS, CHAIN, DEFAULT_PROFILE, GROUPS_OF_FOUR, resolve_profile
 
-__all__ = ["accumulation_schedule", "bin_count", "order_schedule"]
+__all__ = ["accumulation_schedule", "bin_count", "schedule_steps"]
 
 
 def bin_count(top_k: int) -> int:
@@ -58,9 +58,10 @@ def accumulation_schedule(
 
     Args:
         top_k: K >= 1.
-        order: a device profile, any name of :data:`~moegrad.ORDERS` (its ``Profile.order`` decides).
+        order: the device profile, any name of :data:`~moegrad.ORDERS` (as a call's ``order``); its
+            schedule (``Profile.schedule``) decides.
         dtype, num_tokens, hidden_size: grad_expanded_x's dtype, N and H; required for the
-            Ascend 950 profiles, whose tiling (and so whose order) depends on them; ignored otherwise.
+            Ascend 950 profiles, whose tiling (and so whose schedule) depends on them; ignored otherwise.
         ub_size_bytes, vector_core_count: the 950 platform's UB size in bytes and vector core
             count (defaults: Ascend 950PR/950DT, docs/semantics.md section 7.4).
 
@@ -70,7 +71,7 @@ def accumulation_schedule(
         ``("merge", b, c)`` bin b += bin c. The row's result is bin 0.
 
     Raises:
-        ValueError: an unknown order, ``top_k < 1``, or a 950 profile without dtype, num_tokens
+        ValueError: an unknown profile, ``top_k < 1``, or a 950 profile without dtype, num_tokens
             and hidden_size.
     """
     profile = resolve_profile(order)
@@ -91,24 +92,24 @@ def accumulation_schedule(
         tiling = ascend950_tiling(
             dtype, num_tokens, top_k, hidden_size, ub_size_bytes=ub_size_bytes, vector_core_count=vector_core_count
         )
-        return ascend950_schedule(top_k, tiling.k_chunk, profile.order == GROUPS_OF_FOUR)
-    return order_schedule(top_k, profile.order)
+        return ascend950_schedule(top_k, tiling.k_chunk, profile.schedule == GROUPS_OF_FOUR)
+    return schedule_steps(top_k, profile.schedule)
 
 
 @functools.lru_cache(maxsize=512)
-def order_schedule(top_k: int, kind: str) -> tuple[tuple[str, int, int], ...]:
-    """The steps of one output row in the kernel order ``kind``, ``"bins"`` or ``"chain"`` (the 950's
-    ``"groups_of_four"`` depends on its tiling: :func:`moegrad.numerics._ascend950.ascend950_schedule`).
+def schedule_steps(top_k: int, schedule: str) -> tuple[tuple[str, int, int], ...]:
+    """The steps of one output row in the kernel's schedule ``schedule``, ``"bins"`` or ``"chain"`` (the
+    950's ``"groups_of_four"`` depends on its tiling: :func:`moegrad.numerics._ascend950.ascend950_schedule`).
 
     Raises:
-        ValueError: ``top_k < 1`` or another ``kind``.
+        ValueError: ``top_k < 1`` or another ``schedule``.
     """
     if top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1")
-    if kind == CHAIN:
+    if schedule == CHAIN:
         return (("zero", 0, 0), *(("add", 0, t) for t in range(top_k)))
-    if kind != BINS:
-        raise ValueError(f"kind={kind!r} is not {BINS!r} or {CHAIN!r}")
+    if schedule != BINS:
+        raise ValueError(f"schedule={schedule!r} is not {BINS!r} or {CHAIN!r}")
     bins = bin_count(top_k)
     steps = [("set", b, 2 * b) for b in range(bins)]
     steps += [("add", (t // 2) % bins, t) for t in range(2 * bins, top_k, 2)]

@@ -1,7 +1,7 @@
 """Device profiles: a chip running one CANN release, and everything of the operator that depends on both.
 
-The bits of aclnnMoeInitRoutingV2Grad depend on the chip (its kernel's order of adds) *and* on the
-CANN release (the 950 kernel's order and its handling of invalid slots changed between releases,
+The bits of aclnnMoeInitRoutingV2Grad depend on the chip (its kernel's schedule of adds) *and* on the
+CANN release (the 950 kernel's schedule and its handling of invalid slots changed between releases,
 and release 9.1 changed the API edge for every chip). A profile, named ``"<chip>@<release>"``, fixes
 all of it; :data:`PROFILES` is the one table of them, and docs/semantics.md's profile table is
 tested against it.
@@ -43,7 +43,7 @@ CHIPS: dict[str, str] = {
 #: The CANN releases a profile names, oldest first.
 RELEASES: tuple[str, ...] = ("8.5", "9.0", "9.1")
 
-# Kernel orders of adds (docs/semantics.md sections 3 and 7; moegrad.numerics._schedules writes each out).
+# The kernels' schedules of adds (docs/semantics.md sections 3 and 7; moegrad.numerics._schedules writes each out).
 BINS = "bins"  # A2/A3: B accumulators over interleaved slots, then a pairwise tree
 CHAIN = "chain"  # one float32 accumulator from +0.0, slot by slot
 GROUPS_OF_FOUR = "groups_of_four"  # 950: s += ((v0 + v1) + (v2 + v3)) per K chunk, leftovers one by one
@@ -60,8 +60,8 @@ class Profile:
         name: ``"<chip>@<release>"``, or ``"sequential"``.
         chip: a key of :data:`CHIPS`, or None for ``"sequential"``.
         release: one of :data:`RELEASES`, or None for ``"sequential"``.
-        order: the kernel's order of adds: ``"bins"`` (A2/A3), ``"groups_of_four"`` (950 from
-            9.0) or ``"chain"`` (950 at 8.5, and the sequential golden).
+        schedule: the kernel's schedule of adds: ``"bins"`` (A2/A3), ``"groups_of_four"`` (950
+            from 9.0) or ``"chain"`` (950 at 8.5, and the sequential golden).
         skips_any_negative: True when every negative index, in every mode, contributes a +0.0 row
             (950 from 9.1); False when only -1 in drop/pad mode does, other negatives being read
             outside the buffer by the kernel (undefined, so refused).
@@ -76,13 +76,13 @@ class Profile:
             launch and no attribute checks.
         empty_skips_dtype_checks: True from 9.1: the dtype checks are skipped for empty tensors.
         checks_out_dtype: True from 9.1: ``out``'s dtype must equal ``gradExpandedX``'s (161002).
-        source: where the kernel order and the invalid-slot rule were read (repo, path, commit).
+        source: where the kernel's schedule and the invalid-slot rule were read (repo, path, commit).
     """
 
     name: str
     chip: str | None
     release: str | None
-    order: str
+    schedule: str
     skips_any_negative: bool
     skips_dropless_overflow: bool
     attribute_status: AclnnStatus
@@ -90,6 +90,11 @@ class Profile:
     empty_skips_dtype_checks: bool
     checks_out_dtype: bool
     source: str
+
+    @property
+    def order(self) -> str:
+        """:attr:`schedule` under its former name (kept so that code reading it goes on working)."""
+        return self.schedule
 
     @property
     def product(self) -> str:
@@ -105,17 +110,17 @@ class Profile:
 def _profile(chip: str, release: str) -> Profile:
     edge_91 = release == "9.1"  # the 9.1 API edge has no chip branch
     if chip == "ascend950":
-        order = CHAIN if release == "8.5" else GROUPS_OF_FOUR
+        schedule = CHAIN if release == "8.5" else GROUPS_OF_FOUR
         commit = {"8.5": "a5d6f9dc", "9.0": "8c1f71ff", "9.1": "49e0de82"}[release]
         source = f"{_950_KERNEL} @ {commit} (release branch {release}.0)"
         skips = edge_91
     else:
-        order, source, skips = BINS, f"{_A2A3_KERNEL} (unchanged in every release)", False
+        schedule, source, skips = BINS, f"{_A2A3_KERNEL} (unchanged in every release)", False
     return Profile(
         name=f"{chip}@{release}",
         chip=chip,
         release=release,
-        order=order,
+        schedule=schedule,
         skips_any_negative=skips,
         skips_dropless_overflow=skips,
         attribute_status=(AclnnStatus.ACLNN_ERR_INNER_NULLPTR if edge_91 else AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR),
@@ -130,7 +135,7 @@ SEQUENTIAL = Profile(
     name="sequential",
     chip=None,
     release=None,
-    order=CHAIN,
+    schedule=CHAIN,
     skips_any_negative=False,
     skips_dropless_overflow=False,
     attribute_status=AclnnStatus.ACLNN_ERR_INNER_TILING_ERROR,

@@ -45,7 +45,7 @@ def test_the_row_says_what_the_profile_says(name):
     _, chip, release, order, invalid, code, empty, source = table_rows()[name]
     assert chip == (profile.product if profile.chip else "none")
     assert release == (profile.release or "-")
-    assert order.startswith(ORDER_WORDS[profile.order])
+    assert order.startswith(ORDER_WORDS[profile.schedule])
     assert ("any negative index" in invalid) == profile.skips_any_negative
     assert ("dropless >= N*K" in invalid) == profile.skips_dropless_overflow
     assert "drop/pad" in invalid and ("-1" in invalid or profile.skips_any_negative)
@@ -64,5 +64,5 @@ def test_the_generated_differences_name_the_groups():
     named = [set(group.strip("{}").split(", ")) for group in groups.group(1).split("; ")]
     by_order: dict[str, set[str]] = {}
     for name, profile in PROFILES.items():
-        by_order.setdefault(profile.order, set()).add(name)
+        by_order.setdefault(profile.schedule, set()).add(name)
     assert sorted(map(sorted, named)) == sorted(map(sorted, by_order.values()))

@@ -287,3 +287,16 @@ def test_the_profiles_are_the_device_profiles_and_the_old_names_their_aliases(mo
         assert bench.current_profile().name == profile
     monkeypatch.delenv("MOEGRAD_MSPROBE_ORDER")
     assert bench.current_profile().name == "ascend910b@9.1"
+
+
+def test_a_profile_names_its_kernels_schedule_and_keeps_the_former_name():
+    """``Profile.schedule`` is the kernel's schedule of adds (docs/semantics.md, the profile table:
+    bins on A2/A3, a chain on the 950 at 8.5 and for the golden, groups of four on the 950 from
+    9.0); ``Profile.order`` is the same value under its former name."""
+    expected = {"ascend910b": "bins", "ascend910_93": "bins"}
+    for name, profile in moegrad.PROFILES.items():
+        if profile.chip == "ascend950":
+            want = "chain" if profile.release == "8.5" else "groups_of_four"
+        else:
+            want = expected.get(profile.chip, "chain")
+        assert profile.schedule == want == profile.order, name
