@@ -54,8 +54,8 @@ from moegrad.accuracy import (
 )
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._client import AsyncClient, Client
+from moegrad.http._documents import BatchCompare
 from moegrad.http._replicas import ReplicaStats
-from moegrad.http._requests import BatchCompare
 from moegrad.numerics._ascend950 import Ascend950Tiling, ascend950_tiling
 from moegrad.numerics._identify import Identification, ProfileMatch, identify
 from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up

@@ -8,7 +8,7 @@ SHA-256, the replica that answered, the profile that judged it, the time).
 
 A case that names no device profile (no ``order``) is run by its replica on the replica's own
 profile: it is sent as its keyword arguments, for the client to check by the replicas' profile
-(``moegrad.http._requests.prepare``), and :func:`refuse_mixed_profiles` stops a sweep of such cases over
+(``moegrad.http._unnamed.prepare``), and :func:`refuse_mixed_profiles` stops a sweep of such cases over
 replicas whose profiles differ before anything is sent (docs/accuracy.md, "Sweeps").
 """
 
@@ -25,7 +25,7 @@ from moegrad.accuracy._cases import case_names_order
 from moegrad.accuracy._compare import rejudge
 from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._results import ComparisonReport
-from moegrad.operator._call import MoeInitRoutingV2GradCall
+from moegrad.operator._call import MoeInitRoutingV2GradCall, names_profile
 
 __all__ = [
     "AsyncCompareBatch",
@@ -71,7 +71,7 @@ AsyncCompareBatch = Callable[
 
 def fields_with_order(fields: Mapping[str, Any], order: str | None) -> Mapping[str, Any]:
     """A case's fields, ``order`` given to it when it names none; an ``order`` of None left out."""
-    if fields.get("order") is not None:
+    if names_profile(fields):
         return fields
     rest = {name: value for name, value in fields.items() if name != "order"}
     return rest if order is None else {**rest, "order": order}
@@ -139,7 +139,7 @@ class _Batch:
         self.sent: list[int] = []
         for index, (_, given, candidate) in enumerate(chunk):
             fields = fields_with_order(given, order)
-            if "order" not in fields:
+            if not names_profile(fields):
                 self.pairs.append((fields, candidate))
                 self.sent.append(index)
                 continue

@@ -6,7 +6,7 @@ The public face of :mod:`moegrad.http` (``moegrad`` re-exports each of these nam
 
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._client import AsyncClient, Client
+from moegrad.http._documents import BatchCompare
 from moegrad.http._replicas import ReplicaStats
-from moegrad.http._requests import BatchCompare
 
 __all__ = ["AsyncClient", "BatchCompare", "Client", "CompareResult", "GradResult", "ReplicaStats"]

@@ -5,7 +5,9 @@ method asks the core for a *flow* and drives it, and ``_drive`` is the same doze
 client, differing by ``await``. What is built where:
 
 - configuration, checked before any I/O: :mod:`moegrad.http._config`;
-- requests (documents, bodies, headers, timeouts): :mod:`moegrad.http._requests`;
+- requests: their documents and bodies, :mod:`moegrad.http._documents`; each attempt's headers,
+  URL and timeouts, :mod:`moegrad.http._requests`; the check of a call that names no profile,
+  :mod:`moegrad.http._unnamed`;
 - replies (one parser for every endpoint): :mod:`moegrad.http._replies`;
 - each HTTP status and network failure -> the exception raised: :mod:`moegrad.http._status`, whose
   docstring holds the table (the exception tree is drawn in ``moegrad._errors``);
@@ -52,9 +54,9 @@ from moegrad.http._accuracy import (
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._config import CLIENT_DOC, USE_CLIENT_DEFAULT, ClientConfig, _UseClientDefault, ssl_verify
 from moegrad.http._core import ClientCore, Flow
+from moegrad.http._documents import BatchCompare, batch_compares, compare_call, grad_call
 from moegrad.http._replicas import ReplicaStats, Resolve
 from moegrad.http._replies import frames_reader
-from moegrad.http._requests import BatchCompare, batch_compares, compare_call, grad_call
 from moegrad.http._transport import PerReplica, aread_frames, async_http_transport, http_transport, read_frames
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 

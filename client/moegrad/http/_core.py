@@ -9,11 +9,13 @@ A flow is a generator that yields what it wants done and is sent back what happe
   ``socket.getaddrinfo``'s list, or the ``OSError`` it raised;
 - it returns the call's result, or raises the mapped :class:`~moegrad.MoegradError`.
 
-The core builds every request (:mod:`moegrad.http._requests`), maps every response and every network
-error (:mod:`moegrad.http._status`, :mod:`moegrad.http._replies`), picks each attempt's replica
-(:mod:`moegrad.http._replicas`) and decides every retry; it does no I/O. It also keeps what it learns of
-each replica's device profile (the ``order`` of its ``/v1/info``, and of its answers to calls that
-name none), by which such calls are checked before they are sent (:func:`moegrad.http._requests.prepare`).
+The core builds every request (:mod:`moegrad.http._documents`, :mod:`moegrad.http._requests`),
+maps every response and every network error (:mod:`moegrad.http._status`,
+:mod:`moegrad.http._replies`), picks each attempt's replica (:mod:`moegrad.http._replicas`) and
+decides every retry; it does no I/O. It also keeps what it learns of
+each replica's server, one record each (:class:`~moegrad.http._replicas.ServerInfo`: the profile
+of its ``/v1/info`` and of its answers to calls that name none, by which such calls are checked
+before they are sent (:func:`moegrad.http._unnamed.prepare`); its wire formats; its limits).
 ``Client`` and ``AsyncClient`` (:mod:`moegrad.http._client`) only drive flows, the same dozen lines in
 each, differing by ``await``. A new endpoint is one flow here plus one short method in each client.
 """
@@ -33,32 +35,17 @@ from moegrad._errors import DeadlineExceeded, DeviceBusy, MoegradError, Transpor
 from moegrad.http._accuracy import rejudge
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._config import ClientConfig
+from moegrad.http._documents import Sent, batch_calls, batch_items, call_document, compare_body, grad_body
 from moegrad.http._replicas import Replica, ReplicaSet, Resolve
 from moegrad.http._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_compare, parse_grad, parse_json
-from moegrad.http._requests import (
-    BATCH_PATH,
-    COMPARE_PATH,
-    FRAMES_ACCEPT,
-    GRAD_PATH,
-    INFO_PATH,
-    JSON,
-    MSGPACK,
-    Body,
-    Prepared,
-    RequestBuilder,
-    Sent,
-    batch_calls,
-    batch_items,
-    call_document,
-    compare_body,
-    grad_body,
-    prepare,
-)
+from moegrad.http._requests import JSON, MSGPACK, Body, RequestBuilder
 from moegrad.http._status import error_from_response, error_from_transport
+from moegrad.http._unnamed import Prepared, prepare
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 from moegrad.wire._codec import encode_batch
 from moegrad.wire._frames import FRAMES_MEDIA_TYPE, encode_frames
 from moegrad.wire._limits import MAX_BATCH_CALLS
+from moegrad.wire._v1 import BATCH_PATH, COMPARE_PATH, FRAMES_ACCEPT, GRAD_PATH, INFO_PATH
 
 __all__ = ["FRAMES_MIN_BYTES", "ClientCore", "Flow"]
 
@@ -94,7 +81,6 @@ class ClientCore:
         self.requests = RequestBuilder(config, async_body=async_body)
         self.replicas = ReplicaSet(config.replicas, dns=config.dns, clock=clock, rng=rng)
         self._clock = clock
-        self._server_frames: bool | None = None  # whether the server offers frames (learnt from /v1/info)
 
     def exchange(
         self,
@@ -192,7 +178,7 @@ class ClientCore:
         """One call (``POST /v1/moe_init_routing_v2_grad``): msgpack, or frames when :meth:`frames_for` says so.
 
         ``call``: a :class:`MoeInitRoutingV2GradCall`, a wire document or an :class:`Unnamed`
-        (:func:`moegrad.http._requests.prepare`, checked by the replicas' profile when it names none)."""
+        (:func:`moegrad.http._unnamed.prepare`, checked by the replicas' profile when it names none)."""
         timeout_s = self.config.call_timeout_s(timeout_s)
         retries = self.config.retries.count
         ready = (yield from self.prepared_flow([call], raise_refusals=True))[0]
@@ -219,7 +205,7 @@ class ClientCore:
         return result
 
     def prepared_flow(self, calls: list[Any], *, raise_refusals: bool = False) -> Flow[list[Prepared | MoegradError]]:
-        """Each call as :func:`moegrad.http._requests.prepare` makes it ready to send (or the MoegradError it
+        """Each call as :func:`moegrad.http._unnamed.prepare` makes it ready to send (or the MoegradError it
         raised locally), those that name no profile checked by the replicas' profile.
 
         When that profile is not known and the profiles' rules disagree about a call, the replicas
@@ -240,7 +226,7 @@ class ClientCore:
                     raise
                 ready.append(exc.with_traceback(None))  # no cycle through ``ready`` holding the arrays
         if any(item is None for item in ready):
-            yield from self.ask_profiles_flow()
+            yield from self.ask_info_flow()
             profile = self.replicas.profile()
             for index, item in enumerate(ready):
                 if item is None:
@@ -252,20 +238,22 @@ class ClientCore:
                         ready[index] = exc.with_traceback(None)
         return ready  # type: ignore[return-value]  # every None replaced above
 
-    def ask_profiles_flow(self) -> Flow[None]:
-        """Ask each replica whose profile is unknown, and was not asked yet, for its ``/v1/info``
-        (once, no retry): its ``order`` is its profile. A replica that does not answer stays unknown."""
+    def ask_info_flow(self, *, profile_known_too: bool = False) -> Flow[None]:
+        """Ask each replica not asked yet for its ``/v1/info`` (once, no retry), into its record
+        (:class:`~moegrad.http._replicas.ServerInfo`): for the profile, those whose profile is
+        unknown; with ``profile_known_too`` (for the wire formats), those too. A replica that does
+        not answer is recorded as asked, knowing nothing."""
         resolve = self.replicas.due()
         if resolve is not None:
             try:
                 self.replicas.resolved((yield resolve))
             except MoegradError:
                 return
-        for replica in self.replicas.unasked():
+        for replica in self.replicas.unasked(profile_known_too=profile_known_too):
             try:
                 yield from self.info_flow(replica, retries=0)
             except MoegradError:
-                self.replicas.learn(str(replica.url), None, asked=True)
+                self.replicas.learn_info(str(replica.url), None)
 
     def orders_flow(self) -> Flow[tuple[dict[str, Any], dict[str, str | None]]]:
         """``GET /v1/info`` of every replica (each asked once, with the retries when it is the only one).
@@ -288,7 +276,7 @@ class ClientCore:
             try:
                 info = yield from self.info_flow(replica, retries=retries)
             except MoegradError as exc:
-                self.replicas.learn(str(replica.url), None, asked=True)
+                self.replicas.learn_info(str(replica.url), None)
                 orders[str(replica.url)], error = None, error or exc
                 continue
             order = info.get("order")
@@ -315,20 +303,18 @@ class ClientCore:
 
     def frames_for(self, call: MoeInitRoutingV2GradCall) -> Flow[bool]:
         """Whether ``call`` travels as frames: ``wire="frames"`` always; ``"auto"`` when its tensors
-        hold FRAMES_MIN_BYTES or more and the server's ``/v1/info`` lists ``"frames"`` in
-        ``wire_formats`` (asked once per client; a server that cannot say gets msgpack)."""
+        hold FRAMES_MIN_BYTES or more and every replica asked lists ``"frames"`` in its
+        ``/v1/info``'s ``wire_formats`` (each replica's record is asked once, with its profile; a
+        server that cannot say gets msgpack)."""
         if self.config.wire != "auto":
             return self.config.wire == "frames"
         if call.grad_expanded_x.nbytes + call.expanded_row_idx.nbytes < FRAMES_MIN_BYTES:
             return False
-        if self._server_frames is None:
-            try:
-                info = yield from self.info_flow()  # tells the profile of the replica that answers, too
-            except MoegradError:
-                info = {}
-            formats = info.get("wire_formats")
-            self._server_frames = isinstance(formats, list) and "frames" in formats
-        return self._server_frames
+        formats = self.replicas.wire_formats()
+        if formats is None:
+            yield from self.ask_info_flow(profile_known_too=True)
+            formats = self.replicas.wire_formats() or frozenset()
+        return "frames" in formats
 
     def batch_flow(self, items: Iterable[Any], timeout_s: Any) -> Flow[list[GradResult | CompareResult | MoegradError]]:
         """Send the items in batches of at most MAX_BATCH_CALLS; one answer (or exception) per item, in order.
@@ -451,8 +437,8 @@ class ClientCore:
         return result
 
     def info_flow(self, replica: Replica | None = None, *, retries: int | None = None) -> Flow[dict[str, Any]]:
-        """``GET /v1/info`` (of ``replica``, else of any): the service's JSON object; its ``order`` is
-        the profile of the replica that answered (learnt)."""
+        """``GET /v1/info`` (of ``replica``, else of any): the service's JSON object, recorded as the
+        answering replica's :class:`~moegrad.http._replicas.ServerInfo` (its profile, wire formats, limits)."""
         response = yield from self.exchange(
             "GET",
             INFO_PATH,
@@ -462,7 +448,7 @@ class ClientCore:
             only=replica,
         )
         info = parse_json(response)
-        self.replicas.learn(response.extensions.get(REPLICA_EXTENSION), info.get("order"), asked=True)
+        self.replicas.learn_info(response.extensions.get(REPLICA_EXTENSION), info)
         return info
 
     def probe_flow(self, path: str) -> Flow[bool]:

@@ -22,10 +22,13 @@ attempt; a lock makes it safe for a client shared by threads):
   again; an answer ends the run of failures. When every
   replica is set aside, the one back soonest is picked, so a single replica is always tried;
 - **what each served** (:class:`ReplicaStats`, ``client.stats``);
-- **which device profile each runs** (the ``order`` of its ``GET /v1/info``, or of its answer to a
-  call that named none): :meth:`ReplicaSet.profile` is the profile the client checks such calls
-  by. A replica's profile is forgotten when it fails (it may come back another server) and is
-  unknown for an address a name resolves to anew.
+- **what each server is** (:class:`ServerInfo`, one record per replica): the device profile it
+  runs a call that names none on (the ``order`` of its ``GET /v1/info``, or of its answer to such
+  a call), the wire formats it takes and the limits it states. Its ``/v1/info`` is asked once,
+  for whichever is needed first; :meth:`ReplicaSet.profile` is the profile the client checks
+  calls that name none by, :meth:`ReplicaSet.wire_formats` what a large call may travel as. A
+  replica's record is forgotten when it fails (it may come back another server) and is empty for
+  an address a name resolves to anew.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -50,6 +53,7 @@ __all__ = [
     "ReplicaSet",
     "ReplicaStats",
     "Resolve",
+    "ServerInfo",
     "parse_replicas",
 ]
 
@@ -93,6 +97,41 @@ class Resolve:
     port: int
 
 
+#: The limits of ``/v1/info`` a server's record keeps (docs/protocol.md, "GET /v1/info").
+INFO_LIMITS = ("max_body_bytes", "max_elements", "max_batch_calls", "max_queue")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerInfo:
+    """What the client knows of one replica's server: one record, from its ``GET /v1/info`` (asked
+    once, for whichever of these is needed first) and from its answers to calls that name no profile.
+
+    Attributes:
+        profile: the device profile it runs a call that names none on (its ``order``), or None
+            while unknown.
+        wire_formats: the body formats it takes (``"msgpack"``, ``"frames"``), or None where it did
+            not say (a server older than frames: msgpack only) or was not asked.
+        limits: those of :data:`INFO_LIMITS` it states, by name.
+        asked: its ``/v1/info`` was asked (answered or not): it is not asked again until it fails.
+    """
+
+    profile: str | None = None
+    wire_formats: frozenset[str] | None = None
+    limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    asked: bool = False
+
+    @classmethod
+    def of_info(cls, info: Mapping[str, Any]) -> ServerInfo:
+        """The record of a ``/v1/info`` answer (a value of the wrong type counts as not said)."""
+        order, formats = info.get("order"), info.get("wire_formats")
+        return cls(
+            profile=order if isinstance(order, str) and order else None,
+            wire_formats=frozenset(f for f in formats if isinstance(f, str)) if isinstance(formats, list) else None,
+            limits={k: v for k in INFO_LIMITS if type(v := info.get(k)) is int},
+            asked=True,
+        )
+
+
 class Replica:
     """One replica's URL and counters (changed only under its :class:`ReplicaSet`'s lock).
 
@@ -103,13 +142,12 @@ class Replica:
     """
 
     __slots__ = (
-        "asked",
         "consecutive",
         "failures",
         "host_header",
         "in_flight",
-        "profile",
         "served",
+        "server",
         "set_aside_until",
         "sni",
         "url",
@@ -119,8 +157,12 @@ class Replica:
         self.url, self.host_header, self.sni = url, host_header, sni
         self.served = self.failures = self.in_flight = self.consecutive = 0
         self.set_aside_until = 0.0
-        self.profile: str | None = None  # the ``order`` it runs calls that name none with, once known
-        self.asked = False  # its /v1/info was asked for the profile (and gave none): not asked again
+        self.server = ServerInfo()  # what it is, as far as the client knows
+
+    @property
+    def profile(self) -> str | None:
+        """The profile it runs a call that names none on, once known (:attr:`ServerInfo.profile`)."""
+        return self.server.profile
 
     def __repr__(self) -> str:
         return f"Replica({str(self.url)!r})"
@@ -331,15 +373,22 @@ class ReplicaSet:
 
     # ---- the replicas' device profiles --------------------------------------------------------
 
-    def learn(self, url: str | None, order: Any, *, asked: bool = False) -> None:
-        """The replica whose root URL is ``url`` runs calls that name no profile with ``order`` (its
-        ``/v1/info``'s, or its answer's to such a call); ``asked``: its /v1/info was asked (an
-        ``order`` that is not a string then leaves it unknown, and it is not asked again)."""
+    def learn(self, url: str | None, order: Any) -> None:
+        """The replica whose root URL is ``url`` ran a call that named no profile on ``order``."""
         with self._lock:
             for replica in self._replicas:
                 if str(replica.url) == url:
-                    replica.profile = order if isinstance(order, str) and order else None
-                    replica.asked = replica.asked or asked
+                    profile = order if isinstance(order, str) and order else None
+                    replica.server = dataclasses.replace(replica.server, profile=profile)
+                    return
+
+    def learn_info(self, url: str | None, info: Mapping[str, Any] | None) -> None:
+        """The ``/v1/info`` answer of the replica whose root URL is ``url`` (None: it was asked and
+        did not answer): its record, which is not asked again until the replica fails."""
+        with self._lock:
+            for replica in self._replicas:
+                if str(replica.url) == url:
+                    replica.server = ServerInfo(asked=True) if info is None else ServerInfo.of_info(info)
                     return
 
     def profile(self) -> str | None:
@@ -352,13 +401,20 @@ class ReplicaSet:
             profiles = {r.profile for r in self._replicas if r.profile is not None or r.set_aside_until <= now}
         return profiles.pop() if len(profiles) == 1 else None
 
-    def unasked(self) -> tuple[Replica, ...]:
-        """The replicas whose profile is unknown and whose /v1/info was not asked for it; each is
-        marked asked now (so that concurrent calls ask it once)."""
+    def wire_formats(self) -> frozenset[str] | None:
+        """The body formats every replica whose ``/v1/info`` was asked takes (msgpack alone where
+        one did not say); None when none was asked."""
         with self._lock:
-            found = tuple(r for r in self._replicas if r.profile is None and not r.asked)
+            asked = [r.server.wire_formats or frozenset({"msgpack"}) for r in self._replicas if r.server.asked]
+        return frozenset.intersection(*asked) if asked else None
+
+    def unasked(self, *, profile_known_too: bool = False) -> tuple[Replica, ...]:
+        """The replicas whose ``/v1/info`` was not asked (and, unless ``profile_known_too``, whose
+        profile is unknown); each is marked asked now, so that concurrent calls ask it once."""
+        with self._lock:
+            found = tuple(r for r in self._replicas if not r.server.asked and (profile_known_too or r.profile is None))
             for replica in found:
-                replica.asked = True
+                replica.server = dataclasses.replace(replica.server, asked=True)
             return found
 
     def profiles(self) -> dict[str, str | None]:
@@ -367,8 +423,8 @@ class ReplicaSet:
             return {str(r.url): r.profile for r in self._replicas}
 
     def _fail(self, replica: Replica, retry_after_s: float | None) -> None:
-        """One more failure in a row of ``replica``'s: set it aside and forget its profile (the lock held)."""
-        replica.profile, replica.asked = None, False
+        """One more failure in a row of ``replica``'s: set it aside and forget its record (the lock held)."""
+        replica.server = ServerInfo()
         replica.failures += 1
         replica.consecutive += 1
         pause_s = min(self._first_s * 2 ** (replica.consecutive - 1), self._max_s)

@@ -4,7 +4,7 @@ profile (a chip at one CANN release) the call names (docs/operator.md, docs/sema
 The public face of :mod:`moegrad.operator`; the service imports these names from here.
 """
 
-from moegrad.operator._call import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
+from moegrad.operator._call import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall, names_profile
 from moegrad.operator._profiles import (
     ALIASES,
     CHIPS,
@@ -29,6 +29,7 @@ __all__ = [
     "CallGroup",
     "MoeInitRoutingV2GradCall",
     "Profile",
+    "names_profile",
     "profile_of_release",
     "resolve_profile",
 ]

@@ -42,7 +42,7 @@ from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest
 from moegrad.operator._profiles import DEFAULT_PROFILE, PROFILE_NAMES, PROFILES, Profile, resolve_profile
 from moegrad.wire._codec import decode_tensor, encode_tensor
 
-__all__ = ["GRAD_DTYPES", "ORDERS", "CallGroup", "MoeInitRoutingV2GradCall"]
+__all__ = ["GRAD_DTYPES", "ORDERS", "CallGroup", "MoeInitRoutingV2GradCall", "names_profile"]
 
 #: Every name ``order`` takes: the device profiles and their aliases (:data:`moegrad.PROFILES`).
 ORDERS: tuple[str, ...] = PROFILE_NAMES
@@ -466,6 +466,16 @@ class MoeInitRoutingV2GradCall(BaseModel):
         if "allow_duplicate_indices" in document:
             fields["allow_duplicate_indices"] = document["allow_duplicate_indices"]
         return cls(**fields)
+
+
+def names_profile(call: MoeInitRoutingV2GradCall | Mapping[str, Any]) -> bool:
+    """Whether a call names its device profile: a :class:`MoeInitRoutingV2GradCall` given an ``order``
+    when it was built, or a wire document (or the keyword arguments of one) whose ``order`` is
+    present and not nil. A call that names none runs on its server's profile (docs/protocol.md);
+    this is the client's one test of it."""
+    if isinstance(call, MoeInitRoutingV2GradCall):
+        return "order" in call.model_fields_set
+    return call.get("order") is not None
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,7 +16,7 @@ import pytest
 
 import moegrad
 from moegrad import InvalidArgument
-from moegrad.http._requests import RULE_SETS
+from moegrad.http._unnamed import RULE_SETS
 from support.docexample import DOC_GRAD as GRAD
 from support.docexample import DOC_IDX as IDX
 from support.docexample import DOC_RESULT_BITS as BITS
@@ -202,3 +202,19 @@ def test_a_replica_set_aside_does_not_stop_the_others_profile_from_judging():
             c.moe_init_routing_v2_grad(GRAD, IDX, 3)
     assert refused.value.aclnn_status == TILING
     assert b.seen.count(("GET", "/v1/info")) == 1
+
+
+def test_one_record_per_replica_its_info_asked_once_for_the_profile_and_the_wire_formats():
+    """What the client knows of a server is one record (docs/protocol.md, "GET /v1/info"): the
+    /v1/info asked for the profile also tells the wire formats, so a large call that then decides
+    between msgpack and frames asks nothing more (this server offers none: msgpack)."""
+    server = Server("ascend910b@9.0")
+    large = np.ones((2 * 1024, 64), np.float32)  # 512 KiB: over the frames threshold
+    with client(server) as c:
+        with pytest.raises(InvalidArgument):
+            c.moe_init_routing_v2_grad(GRAD, IDX, 3)  # the profiles disagree: the server is asked
+        with pytest.raises(moegrad.ServiceError):  # the fake answers a [2, 2] grad_x: a broken reply
+            c.moe_init_routing_v2_grad(large, np.arange(2048, dtype=np.int32), 2, order="ascend910b@9.0")
+        record = c._core.replicas.replicas[0].server
+    assert server.seen == [("GET", "/v1/info"), ("POST", "/v1/moe_init_routing_v2_grad")]
+    assert (record.profile, record.wire_formats, record.asked) == ("ascend910b@9.0", None, True)
