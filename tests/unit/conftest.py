@@ -16,5 +16,4 @@ def without_numba(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)
     monkeypatch.setitem(sys.modules, "moegrad.numerics._fast_jit", None)
     monkeypatch.delattr(moegrad.numerics, "_fast_jit", raising=False)  # else `from moegrad.numerics import` finds it
-    monkeypatch.setattr(_fast, "_jit", None)
-    monkeypatch.setattr(_fast, "_jit_missing", False)
+    monkeypatch.setattr(_fast, "_KERNELS", _fast.CompiledModule("moegrad.numerics._fast_jit"))

@@ -74,7 +74,12 @@ def _larger(x, y):
 
 def _row_stats_for(checked):
     """The statistics of one row of one comparison, compiled with or without the NaN/Inf
-    classification (``checked``, a constant numba folds)."""
+    classification (``checked``, a constant numba folds).
+
+    Longer than 80 lines on purpose, as :func:`row_stats` inside it is: a numba kernel body whose one
+    loop over H LLVM vectorises whole, every statistic accumulated in registers in the same pass;
+    split into functions, the loop would need each statistic's partial sums in memory between the
+    pieces, or several passes over the row (the compare section of bench/RESULTS.md measures it)."""
 
     @_compiled(fastmath={"reassoc"}, error_model="numpy")
     def row_stats(o, a, e, g, m, p, inv_ulp, key):

@@ -370,6 +370,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_call_arguments(local, order_default=DEFAULT_PROFILE)
 
+    _add_compare_parser(commands, formatter)
+
+    example = commands.add_parser(
+        "example",
+        help="run the documentation's example on a service",
+        formatter_class=formatter,
+        epilog=_EPILOGS["example"],
+        description="Send the operator documentation's example (grad_expanded_x "
+        "[[.1,.1],[.3,.3],[.2,.2],[.4,.4]] float32, expanded_row_idx "
+        "[2,0,1,3], K=2) and compare the result bit for bit with "
+        "[[0.3,0.3],[0.70000005,0.70000005]].",
+    )
+    _add_server_arguments(example)
+
+    info = commands.add_parser(
+        "info",
+        help="print the service's /v1/info as JSON",
+        formatter_class=formatter,
+        description="Print the service's version, backend, device, order and limits (GET /v1/info) as\n"
+        "JSON. With --url given more than once, a JSON object of each URL's info (or the error that\n"
+        "replica gave), exit 4 when any failed; a dns+ URL's info is one replica's, named on stderr.",
+        epilog=_EPILOGS["info"],
+    )
+    _add_server_arguments(info)
+    _add_identify_parser(commands, formatter)
+    return parser
+
+
+def _add_compare_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """``moegrad compare``: one call and a candidate, or a folder of cases (docs/accuracy.md)."""
     comparison = commands.add_parser(
         "compare",
         help="judge a candidate grad_x against the device and a float64 golden",
@@ -395,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="the candidate grad_x .npy: [N, H], the dtype of grad_expanded_x or float32 (required unless --cases)",
     )
+    _add_comparison_options(comparison)
+    _add_bulk_options(comparison)
+    _add_server_arguments(comparison)
+
+
+def _add_comparison_options(comparison: argparse.ArgumentParser) -> None:
+    """``moegrad compare``'s options that choose and write the comparison."""
     choose = comparison.add_argument_group("the comparison")
     choose.add_argument(
         "--standard",
@@ -438,6 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compare in-process with the NumPy emulation of the device; no server (--url is ignored)",
     )
+
+
+def _add_bulk_options(comparison: argparse.ArgumentParser) -> None:
+    """``moegrad compare``'s bulk checking options (``--cases`` and what goes with it)."""
     bulk = comparison.add_argument_group("bulk checking")
     bulk.add_argument("--cases", metavar="DIR", help="judge every *.npz case file in DIR instead of one call")
     bulk.add_argument(
@@ -493,32 +534,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="no calls: join shard files (or folders of shard-*.jsonl) into one summary (--summary, "
         "default: the first PATH's folder/summary); with --cases DIR, check that every case is in them",
     )
-    _add_server_arguments(comparison)
-
-    example = commands.add_parser(
-        "example",
-        help="run the documentation's example on a service",
-        formatter_class=formatter,
-        epilog=_EPILOGS["example"],
-        description="Send the operator documentation's example (grad_expanded_x "
-        "[[.1,.1],[.3,.3],[.2,.2],[.4,.4]] float32, expanded_row_idx "
-        "[2,0,1,3], K=2) and compare the result bit for bit with "
-        "[[0.3,0.3],[0.70000005,0.70000005]].",
-    )
-    _add_server_arguments(example)
-
-    info = commands.add_parser(
-        "info",
-        help="print the service's /v1/info as JSON",
-        formatter_class=formatter,
-        description="Print the service's version, backend, device, order and limits (GET /v1/info) as\n"
-        "JSON. With --url given more than once, a JSON object of each URL's info (or the error that\n"
-        "replica gave), exit 4 when any failed; a dns+ URL's info is one replica's, named on stderr.",
-        epilog=_EPILOGS["info"],
-    )
-    _add_server_arguments(info)
-    _add_identify_parser(commands, formatter)
-    return parser
 
 
 _IDENTIFY_EPILOG = """\

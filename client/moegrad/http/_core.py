@@ -37,7 +37,7 @@ from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._config import ClientConfig
 from moegrad.http._documents import Sent, batch_calls, batch_items, call_document, compare_body, grad_body
 from moegrad.http._replicas import Replica, ReplicaSet, Resolve
-from moegrad.http._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_compare, parse_grad, parse_json
+from moegrad.http._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_json, parse_reply
 from moegrad.http._requests import JSON, MSGPACK, Body, RequestBuilder
 from moegrad.http._status import error_from_response, error_from_transport
 from moegrad.http._unnamed import Prepared, prepare
@@ -139,27 +139,15 @@ class ClientCore:
                     replica=replica,
                 )
                 outcome = yield request
-                if isinstance(outcome, httpx.Response):
-                    if outcome.is_success:
-                        answered = True
-                        outcome.extensions[REPLICA_EXTENSION] = str(replica.url)
-                        tried.append(replica)
-                        return outcome
-                    error, cause = error_from_response(outcome), None
-                    status = outcome.status_code
-                    failed = status in (503, 504)
-                    answered = not failed
-                    retryable = status == 503 or (
-                        status == 504 and only is None and self.replicas.has_other([*tried, replica])
-                    )
-                    retry_after_s = error.retry_after_s if isinstance(error, DeviceBusy) else None
-                elif isinstance(outcome, httpx.HTTPError):
-                    passed = deadline is not None and self._clock() >= deadline
-                    error, retryable = error_from_transport(outcome, request, timeout_s, passed)
-                    # no reply in time (a hung replica) sets it aside too, though the call is over
-                    failed, cause = retryable or isinstance(error, DeadlineExceeded), outcome
-                else:  # pragma: no cover - a driver bug
-                    raise TypeError(f"a flow was sent {type(outcome).__name__}")
+                if isinstance(outcome, httpx.Response) and outcome.is_success:
+                    answered = True
+                    outcome.extensions[REPLICA_EXTENSION] = str(replica.url)
+                    tried.append(replica)
+                    return outcome
+                error, cause, retryable, failed, retry_after_s = self._failure(
+                    outcome, request, [*tried, replica], only is None, deadline, timeout_s
+                )
+                answered = isinstance(outcome, httpx.Response) and not failed
             finally:  # also when the driver closes the flow (an interrupted call)
                 self.replicas.done(replica, answered=answered, failed=failed, retry_after_s=retry_after_s)
             tried.append(replica)
@@ -173,6 +161,33 @@ class ClientCore:
                     attempt += 1
                     continue
             raise error from cause
+
+    def _failure(
+        self,
+        outcome: Any,
+        request: httpx.Request,
+        tried: list[Replica],
+        any_replica: bool,
+        deadline: float | None,
+        timeout_s: float | None,
+    ) -> tuple[MoegradError, BaseException | None, bool, bool, float | None]:
+        """What a failed attempt means: ``(error, cause, retryable, failed, retry_after_s)``;
+        ``failed``: its replica is set aside (a 503 or 504, no connection, no reply in time).
+
+        ``outcome`` is a response that is not a 2xx or the transport's ``httpx.HTTPError``;
+        ``tried`` ends with this attempt's replica; ``any_replica``: the call may go to another."""
+        if isinstance(outcome, httpx.Response):
+            error = error_from_response(outcome)
+            status = outcome.status_code
+            retryable = status == 503 or (status == 504 and any_replica and self.replicas.has_other(tried))
+            retry_after_s = error.retry_after_s if isinstance(error, DeviceBusy) else None
+            return error, None, retryable, status in (503, 504), retry_after_s
+        if isinstance(outcome, httpx.HTTPError):
+            passed = deadline is not None and self._clock() >= deadline
+            error, retryable = error_from_transport(outcome, request, timeout_s, passed)
+            # no reply in time (a hung replica) sets it aside too, though the call is over
+            return error, outcome, retryable, retryable or isinstance(error, DeadlineExceeded), None
+        raise TypeError(f"a flow was sent {type(outcome).__name__}")  # pragma: no cover - a driver bug
 
     def grad_flow(self, call: Any, timeout_s: Any) -> Flow[GradResult]:
         """One call (``POST /v1/moe_init_routing_v2_grad``): msgpack, or frames when :meth:`frames_for` says so.
@@ -199,7 +214,8 @@ class ClientCore:
             response = yield from self.exchange(
                 "POST", GRAD_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=retries, body=grad_body(sendable)
             )
-        result = parse_grad(response, checked)
+        result = parse_reply(response, checked, op="grad")
+        assert isinstance(result, GradResult)
         if unnamed:  # run on its replica's own profile: the answer names it
             self.replicas.learn(result.server_url, result.order)
         return result
@@ -429,7 +445,8 @@ class ClientCore:
         response = yield from self.exchange(
             "POST", COMPARE_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=self.config.retries.count, body=body
         )
-        result = parse_compare(response, checked, return_grad_x)
+        result = parse_reply(response, checked, op="compare", return_grad_x=return_grad_x)
+        assert isinstance(result, CompareResult)
         if unnamed:
             self.replicas.learn(result.server_url, result.order)
         if require_exact:  # the report states exactness either way; requiring it only changes the verdict

@@ -31,9 +31,8 @@ __all__ = [
     "batch_answer",
     "frames_reader",
     "parse_batch",
-    "parse_compare",
-    "parse_grad",
     "parse_json",
+    "parse_reply",
     "reply_document",
 ]
 
@@ -135,8 +134,15 @@ def answer(
     return CompareResult(report=report, grad_x=grad_x, **fields)
 
 
-def parse_grad(response: httpx.Response, call: MoeInitRoutingV2GradCall | None) -> GradResult:
-    """A 200 reply of the grad endpoint (msgpack or frames) as a GradResult.
+def parse_reply(
+    response: httpx.Response,
+    call: MoeInitRoutingV2GradCall | None,
+    *,
+    op: Literal["grad", "compare"],
+    return_grad_x: bool = True,
+) -> GradResult | CompareResult:
+    """A 200 reply of the grad endpoint (msgpack or frames; ``op="grad"``) as a GradResult, or of
+    the compare endpoint (``op="compare"``) as a CompareResult.
 
     Raises:
         ServiceError: a reply that is not one (see :func:`answer`).
@@ -144,47 +150,19 @@ def parse_grad(response: httpx.Response, call: MoeInitRoutingV2GradCall | None) 
     try:
         document = reply_document(response)
     except MalformedRequest as exc:  # the server's reply is broken, not the caller's request
+        what = "result" if op == "grad" else "comparison"
         raise ServiceError(
-            f"the server's reply is not a valid result: {exc.message}", status_code=response.status_code
+            f"the server's reply is not a valid {what}: {exc.message}", status_code=response.status_code
         ) from None
-    result = answer(
+    return answer(
         document,
-        op="grad",
-        call=call,
-        return_grad_x=True,
-        request_id=response.headers.get("x-request-id"),
-        status_code=response.status_code,
-        server_url=response.extensions.get(REPLICA_EXTENSION),
-    )
-    assert isinstance(result, GradResult)
-    return result
-
-
-def parse_compare(
-    response: httpx.Response, call: MoeInitRoutingV2GradCall | None, return_grad_x: bool
-) -> CompareResult:
-    """A 200 reply of the compare endpoint as a CompareResult.
-
-    Raises:
-        ServiceError: a reply that is not one (see :func:`answer`).
-    """
-    try:
-        document = reply_document(response)
-    except MalformedRequest as exc:
-        raise ServiceError(
-            f"the server's reply is not a valid comparison: {exc.message}", status_code=response.status_code
-        ) from None
-    result = answer(
-        document,
-        op="compare",
+        op=op,
         call=call,
         return_grad_x=return_grad_x,
         request_id=response.headers.get("x-request-id"),
         status_code=response.status_code,
         server_url=response.extensions.get(REPLICA_EXTENSION),
     )
-    assert isinstance(result, CompareResult)
-    return result
 
 
 def parse_batch(response: httpx.Response, count: int) -> list[Any]:

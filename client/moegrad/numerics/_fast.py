@@ -38,6 +38,7 @@ as cores, while numba's default (workqueue) layer aborts when two threads launch
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -46,7 +47,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["accumulate", "accumulate_950", "available", "warm_up"]
+__all__ = ["CompiledModule", "accumulate", "accumulate_950", "available", "warm_up"]
 
 _CHUNK_INPUT_BYTES = 4 << 20  # gathered input per chunk: enough to hide the call, small enough to balance
 _BIN_BYTES = 128 << 10  # float32 bins of one tile: they stay in the core's L2
@@ -58,21 +59,33 @@ _BIT_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {  # the dtype the kernel sees:
     np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16),
 }
 
-_jit: ModuleType | None = None
-_jit_missing = False
+
+class CompiledModule:
+    """A module of numba kernels, imported on its first use (importing it imports numba, and
+    numba's on-disk cache checks only a kernel's own file, so the kernels live in modules of their
+    own: :mod:`moegrad.numerics._fast_jit`, :mod:`moegrad.accuracy._fused_jit`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.module: ModuleType | None = None
+        self.missing = False  # numba could not be imported: the NumPy path serves
+
+    def load(self) -> ModuleType | None:
+        """The module; None where numba cannot be imported (asked once)."""
+        if self.module is None and not self.missing:
+            try:
+                self.module = importlib.import_module(self.name)
+            except ImportError:
+                self.missing = True
+        return self.module
+
+
+_KERNELS = CompiledModule("moegrad.numerics._fast_jit")
 
 
 def _load_jit() -> ModuleType | None:
     """The compiled module, imported on first use; None where numba cannot be imported."""
-    global _jit, _jit_missing
-    if _jit is None and not _jit_missing:
-        try:
-            from moegrad.numerics import _fast_jit
-        except ImportError:
-            _jit_missing = True
-        else:
-            _jit = _fast_jit
-    return _jit
+    return _KERNELS.load()
 
 
 def available() -> bool:

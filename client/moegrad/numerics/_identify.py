@@ -237,19 +237,8 @@ def identify(
         TypeError: ``call`` is neither a call nor a mapping, or names an unknown field.
         ValueError: an unknown profile name, or no profile to ask.
     """
-    fields = _call_fields(call)
-    if isinstance(profiles, str):
-        profiles = (profiles,)
-    names = list(PROFILES) if profiles is None else list(dict.fromkeys(resolve_profile(p).name for p in profiles))
-    if not names:
-        raise ValueError("profiles is empty: name at least one profile, or pass None for every profile")
-    accepted: dict[str, MoeInitRoutingV2GradCall] = {}
-    refused: dict[str, InvalidArgument] = {}
-    for name in names:
-        try:
-            accepted[name] = MoeInitRoutingV2GradCall(**fields, order=name)
-        except InvalidArgument as exc:
-            refused[name] = exc
+    names = _profile_names(profiles)
+    accepted, refused = _judged(_call_fields(call), names)
     if not accepted:
         refusals = tuple(
             ProfileMatch(name, "refuses", None, refused[name].aclnn_status, refused[name].message) for name in names
@@ -278,6 +267,34 @@ def identify(
         outcomes.append(ProfileMatch(name, "identical" if differing == 0 else "differs", differing, None, None, source))
     dtype = dtype_name(first.grad_expanded_x.dtype) or str(first.grad_expanded_x.dtype)
     return Identification(dtype=dtype, shape=(first.num_tokens, first.hidden_size), profiles=tuple(outcomes))
+
+
+def _profile_names(profiles: Iterable[str] | str | None) -> list[str]:
+    """The canonical names to ask, each once (None: every profile).
+
+    Raises:
+        ValueError: an unknown name, or none at all.
+    """
+    if isinstance(profiles, str):
+        profiles = (profiles,)
+    names = list(PROFILES) if profiles is None else list(dict.fromkeys(resolve_profile(p).name for p in profiles))
+    if not names:
+        raise ValueError("profiles is empty: name at least one profile, or pass None for every profile")
+    return names
+
+
+def _judged(
+    fields: Mapping[str, Any], names: list[str]
+) -> tuple[dict[str, MoeInitRoutingV2GradCall], dict[str, InvalidArgument]]:
+    """The call as each profile validates it: the accepted calls and the refusals, by name."""
+    accepted: dict[str, MoeInitRoutingV2GradCall] = {}
+    refused: dict[str, InvalidArgument] = {}
+    for name in names:
+        try:
+            accepted[name] = MoeInitRoutingV2GradCall(**fields, order=name)
+        except InvalidArgument as exc:
+            refused[name] = exc
+    return accepted, refused
 
 
 def profiles_matching(call: MoeInitRoutingV2GradCall, candidate: np.ndarray) -> tuple[str, ...]:

@@ -182,6 +182,42 @@ def moe_init_routing_v2(
     the backward only on the Ascend 950 from CANN 9.1 (``order="ascend950@9.1"``), where a
     negative index contributes a +0.0 row; every other profile refuses it (161002).
     """
+    _check_tensors(x, expert_idx)
+    active, capacity, experts, mode, count_flag = _attributes(
+        active_num,
+        expert_capacity,
+        expert_num,
+        drop_pad_mode,
+        expert_tokens_count_or_cumsum_flag,
+        expert_tokens_before_capacity_flag,
+    )
+    _check_shapes(x, expert_idx, capacity, experts, mode, count_flag)
+    routed_experts = expert_range(active_expert_range, experts, mode)
+    bounded = mode == 1 or count_flag > 0
+    flat = _checked_ids(expert_idx, experts if bounded else None)
+    top_k = expert_idx.shape[1]
+    sorted_row_idx = np.argsort(flat, kind="stable")  # stable: one expert's slots stay in slot order
+    counts = np.bincount(flat, minlength=experts).astype(np.int32) if bounded else None  # ids < E here
+    expanded_row_idx = np.empty(flat.size, dtype=np.int32)
+    count_or_cumsum = before_capacity = None
+    if mode == 0 and routed_experts is not None:
+        expanded_x, count_or_cumsum = _route_range(
+            x, flat, top_k, active, count_flag, routed_experts, sorted_row_idx, expanded_row_idx
+        )
+    elif mode == 0:
+        expanded_x, count_or_cumsum = _route_dropless(
+            x, top_k, active, count_flag, counts, sorted_row_idx, expanded_row_idx
+        )
+    else:
+        assert counts is not None, "drop/pad mode bounds the ids, so counts was taken"
+        expanded_x = _route_drop_pad(x, flat, top_k, capacity, counts, sorted_row_idx, expanded_row_idx)
+        if expert_tokens_before_capacity_flag:
+            before_capacity = counts
+    return MoeInitRoutingV2Result(np.ascontiguousarray(expanded_x), expanded_row_idx, count_or_cumsum, before_capacity)
+
+
+def _check_tensors(x: Any, expert_idx: Any) -> None:
+    """x and expert_idx present, ndarrays, of dtypes the forward takes (161001, 161002)."""
     for field, value in (("x", x), ("expert_idx", expert_idx)):
         if value is None:
             raise _fail(_NULLPTR, field, f"{field} is missing (a null tensor)")
@@ -200,16 +236,23 @@ def moe_init_routing_v2(
             f"expert_idx.dtype={expert_idx.dtype} is not one of int32, int64; "
             "cast it first, e.g. expert_idx.astype(numpy.int32)",
         )
+
+
+def _attributes(*values: Any) -> tuple[int, int, int, int, int]:
+    """The attributes active_num, expert_capacity, expert_num, drop_pad_mode,
+    expert_tokens_count_or_cumsum_flag (integers) and expert_tokens_before_capacity_flag (a bool),
+    each in its documented range (561002); the five integers."""
+    active_num, expert_capacity, expert_num, drop_pad_mode, count_or_cumsum_flag, before_capacity_flag = values
     active = _integer("active_num", active_num)
     capacity = _integer("expert_capacity", expert_capacity)
     experts = _integer("expert_num", expert_num)
     mode = _integer("drop_pad_mode", drop_pad_mode)
-    count_flag = _integer("expert_tokens_count_or_cumsum_flag", expert_tokens_count_or_cumsum_flag)
-    if not isinstance(expert_tokens_before_capacity_flag, (bool, np.bool_)):
+    count_flag = _integer("expert_tokens_count_or_cumsum_flag", count_or_cumsum_flag)
+    if not isinstance(before_capacity_flag, (bool, np.bool_)):
         raise _fail(
             _TILING,
             "expert_tokens_before_capacity_flag",
-            f"expert_tokens_before_capacity_flag={brief(expert_tokens_before_capacity_flag)} must be a bool",
+            f"expert_tokens_before_capacity_flag={brief(before_capacity_flag)} must be a bool",
         )
     for field, size in (("active_num", active), ("expert_capacity", capacity), ("expert_num", experts)):
         if size < 0:
@@ -222,6 +265,13 @@ def moe_init_routing_v2(
             "expert_tokens_count_or_cumsum_flag",
             f"expert_tokens_count_or_cumsum_flag={count_flag} must be 0 (none), 1 (cumsum) or 2 (count)",
         )
+    return active, capacity, experts, mode, count_flag
+
+
+def _check_shapes(
+    x: np.ndarray, expert_idx: np.ndarray, capacity: int, experts: int, mode: int, count_flag: int
+) -> None:
+    """Both 2-D with one row of experts per token; E and C as the mode needs them (561002)."""
     if x.ndim != 2 or expert_idx.ndim != 2:
         field, array = ("x", x) if x.ndim != 2 else ("expert_idx", expert_idx)
         raise _fail(_TILING, field, f"{field} has rank {array.ndim} (shape {list(array.shape)}); it must be 2-D")
@@ -232,64 +282,79 @@ def moe_init_routing_v2(
             f"expert_idx.shape[0]={expert_idx.shape[0]} must equal "
             f"x.shape[0]={x.shape[0]} (one row of experts per token)",
         )
-    tokens, hidden = x.shape
-    top_k = expert_idx.shape[1]
-    bounded = mode == 1 or count_flag > 0
     if mode == 1:
         if experts == 0 or capacity == 0:
             field = "expert_num" if experts == 0 else "expert_capacity"
             raise _fail(_TILING, field, f"{field}=0: drop/pad mode needs expert_num > 0 and expert_capacity > 0")
-        if capacity > tokens:
+        if capacity > x.shape[0]:
             raise _fail(
                 _TILING,
                 "expert_capacity",
-                f"expert_capacity={capacity} must be in (0, N] = (0, {tokens}] in drop/pad mode",
+                f"expert_capacity={capacity} must be in (0, N] = (0, {x.shape[0]}] in drop/pad mode",
             )
     elif count_flag > 0 and experts == 0:
         raise _fail(_TILING, "expert_num", "expert_num=0: expert token counts need expert_num > 0")
-    routed_experts = expert_range(active_expert_range, experts, mode)
 
+
+def _checked_ids(expert_idx: np.ndarray, experts: int | None) -> np.ndarray:
+    """The ids, flat int64, each in [0, experts) (None: [0, 2**24), the float32 keys' exact range; 161002)."""
     flat = expert_idx.reshape(-1).astype(np.int64)
     if flat.size:
-        limit = experts if bounded else _EXACT_KEY
+        limit = _EXACT_KEY if experts is None else experts
         bad = np.flatnonzero((flat < 0) | (flat >= limit))
         if bad.size:
             where = int(bad[0])
             rule = (
-                f"[0, expert_num) = [0, {experts})" if bounded else "[0, 2**24) (the device sorts ids as float32 keys)"
+                f"[0, expert_num) = [0, {experts})"
+                if experts is not None
+                else "[0, 2**24) (the device sorts ids as float32 keys)"
             )
             raise _fail(_INVALID, "expert_idx", f"expert_idx.flat[{where}]={int(flat[where])} is outside {rule}")
-    slots = flat.size
-    sorted_row_idx = np.argsort(flat, kind="stable")  # stable: one expert's slots stay in slot order
+    return flat
+
+
+def _route_dropless(
+    x: np.ndarray,
+    top_k: int,
+    active: int,
+    count_flag: int,
+    counts: np.ndarray | None,
+    sorted_row_idx: np.ndarray,
+    expanded_row_idx: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Dropless or active mode: every slot onto its sorted position, expanded_x its first A rows (all
+    when A = 0); the counts (count_flag 2) or their running sum (1), else None."""
+    slots = expanded_row_idx.size
+    expanded_row_idx[sorted_row_idx] = np.arange(slots, dtype=np.int32)
+    rows = slots if active == 0 else min(active, slots)
+    if not count_flag:
+        return x[sorted_row_idx[:rows] // top_k], None
+    assert counts is not None, "count_flag > 0 makes the ids bounded, so counts was taken"
+    return x[sorted_row_idx[:rows] // top_k], np.cumsum(counts, dtype=np.int32) if count_flag == 1 else counts
+
+
+def _route_drop_pad(
+    x: np.ndarray,
+    flat: np.ndarray,
+    top_k: int,
+    capacity: int,
+    counts: np.ndarray,
+    sorted_row_idx: np.ndarray,
+    expanded_row_idx: np.ndarray,
+) -> np.ndarray:
+    """Drop/pad mode: each expert's first C slots (in slot order) onto its C rows, the others -1;
+    expanded_x [E, C, H] with the rows no slot fills zero."""
+    experts, hidden = counts.shape[0], x.shape[1]
     sorted_expert = flat[sorted_row_idx]
-    counts = np.bincount(flat, minlength=experts).astype(np.int32) if bounded else None  # ids < E here
-    expanded_row_idx = np.empty(slots, dtype=np.int32)
-    count_or_cumsum = before_capacity = None
-    if mode == 0 and routed_experts is not None:
-        expanded_x, count_or_cumsum = _route_range(
-            x, flat, top_k, active, count_flag, routed_experts, sorted_row_idx, expanded_row_idx
-        )
-    elif mode == 0:
-        expanded_row_idx[sorted_row_idx] = np.arange(slots, dtype=np.int32)
-        rows = slots if active == 0 else min(active, slots)
-        expanded_x = x[sorted_row_idx[:rows] // top_k]
-        if count_flag:
-            assert counts is not None, "count_flag > 0 makes the ids bounded, so counts was taken"
-            count_or_cumsum = np.cumsum(counts, dtype=np.int32) if count_flag == 1 else counts
-    else:
-        assert counts is not None, "drop/pad mode bounds the ids, so counts was taken"
-        first = np.cumsum(counts, dtype=np.int64) - counts  # each expert's first sorted position
-        rank = np.arange(slots) - first[sorted_expert]  # a slot's rank among its expert's slots
-        kept = rank < capacity
-        row = sorted_expert[kept] * capacity + rank[kept]
-        expanded_row_idx.fill(-1)
-        expanded_row_idx[sorted_row_idx[kept]] = row
-        expanded_x = np.zeros((experts * capacity, hidden), dtype=x.dtype)
-        expanded_x[row] = x[sorted_row_idx[kept] // top_k]
-        expanded_x = expanded_x.reshape(experts, capacity, hidden)
-        if expert_tokens_before_capacity_flag:
-            before_capacity = counts
-    return MoeInitRoutingV2Result(np.ascontiguousarray(expanded_x), expanded_row_idx, count_or_cumsum, before_capacity)
+    first = np.cumsum(counts, dtype=np.int64) - counts  # each expert's first sorted position
+    rank = np.arange(flat.size) - first[sorted_expert]  # a slot's rank among its expert's slots
+    kept = rank < capacity
+    row = sorted_expert[kept] * capacity + rank[kept]
+    expanded_row_idx.fill(-1)
+    expanded_row_idx[sorted_row_idx[kept]] = row
+    expanded_x = np.zeros((experts * capacity, hidden), dtype=x.dtype)
+    expanded_x[row] = x[sorted_row_idx[kept] // top_k]
+    return expanded_x.reshape(experts, capacity, hidden)
 
 
 def _route_range(

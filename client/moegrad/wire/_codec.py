@@ -364,33 +364,38 @@ def decode_batch(
         items: list[dict[str, Any] | MalformedRequest] = []
         for index in range(count_items):
             seen[0] = 0
-            item = unpacker.unpack()
-            if not isinstance(item, dict):
-                items.append(
-                    MalformedRequest(f"batch item {index} must be a msgpack map (one call), got {type(item).__name__}")
-                )
-            elif not all(isinstance(key, str) for key in item):
-                items.append(MalformedRequest(f"batch item {index} has a key that is not a string"))
-            elif seen[0] > MAX_DEPTH and _deeper_than(item, MAX_DEPTH):  # fewer containers cannot nest deeper
-                items.append(MalformedRequest(f"batch item {index} is nested more than {MAX_DEPTH} containers deep"))
-            else:
-                items.append(item)
+            items.append(_batch_item(unpacker.unpack(), index, seen[0]))
         if unpacker.tell() != size:
             raise MalformedRequest("the batch body has trailing bytes after its array")
     except MalformedRequest:
         raise
     except Exception as exc:  # msgpack's OutOfData, FormatError, StackError, ValueError ...
-        reason = str(exc) or "truncated or invalid data"
-        if isinstance(exc, msgpack.OutOfData):
-            reason = "truncated"
-        elif isinstance(exc, msgpack.StackError):
-            reason = "nested too deeply"
-        elif "max_ext_len" in reason:
-            reason = "a msgpack ext type (timestamps included); none is allowed"
-        elif isinstance(exc, (ValueError, msgpack.UnpackValueError)) and index < 0:
-            reason = f"not a msgpack array of call maps ({reason})"
-        where = f" at item {index}" if index >= 0 else ""
-        raise MalformedRequest(
-            f"batch body is not a valid msgpack array{where} ({type(exc).__name__}: {reason})"
-        ) from None
+        raise _batch_error(exc, index) from None
     return items
+
+
+def _batch_item(item: Any, index: int, containers: int) -> dict[str, Any] | MalformedRequest:
+    """Batch item ``index`` as decoded (holding ``containers`` maps and arrays): its map, or the
+    MalformedRequest that item alone earns."""
+    if not isinstance(item, dict):
+        return MalformedRequest(f"batch item {index} must be a msgpack map (one call), got {type(item).__name__}")
+    if not all(isinstance(key, str) for key in item):
+        return MalformedRequest(f"batch item {index} has a key that is not a string")
+    if containers > MAX_DEPTH and _deeper_than(item, MAX_DEPTH):  # fewer containers cannot nest deeper
+        return MalformedRequest(f"batch item {index} is nested more than {MAX_DEPTH} containers deep")
+    return item
+
+
+def _batch_error(exc: Exception, index: int) -> MalformedRequest:
+    """msgpack's error reading a batch body (at item ``index``; -1: before the first) as the client's."""
+    reason = str(exc) or "truncated or invalid data"
+    if isinstance(exc, msgpack.OutOfData):
+        reason = "truncated"
+    elif isinstance(exc, msgpack.StackError):
+        reason = "nested too deeply"
+    elif "max_ext_len" in reason:
+        reason = "a msgpack ext type (timestamps included); none is allowed"
+    elif isinstance(exc, (ValueError, msgpack.UnpackValueError)) and index < 0:
+        reason = f"not a msgpack array of call maps ({reason})"
+    where = f" at item {index}" if index >= 0 else ""
+    return MalformedRequest(f"batch body is not a valid msgpack array{where} ({type(exc).__name__}: {reason})")
