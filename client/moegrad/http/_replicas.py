@@ -97,7 +97,7 @@ class Resolve:
     port: int
 
 
-#: The limits of ``/v1/info`` a server's record keeps (docs/protocol.md, "GET /v1/info").
+#: The limits of ``/v1/info`` a server's record keeps (docs/protocol.md, "Other routes").
 INFO_LIMITS = ("max_body_bytes", "max_elements", "max_batch_calls", "max_queue")
 
 
