@@ -317,7 +317,7 @@ class Client(_ClientBase):
                 result (``report.exact`` states exactness either way).
             timeout_s: this call's deadline in seconds (None: none); not passed: the client's. The
                 server's golden and comparison run after the device and take longer than a plain
-                call (about 2 s per million elements on a small CPU; docs/accuracy.md, "Cost").
+                call (docs/accuracy.md, "Cost").
 
         Returns:
             A :class:`CompareResult`; ``.passed`` is False only when a standard failed.

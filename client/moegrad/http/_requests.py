@@ -32,8 +32,8 @@ def _body_slices(body: Body) -> Iterator[memoryview | bytes]:
     """A request body as slices of the buffer it views.
 
     Given ``bytes``, httpx copies the body into one more buffer of its size on its way to the
-    socket; slices keep that copy to one slice at a time (measured on S2, a 32 MiB body: 265 ->
-    211 ms per call on bench/RESULTS.md's machine). The Content-Length is set by the caller, so
+    socket; slices keep that copy to one slice at a time (bench/RESULTS.md, "Notes kept from earlier
+    runs"). The Content-Length is set by the caller, so
     httpx does not fall back to chunked encoding. One generator per attempt: a retry sends it all.
     A list is a frames body's parts (:func:`moegrad.encode_frames`), each sliced in turn.
     """

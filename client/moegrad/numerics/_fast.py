@@ -29,10 +29,10 @@ kernel (which releases the GIL) on each: the load balances itself, and a span co
 rather than one pool task. Calls made at the same time, such as a service with two streams, queue
 their lanes on the same pool, so the machine never runs more compute threads than the pool has
 (``MOEGRAD_REFERENCE_THREADS``, default: the CPUs this process may use, at most 8). numba's own
-parallel layer (prange over the same spans) is not used: on the 2-core benchmark machine it measured
-10-25% faster than one pool task per span, but the same as these lanes (within 3% on W1-W3); and
-each calling thread starts its own team of threads, so two streams would run twice as many threads
-as cores, while numba's default (workqueue) layer aborts when two threads launch at once.
+parallel layer (prange over the same spans) is not used: it is no faster than these lanes
+(bench/RESULTS.md, "Notes kept from earlier runs"), each calling thread starts its own team of
+threads, so two streams would run twice as many threads as cores, and numba's default (workqueue)
+layer aborts when two threads launch at once.
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ def available() -> bool:
 def warm_up() -> bool:
     """Compile (or load from numba's cache) the kernel for all three dtypes; False without numba.
 
-    The first call of each dtype otherwise pays for it: up to about a minute per dtype on a busy
-    2-core machine without a cache (numba caches beside the module, or in NUMBA_CACHE_DIR; a cached
-    kernel loads in well under a second). A server can
+    The first call of each dtype otherwise pays for the compilation, unless numba's cache has the
+    kernel (beside the module, or in NUMBA_CACHE_DIR): a cached kernel loads instead of compiling
+    (bench/RESULTS.md, "Notes kept from earlier runs"). A server can
     call this at startup, before it reports ready.
     """
     jit = _load_jit()

@@ -463,7 +463,7 @@ def moe_init_routing_v2_grad_golden(
 def warm_up() -> bool:
     """Compile (or load from numba's on-disk cache) the compiled kernel for every dtype, now.
 
-    Without it the first call of each dtype pays for the compilation (up to a minute). The service calls it
+    Without it the first call of each dtype pays for the compilation. The service calls it
     before it reports ready. Set ``NUMBA_CACHE_DIR`` to a writable folder where the package's own
     folder is read-only (a container), so later processes load instead of compiling.
 

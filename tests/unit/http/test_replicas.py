@@ -30,11 +30,10 @@ from moegrad import (
 )
 from moegrad.http._client import USE_CLIENT_DEFAULT
 from moegrad.http._replicas import ReplicaSet, Resolve
+from support.docexample import DOC_GRAD, DOC_IDX
 
 A, B, C = "http://a.test:8000", "http://b.test:8000", "http://c.test:8000"
 # The operator documentation's example: gradX = [[0.3, 0.3], [0.7, 0.7]] (float32 bits below).
-EXAMPLE_X = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
-EXAMPLE_IDX = np.array([2, 0, 1, 3], dtype=np.int32)
 EXAMPLE_BITS = np.array([[0x3E99999A, 0x3E99999A], [0x3F333334, 0x3F333334]], dtype=np.uint32)
 
 
@@ -214,7 +213,7 @@ def reply_example(request: httpx.Request) -> httpx.Response:
 
 
 def example_call() -> MoeInitRoutingV2GradCall:
-    return MoeInitRoutingV2GradCall(grad_expanded_x=EXAMPLE_X, expanded_row_idx=EXAMPLE_IDX, top_k=2)
+    return MoeInitRoutingV2GradCall(grad_expanded_x=DOC_GRAD, expanded_row_idx=DOC_IDX, top_k=2)
 
 
 def no_io(request: httpx.Request) -> httpx.Response:  # pragma: no cover - never called
