@@ -16,10 +16,12 @@ it returns grad_x as a NumPy array of shape [N, H] in the call's dtype or float3
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -30,7 +32,7 @@ from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import is_tensor, to_numpy
 from moegrad._wire import DTYPES, dtype_name
 
-__all__ = ["V2_MODEL", "Candidate", "CandidateError", "as_candidate"]
+__all__ = ["V2_MODEL", "Candidate", "CandidateError", "as_candidate", "candidate_in_use"]
 
 #: The model name of the operator on a v2 server (docs/protocol.md).
 V2_MODEL = "moe_init_routing_v2_grad"
@@ -225,6 +227,18 @@ def as_candidate(candidate: Any) -> Candidate:
     if isinstance(candidate, str) and not candidate.startswith(("http://", "https://")):
         return Candidate.load(candidate)
     return Candidate(candidate)
+
+
+@contextlib.contextmanager
+def candidate_in_use(candidate: Any) -> Iterator[Candidate]:
+    """:func:`as_candidate` for the length of a ``with`` block: a :class:`Candidate` made here (from a
+    URL, a spec or a callable) is closed at the end; one given is left open for its owner."""
+    made = as_candidate(candidate)
+    try:
+        yield made
+    finally:
+        if made is not candidate:
+            made.close()
 
 
 def _infer_url(url: str, model: str) -> str:

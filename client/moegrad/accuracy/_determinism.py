@@ -19,7 +19,7 @@ import numpy as np
 
 from moegrad._reference import moe_init_routing_v2_grad_golden
 from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad.accuracy._candidate import as_candidate
+from moegrad.accuracy._candidate import candidate_in_use
 from moegrad.accuracy._compare import summand_magnitude
 
 __all__ = ["DeterminismCheck", "any_order_bound", "check_determinism"]
@@ -132,6 +132,17 @@ def _distinct(hashes: np.ndarray) -> np.ndarray:
     return 1 + changes.sum(axis=0)
 
 
+def _keep_variants(
+    kept: dict[int, dict[tuple[int, int], np.ndarray]], row_hashes: np.ndarray, first: np.ndarray, result: np.ndarray
+) -> None:
+    """Add ``result``'s rows that differ from the first run's to ``kept`` (at most 16 rows in all)."""
+    differ = np.flatnonzero((row_hashes != first).any(axis=0))
+    fresh = differ[~np.isin(differ, list(kept))][: _KEEP_ROWS - len(kept)]
+    for row in [*(row for row in differ if int(row) in kept), *fresh]:
+        key = (int(row_hashes[0, row]), int(row_hashes[1, row]))
+        kept.setdefault(int(row), {}).setdefault(key, result[row].copy())
+
+
 def check_determinism(
     candidate: Any, call: MoeInitRoutingV2GradCall, runs: int = 10, *, golden: np.ndarray | None = None
 ) -> DeterminismCheck:
@@ -155,23 +166,19 @@ def check_determinism(
     """
     if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 2:
         raise ValueError(f"runs={runs!r} must be an integer >= 2")
-    fn = as_candidate(candidate)
     golden = moe_init_routing_v2_grad_golden(call) if golden is None else golden
     bound = any_order_bound(call, golden)
     keys = np.random.default_rng(0).integers(1, 2**63, (2, call.hidden_size), dtype=np.uint64) | np.uint64(1)
-    first = fn(call)
-    hashes, outside = [_row_hashes(first, keys)], _outside(first, golden, bound)
-    kept: dict[int, dict[tuple[int, int], np.ndarray]] = {}
-    for _ in range(runs - 1):
-        result = fn(call)
-        row_hashes = _row_hashes(result, keys)
-        outside |= _outside(result, golden, bound)
-        differ = np.flatnonzero((row_hashes != hashes[0]).any(axis=0))
-        fresh = differ[~np.isin(differ, list(kept))][: _KEEP_ROWS - len(kept)]
-        for row in [*(row for row in differ if int(row) in kept), *fresh]:
-            key = (int(row_hashes[0, row]), int(row_hashes[1, row]))
-            kept.setdefault(int(row), {}).setdefault(key, result[row].copy())
-        hashes.append(row_hashes)
+    with candidate_in_use(candidate) as fn:
+        first = fn(call)
+        hashes, outside = [_row_hashes(first, keys)], _outside(first, golden, bound)
+        kept: dict[int, dict[tuple[int, int], np.ndarray]] = {}
+        for _ in range(runs - 1):
+            result = fn(call)
+            row_hashes = _row_hashes(result, keys)
+            outside |= _outside(result, golden, bound)
+            _keep_variants(kept, row_hashes, hashes[0], result)
+            hashes.append(row_hashes)
     distinct = _distinct(np.stack(hashes))
     variants = {row: np.stack([first[row], *found.values()]) for row, found in sorted(kept.items())}
     return DeterminismCheck(

@@ -4,7 +4,8 @@ Method (FPRev: P. Xie, Y. Gao, Y. Wang, J. Xue, "Revealing Floating-Point Accumu
 Software/Hardware Implementations", USENIX ATC 2025; the tool's source in microsoft/RepDL
 ``tools/FPRev/fprev/basic.py`` @ 5d5e890c865e3f32e7f08f07cc1961a74311fa77 and peichenxie/FPRev):
 for a pair of slots (i, j) put +M at slot i, -M at slot j and a unit u at every other slot. A unit
-added to +M or -M is absorbed (M is so large that M + (K - 2) u rounds back to M in float32), the
+added to +M or -M is absorbed (M is so large that M + (K - 2) u and -M + (K - 2) u round back to
+±M in float32: the sum of the units stays below half an ULP of the binade *below* M), the
 pair cancels exactly where the two meet, and every unit added after that survives. So the result
 counts, in units, the slots *outside* the smallest subtree holding i and j: K minus that subtree's
 size. The sizes of all pairs determine the tree (:func:`moegrad.accuracy._trees.rebuild`).
@@ -19,11 +20,15 @@ depends on the values or on expanded_row_idx, or the adds are not float32 adds).
 Magnitudes per input dtype (the accumulator is float32 for every dtype; ``c`` is the bit length of
 K - 2, so 2**c > K - 2):
 
-- float32 and bfloat16: M = 2**(24 + c), u = 1: counts up to K - 2 come back as integers; bfloat16
+- float32 and bfloat16: M = 2**(25 + c), u = 1: counts up to K - 2 come back as integers; bfloat16
   holds every integer up to 256 exactly, so bfloat16 probes reach K = 258;
-- float16: M = 2**15 (the largest power of two it holds), u = 2**(-9 - c); counts come back as
-  multiples of u below 2**-9, exact in float16 while u >= 2**-20. From K = 34, u is a float16
-  subnormal: a candidate that flushes float16 subnormals to zero gives no signal.
+- float16: M = 2**15 (the largest power of two it holds), u = 2**(-10 - c); counts come back as
+  multiples of u below 2**-10, exact in float16 while u >= 2**-21 (K <= 2049). From K = 18, u is
+  a float16 subnormal: a candidate that flushes float16 subnormals to zero gives no signal.
+
+FPRev's own probes use M = 2**127 (float32) with units of 1; the smallest M that still absorbs is
+used here so that a float64 accumulator, which would absorb units only next to a far larger M,
+shows as what it is: an exact sum.
 
 A float64 (or exact) accumulator absorbs nothing at these magnitudes: every pair then counts all
 K - 2 units, which no tree of two-operand adds gives, and the probe says so
@@ -43,8 +48,8 @@ from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad._errors import MoegradError
 from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad._wire import DTYPES, dtype_name
-from moegrad.accuracy._candidate import Candidate, as_candidate
-from moegrad.accuracy._trees import Tree, expression, lca_sizes, profile_trees, rebuild, replay
+from moegrad.accuracy._candidate import Candidate, candidate_in_use
+from moegrad.accuracy._trees import Tree, expression, profile_sizes, rebuild, replay
 
 __all__ = [
     "PROBE_LIMITS",
@@ -138,8 +143,8 @@ def probe_scale(top_k: int, dtype: str) -> tuple[float, float]:
     """``(M, u)``, the probe's big value and unit for K slots in ``dtype`` (module docstring)."""
     bits = max(top_k - 2, 0).bit_length()
     if dtype == "float16":
-        return 2.0**15, 2.0 ** (-9 - bits)
-    return 2.0 ** (24 + bits), 1.0
+        return 2.0**15, 2.0 ** (-10 - bits)
+    return 2.0 ** (25 + bits), 1.0
 
 
 def _check_arguments(top_k: Any, dtype: Any) -> tuple[int, str]:
@@ -196,9 +201,12 @@ def _random_call(top_k: int, shape: tuple[int, int], dtype: str, seed: int) -> M
     """Random values over many binades (so that orders differ) and a random dropless index."""
     tokens, hidden = shape
     rng = np.random.default_rng(seed)
-    low, high = (-12.0, 4.0) if dtype == "float16" else (-30.0, 30.0)
-    magnitude = np.exp2(rng.uniform(low, high, (tokens * top_k, hidden)))
-    grad = (magnitude * rng.choice([-1.0, 1.0], magnitude.shape)).astype(DTYPES[dtype])
+    low, high = (-12, 4) if dtype == "float16" else (-30, 30)
+    size = (tokens * top_k, hidden)
+    mantissa = rng.random(size, dtype=np.float32) + np.float32(1.0)  # [1, 2), random signs below
+    grad = np.ldexp(mantissa, rng.integers(low, high, size, dtype=np.int32))
+    np.negative(grad, out=grad, where=rng.random(size, dtype=np.float32) < 0.5)
+    grad = grad.astype(DTYPES[dtype])
     index = rng.permutation(tokens * top_k).astype(np.int32)
     return MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=index, top_k=top_k)
 
@@ -391,20 +399,19 @@ def probe_order(
         CandidateError: the candidate failed or returned something other than grad_x.
     """
     top_k, name = _check_arguments(top_k, dtype)
-    fn = as_candidate(candidate)
     slots = np.triu_indices(top_k, 1)
     shape = _shape(len(slots[0]), top_k, num_tokens, hidden_size)
-    run = _Probing(fn, top_k, name, shape, probe_scale(top_k, name), fn.calls)
-    sizes = run.measure(slots)
-    check = _random_call(top_k, shape, name, seed)
-    results = [fn(check), fn(check)]
+    with candidate_in_use(candidate) as fn:
+        run = _Probing(fn, top_k, name, shape, probe_scale(top_k, name), fn.calls)
+        sizes = run.measure(slots)
+        check = _random_call(top_k, shape, name, seed)
+        results = [fn(check), fn(check)]
     run.check_steady(check, results)
     tree = run.tree(sizes) if top_k > 1 else 0
     run.check_replay(tree, check, results[0])
-    trees = profile_trees(top_k, name, shape[0], shape[1], ub_size_bytes, vector_core_count)
-    distances = {
-        profile: int(np.count_nonzero(np.triu(lca_sizes(other, top_k) != sizes, 1))) for profile, other in trees.items()
-    }
+    others = profile_sizes(top_k, name, shape[0], shape[1], ub_size_bytes, vector_core_count)
+    upper = np.triu_indices(top_k, 1)
+    distances = {profile: int(np.count_nonzero(other[upper] != sizes[upper])) for profile, other in others.items()}
     nearest = min(distances.values())
     return OrderProbe(
         top_k=top_k,

@@ -25,7 +25,17 @@ from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad._orders import accumulation_schedule
 from moegrad._profiles import PROFILES
 
-__all__ = ["Tree", "canonical", "expression", "lca_sizes", "profile_trees", "rebuild", "replay", "schedule_tree"]
+__all__ = [
+    "Tree",
+    "canonical",
+    "expression",
+    "lca_sizes",
+    "profile_sizes",
+    "profile_trees",
+    "rebuild",
+    "replay",
+    "schedule_tree",
+]
 
 #: A leaf (slot number) or an add of two or more subtrees.
 Tree: TypeAlias = int | tuple["Tree", ...]
@@ -123,18 +133,36 @@ def lca_sizes(tree: Tree, top_k: int) -> np.ndarray:
     """
     sizes = np.zeros((top_k, top_k), np.int64)
     np.fill_diagonal(sizes, 1)
-    stack: list[Tree] = [tree]
-    while stack:
-        node = stack.pop()
+
+    def visit(node: Tree) -> np.ndarray:
         if isinstance(node, int):
-            continue
-        groups = [leaves(operand) for operand in node]
-        size = sum(len(group) for group in groups)
-        for a, first in enumerate(groups):
-            for second in groups[a + 1 :]:
-                sizes[np.ix_(first, second)] = size
-                sizes[np.ix_(second, first)] = size
-        stack.extend(node)
+            return np.array([node])
+        groups = [visit(operand) for operand in node]
+        under = np.concatenate(groups)
+        for a, first in enumerate(groups[:-1]):
+            rest = np.concatenate(groups[a + 1 :])
+            sizes[first[:, None], rest] = under.size
+            sizes[rest[:, None], first] = under.size
+        return under
+
+    visit(tree)
+    return sizes
+
+
+@functools.lru_cache(maxsize=256)
+def profile_sizes(
+    top_k: int,
+    dtype: str,
+    num_tokens: int,
+    hidden_size: int,
+    ub_size_bytes: int = UB_SIZE_BYTES,
+    vector_core_count: int = VECTOR_CORE_COUNT,
+) -> dict[str, np.ndarray]:
+    """:func:`lca_sizes` of every tree of :func:`profile_trees` (read-only arrays)."""
+    trees = profile_trees(top_k, dtype, num_tokens, hidden_size, ub_size_bytes, vector_core_count)
+    sizes = {name: lca_sizes(tree, top_k) for name, tree in trees.items()}
+    for array in sizes.values():
+        array.flags.writeable = False
     return sizes
 
 
