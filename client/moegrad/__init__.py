@@ -13,7 +13,10 @@
   ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
   against the device and a float64 golden; :mod:`moegrad.accuracy` holds the standards and the
-  report writers (docs/accuracy.md).
+  report writers (docs/accuracy.md);
+- the candidate on the bench (:class:`Candidate`: a callable, ``package.module:function`` or a v2
+  URL): :func:`probe_order` reveals its tree of adds, :func:`order_free_inputs` builds calls every
+  order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row.
 """
 
 from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling

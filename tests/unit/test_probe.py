@@ -156,8 +156,21 @@ def test_an_order_per_row_is_refused(dtype):
 
 def test_an_order_that_follows_the_index_is_refused():
     # with the identity index the rows are in slot order (a chain); a random index moves them
-    with pytest.raises(InconsistentOrder, match="expanded_row_idx"):
+    with pytest.raises(InconsistentOrder, match="follows the rows of grad_expanded_x") as caught:
         probe_order(row_order, 5)
+    assert caught.value.calls == 4  # the probe, two checks, and the check through the identity index
+
+
+def test_an_order_that_is_not_float32_adds_is_refused():
+    def float16_chain(grad_expanded_x, expanded_row_idx, top_k, **attributes):
+        values = grad_expanded_x[expanded_row_idx.reshape(-1, top_k)].astype(np.float16)
+        total = values[:, 0]
+        for t in range(1, top_k):
+            total = total + values[:, t]  # float16 adds: the probe's counts survive, the replay does not
+        return total.astype(grad_expanded_x.dtype)
+
+    with pytest.raises(InconsistentOrder, match="does not accumulate in float32"):
+        probe_order(float16_chain, 5, "float16")
 
 
 def test_an_order_that_follows_the_values_is_a_multi_term_add():

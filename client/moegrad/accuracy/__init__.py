@@ -19,7 +19,12 @@ standard, with the thresholds per dtype and their sources.
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
-  :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles).
+  :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles);
+- the candidate on the bench: :class:`Candidate` (:func:`as_candidate`, :class:`CandidateError`),
+  :func:`probe_order` (its tree of adds, FPRev; :class:`OrderProbe`, :class:`InconsistentOrder`,
+  :class:`MultiTermOrder`, :data:`PROBE_LIMITS`, :func:`probe_scale`), :func:`order_free_inputs`
+  (:data:`ORDER_FREE_LIMITS`), :func:`check_determinism` (:class:`DeterminismCheck`,
+  :func:`any_order_bound`).
 """
 
 from moegrad._identify import with_profiles

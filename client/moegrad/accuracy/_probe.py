@@ -276,9 +276,10 @@ class _Probing:
         i, j = slots[0][pair[cell]], slots[1][pair[cell]]
         return self.inconsistent(
             f"the probe with +M at slot {i}, -M at slot {j} and units elsewhere (M = {self.scale[0]:g}, unit "
-            f"{self.scale[1]:g}) gave {counts[cell] * self.scale[1]!r}, not a count of 0 to K-2 = {self.top_k - 2} "
-            "units: the candidate does not add these K slots in any single order of float32 adds (a slot "
-            "missing or counted twice, a float16 accumulator, ...); run it on moegrad.order_free_inputs first"
+            f"{self.scale[1]:g}) gave {float(counts[cell] * self.scale[1])!r}, not a count of 0 to "
+            f"K-2 = {self.top_k - 2} units: the candidate does not add these K slots in any single order of "
+            "float32 adds (a slot missing or counted twice, a float16 accumulator, ...); run it on "
+            "moegrad.order_free_inputs first"
         )
 
     def check_steady(self, check: MoeInitRoutingV2GradCall, results: list[np.ndarray]) -> None:
@@ -335,19 +336,35 @@ class _Probing:
         )
 
     def check_replay(self, tree: Tree, check: MoeInitRoutingV2GradCall, result: np.ndarray) -> None:
-        """Raises InconsistentOrder when ``tree``'s float32 adds do not give ``result``'s bits."""
-        grad, index = check.grad_expanded_x, check.expanded_row_idx
-        values = grad[index.reshape(-1, self.top_k)].astype(np.float32)  # [N, K, H]
-        expected = replay(tree, np.moveaxis(values, 1, 0)).astype(result.dtype)
-        differ = _bits(expected) != _bits(result)
-        if differ.any():
-            row, column = (int(axis[0]) for axis in np.nonzero(differ))
+        """Raises InconsistentOrder when ``tree``'s float32 adds do not give ``result``'s bits; then one
+        more call, the same values read through the identity index, tells an order that follows
+        expanded_row_idx from one that follows the values."""
+        differ = self._replay_differs(tree, check, result)
+        if not differ.any():
+            return
+        row, column = (int(axis[0]) for axis in np.nonzero(differ))
+        where = f"{int(differ.sum())} elements differ, first row {row}, column {column}"
+        rows = check.grad_expanded_x[check.expanded_row_idx]  # slot s now reads row s
+        identity = MoeInitRoutingV2GradCall(
+            grad_expanded_x=rows, expanded_row_idx=np.arange(rows.shape[0], dtype=np.int32), top_k=self.top_k
+        )
+        if not self._replay_differs(tree, identity, self.candidate(identity)).any():
             raise self.inconsistent(
-                f"the tree {expression(tree)} rebuilt from the probes does not reproduce the candidate on random "
-                f"inputs (row {row}, column {column}: candidate {result[row, column]!r}, tree "
-                f"{expected[row, column]!r}; {int(differ.sum())} elements differ): its order depends on the "
-                "values or on expanded_row_idx, or it does not accumulate in float32"
+                f"the tree {expression(tree)} rebuilt from the probes gives the candidate's bits when slot s reads "
+                f"row s, but not through a random expanded_row_idx ({where}): its order follows the rows of "
+                "grad_expanded_x (a scatter over the rows, e.g. index_add_), not the slots, so it changes with "
+                "the routing"
             )
+        raise self.inconsistent(
+            f"the tree {expression(tree)} rebuilt from the probes does not reproduce the candidate on random "
+            f"inputs ({where}: candidate {result[row, column]}, tree replay differs): its order depends on the "
+            "values, or it does not accumulate in float32 (e.g. a float16 accumulator)"
+        )
+
+    def _replay_differs(self, tree: Tree, call: MoeInitRoutingV2GradCall, result: np.ndarray) -> np.ndarray:
+        values = call.grad_expanded_x[call.expanded_row_idx.reshape(-1, self.top_k)].astype(np.float32)  # [N, K, H]
+        expected = replay(tree, np.moveaxis(values, 1, 0)).astype(result.dtype)
+        return _bits(expected) != _bits(result)
 
 
 def _widest(tree: Tree) -> tuple[Tree, ...] | None:
@@ -406,9 +423,9 @@ def probe_order(
         sizes = run.measure(slots)
         check = _random_call(top_k, shape, name, seed)
         results = [fn(check), fn(check)]
-    run.check_steady(check, results)
-    tree = run.tree(sizes) if top_k > 1 else 0
-    run.check_replay(tree, check, results[0])
+        run.check_steady(check, results)
+        tree = run.tree(sizes) if top_k > 1 else 0
+        run.check_replay(tree, check, results[0])
     others = profile_sizes(top_k, name, shape[0], shape[1], ub_size_bytes, vector_core_count)
     upper = np.triu_indices(top_k, 1)
     distances = {profile: int(np.count_nonzero(other[upper] != sizes[upper])) for profile, other in others.items()}
