@@ -20,7 +20,7 @@ KERNELS = {"ascend910b@9.1": bins_tree, "ascend950@9.1": lambda k: groups_tree(k
 
 @pytest.mark.parametrize("profile", list(KERNELS))
 def test_the_service_v2_route_is_probed_per_profile(serve, profile):
-    with serve() as client:
+    with serve(warm_up=False) as client:
         remote = Candidate("http://testserver", http_client=client, parameters={"order": profile})
         probe = probe_order(remote, 7, "bfloat16")
         assert probe.expression == expression_of(KERNELS[profile](7))
@@ -28,7 +28,7 @@ def test_the_service_v2_route_is_probed_per_profile(serve, profile):
 
 
 def test_the_service_is_clean_on_order_free_inputs_and_steady(serve):
-    with serve() as client:
+    with serve(warm_up=False) as client:
         remote = Candidate("http://testserver", http_client=client)
         call = order_free_inputs(16, 8, 8, "float16", drop_pad_mode=1, seed=4)
         exact = float64_sum(call.grad_expanded_x.astype(np.float64), call.expanded_row_idx, 8, drop_pad_mode=1)
@@ -37,7 +37,7 @@ def test_the_service_is_clean_on_order_free_inputs_and_steady(serve):
 
 
 def test_a_refused_call_is_a_candidate_error_with_the_service_message(serve):
-    with serve() as client:
+    with serve(warm_up=False) as client:
         remote = Candidate("http://testserver", http_client=client, parameters={"order": "no-such-profile"})
         call = order_free_inputs(2, 2, 2, seed=0)
         with pytest.raises(CandidateError, match="answered 400: .*order"):

@@ -168,7 +168,8 @@ def _shape(pairs: int, top_k: int, num_tokens: int | None, hidden_size: int | No
     if num_tokens is not None and hidden_size is not None:
         return int(num_tokens), int(hidden_size)
     if hidden_size is None and num_tokens is not None:
-        return int(num_tokens), max(1, math.ceil(max(pairs, 1) / num_tokens))
+        hidden = max(1, math.ceil(max(pairs, 1) / num_tokens))
+        return int(num_tokens), min(hidden, max(1, _MAX_ELEMENTS // (top_k * num_tokens)))
     hidden = int(hidden_size or _DEFAULT_HIDDEN)
     tokens = max(1, math.ceil(max(pairs, 1) / hidden))
     return min(tokens, max(1, _MAX_ELEMENTS // (top_k * hidden))), hidden
@@ -400,7 +401,9 @@ def probe_order(
         dtype: grad_expanded_x's dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
         num_tokens, hidden_size: N and H of every probe call. The order of the Ascend 950 (and of any
             candidate that tiles by shape) depends on them; give the shape of the calls that matter.
-            Default: H = 64 and N just large enough for one call (or the given one's partner).
+            Default: H = 64 and N just large enough for every pair in one call; given one of the
+            two, the other is sized so (either way at most 2**24 elements of grad_expanded_x per
+            call, the rest in further calls).
         ub_size_bytes, vector_core_count: the 950 platform whose tiling names the 950 profiles.
         seed: the random check inputs' seed.
 
