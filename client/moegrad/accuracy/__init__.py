@@ -19,11 +19,17 @@ standard, with the thresholds per dtype and their sources.
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
-  :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles).
+  :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles);
+- the candidate on the bench: :class:`Candidate` (:func:`as_candidate`, :class:`CandidateError`),
+  :func:`probe_order` (its tree of adds, FPRev; :class:`OrderProbe`, :class:`InconsistentOrder`,
+  :class:`MultiTermOrder`, :data:`PROBE_LIMITS`, :func:`probe_scale`), :func:`order_free_inputs`
+  (:data:`ORDER_FREE_LIMITS`), :func:`check_determinism` (:class:`DeterminismCheck`,
+  :func:`any_order_bound`).
 """
 
 from moegrad._identify import with_profiles
 from moegrad.accuracy._batches import ProfilesDiffer
+from moegrad.accuracy._candidate import Candidate, CandidateError, as_candidate
 from moegrad.accuracy._cases import (
     SUMMARY_COLUMNS,
     CaseResult,
@@ -42,6 +48,7 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
 )
 from moegrad.accuracy._context import report_context, with_context
+from moegrad.accuracy._determinism import DeterminismCheck, any_order_bound, check_determinism
 from moegrad.accuracy._export import (
     CSV_CONTEXT_COLUMNS,
     MSPROBE_DETAIL_COLUMNS,
@@ -55,6 +62,16 @@ from moegrad.accuracy._fused import warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
+from moegrad.accuracy._order_free import ORDER_FREE_LIMITS, order_free_inputs
+from moegrad.accuracy._probe import (
+    PROBE_LIMITS,
+    InconsistentOrder,
+    MultiTermOrder,
+    OrderProbe,
+    OrderProbeError,
+    probe_order,
+    probe_scale,
+)
 from moegrad.accuracy._report import (
     exactness_line,
     format_report,
@@ -82,18 +99,27 @@ __all__ = [
     "DTYPE_LIMITS",
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
+    "ORDER_FREE_LIMITS",
+    "PROBE_LIMITS",
     "STANDARDS",
     "SUMMARY_COLUMNS",
     "THRESHOLDS",
+    "Candidate",
+    "CandidateError",
     "CaseResult",
     "ComparisonReport",
     "Criterion",
     "CriterionResult",
+    "DeterminismCheck",
     "DtypeLimits",
     "ExactMatch",
+    "InconsistentOrder",
     "MergeError",
     "MergedSweep",
     "Metrics",
+    "MultiTermOrder",
+    "OrderProbe",
+    "OrderProbeError",
     "ProfilesDiffer",
     "ReportContext",
     "StandardVerdict",
@@ -103,7 +129,10 @@ __all__ = [
     "SweepHeader",
     "WorstElement",
     "ZeroRowCheck",
+    "any_order_bound",
+    "as_candidate",
     "check_compare_arguments",
+    "check_determinism",
     "compare",
     "compare_arrays",
     "compare_cases",
@@ -116,6 +145,9 @@ __all__ = [
     "markdown_report",
     "merge_sweeps",
     "metrics",
+    "order_free_inputs",
+    "probe_order",
+    "probe_scale",
     "read_json_report",
     "rejudge",
     "relative_errors",
