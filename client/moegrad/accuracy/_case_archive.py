@@ -1,4 +1,4 @@
-"""A case file's archive, read within its size limit whatever the file claims (docs/accuracy.md, "A size cap").
+"""A case file's archive, read within its size limit whatever the file claims (docs/accuracy.md, "Bulk checking").
 
 A case file is a zip archive (``numpy.savez``) of ``.npy`` members (NumPy's format, NEP 1). A
 compressed member of a few MiB can inflate to gigabytes, a zip can state sizes its data does not
