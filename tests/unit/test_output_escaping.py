@@ -87,7 +87,7 @@ def test_a_newline_in_a_name_cannot_forge_a_markdown_row(judged, tmp_path):
     assert len(table) == 2 + len(judged)  # header, separator, one row per case
     assert not any(line.startswith("| all_good") for line in table)
     forged = next(line for line in table if line.startswith("| quiet"))
-    assert forged.split(" | ")[1] == "fail" and "\\\\n\\| all\\_good \\| pass" in forged
+    assert forged.split(" | ")[1] == "fail" and "\\\\n\\| all_good \\| pass" in forged
 
 
 def test_the_markdown_report_escapes_its_context(tmp_path):

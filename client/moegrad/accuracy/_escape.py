@@ -9,9 +9,11 @@
   reorders what is shown), and the lone surrogates (Cs) a file name that is not UTF-8 decodes to,
   written as Python writes them in a string literal (``\\n``, ``\\x1b``, ``\\u202e``): visible,
   nothing the terminal acts on, and nothing an encoder refuses.
-- :func:`markdown_text`: :func:`console_text`, then every ASCII punctuation character markdown or
-  its HTML reads escaped with a backslash (CommonMark, "Backslash escapes": any ASCII punctuation
-  may be), so text never ends a table cell (``|``), opens a tag, a link or an emphasis.
+- :func:`markdown_text`: :func:`console_text`, then the ASCII punctuation that gives markdown or its
+  HTML structure escaped with a backslash (CommonMark, "Backslash escapes": any ASCII punctuation
+  may be), so text never ends a table cell (``|``), opens a tag, an entity, a link or a code span.
+  Emphasis characters (``*``, ``_``) are left as they are: they change no structure, and a name
+  such as ``case_0042`` reads as written.
 
 JSON lines need nothing of this: ``json.dumps`` escapes every control character, and the results
 file is split on ``\\n`` alone (:mod:`moegrad.accuracy._ledger`).
@@ -27,7 +29,7 @@ __all__ = ["FORMULA_TRIGGERS", "console_text", "csv_cell", "csv_row", "markdown_
 #: The first characters that make a spreadsheet read a CSV cell as a formula (OWASP, "CSV Injection").
 FORMULA_TRIGGERS = frozenset("=+-@\t\r")
 _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-_MARKDOWN = frozenset("\\`*_[]<>|&~!#")
+_MARKDOWN = frozenset("\\`|<>[]&")
 
 
 def _number(text: str) -> bool:
@@ -64,6 +66,6 @@ def console_text(text: str) -> str:
 
 
 def markdown_text(text: str) -> str:
-    """``text`` as markdown shows it literally, on one line: :func:`console_text`, then ``\\``,
-    `````, ``*``, ``_``, ``[``, ``]``, ``<``, ``>``, ``|``, ``&``, ``~``, ``!`` and ``#`` backslash-escaped."""
+    """``text`` as markdown shows it, on one line and inert: :func:`console_text`, then ``\\``,
+    `````, ``|``, ``<``, ``>``, ``[``, ``]`` and ``&`` backslash-escaped."""
     return "".join("\\" + char if char in _MARKDOWN else char for char in console_text(text))
