@@ -141,6 +141,18 @@ def test_a_sparse_file_over_a_small_limit_costs_no_memory(tmp_path, monkeypatch)
     assert peak < 8 * MIB
 
 
+def test_a_sparse_file_within_the_limit_but_with_no_archive_at_its_end_is_not_read(tmp_path):
+    path = tmp_path / "hole.npz"
+    write_zip(path, good_members())
+    with open(path, "r+b") as file:  # the archive moved behind a 64 MiB hole's end: no end record last
+        data = file.read()
+        file.seek(0)
+        file.write(bytes(len(data)))
+    os.truncate(path, 64 * MIB)
+    peak = peak_while(lambda: refused(path, "is not an .npz archive"))
+    assert peak < 8 * MIB
+
+
 def test_a_directory_of_a_thousand_entries_is_refused(tmp_path):
     path = tmp_path / "crowd.npz"
     write_zip(path, {**good_members(), **{f"x{i}.npy": b"" for i in range(1000)}})

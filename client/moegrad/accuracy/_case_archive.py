@@ -5,8 +5,9 @@ compressed member of a few MiB can inflate to gigabytes, a zip can state sizes i
 keep, and NumPy reads a member that is not an ``.npy`` array whole, as bytes. So a case is read only
 when, in this order:
 
-1. the file is at most ``limit`` plus :data:`ARCHIVE_OVERHEAD_BYTES` long (its bytes are read to be
-   digested: a sparse file of any length is refused by its length, unread);
+1. the file is at most ``limit`` plus :data:`ARCHIVE_OVERHEAD_BYTES` long, and its last bytes hold
+   a zip end record, both checked before the rest is read (its bytes are read whole to be digested:
+   a sparse file over the limit is refused by its length, one with no archive at its end by that);
 2. its central directory, as the end record states it (PKWARE's APPNOTE.TXT 4.3.16, and 4.3.14
    for ZIP64), holds at most :data:`MAX_MEMBERS` entries in at most :data:`MAX_DIRECTORY_BYTES`
    (zipfile builds an object per entry);
@@ -65,17 +66,25 @@ def _too_long(path: str, size: int, limit: int) -> ValueError:
 
 
 def read_case_file(path: str, limit: int) -> bytes:
-    """A case file's bytes, when it is at most ``limit`` + ARCHIVE_OVERHEAD_BYTES long.
+    """A case file's bytes, when it is at most ``limit`` + ARCHIVE_OVERHEAD_BYTES long and ends
+    with a zip directory within the bounds (both checked before the rest is read).
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: it is longer (measured before reading, and while reading: a file that grows).
+        ValueError: it is longer (measured before reading, and while reading: a file that grows),
+            or its last bytes hold no zip end record, or one over the directory's bounds.
     """
     most = limit + ARCHIVE_OVERHEAD_BYTES
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
         if size > most:
             raise _too_long(path, size, limit)
+        file.seek(max(0, size - _TAIL))
+        tail = file.read(_TAIL)
+        if _directory(tail) is None:
+            raise ValueError(f"{path} is not an .npz archive (numpy.savez writes one; docs/accuracy.md)")
+        _check_directory(tail, path)
+        file.seek(0)
         data = file.read(size + 1)  # a byte more: a file that grew since is seen to
     if len(data) > most:
         raise _too_long(path, len(data), limit)
