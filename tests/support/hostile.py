@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["HostileServer", "drip", "flood", "frames_claiming", "head", "msgpack_bomb", "whole"]
+__all__ = ["Answer", "HostileServer", "drip", "flood", "frames_claiming", "head", "msgpack_bomb", "whole"]
 
 Answer = Callable[[socket.socket, "HostileServer"], None]
 
