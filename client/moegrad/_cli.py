@@ -54,6 +54,7 @@ from moegrad.accuracy import (
     write_markdown_report,
 )
 from moegrad.accuracy._batches import context_call, named
+from moegrad.accuracy._escape import console_text
 from moegrad.accuracy._report import PLOT_MISSING
 
 __all__ = ["load_npy", "main", "save_npy"]
@@ -173,7 +174,7 @@ def _server_summary(result: GradResult | CompareResult) -> str:
         if isinstance(timings.get(name), (int, float)) and (timings[name] or name != "golden")
     ]
     timing = f"; on the server: {', '.join(parts)}" if parts else ""
-    return f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}"
+    return console_text(f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}")
 
 
 def _call_document(fields: dict[str, Any]) -> dict[str, Any]:
@@ -483,13 +484,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return _COMMANDS[args.command](args)
     except UsageError as exc:
-        print(f"moegrad: error: {exc}", file=sys.stderr)
+        print(f"moegrad: error: {console_text(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except (InvalidArgument, MalformedRequest) as exc:  # PayloadTooLarge is a MalformedRequest
-        print(f"moegrad: rejected input: {type(exc).__name__}: {_rejection(exc)}", file=sys.stderr)
+        print(f"moegrad: rejected input: {type(exc).__name__}: {console_text(_rejection(exc))}", file=sys.stderr)
         return EXIT_REJECTED
     except MoegradError as exc:
-        print(f"moegrad: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"moegrad: failed: {type(exc).__name__}: {console_text(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("\nmoegrad: interrupted", file=sys.stderr)
@@ -498,7 +499,8 @@ def _run(args: argparse.Namespace) -> int:
         if sys.flags.dev_mode:  # python -X dev -m moegrad ...: the traceback, for the report
             raise
         print(
-            f"moegrad: internal error: {type(exc).__name__}: {exc}. This is a bug in moegrad {__version__}: "
+            f"moegrad: internal error: {type(exc).__name__}: {console_text(str(exc))}. "
+            f"This is a bug in moegrad {__version__}: "
             "please report it with the command line; `python -X dev -m moegrad ...` prints the traceback",
             file=sys.stderr,
         )

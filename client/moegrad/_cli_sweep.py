@@ -23,7 +23,8 @@ status  over all the cases of the run (its shard; for ``--merge``, the sweep), t
 ======  ==================================================================================
 
 The console lists the cases that did not pass, worst first (``--verbose``: every case), and says
-in one line that no replica was reachable rather than once per case.
+in one line that no replica was reachable rather than once per case; a case's name and message
+are shown with their control characters made visible (:func:`~moegrad.accuracy._escape.console_text`).
 
 Before it sends anything, a sweep asks every ``--url`` its device profile (``/v1/info``'s
 ``order``): the results file's header records them, and a sweep whose replicas differ is refused
@@ -56,6 +57,7 @@ from moegrad._errors import InvalidArgument, MoegradError
 from moegrad.accuracy import CaseResult, compare_cases, compare_in_process, find_cases, write_summary
 from moegrad.accuracy._batches import ProfilesDiffer, refuse_mixed_profiles
 from moegrad.accuracy._cases import shard_of, worst_first
+from moegrad.accuracy._escape import console_text
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergeError, merge_sweeps
 from moegrad.accuracy._sweep import SWEEP_THREAD
@@ -150,7 +152,7 @@ def _print_results(
             continue
         worst = None if result.report is None else result.report.candidate_vs_golden.worst  # None: error says why
         detail = result.error or (worst and f"worst row {worst.row}") or ""
-        print(f"  {result.status:<8} {result.name}  {detail}")
+        print(f"  {result.status:<8} {console_text(result.name)}  {console_text(detail)}")
     if unreachable and not verbose:
         print(f"  error    {len(unreachable)} cases not judged: no replica reachable")
     passing = counts["pass"] + counts["warning"]
@@ -158,7 +160,8 @@ def _print_results(
         print(f"  ({passing} passing cases not listed; --verbose lists every case)")
     for result in ordered:
         if result.status == "error" and id(result) not in unreachable:
-            print(f"moegrad: not judged: {result.name}: {result.error}", file=sys.stderr)
+            error = console_text(result.error or "")
+            print(f"moegrad: not judged: {console_text(result.name)}: {error}", file=sys.stderr)
     if unreachable:
         print(
             f"moegrad: no replica reachable: {', '.join(urls) or where}; start a server or check --url",

@@ -30,11 +30,19 @@ from typing import Any, TypeVar
 import httpx
 
 from moegrad._config import ClientConfig
+from moegrad._deadline import REMAINING_EXTENSION
 from moegrad._errors import DeadlineExceeded, DeviceBusy, MoegradError, TransportError
 from moegrad._frames import FRAMES_MEDIA_TYPE, encode_frames
 from moegrad._limits import MAX_BATCH_CALLS
 from moegrad._replicas import Replica, ReplicaSet, Resolve
 from moegrad._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_compare, parse_grad, parse_json
+from moegrad._reply_bounds import (
+    INFO_REPLY_BYTES,
+    REPLY_BYTES_EXTENSION,
+    batch_reply_bytes,
+    compare_reply_bytes,
+    grad_reply_bytes,
+)
 from moegrad._requests import (
     BATCH_PATH,
     COMPARE_PATH,
@@ -104,6 +112,7 @@ class ClientCore:
         accept: str,
         timeout_s: float | None,
         retries: int,
+        reply_bytes: int,
         body: Body | None = None,
         content_type: str = MSGPACK,
         tried: list[Replica] | None = None,
@@ -119,6 +128,10 @@ class ClientCore:
         may differ); 4xx and 500 never are. A replica that gives no reply before the deadline is
         set aside as a failing one is. The response's extension ``"moegrad.replica"`` is the
         root URL of the replica that answered.
+
+        ``reply_bytes``: the most bytes a 2xx reply may take (what the call can produce,
+        :mod:`moegrad._reply_bounds`); each request carries it and the seconds left of the deadline
+        as extensions, for the driver to read the reply within both.
 
         ``tried``: the replicas this call tried before (a batch's items sent again: not sent back
         there while another is ready); every attempt's replica is appended to it, the one that
@@ -152,6 +165,8 @@ class ClientCore:
                     content_type=content_type,
                     replica=replica,
                 )
+                request.extensions[REPLY_BYTES_EXTENSION] = reply_bytes
+                request.extensions[REMAINING_EXTENSION] = None if deadline is None else deadline - self._clock()
                 outcome = yield request
                 if isinstance(outcome, httpx.Response):
                     if outcome.is_success:
@@ -198,6 +213,7 @@ class ClientCore:
         ready = (yield from self.prepared_flow([call], raise_refusals=True))[0]
         assert not isinstance(ready, MoegradError)  # raised above
         sendable, checked, unnamed = ready
+        reply_bytes = grad_reply_bytes(checked if checked is not None else sendable)
         if isinstance(sendable, MoeInitRoutingV2GradCall) and (yield from self.frames_for(sendable)):
             parts, _ = encode_frames(call_document(sendable))
             response = yield from self.exchange(
@@ -206,12 +222,19 @@ class ClientCore:
                 accept=FRAMES_ACCEPT,
                 timeout_s=timeout_s,
                 retries=retries,
+                reply_bytes=reply_bytes,
                 body=parts,
                 content_type=FRAMES_MEDIA_TYPE,
             )
         else:
             response = yield from self.exchange(
-                "POST", GRAD_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=retries, body=grad_body(sendable)
+                "POST",
+                GRAD_PATH,
+                accept=MSGPACK,
+                timeout_s=timeout_s,
+                retries=retries,
+                reply_bytes=reply_bytes,
+                body=grad_body(sendable),
             )
         result = parse_grad(response, checked)
         if unnamed:  # run on its replica's own profile: the answer names it
@@ -380,6 +403,10 @@ class ClientCore:
                 body = encode_batch([documents[index] for index in pending])  # type: ignore[misc]
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"the batch cannot be packed as msgpack: {exc}") from None
+            calls = [
+                (sent[i].op, documents[i] if sent[i].call is None else sent[i].call, sent[i].return_grad_x)
+                for i in pending
+            ]
             try:
                 response = yield from self.exchange(
                     "POST",
@@ -387,6 +414,7 @@ class ClientCore:
                     accept=MSGPACK,
                     timeout_s=timeout_s,
                     retries=retries - len(tried),
+                    reply_bytes=batch_reply_bytes(calls),  # type: ignore[arg-type]  # no MoegradError is pending
                     body=body,
                     tried=tried,
                     started=started,
@@ -441,7 +469,13 @@ class ClientCore:
         sendable, checked, unnamed = ready
         body = compare_body(sendable, checked, candidate, standards, return_grad_x)
         response = yield from self.exchange(
-            "POST", COMPARE_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=self.config.retries.count, body=body
+            "POST",
+            COMPARE_PATH,
+            accept=MSGPACK,
+            timeout_s=timeout_s,
+            retries=self.config.retries.count,
+            reply_bytes=compare_reply_bytes(checked if checked is not None else sendable, return_grad_x is True),
+            body=body,
         )
         result = parse_compare(response, checked, return_grad_x)
         if unnamed:
@@ -459,6 +493,7 @@ class ClientCore:
             accept=JSON,
             timeout_s=self.config.timeouts.call_s,
             retries=self.config.retries.count if retries is None else retries,
+            reply_bytes=INFO_REPLY_BYTES,
             only=replica,
         )
         info = parse_json(response)
@@ -468,7 +503,9 @@ class ClientCore:
     def probe_flow(self, path: str) -> Flow[bool]:
         """A health probe: True on 2xx, False when unreachable, busy (503) or out of time; no retries."""
         try:
-            yield from self.exchange("GET", path, accept=JSON, timeout_s=self.config.timeouts.call_s, retries=0)
+            yield from self.exchange(
+                "GET", path, accept=JSON, timeout_s=self.config.timeouts.call_s, retries=0, reply_bytes=INFO_REPLY_BYTES
+            )
         except (TransportError, DeviceBusy, DeadlineExceeded):
             return False
         return True
