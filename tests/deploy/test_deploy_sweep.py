@@ -145,8 +145,8 @@ def test_the_failure_policy_follows_moegrads_exit_codes():
     # A pod evicted or preempted is started again without counting a failure; that rule comes first.
     assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     # A wrong command line is wrong for every index: the whole Job stops.
-    assert rules[1:] == [{"action": "FailJob",
-                          "onExitCodes": {"containerName": container()["name"], "operator": "In", "values": [EXIT_USAGE]}}]
+    fail_job = {"containerName": container()["name"], "operator": "In", "values": [EXIT_USAGE]}
+    assert rules[1:] == [{"action": "FailJob", "onExitCodes": fail_job}]
     # A pod that judged every case exits 0 whatever the verdicts: a failed standard (1) or an invalid
     # case (3) never fails the index or the Job; the findings are the merge's (its summary, its exit status).
     assert "--exit-zero-on-findings" in container()["args"]
@@ -315,5 +315,5 @@ def test_the_operations_guide_describes_these_manifests():
     for fact in (f"completions: {spec['completions']}", f"parallelism: {spec['parallelism']}",
                  f"backoffLimitPerIndex: {spec['backoffLimitPerIndex']}", "FailJob", "DisruptionTarget",
                  "shard-$(JOB_COMPLETION_INDEX).jsonl", INDEX_ANNOTATION, option(container()["args"], "--url"),
-                 "--exit-zero-on-findings", str(IMAGE.relative_to(REPO)), str(IMAGE.relative_to(REPO) / "kustomization.yaml")):
+                 "--exit-zero-on-findings", f"{IMAGE.relative_to(REPO)}/kustomization.yaml"):
         assert fact in section, fact

@@ -63,7 +63,7 @@ def pods(tmp_path_factory):
     for attempt in range(3):
         port = _free_everywhere()
         with ThreadPoolExecutor(len(PODS)) as pool:
-            started = list(pool.map(lambda address: _start(log_dir, address, port), PODS))
+            started = list(pool.map(_start, [log_dir] * len(PODS), PODS, [port] * len(PODS)))
         servers = [server for server in started if not isinstance(server, Exception)]
         if len(servers) == len(PODS):
             break

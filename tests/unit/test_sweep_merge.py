@@ -148,7 +148,7 @@ def _copy_line(shards: Path, name: str, into: int, digest_: str | None = None) -
 
 
 def test_one_case_with_two_digests_in_two_files_is_not_one_sweep(passing, capsys):
-    folder, shards, names = passing
+    folder, shards, _ = passing
     other = (shard("p2") + 1) % COUNT
     _copy_line(shards, "p2", other, "sha256:" + "0" * 64)
     with pytest.raises(MergeError, match="digest conflict: case p2 is sha256:"):
