@@ -214,11 +214,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             ("--shard", args.shard),
             ("--output", args.output),
             ("--max-concurrency", args.max_concurrency),
+            ("--exit-zero-on-findings", args.exit_zero_on_findings),
         )
         if value
     ]
     if sweep_only and not args.cases:
         raise UsageError(f"{', '.join(sweep_only)} need --cases DIR")
+    if args.merge and args.exit_zero_on_findings:
+        raise UsageError(
+            "--exit-zero-on-findings is for a sweep's runs, not --merge: its exit status is the sweep's verdict"
+        )
     if args.merge:
         return run_merge(args)
     if args.cases:
