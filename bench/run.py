@@ -43,6 +43,8 @@ PRINTED: dict[str, tuple[str, str, list[str], list[str]]] = {
                 ["--repeats", "3"], ["--repeats", "7"]),
     "sweep": ("Sweep rate against one, two and three servers (Client.compare_many)", "bench.sweep",
               ["--cases", "300"], ["--cases", "600", "--repeat", "2"]),
+    "probe": ("The order probe: candidate calls and time per K", "bench.probe_speed", ["--repeats", "3"],
+              ["--repeats", "7"]),
     "grpc": ("gRPC beside HTTP (tritonclient)", "bench.grpc_bench", ["--quick"], []),
     "attack": ("Attacks: what each costs the server now", "bench.attack", ["--quick"], []),
 }

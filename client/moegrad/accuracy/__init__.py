@@ -22,10 +22,16 @@ standard, with the thresholds per dtype and their sources.
   :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles) and
   :func:`refuse_mixed_profiles`, :func:`worst_first`, :func:`statuses`; a sweep's pieces as the
   ``moegrad`` command uses them: :func:`fields_with_order`, :func:`context_call`,
-  :data:`SWEEP_THREAD`, :data:`PLOT_MISSING`.
+  :data:`SWEEP_THREAD`, :data:`PLOT_MISSING`, :func:`console_text` (a name or message shown inert);
+- the candidate on the bench: :class:`Candidate` (:func:`as_candidate`, :class:`CandidateError`),
+  :func:`probe_order` (its tree of adds, FPRev; :class:`OrderProbe`, :class:`InconsistentOrder`,
+  :class:`MultiTermOrder`, :data:`PROBE_LIMITS`, :func:`probe_scale`), :func:`order_free_inputs`
+  (:data:`ORDER_FREE_LIMITS`), :func:`check_determinism` (:class:`DeterminismCheck`,
+  :func:`any_order_bound`).
 """
 
 from moegrad.accuracy._batches import ProfilesDiffer, context_call, fields_with_order, refuse_mixed_profiles
+from moegrad.accuracy._candidate import Candidate, CandidateError, as_candidate
 from moegrad.accuracy._cases import (
     SUMMARY_COLUMNS,
     CaseResult,
@@ -45,6 +51,8 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
 )
 from moegrad.accuracy._context import report_context, with_context, with_profiles
+from moegrad.accuracy._determinism import DeterminismCheck, any_order_bound, check_determinism
+from moegrad.accuracy._escape import console_text
 from moegrad.accuracy._export import (
     CSV_CONTEXT_COLUMNS,
     MSPROBE_DETAIL_COLUMNS,
@@ -58,6 +66,16 @@ from moegrad.accuracy._fused import warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
+from moegrad.accuracy._order_free import ORDER_FREE_LIMITS, order_free_inputs
+from moegrad.accuracy._probe import (
+    PROBE_LIMITS,
+    InconsistentOrder,
+    MultiTermOrder,
+    OrderProbe,
+    OrderProbeError,
+    probe_order,
+    probe_scale,
+)
 from moegrad.accuracy._report import (
     PLOT_MISSING,
     exactness_line,
@@ -86,20 +104,29 @@ __all__ = [
     "DTYPE_LIMITS",
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
+    "ORDER_FREE_LIMITS",
     "PLOT_MISSING",
+    "PROBE_LIMITS",
     "STANDARDS",
     "SUMMARY_COLUMNS",
     "SWEEP_THREAD",
     "THRESHOLDS",
+    "Candidate",
+    "CandidateError",
     "CaseResult",
     "ComparisonReport",
     "Criterion",
     "CriterionResult",
+    "DeterminismCheck",
     "DtypeLimits",
     "ExactMatch",
+    "InconsistentOrder",
     "MergeError",
     "MergedSweep",
     "Metrics",
+    "MultiTermOrder",
+    "OrderProbe",
+    "OrderProbeError",
     "ProfilesDiffer",
     "ReportContext",
     "StandardVerdict",
@@ -109,11 +136,15 @@ __all__ = [
     "SweepHeader",
     "WorstElement",
     "ZeroRowCheck",
+    "any_order_bound",
+    "as_candidate",
     "check_compare_arguments",
+    "check_determinism",
     "compare",
     "compare_arrays",
     "compare_cases",
     "compare_in_process",
+    "console_text",
     "context_call",
     "csv_rows",
     "exactness_line",
@@ -124,6 +155,9 @@ __all__ = [
     "markdown_report",
     "merge_sweeps",
     "metrics",
+    "order_free_inputs",
+    "probe_order",
+    "probe_scale",
     "read_json_report",
     "refuse_mixed_profiles",
     "rejudge",

@@ -32,7 +32,7 @@ import numpy as np
 
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
 from moegrad.accuracy._batches import AsyncCompareBatch, Case, CompareBatch, fields_with_order
-from moegrad.accuracy._cases import CaseResult, case_digest, case_from_bytes, fields_digest
+from moegrad.accuracy._cases import CaseResult, case_digest, case_from_bytes, fields_digest, read_case_bytes
 from moegrad.accuracy._compare import compare
 from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._ledger import SweepFile
@@ -156,8 +156,8 @@ class _Sweep:
             else:
                 name, path = Path(item).stem, os.fspath(item)
                 try:
-                    data = Path(path).read_bytes()
-                except OSError as exc:
+                    data = read_case_bytes(path)  # refused by its length before it is read
+                except (OSError, ValueError) as exc:
                     self.record(position, _invalid(name, exc, path), None)
                     continue
                 digest = case_digest(data)

@@ -34,6 +34,7 @@ from moegrad.accuracy import (
     CaseResult,
     ComparisonReport,
     compare,
+    console_text,
     context_call,
     fields_with_order,
     format_report,
@@ -179,7 +180,7 @@ def _server_summary(result: GradResult | CompareResult) -> str:
         if isinstance(timings.get(name), (int, float)) and (timings[name] or name != "golden")
     ]
     timing = f"; on the server: {', '.join(parts)}" if parts else ""
-    return f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}"
+    return console_text(f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}")
 
 
 def _call_document(fields: dict[str, Any]) -> dict[str, Any]:
@@ -219,11 +220,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             ("--shard", args.shard),
             ("--output", args.output),
             ("--max-concurrency", args.max_concurrency),
+            ("--exit-zero-on-findings", args.exit_zero_on_findings),
         )
         if value
     ]
     if sweep_only and not args.cases:
         raise UsageError(f"{', '.join(sweep_only)} need --cases DIR")
+    if args.merge and args.exit_zero_on_findings:
+        raise UsageError(
+            "--exit-zero-on-findings is for a sweep's runs, not --merge: its exit status is the sweep's verdict"
+        )
     if args.merge:
         return run_merge(args)
     if args.cases:
@@ -493,13 +499,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return _COMMANDS[args.command](args)
     except UsageError as exc:
-        print(f"moegrad: error: {exc}", file=sys.stderr)
+        print(f"moegrad: error: {console_text(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except (InvalidArgument, MalformedRequest) as exc:  # PayloadTooLarge is a MalformedRequest
-        print(f"moegrad: rejected input: {type(exc).__name__}: {_rejection(exc)}", file=sys.stderr)
+        print(f"moegrad: rejected input: {type(exc).__name__}: {console_text(_rejection(exc))}", file=sys.stderr)
         return EXIT_REJECTED
     except MoegradError as exc:
-        print(f"moegrad: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"moegrad: failed: {type(exc).__name__}: {console_text(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("\nmoegrad: interrupted", file=sys.stderr)
@@ -508,7 +514,8 @@ def _run(args: argparse.Namespace) -> int:
         if sys.flags.dev_mode:  # python -X dev -m moegrad ...: the traceback, for the report
             raise
         print(
-            f"moegrad: internal error: {type(exc).__name__}: {exc}. This is a bug in moegrad {__version__}: "
+            f"moegrad: internal error: {type(exc).__name__}: {console_text(str(exc))}. "
+            f"This is a bug in moegrad {__version__}: "
             "please report it with the command line; `python -X dev -m moegrad ...` prints the traceback",
             file=sys.stderr,
         )

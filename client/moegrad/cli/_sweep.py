@@ -11,9 +11,10 @@ status  over all the cases of the run (its shard; for ``--merge``, the sweep), t
 ======  ==================================================================================
 4       a case is not judged (no answer, 5xx, 401/403/404/408 ...), FILE is locked by another
         run, or (``--merge``) a shard file or a case is missing: Kubernetes retries the index
-3       a case is invalid (unreadable, or the server answered 400/413/415/422): never retried
+3       a case is invalid (unreadable, or the server answered 400/413/415/422): a retry answers the same
 1       a case failed a standard
-0       every case passed (warnings pass)
+0       every case passed (warnings pass); with ``--exit-zero-on-findings`` (not for ``--merge``),
+        every case was judged, whatever the verdicts (deploy/sweep's Job: its pods complete)
 2       usage (bad flags, FILE written for another shard, files that are not one sweep)
 70      an internal error (a bug in moegrad; :func:`moegrad.cli._main.main` says how to report it)
 130/143 interrupted by SIGINT / SIGTERM: the lines written are whole; the workers finish the
@@ -23,7 +24,8 @@ status  over all the cases of the run (its shard; for ``--merge``, the sweep), t
 ======  ==================================================================================
 
 The console lists the cases that did not pass, worst first (``--verbose``: every case), and says
-in one line that no replica was reachable rather than once per case.
+in one line that no replica was reachable rather than once per case; a case's name and message
+are shown with their control characters made visible (:func:`~moegrad.accuracy._escape.console_text`).
 
 Before it sends anything, a sweep asks every ``--url`` its device profile (``/v1/info``'s
 ``order``): the results file's header records them, and a sweep whose replicas differ is refused
@@ -54,6 +56,7 @@ from moegrad.accuracy import (
     SweepHeader,
     compare_cases,
     compare_in_process,
+    console_text,
     find_cases,
     merge_sweeps,
     refuse_mixed_profiles,
@@ -162,7 +165,7 @@ def _print_results(
             continue
         worst = None if result.report is None else result.report.candidate_vs_golden.worst  # None: error says why
         detail = result.error or (worst and f"worst row {worst.row}") or ""
-        print(f"  {result.status:<8} {result.name}  {detail}")
+        print(f"  {result.status:<8} {console_text(result.name)}  {console_text(detail)}")
     if unreachable and not verbose:
         print(f"  error    {len(unreachable)} cases not judged: no replica reachable")
     passing = counts["pass"] + counts["warning"]
@@ -170,7 +173,8 @@ def _print_results(
         print(f"  ({passing} passing cases not listed; --verbose lists every case)")
     for result in ordered:
         if result.status == "error" and id(result) not in unreachable:
-            print(f"moegrad: not judged: {result.name}: {result.error}", file=sys.stderr)
+            error = console_text(result.error or "")
+            print(f"moegrad: not judged: {console_text(result.name)}: {error}", file=sys.stderr)
     if unreachable:
         print(
             f"moegrad: no replica reachable: {', '.join(urls) or where}; start a server or check --url",
@@ -248,7 +252,11 @@ def _report(
         print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
     if ledger is not None:
         print(f"{ledger.written} cases written to {args.output}")
-    return sweep_status(results)
+    status = sweep_status(results)
+    if args.exit_zero_on_findings and status in (EXIT_MISMATCH, EXIT_REJECTED):
+        print(f"moegrad: every case judged: exit 0, not {status} (--exit-zero-on-findings)", file=sys.stderr)
+        return EXIT_OK
+    return status
 
 
 def _open_output(

@@ -15,6 +15,8 @@ client, differing by ``await``. What is built where:
 - the default transports and the frames readers: :mod:`moegrad.http._transport` (a frames reply's
   tensors are copied once, into arrays of their own; the sync client receives a large one's
   straight from the socket);
+- the bounds of a reply: the call's deadline over every wait (:mod:`moegrad.http._deadline`), at most
+  the bytes the call can produce (:mod:`moegrad.http._reply_bounds`);
 - the replicas, the choice of each attempt's and what each served: :mod:`moegrad.http._replicas`;
 - many case files judged in batches over every replica, and their results file
   (:meth:`Client.compare_many`): the sweep adapter, :mod:`moegrad.http._accuracy` (the one module
@@ -54,9 +56,11 @@ from moegrad.http._accuracy import (
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._config import CLIENT_DOC, USE_CLIENT_DEFAULT, ClientConfig, _UseClientDefault, ssl_verify
 from moegrad.http._core import ClientCore, Flow
+from moegrad.http._deadline import attempt_deadline
 from moegrad.http._documents import BatchCompare, batch_compares, compare_call, grad_call
 from moegrad.http._replicas import ReplicaStats, Resolve
 from moegrad.http._replies import frames_reader
+from moegrad.http._reply_bounds import bound_reply
 from moegrad.http._transport import PerReplica, aread_frames, async_http_transport, http_transport, read_frames
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 
@@ -161,15 +165,17 @@ class Client(_ClientBase):
                     return stop.value
                 if isinstance(step, httpx.Request):
                     try:
-                        outcome = self._http(step.url).send(step, stream=True)
-                        try:
-                            reader = frames_reader(outcome)
-                            if reader is None:
-                                outcome.read()
-                            else:
-                                read_frames(outcome, reader)
-                        finally:
-                            outcome.close()
+                        with attempt_deadline(step):  # every wait of the attempt ends by the call's deadline
+                            outcome = self._http(step.url).send(step, stream=True)
+                            try:
+                                bound_reply(outcome)  # at most what the call can produce is read
+                                reader = frames_reader(outcome)
+                                if reader is None:
+                                    outcome.read()
+                                else:
+                                    read_frames(outcome, reader)
+                            finally:
+                                outcome.close()
                     except httpx.HTTPError as exc:
                         outcome = exc
                 elif isinstance(step, Resolve):
@@ -469,15 +475,17 @@ class AsyncClient(_ClientBase):
                     return stop.value
                 if isinstance(step, httpx.Request):
                     try:
-                        outcome = await self._http(step.url).send(step, stream=True)
-                        try:
-                            reader = frames_reader(outcome)
-                            if reader is None:
-                                await outcome.aread()
-                            else:
-                                await aread_frames(outcome, reader)
-                        finally:
-                            await outcome.aclose()
+                        with attempt_deadline(step):  # every wait of the attempt ends by the call's deadline
+                            outcome = await self._http(step.url).send(step, stream=True)
+                            try:
+                                bound_reply(outcome)  # at most what the call can produce is read
+                                reader = frames_reader(outcome)
+                                if reader is None:
+                                    await outcome.aread()
+                                else:
+                                    await aread_frames(outcome, reader)
+                            finally:
+                                await outcome.aclose()
                     except httpx.HTTPError as exc:
                         outcome = exc
                 elif isinstance(step, Resolve):

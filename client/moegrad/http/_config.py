@@ -43,8 +43,9 @@ CLIENT_DOC = """{kind} client of a moegrad service (wire protocol v1, docs/proto
             cannot connect, is dropped or gets 503/504 is retried on another one at once; a failing
             replica is set aside for 1 s to 30 s (:mod:`moegrad.http._replicas`; ``stats`` says what
             each served).
-        timeout_s: each call's deadline in seconds, covering retries and waits; sent to the server as
-            ``X-Request-Timeout`` (which the server may cap). None: no deadline.
+        timeout_s: each call's deadline in seconds, covering retries, waits and every read of the
+            reply (docs/protocol.md, "Reply bounds"); sent to the server as ``X-Request-Timeout``
+            (which the server may cap). None: no deadline.
         connect_timeout_s: the longest one connection attempt may take, in seconds (None: no limit).
         retries: how many times a call is retried after a connection error or a 503 (Retry-After
             honoured, at most 30 s a wait, never past the deadline), or a 504 when another replica
@@ -93,8 +94,8 @@ class Timeouts:
     """How long a call may take.
 
     Attributes:
-        call_s: each call's deadline in seconds, covering retries and waits; sent to the server as
-            ``X-Request-Timeout``. None: no deadline.
+        call_s: each call's deadline in seconds, covering retries, waits and every read of the
+            reply; sent to the server as ``X-Request-Timeout``. None: no deadline.
         connect_s: the longest one connection attempt may take, in seconds (None: no limit); never
             more than what is left of the call's deadline.
     """

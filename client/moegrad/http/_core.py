@@ -35,9 +35,17 @@ from moegrad._errors import DeadlineExceeded, DeviceBusy, MoegradError, Transpor
 from moegrad.http._accuracy import rejudge
 from moegrad.http._answers import CompareResult, GradResult
 from moegrad.http._config import ClientConfig
+from moegrad.http._deadline import REMAINING_EXTENSION
 from moegrad.http._documents import Sent, batch_calls, batch_items, call_document, compare_body, grad_body
 from moegrad.http._replicas import Replica, ReplicaSet, Resolve
 from moegrad.http._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_json, parse_reply
+from moegrad.http._reply_bounds import (
+    INFO_REPLY_BYTES,
+    REPLY_BYTES_EXTENSION,
+    batch_reply_bytes,
+    compare_reply_bytes,
+    grad_reply_bytes,
+)
 from moegrad.http._requests import JSON, MSGPACK, Body, RequestBuilder
 from moegrad.http._status import error_from_response, error_from_transport
 from moegrad.http._unnamed import Prepared, prepare
@@ -90,6 +98,7 @@ class ClientCore:
         accept: str,
         timeout_s: float | None,
         retries: int,
+        reply_bytes: int,
         body: Body | None = None,
         content_type: str = MSGPACK,
         tried: list[Replica] | None = None,
@@ -105,6 +114,10 @@ class ClientCore:
         may differ); 4xx and 500 never are. A replica that gives no reply before the deadline is
         set aside as a failing one is. The response's extension ``"moegrad.replica"`` is the
         root URL of the replica that answered.
+
+        ``reply_bytes``: the most bytes a 2xx reply may take (what the call can produce,
+        :mod:`moegrad.http._reply_bounds`); each request carries it and the seconds left of the deadline
+        as extensions, for the driver to read the reply within both.
 
         ``tried``: the replicas this call tried before (a batch's items sent again: not sent back
         there while another is ready); every attempt's replica is appended to it, the one that
@@ -138,6 +151,8 @@ class ClientCore:
                     content_type=content_type,
                     replica=replica,
                 )
+                request.extensions[REPLY_BYTES_EXTENSION] = reply_bytes
+                request.extensions[REMAINING_EXTENSION] = None if deadline is None else deadline - self._clock()
                 outcome = yield request
                 if isinstance(outcome, httpx.Response) and outcome.is_success:
                     answered = True
@@ -199,6 +214,7 @@ class ClientCore:
         ready = (yield from self.prepared_flow([call], raise_refusals=True))[0]
         assert not isinstance(ready, MoegradError)  # raised above
         sendable, checked, unnamed = ready
+        reply_bytes = grad_reply_bytes(checked if checked is not None else sendable)
         if isinstance(sendable, MoeInitRoutingV2GradCall) and (yield from self.frames_for(sendable)):
             parts, _ = encode_frames(call_document(sendable))
             response = yield from self.exchange(
@@ -207,12 +223,19 @@ class ClientCore:
                 accept=FRAMES_ACCEPT,
                 timeout_s=timeout_s,
                 retries=retries,
+                reply_bytes=reply_bytes,
                 body=parts,
                 content_type=FRAMES_MEDIA_TYPE,
             )
         else:
             response = yield from self.exchange(
-                "POST", GRAD_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=retries, body=grad_body(sendable)
+                "POST",
+                GRAD_PATH,
+                accept=MSGPACK,
+                timeout_s=timeout_s,
+                retries=retries,
+                reply_bytes=reply_bytes,
+                body=grad_body(sendable),
             )
         result = parse_reply(response, checked, op="grad")
         assert isinstance(result, GradResult)
@@ -382,6 +405,10 @@ class ClientCore:
                 body = encode_batch([documents[index] for index in pending])  # type: ignore[misc]
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"the batch cannot be packed as msgpack: {exc}") from None
+            calls = [
+                (sent[i].op, documents[i] if sent[i].call is None else sent[i].call, sent[i].return_grad_x)
+                for i in pending
+            ]
             try:
                 response = yield from self.exchange(
                     "POST",
@@ -389,6 +416,7 @@ class ClientCore:
                     accept=MSGPACK,
                     timeout_s=timeout_s,
                     retries=retries - len(tried),
+                    reply_bytes=batch_reply_bytes(calls),  # type: ignore[arg-type]  # no MoegradError is pending
                     body=body,
                     tried=tried,
                     started=started,
@@ -443,7 +471,13 @@ class ClientCore:
         sendable, checked, unnamed = ready
         body = compare_body(sendable, checked, candidate, standards, return_grad_x)
         response = yield from self.exchange(
-            "POST", COMPARE_PATH, accept=MSGPACK, timeout_s=timeout_s, retries=self.config.retries.count, body=body
+            "POST",
+            COMPARE_PATH,
+            accept=MSGPACK,
+            timeout_s=timeout_s,
+            retries=self.config.retries.count,
+            reply_bytes=compare_reply_bytes(checked if checked is not None else sendable, return_grad_x is True),
+            body=body,
         )
         result = parse_reply(response, checked, op="compare", return_grad_x=return_grad_x)
         assert isinstance(result, CompareResult)
@@ -462,6 +496,7 @@ class ClientCore:
             accept=JSON,
             timeout_s=self.config.timeouts.call_s,
             retries=self.config.retries.count if retries is None else retries,
+            reply_bytes=INFO_REPLY_BYTES,
             only=replica,
         )
         info = parse_json(response)
@@ -471,7 +506,9 @@ class ClientCore:
     def probe_flow(self, path: str) -> Flow[bool]:
         """A health probe: True on 2xx, False when unreachable, busy (503) or out of time; no retries."""
         try:
-            yield from self.exchange("GET", path, accept=JSON, timeout_s=self.config.timeouts.call_s, retries=0)
+            yield from self.exchange(
+                "GET", path, accept=JSON, timeout_s=self.config.timeouts.call_s, retries=0, reply_bytes=INFO_REPLY_BYTES
+            )
         except (TransportError, DeviceBusy, DeadlineExceeded):
             return False
         return True

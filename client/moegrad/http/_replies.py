@@ -20,10 +20,12 @@ from moegrad._dtypes import dtype_name
 from moegrad._errors import MalformedRequest, MoegradError, ServiceError
 from moegrad.http._accuracy import ComparisonReport
 from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._reply_bounds import REPLY_BYTES_EXTENSION
 from moegrad.http._status import error_from_problem, str_or_none
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 from moegrad.wire._codec import decode_body, decode_tensor
 from moegrad.wire._frames import FRAMES_MEDIA_TYPE, FramesReader
+from moegrad.wire._limits import REPLY_LIMITS, batch_reply_limits
 
 __all__ = [
     "REPLICA_EXTENSION",
@@ -47,20 +49,25 @@ def frames_reader(response: httpx.Response) -> FramesReader | None:
     if not (response.is_success and kind == FRAMES_MEDIA_TYPE):
         return None
     declared = response.headers.get("content-length")
-    reader = FramesReader(int(declared) if declared is not None and declared.isdigit() else None)
+    reader = FramesReader(
+        int(declared) if declared is not None and declared.isdigit() else None,
+        max_bytes=response.request.extensions.get(REPLY_BYTES_EXTENSION),
+        limits=REPLY_LIMITS,
+    )
     response.extensions[_FRAMES_READER] = reader
     return reader
 
 
 def reply_document(response: httpx.Response) -> dict[str, Any]:
-    """A reply's document: a frames reply's (its tensors already owned arrays), else the msgpack map.
+    """A reply's document: a frames reply's (its tensors already owned arrays), else the msgpack map;
+    decoded within :data:`~moegrad.wire._limits.REPLY_LIMITS`.
 
     Raises:
-        MalformedRequest: the body is not a valid document.
+        MalformedRequest: the body is not a valid document, or its structure is over the limits.
     """
     reader = response.extensions.get(_FRAMES_READER)
     if reader is None:
-        return decode_body(response.content)
+        return decode_body(response.content, REPLY_LIMITS)
     if reader.error is not None:
         raise reader.error
     return reader.document()
@@ -169,10 +176,11 @@ def parse_batch(response: httpx.Response, count: int) -> list[Any]:
     """A 200 reply of the batch endpoint: its ``results``, one per item sent, each not yet read.
 
     Raises:
-        ServiceError: the body is not a valid document, or does not hold ``count`` results.
+        ServiceError: the body is not a valid document (:func:`~moegrad.wire._limits.batch_reply_limits`
+            bound its structure), or does not hold ``count`` results.
     """
     try:
-        document = decode_body(response.content)
+        document = decode_body(response.content, batch_reply_limits(count))
     except MalformedRequest as exc:
         raise ServiceError(
             f"the server's batch reply is not valid: {exc.message}", status_code=response.status_code
@@ -227,7 +235,7 @@ def parse_json(response: httpx.Response) -> dict[str, Any]:
     """
     try:
         document = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the interpreter's limit
         document = None
     if not isinstance(document, dict):
         raise ServiceError(f"{response.request.url} did not answer a JSON object", status_code=response.status_code)

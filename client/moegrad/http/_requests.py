@@ -89,6 +89,7 @@ class RequestBuilder:
             if base.scheme == "https" and replica.sni is not None:
                 extensions["sni_hostname"] = replica.sni
         headers["Accept"] = accept
+        headers["Accept-Encoding"] = "identity"  # no content coding: a compressed reply could inflate past its bound
         headers["X-Request-Id"] = request_id
         if config.token is not None:
             headers["Authorization"] = f"Bearer {config.token}"

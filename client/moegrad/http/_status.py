@@ -17,6 +17,9 @@ the call's deadline passed on the client DeadlineExceeded
 =======================================  ===============================================
 
 A failed batch item's problem document maps through the same table (:func:`error_from_problem`).
+A server's text (``detail``, ``title``, ``device_message``, ``field``) is cut to
+:data:`~moegrad.http._reply_bounds.MAX_TEXT_CHARS` characters, and an error body is read up to
+:data:`~moegrad.http._reply_bounds.ERROR_BODY_BYTES` (:mod:`moegrad.http._reply_bounds`).
 Misuse (a wrong type, a negative count, a call that breaks a documented constraint while
 ``validate=True``) raises ``TypeError`` / ``ValueError`` / ``InvalidArgument`` before any I/O.
 """
@@ -45,6 +48,7 @@ from moegrad._errors import (
     TransportError,
     Unauthorized,
 )
+from moegrad.http._reply_bounds import CUT_EXTENSION, ERROR_BODY_BYTES, cut
 
 __all__ = [
     "STATUS_ERRORS",
@@ -82,11 +86,15 @@ def _problem(response: httpx.Response) -> dict[str, Any] | None:
     kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind not in ("application/problem+json", "application/json"):
         return None
+    if response.extensions.get(CUT_EXTENSION):
+        return None  # its first ERROR_BODY_BYTES only: not a whole document
     try:
         document = json.loads(response.content)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the interpreter's limit
         return None
-    return document if isinstance(document, dict) else None
+    if not isinstance(document, dict):
+        return None
+    return {key: cut(value) if isinstance(value, str) else value for key, value in document.items()}
 
 
 def _text_snippet(response: httpx.Response, limit: int = 200) -> str:
@@ -161,6 +169,8 @@ def error_from_response(response: httpx.Response) -> MoegradError:
         snippet = _text_snippet(response)
         if snippet:
             message += f": {snippet}"
+        if response.extensions.get(CUT_EXTENSION):
+            message += f" (its body was cut: an error's is read up to {ERROR_BODY_BYTES} bytes, never decompressed)"
     if status == 404:  # name the URL actually requested: a wrong base_url shows in it
         request = response.request
         if str(request.url) not in message:
@@ -176,6 +186,7 @@ def error_from_response(response: httpx.Response) -> MoegradError:
 def error_from_problem(problem: dict[str, Any], response: httpx.Response) -> MoegradError:
     """The exception for one failed batch item's problem document (the same table as a reply's status)."""
     status = int_or_none(problem.get("status")) or 500
+    problem = {key: cut(value) if isinstance(value, str) else value for key, value in problem.items()}
     message = problem.get("detail") or problem.get("title")
     message = message if isinstance(message, str) else f"a batch item failed with status {status}"
     factory = STATUS_ERRORS.get(status)

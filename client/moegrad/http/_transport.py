@@ -5,7 +5,9 @@ generator on its way to the caller: a 16 MiB grad_x is 256 reads. Its sync strea
 partially sent chunk's rest as a fresh ``bytes`` (``buffer[n:]``), so a 1 MiB chunk that the socket
 takes in four sends is copied three more times. The backend here wraps httpcore's own (socket
 handling, timeouts, TLS and their exceptions stay httpcore's): reads ask for up to READ_BYTES, and
-writes step through a ``memoryview`` of the chunk.
+writes step through a ``memoryview`` of the chunk. Each connect, read and write waits at most what
+is left of the call's deadline (:mod:`moegrad.http._deadline`), so a server that drips its reply cannot
+hold a call past it.
 
 :func:`http_transport` and :func:`async_http_transport` build ``httpx.HTTPTransport`` /
 ``httpx.AsyncHTTPTransport`` as httpx's clients build their default one (the same TLS context,
@@ -30,6 +32,7 @@ import httpcore
 import httpx
 
 from moegrad._errors import MalformedRequest
+from moegrad.http._deadline import time_left
 from moegrad.wire._frames import FramesReader
 
 __all__ = [
@@ -102,6 +105,18 @@ class PerReplica(typing.Generic[H]):
             return [self._shared] if self._shared is not None else list(self._clients.values())
 
 
+def _within(timeout: float | None, error: type[httpcore.TimeoutException]) -> float | None:
+    """One network operation's timeout cut to what is left of the call's deadline (:mod:`moegrad.http._deadline`).
+
+    Raises:
+        httpcore.ConnectTimeout, ReadTimeout or WriteTimeout (``error``): the deadline has passed.
+    """
+    left = time_left(timeout)
+    if left == 0.0:
+        raise error("the call's deadline passed")
+    return left
+
+
 class _Stream(httpcore.NetworkStream):
     def __init__(self, stream: httpcore.NetworkStream) -> None:
         self._stream = stream
@@ -110,16 +125,16 @@ class _Stream(httpcore.NetworkStream):
         self._sock = sock if isinstance(sock, socket.socket) and stream.get_extra_info("ssl_object") is None else None
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max(max_bytes, READ_BYTES), timeout)
+        return self._stream.read(max(max_bytes, READ_BYTES), _within(timeout, httpcore.ReadTimeout))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         if self._sock is None:
-            self._stream.write(buffer, timeout)
+            self._stream.write(buffer, _within(timeout, httpcore.WriteTimeout))
             return
         view = memoryview(buffer)
         try:
             while view:
-                self._sock.settimeout(timeout)
+                self._sock.settimeout(_within(timeout, httpcore.WriteTimeout))
                 view = view[self._sock.send(view) :]
         except TimeoutError as exc:  # socket.timeout: as httpcore's stream maps it
             raise httpcore.WriteTimeout(exc) from exc
@@ -132,7 +147,7 @@ class _Stream(httpcore.NetworkStream):
     def start_tls(
         self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.NetworkStream:
-        return _Stream(self._stream.start_tls(ssl_context, server_hostname, timeout))
+        return _Stream(self._stream.start_tls(ssl_context, server_hostname, _within(timeout, httpcore.ConnectTimeout)))
 
     def get_extra_info(self, info: str) -> typing.Any:
         return self._stream.get_extra_info(info)
@@ -150,12 +165,15 @@ class _Backend(httpcore.NetworkBackend):
         local_address: str | None = None,
         socket_options: typing.Iterable[typing.Any] | None = None,
     ) -> httpcore.NetworkStream:
+        timeout = _within(timeout, httpcore.ConnectTimeout)
         return _Stream(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
 
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: typing.Iterable[typing.Any] | None = None
     ) -> httpcore.NetworkStream:
-        return _Stream(self._backend.connect_unix_socket(path, timeout, socket_options))
+        return _Stream(
+            self._backend.connect_unix_socket(path, _within(timeout, httpcore.ConnectTimeout), socket_options)
+        )
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
@@ -166,10 +184,10 @@ class _AsyncStream(httpcore.AsyncNetworkStream):
         self._stream = stream
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return await self._stream.read(max(max_bytes, READ_BYTES), timeout)
+        return await self._stream.read(max(max_bytes, READ_BYTES), _within(timeout, httpcore.ReadTimeout))
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        await self._stream.write(buffer, timeout)
+        await self._stream.write(buffer, _within(timeout, httpcore.WriteTimeout))
 
     async def aclose(self) -> None:
         await self._stream.aclose()
@@ -177,6 +195,7 @@ class _AsyncStream(httpcore.AsyncNetworkStream):
     async def start_tls(
         self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.AsyncNetworkStream:
+        timeout = _within(timeout, httpcore.ConnectTimeout)
         return _AsyncStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
 
     def get_extra_info(self, info: str) -> typing.Any:
@@ -195,11 +214,13 @@ class _AsyncBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: typing.Iterable[typing.Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
+        timeout = _within(timeout, httpcore.ConnectTimeout)
         return _AsyncStream(await self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
 
     async def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: typing.Iterable[typing.Any] | None = None
     ) -> httpcore.AsyncNetworkStream:
+        timeout = _within(timeout, httpcore.ConnectTimeout)
         return _AsyncStream(await self._backend.connect_unix_socket(path, timeout, socket_options))
 
     async def sleep(self, seconds: float) -> None:
@@ -264,9 +285,11 @@ def receive_into(sock: socket.socket, room: memoryview, timeout: float | None, r
     the bytes received, 0 when the peer has closed.
 
     Raises:
-        httpx.ReadTimeout: nothing arrived within ``timeout``.
+        httpx.ReadTimeout: nothing arrived within ``timeout`` (0.0: the call's deadline has passed).
         httpx.ReadError: the socket failed.
     """
+    if timeout == 0.0:
+        raise httpx.ReadTimeout("the call's deadline passed while its reply was arriving", request=request)
     try:
         sock.settimeout(timeout)
         return sock.recv_into(room)
@@ -308,11 +331,11 @@ def read_frames(response: httpx.Response, reader: FramesReader) -> None:
             room = reader.room()
             if room is None:  # padding between tensors, or bytes past the last one: fed as they come
                 piece = bytearray(min(left, 1 << 16))
-                got = receive_into(sock, memoryview(piece), timeout, response.request)
+                got = receive_into(sock, memoryview(piece), time_left(timeout), response.request)
                 if got:
                     reader.feed(memoryview(piece)[:got])
             else:
-                got = receive_into(sock, room[:left], timeout, response.request)
+                got = receive_into(sock, room[:left], time_left(timeout), response.request)
                 reader.advance(got)
             if not got:
                 raise httpx.RemoteProtocolError(

@@ -167,12 +167,21 @@ class FramesReader:
     ``numpy.empty`` array of the segment's dtype and shape (padding is skipped), so a result is an
     owned, writable, C-contiguous array with no further copy.
 
+    Every segment the header names is checked against the body's length (else ``max_bytes``)
+    before any array is allocated, so a header that claims a huge shape costs nothing.
+
     Args:
         length: the body's length (Content-Length), or None when unknown.
+        max_bytes: the most bytes the body may take when its length is unknown (None: no bound).
+        limits: bounds on the header's structure, as :func:`~moegrad.decode_body`'s.
     """
 
-    def __init__(self, length: int | None = None) -> None:
+    def __init__(
+        self, length: int | None = None, *, max_bytes: int | None = None, limits: StructureLimits | None = None
+    ) -> None:
         self.length = length
+        self.max_bytes = max_bytes
+        self._limits = limits
         #: The error the body earned, set by whoever feeds it (it stops feeding then); raised by the reader's user.
         self.error: MalformedRequest | None = None
         self._head = bytearray()
@@ -256,12 +265,17 @@ class FramesReader:
     def _frame_header_length(self) -> int:
         if bytes(self._head[: len(FRAMES_MAGIC)]) != FRAMES_MAGIC:
             raise MalformedRequest(f"a frames body starts with {FRAMES_MAGIC!r}")
-        return int.from_bytes(self._head[len(FRAMES_MAGIC) : _PREFIX], "little")
+        length = int.from_bytes(self._head[len(FRAMES_MAGIC) : _PREFIX], "little")
+        size = self.length if self.length is not None else self.max_bytes
+        if size is not None and _PREFIX + length > size:
+            raise MalformedRequest(f"the frames header of {length} bytes runs past the body of {size} bytes")
+        return length
 
     def _parse_header(self, length: int) -> None:
-        header = decode_body(memoryview(self._head)[_PREFIX : _PREFIX + length])
+        header = decode_body(memoryview(self._head)[_PREFIX : _PREFIX + length], self._limits)
         end = _PREFIX + length
-        segments = []
+        size = self.length if self.length is not None else self.max_bytes
+        segments: list[tuple[int, int, str, list[int], np.dtype[Any]]] = []
         for key, value in header.items():
             if not (isinstance(value, dict) and "offset" in value):
                 continue
@@ -277,14 +291,21 @@ class FramesReader:
             dtype = DTYPES[name]
             if nbytes != math.prod(shape) * dtype.itemsize:
                 raise MalformedRequest(f"{key}.nbytes={nbytes} does not match shape {shape} of {name}", field=key)
-            array = np.empty(shape, dtype=dtype)
-            segments.append((offset, nbytes, array))
-            header[key] = array
+            if size is not None and offset + nbytes > size:
+                raise MalformedRequest(
+                    f"{key}'s bytes [{offset}, {offset + nbytes}) run past the frames body of {size} bytes", field=key
+                )
+            segments.append((offset, nbytes, key, shape, dtype))
         segments.sort(key=lambda segment: segment[0])
-        for (first, size, _), (second, _, _) in itertools.pairwise(segments):
-            if second < first + size:
+        for (first, first_size, *_), (second, *_) in itertools.pairwise(segments):
+            if second < first + first_size:
                 raise MalformedRequest("two segments of the frames body overlap")
-        self._header, self._segments = header, segments
+        self._segments = []
+        for offset, nbytes, key, shape, dtype in segments:  # every segment checked: now allocate
+            array = np.empty(shape, dtype=dtype)
+            self._segments.append((offset, nbytes, array))
+            header[key] = array
+        self._header = header
 
     def document(self) -> dict[str, Any]:
         """The body's header map, each tensor entry replaced by its filled array.

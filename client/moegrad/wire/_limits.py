@@ -1,14 +1,23 @@
 """The structure limits of a wire document: what bounds decoding's cost whatever a body's size (docs/protocol.md).
 
 A server passes :data:`REQUEST_LIMITS` to :func:`moegrad.decode_body` (and per item to
-:func:`moegrad.decode_batch`); a client reading its own server's reply sizes them to the body.
+:func:`moegrad.decode_batch`); a client decodes a reply with :data:`REPLY_LIMITS` (a batch's with
+:func:`batch_reply_limits`), so that no reply costs more to decode than its bytes and a constant.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MAX_BATCH_CALLS", "MAX_DEPTH", "MAX_RANK", "REQUEST_LIMITS", "StructureLimits"]
+__all__ = [
+    "MAX_BATCH_CALLS",
+    "MAX_DEPTH",
+    "MAX_RANK",
+    "REPLY_LIMITS",
+    "REQUEST_LIMITS",
+    "StructureLimits",
+    "batch_reply_limits",
+]
 
 #: The highest rank a wire tensor may have (the operator takes ranks 1 to 3).
 MAX_RANK = 8
@@ -43,3 +52,19 @@ REQUEST_LIMITS = StructureLimits(max_containers=32, max_map_len=32, max_array_le
 
 #: The most calls one batch body may carry.
 MAX_BATCH_CALLS = 10_000
+
+#: A reply of one call or comparison: the reply map, grad_x's tensor map and shape, timings_ms and
+#: a comparison's report (about 45 maps and lists, the longest 34 items, with every standard); with
+#: room to spare, and a server's messages (a problem's ``detail``) up to 4 KiB.
+REPLY_LIMITS = StructureLimits(max_containers=256, max_map_len=64, max_array_len=256, max_str_len=4096)
+
+
+def batch_reply_limits(count: int) -> StructureLimits:
+    """The structure limits of a batch reply of ``count`` items: REPLY_LIMITS per item, and a
+    ``results`` list of ``count``."""
+    return StructureLimits(
+        max_containers=count * REPLY_LIMITS.max_containers + 4,
+        max_map_len=REPLY_LIMITS.max_map_len,
+        max_array_len=max(count, REPLY_LIMITS.max_array_len),
+        max_str_len=REPLY_LIMITS.max_str_len,
+    )

@@ -18,7 +18,9 @@ from msprobe's own CSV, its NPU half played by the loops here (two substitutions
 
 from __future__ import annotations
 
+import base64
 import csv
+import hashlib
 import importlib.util
 import io
 import json
@@ -524,7 +526,37 @@ def skeleton(tmp_path):
         target = tmp_path / "msprobe" / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(SITE / "msprobe" / name, target)
+    _as_shipped(tmp_path / "msprobe")
     return find_msprobe(tmp_path / "msprobe")
+
+
+def _as_shipped(package: Path) -> None:
+    """The skeleton's files as mindstudio-probe ships them, whatever the environment's msprobe holds.
+
+    An msprobe this Python imports may have moegrad registered (``python -m moegrad.msprobe
+    register``, as docs/msprobe.md says to): its YAML then holds moegrad's block and its JSON the two
+    operators. Both are taken out of the copies here, with no code of moegrad's: the lines from
+    ``# >>> moegrad`` to ``# <<< moegrad``, and the operators' keys (the JSON written back as
+    msprobe ships it, two-space indented). Where the wheel's RECORD is beside the package, every copy
+    must then have the sha256 it lists; a file changed otherwise skips the test, naming it.
+    """
+    config = package / "pytorch" / "bench_functions" / "fusion_operator_config.yaml"
+    lines = config.read_text(encoding="utf-8").splitlines(keepends=True)
+    marks = [i for i, line in enumerate(lines) if line.strip().startswith(("# >>> moegrad", "# <<< moegrad"))]
+    if len(marks) == 2:
+        config.write_text("".join(lines[: marks[0]] + lines[marks[1] + 1 :]), encoding="utf-8")
+    setting = package / "pytorch" / "api_accuracy_checker" / "acc_check" / "torch_ut_setting.json"
+    values = json.loads(setting.read_text(encoding="utf-8"))
+    if set(OPERATORS) & set(values):
+        setting.write_text(json.dumps({k: v for k, v in values.items() if k not in OPERATORS}, indent=2),
+                           encoding="utf-8")
+    for record in SITE.glob("mindstudio_probe-*.dist-info/RECORD"):
+        hashes = dict(row[:2] for row in csv.reader(record.read_text(encoding="utf-8").splitlines()) if len(row) >= 2)
+        for name in FILES:
+            digest = base64.urlsafe_b64encode(hashlib.sha256((package / name).read_bytes()).digest()).rstrip(b"=")
+            if hashes.get(f"msprobe/{name}") not in (None, f"sha256={digest.decode()}"):
+                pytest.skip(f"msprobe/{name} of {SITE} is not as {record.parent.name} ships it (its RECORD's "
+                            "sha256), beyond moegrad's registration: these tests need msprobe's own files")
 
 
 def _texts(install):
