@@ -213,7 +213,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
+def _refuse_sweep_flags_out_of_place(args: argparse.Namespace) -> None:
+    """UsageError: a sweep's flags without ``--cases DIR``, or ``--exit-zero-on-findings`` with ``--merge``."""
     sweep_only = [
         flag
         for flag, value in (
@@ -230,6 +231,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(
             "--exit-zero-on-findings is for a sweep's runs, not --merge: its exit status is the sweep's verdict"
         )
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    _refuse_sweep_flags_out_of_place(args)
     if args.merge:
         return run_merge(args)
     if args.cases:

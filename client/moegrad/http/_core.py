@@ -115,9 +115,8 @@ class ClientCore:
         set aside as a failing one is. The response's extension ``"moegrad.replica"`` is the
         root URL of the replica that answered.
 
-        ``reply_bytes``: the most bytes a 2xx reply may take (what the call can produce,
-        :mod:`moegrad.http._reply_bounds`); each request carries it and the seconds left of the deadline
-        as extensions, for the driver to read the reply within both.
+        ``reply_bytes``: the most bytes a 2xx reply may take (:mod:`moegrad.http._reply_bounds`); each
+        request carries it and the seconds left of the deadline, for the driver to read the reply within both.
 
         ``tried``: the replicas this call tried before (a batch's items sent again: not sent back
         there while another is ready); every attempt's replica is appended to it, the one that
@@ -128,12 +127,7 @@ class ClientCore:
         attempt = 0
         tried = [] if tried is None else tried
         while True:
-            remaining_s = None if deadline is None else deadline - self._clock()
-            if remaining_s is not None and remaining_s < _MIN_ATTEMPT_S:
-                raise DeadlineExceeded(
-                    f"{method} {path}: the deadline of {timeout_s} s passed before a reply"
-                    + (f" ({attempt} attempts)" if attempt else "")
-                )
+            remaining_s = self._time_left_s(deadline, f"{method} {path}", timeout_s, attempt)
             resolve = None if only is not None else self.replicas.due()
             if resolve is not None:
                 self.replicas.resolved((yield resolve))
@@ -176,6 +170,20 @@ class ClientCore:
                     attempt += 1
                     continue
             raise error from cause
+
+    def _time_left_s(self, deadline: float | None, what: str, timeout_s: float | None, attempt: int) -> float | None:
+        """The seconds left before ``deadline`` (None: no deadline) as attempt ``attempt`` starts.
+
+        Raises:
+            DeadlineExceeded: less than an attempt's minimum is left (``what``: the method and path).
+        """
+        remaining_s = None if deadline is None else deadline - self._clock()
+        if remaining_s is not None and remaining_s < _MIN_ATTEMPT_S:
+            raise DeadlineExceeded(
+                f"{what}: the deadline of {timeout_s} s passed before a reply"
+                + (f" ({attempt} attempts)" if attempt else "")
+            )
+        return remaining_s
 
     def _failure(
         self,
