@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import io
 import json
 import os
@@ -131,7 +132,11 @@ CASE_ATTACKS = {
 def cases_child(folder: str) -> None:
     """``moegrad compare --local --cases folder`` in this process; prints a JSON line as :func:`child` does."""
     import moegrad
-    from moegrad._cli import main
+
+    try:
+        from moegrad.cli import main
+    except ImportError:  # a checkout from before the client's wings (--client): its CLI is moegrad._cli
+        main = importlib.import_module("moegrad._cli").main
 
     before = _memory()["VmRSS"]
     began = time.monotonic()

@@ -19,8 +19,7 @@
   order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row.
 """
 
-from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
-from moegrad._client import AsyncClient, Client
+from moegrad._dtypes import DTYPES, brief, dtype_name
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -34,36 +33,7 @@ from moegrad._errors import (
     TransportError,
     Unauthorized,
 )
-from moegrad._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
-from moegrad._identify import Identification, ProfileMatch, identify
-from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
-from moegrad._orders import accumulation_schedule, bin_count
-from moegrad._profiles import PROFILES, Profile, resolve_profile
-from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
-from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
-from moegrad._replicas import ReplicaStats
-from moegrad._requests import BatchCompare
-from moegrad._results import CompareResult, GradResult
-from moegrad._routing import (
-    MoeInitRoutingV2Result,
-    expanded_row_idx_layout,
-    invert_expanded_row_idx,
-    moe_init_routing_v2,
-)
-from moegrad._spec import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
 from moegrad._version import __version__
-from moegrad._wire import (
-    DTYPES,
-    brief,
-    decode_batch,
-    decode_body,
-    decode_tensor,
-    dtype_name,
-    encode_batch,
-    encode_body,
-    encode_body_view,
-    encode_tensor,
-)
 from moegrad.accuracy import (
     DEFAULT_STANDARDS,
     DTYPE_LIMITS,
@@ -99,6 +69,34 @@ from moegrad.accuracy import (
     skipped_rows,
     summand_magnitude,
 )
+from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._client import AsyncClient, Client
+from moegrad.http._documents import BatchCompare
+from moegrad.http._replicas import ReplicaStats
+from moegrad.numerics._ascend950 import Ascend950Tiling, ascend950_tiling
+from moegrad.numerics._identify import Identification, ProfileMatch, identify
+from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
+from moegrad.numerics._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad.numerics._routing import (
+    MoeInitRoutingV2Result,
+    expanded_row_idx_layout,
+    invert_expanded_row_idx,
+    moe_init_routing_v2,
+)
+from moegrad.numerics._schedules import accumulation_schedule, bin_count
+from moegrad.operator._call import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import PROFILES, Profile, resolve_profile
+from moegrad.wire._codec import (
+    decode_batch,
+    decode_body,
+    decode_tensor,
+    encode_batch,
+    encode_body,
+    encode_body_view,
+    encode_tensor,
+)
+from moegrad.wire._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
+from moegrad.wire._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
 
 __all__ = [
     "DEFAULT_STANDARDS",

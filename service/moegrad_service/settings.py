@@ -14,8 +14,8 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
-from moegrad._profiles import ALIASES, DEFAULT_PROFILE, PROFILES, resolve_profile
+from moegrad.numerics import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad.operator import ALIASES, DEFAULT_PROFILE, PROFILES, resolve_profile
 
 __all__ = ["Settings"]
 

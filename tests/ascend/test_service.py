@@ -132,7 +132,7 @@ def test_results_match_the_reference_backend_and_nothing_is_left(sim, sim_home):
 def test_a_batch_of_calls_of_one_shape_runs_each_on_the_device_with_its_own_bits(sim, sim_home, monkeypatch):
     """Batch members grouped by shape run one by one on the device (the ascend backend computes no
     group itself): each result has the bits of the reference's single call, and nothing is left."""
-    from moegrad._spec import CallGroup
+    from moegrad.operator._call import CallGroup
 
     members = []
     call_of = CallGroup.call

@@ -136,7 +136,7 @@ def test_each_index_judges_its_own_shard_into_its_own_file():
 
 
 def test_the_failure_policy_follows_moegrads_exit_codes():
-    from moegrad._cli import EXIT_FAILURE, EXIT_INTERNAL, EXIT_MISMATCH, EXIT_REJECTED, EXIT_USAGE
+    from moegrad.cli._main import EXIT_FAILURE, EXIT_INTERNAL, EXIT_MISMATCH, EXIT_REJECTED, EXIT_USAGE
 
     spec = job()["spec"]
     assert pod_spec()["restartPolicy"] == "Never", "required by podFailurePolicy and backoffLimitPerIndex"
@@ -158,7 +158,7 @@ def test_the_failure_policy_follows_moegrads_exit_codes():
 
 
 def test_the_job_args_are_the_clis():
-    from moegrad._cli import build_parser
+    from moegrad.cli._main import build_parser
 
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):

@@ -4,7 +4,7 @@ This module plays the cluster: the headless Service's name resolves to three rea
 reference servers on 127.0.0.1, 127.0.0.2 and 127.0.0.3, one port: on Linux all of 127.0.0.0/8 is
 loopback); each index runs the rendered sweep Job's ``moegrad`` arguments with
 ``$(JOB_COMPLETION_INDEX)`` expanded as the kubelet expands it, then the merge Job's, in this
-process (``moegrad._cli.main``). Only what a cluster changes is changed: the mounts' paths become
+process (``moegrad.cli._main.main``). Only what a cluster changes is changed: the mounts' paths become
 folders here and the URL's port the servers' (the scheme and the Service's name are the Job's).
 The name resolves through ``socket.getaddrinfo``, which the client calls for a ``dns+`` URL
 (docs/accuracy.md, "Sweeps"): replaced here for the Service's name alone, every other name and
@@ -29,7 +29,7 @@ import pytest
 
 from deploy._manifests import expand, kustomize, option
 from moegrad import accuracy
-from moegrad._cli import main
+from moegrad.cli._main import main
 from support.launch import ServerNotReady, free_port, moegrad_server
 from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 

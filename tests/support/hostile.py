@@ -9,7 +9,7 @@
   decode or allocate, built by hand from the msgpack specification and docs/protocol.md
   ("Frames"), not with moegrad's encoders.
 
-Used by ``unit/test_client_bounds.py`` and ``bench/client_attacks.py``.
+Used by ``unit/http/test_client_bounds.py`` and ``bench/client_attacks.py``.
 """
 
 from __future__ import annotations

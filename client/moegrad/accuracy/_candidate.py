@@ -27,10 +27,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from moegrad._dtypes import DTYPES, dtype_name
 from moegrad._errors import MoegradError
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._tensors import is_tensor, to_numpy
-from moegrad._wire import DTYPES, dtype_name
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = ["V2_MODEL", "Candidate", "CandidateError", "as_candidate", "candidate_in_use"]
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from moegrad._reference import moe_init_routing_v2_grad_golden
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy._candidate import candidate_in_use
 from moegrad.accuracy._compare import summand_magnitude
+from moegrad.numerics._reference import moe_init_routing_v2_grad_golden
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = ["DeterminismCheck", "any_order_bound", "check_determinism"]
 

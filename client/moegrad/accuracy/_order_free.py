@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from moegrad._profiles import DEFAULT_PROFILE
-from moegrad._routing import moe_init_routing_v2
-from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
-from moegrad._wire import DTYPES, dtype_name
+from moegrad._dtypes import DTYPES, dtype_name
+from moegrad.numerics._routing import moe_init_routing_v2
+from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import DEFAULT_PROFILE
 
 __all__ = ["ORDER_FREE_LIMITS", "order_free_inputs"]
 

@@ -44,12 +44,12 @@ from typing import Any
 
 import numpy as np
 
-from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad._dtypes import DTYPES, dtype_name
 from moegrad._errors import MoegradError
-from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
-from moegrad._wire import DTYPES, dtype_name
 from moegrad.accuracy._candidate import Candidate, candidate_in_use
 from moegrad.accuracy._trees import Tree, expression, profile_sizes, rebuild, replay
+from moegrad.numerics._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
 
 __all__ = [
     "PROBE_LIMITS",

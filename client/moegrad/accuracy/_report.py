@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from moegrad._reference import moe_init_routing_v2_grad_golden
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy._compare import summand_magnitude
 from moegrad.accuracy._escape import console_text, markdown_text
 from moegrad.accuracy._results import ComparisonReport, CriterionResult, Metrics, ReportContext
 from moegrad.accuracy._standards import DTYPE_LIMITS, THRESHOLDS
+from moegrad.numerics._reference import moe_init_routing_v2_grad_golden
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = [
     "PLOT_MISSING",

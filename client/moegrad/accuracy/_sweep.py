@@ -31,13 +31,13 @@ from typing import Any, TextIO
 import numpy as np
 
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad.accuracy._batches import AsyncCompareBatch, Case, CompareBatch, named
+from moegrad.accuracy._batches import AsyncCompareBatch, Case, CompareBatch, fields_with_order
 from moegrad.accuracy._cases import CaseResult, case_digest, case_from_bytes, fields_digest, read_case_bytes
 from moegrad.accuracy._compare import compare
 from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._ledger import SweepFile
 from moegrad.accuracy._results import ComparisonReport
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = [
     "BATCH_BYTES",
@@ -432,7 +432,7 @@ def compare_in_process(
     of the cases that name none (None: the default profile)."""
 
     def one(name: str, fields: Mapping[str, Any], candidate: np.ndarray) -> ComparisonReport:
-        call = MoeInitRoutingV2GradCall(**named(fields, order))
+        call = MoeInitRoutingV2GradCall(**fields_with_order(fields, order))
         report = compare(call, candidate, standards=standards, require_exact=require_exact)
         return with_context(report, report_context(call, candidate, case=name))
 

@@ -21,9 +21,9 @@ from typing import TypeAlias
 
 import numpy as np
 
-from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
-from moegrad._orders import accumulation_schedule
-from moegrad._profiles import PROFILES
+from moegrad.numerics._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad.numerics._schedules import accumulation_schedule
+from moegrad.operator._profiles import PROFILES
 
 __all__ = [
     "Tree",
