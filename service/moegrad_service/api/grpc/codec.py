@@ -6,8 +6,10 @@ that the maintained ``tritonclient[grpc]`` package generates and ships (``triton
 
 A request's tensors come either all in ``raw_input_contents`` (one bytes entry per input, in the
 order of ``inputs``, little-endian and row-major, what tritonclient sends) or each in its input's
-typed ``contents`` (``fp32_contents``, ``int_contents``, ...). FP16 and BF16 have no typed
-contents in the protocol: they travel raw. The reply's grad_x is always in ``raw_output_contents``.
+typed ``contents`` (``fp32_contents``, ``int_contents``, ...), converted TYPED_CHUNK values at a
+time (the servicer bounds their size before the message is parsed: api/grpc/wire.py). FP16 and
+BF16 have no typed contents in the protocol: they travel raw. The reply's grad_x is always in
+``raw_output_contents``, appended to the serialized reply (one copy).
 The decoded tensors and the request parameters become a :class:`moegrad.MoeInitRoutingV2GradCall`,
 the validation every protocol uses, so a call is refused with the same message (field, rule and
 aclnn code) as on HTTP.
