@@ -8,6 +8,7 @@ and judged by the five rules of support.attacks; besides, each attack asserts it
 - large ModelInfer messages without a token are refused UNAUTHENTICATED, and large messages to
   ServerLive (open) answered, without reading them: the server's RSS rises by a few MiB (grpc lets
   each stream send 64 KiB before its message is read), where it used to take every message whole;
+- one call as large as the server takes holds at most 4 times its message, what it reserves;
 - large calls with the token, all at once, and large health checks: the server holds no more than
   its budget for them (a message being read reserves 4 times the largest message gRPC takes);
 - a message of typed contents over the limit is refused RESOURCE_EXHAUSTED before it is parsed,
@@ -51,6 +52,12 @@ def test_messages_without_a_token_are_not_read(target):
     outcome = run(target, "unauthenticated_messages")
     assert set(outcome.statuses) == {"ModelInfer UNAUTHENTICATED", "ServerLive OK"}, outcome.row()
     assert outcome.figures["rise_mib"] <= 32, outcome.row()
+
+
+def test_one_large_call_holds_no_more_than_it_reserves(target):
+    outcome = run(target, "one_large_call")
+    assert set(outcome.statuses) == {"OK"}, outcome.row()
+    assert outcome.figures["times_message"] <= 4.0, outcome.row()  # HOLD_PER_MESSAGE_BYTE, docs/protocol.md
 
 
 def test_large_calls_at_once_stay_within_the_budget(target):

@@ -32,8 +32,9 @@ from .probes import Probes, rss_bytes
 from .suite import ATTACK_SETTINGS, AUTH_TOKEN
 from .wire import MIB, example_call
 
-__all__ = ["GRPC_ATTACKS", "GRPC_SETTINGS", "GrpcTarget", "LivenessProbe", "grpc_server", "infer_message",
-           "messages_within_the_budget", "rpcs_over_the_limit", "typed_contents", "unauthenticated_messages", "warm_up"]
+__all__ = ["GRPC_ATTACKS", "GRPC_FULL_SETTINGS", "GRPC_SETTINGS", "GrpcTarget", "LivenessProbe", "grpc_server",
+           "infer_message", "messages_within_the_budget", "one_large_call", "rpcs_over_the_limit", "typed_contents",
+           "unauthenticated_messages", "warm_up"]
 
 #: The gRPC attack server's settings: the HTTP attack settings, a 128 MiB budget, and 24 MiB messages
 #: (each read reserves 4 times that: 96 of the 112 MiB one call may take).
@@ -241,6 +242,26 @@ def messages_within_the_budget(target: GrpcTarget, probes: Probes, quick: bool) 
     return outcome
 
 
+def one_large_call(target: GrpcTarget, probes: Probes, quick: bool) -> Outcome:
+    """One valid call as large as the server takes (top_k 1, grad_x as large as its input), alone:
+    the server's peak RSS rise against its message, twice (the second finds the heap warm)."""
+    size = target.max_message - MIB
+    outcome = Outcome("gRPC: one large call, alone", 1, "one 112 MiB message: RSS +732 MiB")
+    body = infer_message(size)
+    ratios = []
+    for _ in range(2):
+        time.sleep(1.0)  # the heap trimmer's pause after a release, so the start is settled
+        start = rss_bytes(target.server.pid)
+        with watched(target.server, probes, outcome, target.budget):
+            answers = _fire(target.address, f"/{SERVICE}/ModelInfer", body, 1, metadata=_TOKEN, channels=1)
+        outcome.statuses.update(answers)
+        ratios.append((outcome.peak_rss_bytes - start) / len(body))
+    outcome.figures.update(times_message=max(ratios))
+    outcome.now = (f"{len(body) / MIB:.0f} MiB message, {summary(outcome.statuses)}: RSS rose "
+                   f"{' and '.join(f'{r:.2f}' for r in ratios)} times the message (what a call reserves now: 4 times)")
+    return outcome
+
+
 def typed_contents(target: GrpcTarget, probes: Probes, quick: bool) -> Outcome:
     """One huge message of typed contents (``fp32_contents``), then one just under the typed limit:
     liveness over HTTP and gRPC meanwhile."""
@@ -287,4 +308,5 @@ def rpcs_over_the_limit(target: GrpcTarget, probes: Probes, quick: bool) -> Outc
 
 
 #: The attacks, in the order ``python -m bench.grpc_attack`` runs them.
-GRPC_ATTACKS = (unauthenticated_messages, messages_within_the_budget, typed_contents, rpcs_over_the_limit)
+GRPC_ATTACKS = (unauthenticated_messages, one_large_call, messages_within_the_budget, typed_contents,
+                rpcs_over_the_limit)

@@ -40,9 +40,9 @@ __all__ = [
 #: The largest message gRPC can take (its lengths are signed 32-bit).
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 #: What a ModelInfer holds per byte of its message, at its peak: the message as grpc gathers it,
-#: the copy grpc's Python layer grows as it converts it, and the bytes it hands over (three times
-#: the message, for a moment, measured); then the message, the tensors copied out of it, grad_x
-#: and the reply (bench/RESULTS.md, "gRPC admission").
+#: the copy grpc's Python layer grows as it converts it and the bytes it hands over, all three for
+#: a moment; then the parsed message, the tensors copied out of it, grad_x and the reply
+#: (measured in bench/RESULTS.md, "gRPC admission").
 HOLD_PER_MESSAGE_BYTE = 4
 #: Reads of the largest message that the default ``grpc_max_message_bytes`` lets the budget hold at once.
 READS_AT_ONCE = 4

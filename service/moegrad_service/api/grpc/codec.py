@@ -48,7 +48,8 @@ _CONTENTS_FIELDS: Mapping[str, str] = {
 }
 _DATATYPE_NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
 _PARAMETERS = frozenset(ATTRIBUTES + CONTROLS)
-#: Typed values converted at a time (about 20 ms of a thread's work, measured, holding the GIL).
+#: Typed values converted at a time: each chunk holds the GIL while it is converted, the event loop
+#: runs between chunks.
 TYPED_CHUNK = 1 << 16
 _RAW_OUTPUT_CONTENTS = service_pb2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
 
