@@ -162,7 +162,7 @@ class MessageGate:
                         return Reservation(self.budget, self.upper_bytes, self._released)
                     except DeviceBusy:
                         if time.perf_counter() >= deadline:
-                            raise
+                            raise self._no_room() from None
                     # another RPC's release sets the event; HTTP's releases are seen on the next poll
                     try:
                         async with asyncio.timeout(_POLL_S):
@@ -170,9 +170,12 @@ class MessageGate:
                     except TimeoutError:
                         pass
         except TimeoutError:
-            raise DeviceBusy(
-                f"the service holds {self.budget.held_bytes} of its {self.budget.limit_bytes} in-flight bytes, "
-                f"and a message being read reserves {self.upper_bytes} (the largest message, "
-                f"{self.max_message_bytes} bytes, {HOLD_PER_MESSAGE_BYTE} times); retry later",
-                retry_after_s=self.retry_after_s,
-            ) from None
+            raise self._no_room() from None
+
+    def _no_room(self) -> DeviceBusy:
+        return DeviceBusy(
+            f"the service holds {self.budget.held_bytes} of its {self.budget.limit_bytes} in-flight bytes, "
+            f"and a message being read reserves {self.upper_bytes} (the largest message, "
+            f"{self.max_message_bytes} bytes, {HOLD_PER_MESSAGE_BYTE} times); retry later",
+            retry_after_s=self.retry_after_s,
+        )
