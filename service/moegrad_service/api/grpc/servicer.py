@@ -1,13 +1,15 @@
 """Protocol v2 over gRPC, the servicer: ``inference.GRPCInferenceService`` on the shared dataplane.
 
-Each RPC is decode (api/grpc/codec.py) -> dataplane -> encode, like the HTTP routes. An error is a
-gRPC status: its code from the one error table (api/errors.py, the ``grpc_code`` column), its
-details the same message the HTTP answer carries (for an operator constraint: the field, the rule
-and the aclnn code), and the HTTP answer's shared headers as trailing metadata (``retry-after`` on
-UNAVAILABLE, ``www-authenticate`` on UNAUTHENTICATED). Readiness RPCs answer ``ready: false``
-rather than an error, as Triton does. The RPCs of the service definition that moegrad does not
-serve (streaming, loading and unloading models, shared memory, trace and log settings) answer
-UNIMPLEMENTED.
+Each RPC is admit and read (api/grpc/admission.py) -> decode (api/grpc/codec.py) -> dataplane ->
+encode, like the HTTP routes; every method is registered request-streaming, so that nothing of
+its message is read before it is admitted (a unary call is one message on the wire either way).
+An error is a gRPC status: its code from the one error table (api/errors.py, the ``grpc_code``
+column), its details the same message the HTTP answer carries (for an operator constraint: the
+field, the rule and the aclnn code), and the HTTP answer's shared headers as trailing metadata
+(``retry-after`` on UNAVAILABLE, ``www-authenticate`` on UNAUTHENTICATED). Readiness RPCs answer
+``ready: false`` rather than an error, as Triton does. The RPCs of the service definition that
+moegrad does not serve (streaming, loading and unloading models, shared memory, trace and log
+settings) answer UNIMPLEMENTED, reading nothing.
 """
 
 from __future__ import annotations
