@@ -17,7 +17,8 @@ standard, with the thresholds per dtype and their sources.
   (what makes a saved report reproducible), :func:`with_profiles` (the device profiles whose
   emulation is bit-identical to the candidate), :func:`rejudge` (verdicts again from stored metrics);
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
-  :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
+  :func:`write_summary` (a sweep's summary to triage: :class:`SummaryNotes`, :func:`triage`,
+  :class:`Finding`); sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
   :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles) and
   :func:`refuse_mixed_profiles`, :func:`worst_first`, :func:`statuses`; a sweep's pieces as the
@@ -32,16 +33,7 @@ standard, with the thresholds per dtype and their sources.
 
 from moegrad.accuracy._batches import ProfilesDiffer, context_call, fields_with_order, refuse_mixed_profiles
 from moegrad.accuracy._candidate import Candidate, CandidateError, as_candidate
-from moegrad.accuracy._cases import (
-    SUMMARY_COLUMNS,
-    CaseResult,
-    find_cases,
-    load_case,
-    save_case,
-    shard_of,
-    worst_first,
-    write_summary,
-)
+from moegrad.accuracy._cases import CaseResult, find_cases, load_case, save_case, shard_of
 from moegrad.accuracy._compare import (
     check_compare_arguments,
     compare,
@@ -96,6 +88,7 @@ from moegrad.accuracy._results import (
     ZeroRowCheck,
 )
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
+from moegrad.accuracy._summary import SUMMARY_COLUMNS, Finding, SummaryNotes, triage, worst_first, write_summary
 from moegrad.accuracy._sweep import SWEEP_THREAD, compare_cases, compare_in_process
 
 __all__ = [
@@ -120,6 +113,7 @@ __all__ = [
     "DeterminismCheck",
     "DtypeLimits",
     "ExactMatch",
+    "Finding",
     "InconsistentOrder",
     "MergeError",
     "MergedSweep",
@@ -130,6 +124,7 @@ __all__ = [
     "ProfilesDiffer",
     "ReportContext",
     "StandardVerdict",
+    "SummaryNotes",
     "SweepFile",
     "SweepFileBusy",
     "SweepFileError",
@@ -168,6 +163,7 @@ __all__ = [
     "skipped_rows",
     "statuses",
     "summand_magnitude",
+    "triage",
     "warm_up_compare",
     "with_context",
     "with_profiles",
