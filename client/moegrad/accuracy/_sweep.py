@@ -75,8 +75,9 @@ class _Progress:
         self.started = self.drawn = time.monotonic()
 
     def show(self, done: int, judged: int, failed: int, invalid: int, errors: int, *, final: bool = False) -> None:
-        """``done`` of total (skipped ones too), ``judged`` by this run, ``failed`` (a standard
-        failed), ``invalid`` (unreadable or refused), ``errors`` (not judged); drawn at most every
+        """``done`` of total, ``judged`` by this run (the rate), ``failed`` (a standard failed),
+        ``invalid`` (unreadable or refused), ``errors`` (not judged), each counting the cases a
+        resumed run skips as their recorded status (as the summary does); drawn at most every
         0.1 s, and at the end."""
         now = time.monotonic()
         if not self.enabled or not self.total or (not final and now - self.drawn < _DRAW_EVERY_S):
@@ -186,14 +187,14 @@ class _Sweep:
                 return
             self.results[position] = result
             self.done += 1
+            self.failed += result.status == "fail"  # a skipped case's recorded status too: as the summary counts
+            self.invalid += result.status == "invalid"
+            self.errors += result.status == "error"
             if skipped:
                 assert self.output is not None
                 self.output.skipped += 1
             else:
                 self.judged += 1
-                self.failed += result.status == "fail"
-                self.invalid += result.status == "invalid"
-                self.errors += result.status == "error"
                 if self.output is not None:
                     self.output.append(result, digest)
                 if self.on_result is not None:
