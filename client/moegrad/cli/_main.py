@@ -31,12 +31,10 @@ from moegrad import (
 )
 from moegrad.accuracy import (
     PLOT_MISSING,
-    CaseResult,
     ComparisonReport,
     compare,
     console_text,
     context_call,
-    fields_with_order,
     format_report,
     load_case,
     report_context,
@@ -339,30 +337,9 @@ def _write_reports(
 
 
 def _cmd_compare_cases(args: argparse.Namespace) -> int:
-    """``compare --cases DIR``: the sweep is :func:`moegrad.cli._sweep.run_cases`'s; here, each case's reports."""
-    if args.reports:
-        try:
-            os.makedirs(args.reports, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"cannot create --reports {args.reports}: {exc}") from None
-
-    def save(result: CaseResult) -> None:
-        if not args.reports or result.report is None or result.path is None:
-            return
-        fields, candidate = load_case(result.path)
-        context = result.report.context
-        judged = context.order if context is not None else None  # the profile that judged it
-        call = (
-            context_call(fields, judged)
-            if judged
-            else MoeInitRoutingV2GradCall(**fields_with_order(fields, args.order))
-        )
-        base = os.path.join(args.reports, result.name)
-        device = moe_init_routing_v2_grad(call) if args.local else None
-        _write_reports(base + ".md", base + ".json", base + ".csv", result.report, call, candidate, None, device)
-
+    """``compare --cases DIR``: the sweep, its summary and its reports (:func:`moegrad.cli._sweep.run_cases`)."""
     where = "in-process emulation" if args.local else ", ".join(args.url)
-    return run_cases(args, open_client=lambda: _client(args), on_result=save, where=where)
+    return run_cases(args, open_client=lambda: _client(args), where=where)
 
 
 def _format(array: np.ndarray) -> str:
