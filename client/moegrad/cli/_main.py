@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -462,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``moegrad`` command; returns the exit status (argparse exits with 2 on usage errors).
 
     A reader that leaves early (``moegrad ... | head``) does not change the status: what is left to
-    print goes to ``os.devnull`` (:class:`_Stdout`). Ctrl-C is 130 without a traceback; an exception
+    print goes to ``os.devnull`` (:class:`_Stdout`). A warning (:class:`moegrad.ReplicaWarning`) is
+    one line on stderr. Ctrl-C is 130 without a traceback; an exception
     that is not one of moegrad's is a bug: one line saying so, and :data:`EXIT_INTERNAL` (70).
     """
     args = build_parser().parse_args(argv)
@@ -471,10 +473,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout = sys.stdout
     sys.stdout = _Stdout(stdout)
     try:
-        return _run(args)
+        with warnings.catch_warnings():  # put back as it was when the command ends
+            warnings.showwarning = _show_warning
+            return _run(args)
     finally:
         sys.stdout.flush()  # here, not at exit: a closed pipe then costs nothing (exit 120 otherwise)
         sys.stdout = stdout
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """A warning as the command's other lines read (``moegrad: warning: ...`` on stderr), not as
+    Python shows one (its file, line and source); which warnings show is Python's filters' choice."""
+    print(f"moegrad: warning: {console_text(str(message))}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:

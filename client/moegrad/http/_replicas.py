@@ -54,6 +54,7 @@ __all__ = [
     "ReplicaStats",
     "Resolve",
     "ServerInfo",
+    "is_address",
     "parse_replicas",
 ]
 
@@ -194,7 +195,7 @@ def parse_replicas(value: Any, check_url: Callable[[Any], httpx.URL]) -> tuple[t
         if not text.lower().startswith(_DNS_PREFIX):
             return (check_url(value),), False
         url = check_url(text[len(_DNS_PREFIX) :])
-        if _is_address(url.host):
+        if is_address(url.host):
             raise ValueError(f"base_url={text!r}: a dns+ URL names a host to resolve, not an address")
         return (url,), True
     if not isinstance(value, (list, tuple)):
@@ -214,7 +215,8 @@ def parse_replicas(value: Any, check_url: Callable[[Any], httpx.URL]) -> tuple[t
     return tuple(urls), False
 
 
-def _is_address(host: str) -> bool:
+def is_address(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (not a name to resolve)."""
     try:
         socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
     except OSError:
