@@ -383,7 +383,7 @@ class Client(_ClientBase):
             that answered, the profile that judged it, the time). A file that cannot be read or a
             call the operator rejects is ``"invalid"``; a service failure is ``"error"`` (not
             written to ``output``, so a later run judges it); neither stops the run.
-            :func:`moegrad.accuracy.write_summary` writes them worst first.
+            :func:`moegrad.accuracy.write_summary` writes them real failures first.
 
         Raises:
             KeyboardInterrupt: the sweep was interrupted; the cases written to ``output`` are whole.
