@@ -213,7 +213,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _refuse_sweep_flags_out_of_place(args: argparse.Namespace) -> None:
-    """UsageError: a sweep's flags without ``--cases DIR``, or ``--exit-zero-on-findings`` with ``--merge``."""
+    """UsageError: a sweep's flags without ``--cases DIR``, ``--plots`` without ``--reports``, or
+    ``--exit-zero-on-findings`` with ``--merge``."""
     sweep_only = [
         flag
         for flag, value in (
@@ -226,6 +227,8 @@ def _refuse_sweep_flags_out_of_place(args: argparse.Namespace) -> None:
     ]
     if sweep_only and not args.cases:
         raise UsageError(f"{', '.join(sweep_only)} need --cases DIR")
+    if args.plots and not args.reports:
+        raise UsageError(f"--plots {args.plots} needs --reports OUT (the folder each case's report and plot go to)")
     if args.merge and args.exit_zero_on_findings:
         raise UsageError(
             "--exit-zero-on-findings is for a sweep's runs, not --merge: its exit status is the sweep's verdict"

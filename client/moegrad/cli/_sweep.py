@@ -153,7 +153,7 @@ def run_cases(
     files = [file for file in files if shard_of(file.stem, count) == index]
     prefix = summary_prefix(args)
     make_folder(prefix, "--summary")
-    reports = CaseReports(args.reports, args.plots, args.order) if args.reports else None
+    reports = CaseReports(args.reports, args.plots or "failing", args.order) if args.reports else None
     client = None if args.local else open_client()
     try:
         header, ledger = _open_output(args, files, (index, count), client)
@@ -169,14 +169,16 @@ def run_cases(
     with _sigterm_raises():
         try:
             results, stats = _judge(args, files, ledger, client, reports)
-        except (KeyboardInterrupt, _Terminated) as exc:
+        except BaseException as exc:
+            if reports is not None:
+                reports.abandon()
+            if not isinstance(exc, (KeyboardInterrupt, _Terminated)):
+                raise
             written = f"; {counted(ledger.written)} written to {args.output}, run again to resume" if ledger else ""
             print(f"\nmoegrad: interrupted{written}", file=sys.stderr)
             status = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
             if ledger is not None:
                 ledger.close()
-            if reports is not None:
-                reports.abandon()
             _exit_now_if_a_worker_is_left(status)
             return status
         finally:
@@ -188,6 +190,8 @@ def run_cases(
                 reports.close()
             return _report(args, results, ledger, len(files), prefix, notes, where, stats)
         except (KeyboardInterrupt, _Terminated) as exc:  # every case is judged (and written): only the summary is left
+            if reports is not None:
+                reports.abandon()
             kept = f"; every case is written to {args.output}" if ledger else ""
             print(f"\nmoegrad: interrupted while reporting{kept}; run again to report", file=sys.stderr)
             return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED

@@ -8,6 +8,8 @@ link to it; the report's verdict read back from its JSON.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,21 @@ def test_every_case_gets_its_reports_and_a_plot_as_plots_says(cases, tmp_path, p
             assert (reports / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE and f"]({name}.png)" in markdown
         else:
             assert ".png" not in markdown and f"Histogram skipped: not drawn: --plots {plots or 'failing'}" in markdown
+
+
+def test_plots_without_reports_is_a_usage_error(cases, capsys):
+    folder, _ = cases
+    assert main(["compare", "--local", "--cases", str(folder), "--plots", "all"]) == 2
+    assert "--plots all needs --reports OUT" in capsys.readouterr().err
+    assert not (folder / "summary.csv").exists()  # refused before any case was judged
+
+
+def test_the_installed_command_draws_in_spawned_workers(cases, tmp_path):
+    """``moegrad`` as a console script (its own ``__main__``, which the spawned workers import again)."""
+    pytest.importorskip("matplotlib")
+    folder, _ = cases
+    done = subprocess.run([sys.executable, "-m", "moegrad", "compare", "--local", "--cases", str(folder),
+                           "--no-progress", "--reports", str(tmp_path / "r")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert {p.name for p in (tmp_path / "r").glob("*.png")} == {"c1.png"} and not done.stderr
