@@ -133,12 +133,14 @@ def _excess(criterion: CriterionResult, report: ComparisonReport) -> tuple[int, 
     value, device = criterion.value, criterion.device_value
     device = 0.0 if math.isnan(device) else device
     if criterion.limit == 0:
-        return 1, value - device
-    if math.isinf(value):
-        return 3, 0.0 if report.exact is None else report.exact.share
-    if criterion.op in (">", ">="):
-        return 2, (device - value) / (1.0 - criterion.limit) if criterion.limit < 1 else device - value
-    return 2, (value - device) / abs(criterion.limit)
+        tier, excess = 1, value - device
+    elif math.isinf(value):
+        tier, excess = 3, 0.0 if report.exact is None else report.exact.share
+    elif criterion.op in (">", ">="):
+        tier, excess = 2, (device - value) / (1.0 - criterion.limit) if criterion.limit < 1 else device - value
+    else:
+        tier, excess = 2, (value - device) / abs(criterion.limit)
+    return tier, excess if math.isfinite(excess) else 0.0  # a device figure past float's range: no rank
 
 
 def _message(criterion: CriterionResult, standards: Sequence[str]) -> str:
