@@ -61,9 +61,9 @@ def add_bulk_options(comparison: argparse.ArgumentParser) -> None:
     )
     bulk.add_argument(
         "--reports",
-        metavar="DIR",
-        help="also write each case's report to DIR/<case>.md, .json and .csv (DIR created), the plots "
-        "(DIR/<case>.png) as --plots says, drawn in worker processes while the sweep goes on",
+        metavar="OUT",
+        help="also write each case's report to OUT/<case>.md, .json and .csv (OUT created), the plots "
+        "(OUT/<case>.png) as --plots says, drawn in worker processes while the sweep goes on",
     )
     bulk.add_argument(
         "--plots",
