@@ -12,8 +12,8 @@
 - :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
   ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
-  against the device and a float64 golden; :mod:`moegrad.accuracy` holds the standards and the
-  report writers (docs/accuracy.md).
+  against the device and a float64 golden, and :func:`explain` says why each differing row
+  differs; :mod:`moegrad.accuracy` holds the standards and the report writers (docs/accuracy.md).
 """
 
 from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
@@ -71,6 +71,7 @@ from moegrad.accuracy import (
     CriterionResult,
     DtypeLimits,
     ExactMatch,
+    Explanation,
     Metrics,
     StandardVerdict,
     WorstElement,
@@ -78,6 +79,7 @@ from moegrad.accuracy import (
     check_compare_arguments,
     compare,
     compare_arrays,
+    explain,
     metrics,
     skipped_rows,
     summand_magnitude,
@@ -111,6 +113,7 @@ __all__ = [
     "DeviceFault",
     "DtypeLimits",
     "ExactMatch",
+    "Explanation",
     "GradResult",
     "Identification",
     "InvalidArgument",
@@ -149,6 +152,7 @@ __all__ = [
     "encode_frames",
     "encode_tensor",
     "expanded_row_idx_layout",
+    "explain",
     "identify",
     "invert_expanded_row_idx",
     "metrics",

@@ -16,6 +16,8 @@ standard, with the thresholds per dtype and their sources.
   :func:`report_context` / :func:`with_context`
   (what makes a saved report reproducible), :func:`with_profiles` (the device profiles whose
   emulation is bit-identical to the candidate), :func:`rejudge` (verdicts again from stored metrics);
+- explaining: :func:`explain` (why each differing row differs: order of adds, a wrong summand,
+  precision, NaN/Inf; :class:`Explanation`), :func:`explain_peak_bytes`, :func:`any_order_bound`;
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
@@ -24,6 +26,7 @@ standard, with the thresholds per dtype and their sources.
 
 from moegrad._identify import with_profiles
 from moegrad.accuracy._batches import ProfilesDiffer
+from moegrad.accuracy._bound import any_order_bound
 from moegrad.accuracy._cases import (
     SUMMARY_COLUMNS,
     CaseResult,
@@ -42,6 +45,16 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
 )
 from moegrad.accuracy._context import report_context, with_context
+from moegrad.accuracy._explain import explain, explain_peak_bytes
+from moegrad.accuracy._explanation import (
+    LABELS,
+    ElementTable,
+    Evidence,
+    Explanation,
+    Hypothesis,
+    RowExplanation,
+    SlotTable,
+)
 from moegrad.accuracy._export import (
     CSV_CONTEXT_COLUMNS,
     MSPROBE_DETAIL_COLUMNS,
@@ -80,6 +93,7 @@ __all__ = [
     "CSV_CONTEXT_COLUMNS",
     "DEFAULT_STANDARDS",
     "DTYPE_LIMITS",
+    "LABELS",
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
     "STANDARDS",
@@ -90,12 +104,18 @@ __all__ = [
     "Criterion",
     "CriterionResult",
     "DtypeLimits",
+    "ElementTable",
+    "Evidence",
     "ExactMatch",
+    "Explanation",
+    "Hypothesis",
     "MergeError",
     "MergedSweep",
     "Metrics",
     "ProfilesDiffer",
     "ReportContext",
+    "RowExplanation",
+    "SlotTable",
     "StandardVerdict",
     "SweepFile",
     "SweepFileBusy",
@@ -103,6 +123,7 @@ __all__ = [
     "SweepHeader",
     "WorstElement",
     "ZeroRowCheck",
+    "any_order_bound",
     "check_compare_arguments",
     "compare",
     "compare_arrays",
@@ -110,6 +131,8 @@ __all__ = [
     "compare_in_process",
     "csv_rows",
     "exactness_line",
+    "explain",
+    "explain_peak_bytes",
     "find_cases",
     "format_report",
     "load_case",
