@@ -19,7 +19,9 @@ Then, once each with tracemalloc, the traced peak of ``explain order`` against
 ``moegrad.accuracy.explain_peak_bytes(call, device_result=True)``. Prints Markdown tables of the
 medians; the exit status is 1 when a target is missed.
 
-    python -m bench.explain_speed [--workload W1 ...] [--repeats 5]
+``--write`` also puts the tables into bench/RESULTS.md (section ``explain``).
+
+    python -m bench.explain_speed [--workload W1 ...] [--repeats 5] [--write]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import tracemalloc
 import numpy as np
 
 import moegrad
+from bench._results import machine, write_section
 from bench.kernel import WORKLOADS, Workload, routed_index
 
 __all__ = ["main"]
@@ -114,16 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=[w.name for w in WORKLOADS],
                         help="a workload to run (repeatable; default W1-W4)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of the five runs per workload (default 5)")
+    parser.add_argument("--write", action="store_true", help="write bench/RESULTS.md's explain section")
     args = parser.parse_args(argv)
     names = args.workload or ["W1", "W2", "W3", "W4"]
     moegrad.warm_up()
     moegrad.accuracy.warm_up_compare()
     results = [(w, measure(w, args.repeats)) for w in WORKLOADS if w.name in names]
-    met = True
-    print("| workload | grad ms | compare ms | explain, 0.5% of rows differ: ms | / compare (<= 1.5) "
-          "| explain, the sequential order: ms (rows that differ) | / grad (<= 15) "
-          "| explain, the float64 sum: ms (rows that differ) | / grad |")
-    print("|---|---:|---:|---:|---|---:|---|---:|---:|")
+    met, lines = True, []
+    lines.append("| workload | grad ms | compare ms | explain, 0.5% of rows differ: ms | / compare (<= 1.5) "
+                 "| explain, the sequential order: ms (rows that differ) | / grad (<= 15) "
+                 "| explain, the float64 sum: ms (rows that differ) | / grad |")
+    lines.append("|---|---:|---:|---:|---|---:|---|---:|---:|")
     for workload, result in results:
         m, share = result["medians"], result["shares"]
         few = m["explain few"] / m["compare"]
@@ -131,19 +135,27 @@ def main(argv: list[str] | None = None) -> int:
         float64 = m["explain float64"] / m["grad"]
         ok_few, ok_order = few <= FEW_TARGET, order <= ORDER_TARGET
         met &= ok_few and ok_order
-        print(f"| {workload.name} ({workload.describe()}) | {m['grad'] * 1e3:.1f} | {m['compare'] * 1e3:.0f} | "
-              f"{m['explain few'] * 1e3:.0f} | {few:.2f}x {'met' if ok_few else 'NOT met'} | "
-              f"{m['explain order'] * 1e3:.0f} ({share['sequential']:.0%}) | {order:.1f}x {'met' if ok_order else 'NOT met'} | "
-              f"{m['explain float64'] * 1e3:.0f} ({share['float64']:.0%}) | {float64:.1f}x |")
-    print(f"\nMedians of {args.repeats} rounds in one process, the five runs alternating; every explain is given "
-          "the device's result, as compare is. W2 has K = 2: no order of two adds differs.\n")
-    print("| workload | traced peak of explain, sequential order: MiB | explain_peak_bytes: MiB | within |")
-    print("|---|---:|---:|---|")
+        lines.append(
+            f"| {workload.name} ({workload.describe()}) | {m['grad'] * 1e3:.1f} | {m['compare'] * 1e3:.0f} | "
+            f"{m['explain few'] * 1e3:.0f} | {few:.2f}x {'met' if ok_few else 'NOT met'} | "
+            f"{m['explain order'] * 1e3:.0f} ({share['sequential']:.0%}) | {order:.1f}x {'met' if ok_order else 'NOT met'} | "
+            f"{m['explain float64'] * 1e3:.0f} ({share['float64']:.0%}) | {float64:.1f}x |")
+    lines.append(f"\nMedians of {args.repeats} rounds in one process, the five runs alternating; every explain is "
+                 "given the device's result, as compare is. W2 has K = 2: no order of two adds differs.\n")
+    lines.append("| workload | traced peak of explain, sequential order: MiB | explain_peak_bytes: MiB | within |")
+    lines.append("|---|---:|---:|---|")
     for workload, result in results:
         within = result["peak"] <= result["reserved"]
         met &= within
-        print(f"| {workload.name} | {result['peak'] / 2**20:.1f} | {result['reserved'] / 2**20:.1f} | "
-              f"{'yes' if within else 'NO'} |")
+        lines.append(f"| {workload.name} | {result['peak'] / 2**20:.1f} | {result['reserved'] / 2**20:.1f} | "
+                     f"{'yes' if within else 'NO'} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        command = "python -m bench.explain_speed" + "".join(f" --workload {n}" for n in args.workload or []) + \
+            f" --repeats {args.repeats}"
+        write_section("explain", "## moegrad.explain beside compare and the grad call (targets: 1.5x compare, 15x "
+                      f"the grad call)\n\n`{command}` on {machine()}\n\n{text}")
     return 0 if met else 1
 
 

@@ -122,6 +122,27 @@ def test_extra_with_the_drop_pad_provenance():
     assert explain(call, candidate).capacity == 2
 
 
+def test_extra_on_the_950_at_9_1_whose_negative_slots_are_zero_rows():
+    # dropless on ascend950@9.1: a -1 slot is a +0.0 row (docs/semantics.md section 2)
+    call = call_of(INTEGERS[:4], [0, -1, 1, 2], 2, order="ascend950@9.1")
+    device = moegrad.moe_init_routing_v2_grad(call)
+    assert device.tolist() == [[1, 2, 3, 4], [110, 220, 330, 440]]
+    candidate = device.copy()
+    candidate[0] = [1001, 2002, 3003, 4004]  # -1 read as the last row (3), Python's way
+    row = only(explain(call, candidate))
+    assert (row.label, row.slot, row.source_row) == ("extra", 1, 3)
+    assert row.slots.skipped == (False, True) and row.slots.row == (0, None)
+
+
+def test_active_mode_skips_the_rows_past_active_num():
+    call = call_of(INTEGERS[:4], [0, 5, 1, 2, 3, 4], 2, active_num=4)  # slots of index 4, 5 read no row
+    candidate = moegrad.moe_init_routing_v2_grad(call)
+    candidate[0] = [1001, 2002, 3003, 4004]  # index 5 read as row 3 (clamped to the last row)
+    row = only(explain(call, candidate))
+    assert (row.label, row.slot, row.source_row) == ("extra", 1, 3)
+    assert row.slots.skipped == (False, True) and row.slots.expert == (None, None)
+
+
 def test_precision():
     # float16, K = 4: rows [2048, 4096] and three of [1, 2]. The device adds in float32 (2051, 4102)
     # and rounds once (ties to even: 2052, 4104); a float16 chain rounds every add: 2048 + 1 = 2049

@@ -238,9 +238,7 @@ class RowIndex:
     For each target, the narrowest of its windows (the rows whose value in a key column lies within
     the target's tolerance there) is read and filtered by every other key column: a superset of the
     rows within tolerance in every column, which the caller then checks in full. A target whose
-    every key window contains 0 is not searched (a row of near-zeros in a slot's place is the
-    fingerprint of the slot missing, reported as such); one whose narrowest window holds more than
-    4096 rows is not searched either, and said to be cut (docs/accuracy.md).
+    narrowest window holds more than 4096 rows is not searched, and said to be cut (docs/accuracy.md).
     """
 
     def __init__(self, rows: np.ndarray) -> None:
@@ -273,13 +271,12 @@ class RowIndex:
             first = np.searchsorted(self.values[j], low, side="left")
             width = np.searchsorted(self.values[j], high, side="right") - first
             usable = np.isfinite(low) & np.isfinite(high)
-            bounds.append((low, high, first, np.where(usable, width, count + 1), usable & (low <= 0) & (high >= 0)))
+            bounds.append((low, high, first, np.where(usable, width, count + 1)))
         widths = np.stack([bound[3] for bound in bounds], axis=1)
-        zero = np.stack([bound[4] for bound in bounds], axis=1).all(axis=1)
         best = widths.argmin(axis=1)
         narrowest = widths[np.arange(best.size), best]
-        cut = ~zero & (narrowest > _WINDOW_ROWS) & (narrowest <= count)
-        searched = np.flatnonzero(~zero & (narrowest <= _WINDOW_ROWS))
+        cut = (narrowest > _WINDOW_ROWS) & (narrowest <= count)
+        searched = np.flatnonzero(narrowest <= _WINDOW_ROWS)
         return cut, self._batches(searched, best, bounds, narrowest)
 
     def _batches(self, searched, best, bounds, narrowest) -> Iterator[tuple[np.ndarray, np.ndarray]]:

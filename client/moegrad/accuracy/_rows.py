@@ -115,8 +115,7 @@ def explain_rows(block: Block, searches: Searches) -> list[RowExplanation]:
     if index is not None:
         found, cut = row_search_fits(block, alone, index)
         _replayed(block, found, searches.schedules, hypotheses)
-    unexplained = np.array([w for w in faulty if not any(h.exact for h in hypotheses.get(int(w), []))], dtype=np.intp)
-    precision = _precision(block, unexplained, searches.precision_schedules, window)
+    precision = _precision(block, faulty, searches.precision_schedules, window)
     tables = _element_tables(block)
     slot_tables = _slot_tables(block, searches.capacity)
     explained = []
@@ -230,6 +229,12 @@ def _ambiguous(candidates: Sequence[Hypothesis], outside: int, why: str) -> Deci
     listed = _distinct(candidates)
     names = ", ".join(_short(h) for h in listed[:4]) + (", ..." if len(listed) > 4 else "")
     summary = f"{len(listed)} explanations fit ({names}): {why}"
+    if len({(h.label, h.source_row) for h in listed}) == 1 and listed[0].label in ("extra", "duplicated"):
+        slots = ", ".join(str(h.slot) for h in listed)
+        summary = (
+            f"a {listed[0].label} summand reading row {listed[0].source_row} fits in slot {slots} alike: "
+            "the replays of those slots are the same adds, or reproduce the row equally"
+        )
     evidence = _evidence(summary, None, outside, candidates=tuple(listed[:_CANDIDATES]))
     return "ambiguous", None, None, None, evidence
 
