@@ -10,6 +10,8 @@ docs/accuracy.md, "Explaining a mismatch", gives the method, the labels and work
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +27,7 @@ from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad.accuracy import _fused
 from moegrad.accuracy._bound import any_order_bound
 from moegrad.accuracy._explanation import LABELS, WORST_ELEMENTS, Explanation, RowExplanation
-from moegrad.accuracy._fingerprint import Block, RowIndex
+from moegrad.accuracy._fingerprint import Block, RowIndex, take_rows
 from moegrad.accuracy._matching import same_rows
 from moegrad.accuracy._replay import known_schedules
 from moegrad.accuracy._rows import Searches, explain_rows
@@ -97,8 +99,9 @@ def explain(
 
         searches = Searches(schedules, own, row_index, capacity)
         golden = _Golden(call, rows)
-        for block_rows in _blocks(differing, call.hidden_size):
-            explained += explain_rows(_block(call, rows, candidate, device, golden, block_rows), searches)
+        with _collector_paused():
+            for block_rows in _blocks(differing, call.hidden_size):
+                explained += explain_rows(_block(call, rows, candidate, device, golden, block_rows), searches)
     labels = dict.fromkeys(LABELS, 0)
     for row in explained:
         labels[row.label] += 1
@@ -111,6 +114,21 @@ def explain(
         rows=tuple(explained),
         capacity=capacity,
     )
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the rows are built, as for any bulk allocation:
+    they hold no reference cycles, and with every row differing their tens of thousands of small
+    objects would otherwise set off full collections of the whole process, several times the
+    work of building them. It is turned back on after, unless it was off before."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _on_profile(call: Any, profile: str | None) -> MoeInitRoutingV2GradCall:
@@ -202,7 +220,7 @@ def differing_rows(candidate: np.ndarray, device: np.ndarray) -> np.ndarray:
         suspect = np.flatnonzero((a[start:stop] != b[start:stop]).any(axis=1))
         if suspect.size:
             rows = start + suspect
-            found.append(rows[~same_rows(candidate[rows], device[rows])])
+            found.append(rows[~same_rows(take_rows(candidate, rows), take_rows(device, rows))])
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
@@ -225,9 +243,9 @@ class _Golden:
 
     def __call__(self, grad_rows: np.ndarray, index: np.ndarray, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         count, hidden = grad_rows.size, self.rows.shape[1]
-        golden, magnitude = np.zeros((count, hidden)), np.zeros((count, hidden))
         if self.rows.shape[0] == 0:
-            return golden, magnitude
+            return np.zeros((count, hidden)), np.zeros((count, hidden))
+        golden, magnitude = np.empty((count, hidden)), np.empty((count, hidden))
         if self.jit is not None and self.bits is not None:
             self._compiled(grad_rows, golden, magnitude)
             return golden, magnitude
@@ -242,8 +260,9 @@ class _Golden:
             allow_duplicate_indices=True,
         )
         _reference._accumulate(sub, _F64, order_schedule(self.call.top_k, CHAIN), golden, compensated=True)
+        magnitude.fill(0.0)
         for t in range(index.shape[1]):
-            summand = self.rows[np.where(skip[:, t], 0, index[:, t])].astype(_F64)
+            summand = take_rows(self.rows, np.where(skip[:, t], 0, index[:, t])).astype(_F64)
             magnitude += np.where(skip[:, t, None], 0.0, np.abs(summand))
         return golden, magnitude
 
@@ -269,7 +288,8 @@ class _Golden:
                     partials,
                 )
 
-        _reference._map_chunks(run, grad_rows.size, max(1, (1 << 16) // max(hidden, 1)))
+        # one task per thread of the pool: each row is a long loop already
+        _reference._map_chunks(run, grad_rows.size, max(1, -(-grad_rows.size // _reference._workers())))
 
 
 def _block(
@@ -284,7 +304,7 @@ def _block(
     skip = (index < 0) | (index >= rows.shape[0])
     count = call.top_k - skip.sum(axis=1)
     golden, magnitude = golden_of(grad_rows, index, skip)
-    cand_rows, dev_rows = candidate[grad_rows], device[grad_rows]
+    cand_rows, dev_rows = take_rows(candidate, grad_rows), take_rows(device, grad_rows)
     words = _UINT[cand_rows.dtype.itemsize]
     ew, eh = np.nonzero(cand_rows.view(words) != dev_rows.view(words))
     ecand, edev = cand_rows[ew, eh].astype(_F64), dev_rows[ew, eh].astype(_F64)
@@ -298,7 +318,10 @@ def _block(
     eusable = np.isfinite(ecand) & np.isfinite(edev)
     out = eusable & (eratio > 1.0)
     worst = np.zeros(grad_rows.size)
-    np.maximum.at(worst, ew[eusable], eratio[eusable])
+    starts = np.searchsorted(ew, np.arange(grad_rows.size))  # ew is row-major: each row's elements in a run
+    present = np.flatnonzero(np.diff(np.append(starts, ew.size)) > 0)
+    if present.size:
+        worst[present] = np.maximum.reduceat(np.where(eusable, eratio, 0.0), starts[present])
     top = _top(ew, eh, np.where(eusable, eratio, np.inf), grad_rows.size, call.hidden_size)
     return Block(
         call, call.dtype_name, rows, grad_rows, index, skip, count, cand_rows, dev_rows, golden, magnitude,

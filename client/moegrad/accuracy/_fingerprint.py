@@ -29,15 +29,27 @@ import numpy as np
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy._bound import any_order_bound
 
-__all__ = ["Block", "Fit", "RowIndex", "own_slot_fits", "row_search_fits"]
+__all__ = ["Block", "Fit", "RowIndex", "Window", "own_slot_fits", "row_search_fits", "take_rows"]
 
 _F64 = np.dtype(np.float64)
 _CHUNK_ELEMENTS = 1 << 18  # float64 elements per array of a check: a few MiB
 _KEY_COLUMNS = 8
-_WINDOW = 32  # columns a hypothesis or a schedule is tried on before the whole row
+_WINDOW = 16  # columns a hypothesis or a schedule is tried on before the whole row
 _WINDOW_ROWS = 1 << 12  # a target whose narrowest window is wider is not searched (docs/accuracy.md)
 _PAIRS = 1 << 16  # (target, row) pairs looked at in one batch
 _TINY = np.finfo(np.float64).tiny
+
+
+_WORDS = {2: np.uint16, 4: np.uint32}
+
+
+def take_rows(array: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``array[index]`` (rows of a 2-D array), gathered through an unsigned-integer view: NumPy's
+    fancy indexing of an ``ml_dtypes`` dtype copies element by element, several times slower."""
+    words = _WORDS.get(array.dtype.itemsize)
+    if words is None:
+        return array[index]
+    return array.view(words)[index].view(array.dtype)
 
 
 @dataclass
@@ -135,7 +147,7 @@ def _chunks(total: int, per_item: int) -> Iterator[slice]:
 
 
 class Window:
-    """The summands and the candidate of block rows ``w`` in a window of ``min(32, H)`` contiguous
+    """The summands and the candidate of block rows ``w`` in a window of ``min(16, H)`` contiguous
     columns around each row's worst differing column (the one farthest outside the bound): read
     once (a few cache lines per summand), they let a hypothesis or a schedule be tried on the
     window before the whole row.
@@ -175,7 +187,7 @@ def own_slot_fits(block: Block, w: np.ndarray, window: Window) -> list[Fit]:
     for label, sign in (("missing", -1.0), ("duplicated", 1.0)):
         rows_at, slots = np.nonzero(_at_worst(block, window, w, sign))  # most slots fail there
         places = np.arange(window.width)
-        for stage in (places[None, ::8], places[None, :]):
+        for stage in (places[None, ::4], places[None, :]):
             if rows_at.size == 0:
                 break
             ok = _probe(block, window, at[rows_at], slots, sign, stage)
@@ -222,7 +234,7 @@ def _probe(block: Block, window: Window, at: np.ndarray, t: np.ndarray, sign: fl
 
 def _full_own_check(block: Block, at: np.ndarray, t: np.ndarray, label: str, sign: float) -> list[Fit]:
     source = block.index[at, t]
-    summand = block.rows[source].astype(_F64)
+    summand = take_rows(block.rows, source).astype(_F64)
     grown = np.maximum(block.magnitude[at] + sign * np.abs(summand), 0.0)
     ok, ratio = _within(block, at, sign * summand, grown, block.count[at] + int(sign))
     ok &= (summand != 0).any(axis=1)
@@ -321,7 +333,7 @@ def _targets(block: Block, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     slot = np.array(slots, dtype=np.intp)
     cand, residual, usable = block.dense(at)
     replaced = slot >= 0
-    residual[replaced] += block.rows[block.index[at[replaced], slot[replaced]]].astype(_F64)
+    residual[replaced] += take_rows(block.rows, block.index[at[replaced], slot[replaced]]).astype(_F64)
     target = np.where(usable, residual, np.nan)
     count = block.count[at] + np.where(replaced, 0, 1)
     reach = block.magnitude[at] + np.abs(target)
@@ -348,10 +360,10 @@ def row_search_fits(block: Block, w: np.ndarray, index: RowIndex) -> tuple[list[
 
 def _check_pairs(block: Block, at: np.ndarray, slot: np.ndarray, source: np.ndarray) -> list[Fit]:
     """The pairs (block row, slot or -1, row read) whose fingerprint fits in every usable column."""
-    read = block.rows[source].astype(_F64)
+    read = take_rows(block.rows, source).astype(_F64)
     replaced = slot >= 0
     own_rows = block.index[at, np.maximum(slot, 0)]
-    own = np.where(replaced[:, None], block.rows[np.where(replaced, own_rows, 0)].astype(_F64), 0.0)
+    own = np.where(replaced[:, None], take_rows(block.rows, np.where(replaced, own_rows, 0)).astype(_F64), 0.0)
     delta = read - own
     magnitude = np.maximum(block.magnitude[at] - np.abs(own) + np.abs(read), 0.0)
     count = block.count[at] + np.where(replaced, 0, 1)

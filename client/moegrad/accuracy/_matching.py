@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from moegrad.accuracy._fingerprint import Block, Fit, Window
+from moegrad.accuracy._fingerprint import Block, Fit, Window, take_rows
 from moegrad.accuracy._replay import Schedule, replay
 
 __all__ = ["match_fits", "match_schedules", "same_rows"]
@@ -92,7 +92,7 @@ def _summands(block: Block, fits: Sequence[Fit]) -> tuple[np.ndarray, np.ndarray
     read[positions[swap], slot[swap]] = source[swap]
     skip[positions[swap], slot[swap]] = False
     skip[positions[label == "missing"], slot[label == "missing"]] = True
-    values = block.rows[read.reshape(-1)]
+    values = take_rows(block.rows, read.reshape(-1))
     index = np.where(skip, at.size * top_k, np.arange(at.size * top_k).reshape(at.size, top_k))
     appended = np.where(label == "duplicated", source, -1)
     return values, index.reshape(-1), appended
@@ -139,6 +139,6 @@ def _replay_fits(
             out = replay(block.call, rows, local, schedule)
         else:
             total = replay(block.call, rows, local, schedule, out_dtype=_F32)
-            total += block.rows[appended].astype(_F32)
+            total += take_rows(block.rows, appended).astype(_F32)
             out = total.astype(block.candidate.dtype)
     return same_rows(out, wanted)
