@@ -371,7 +371,7 @@ def test_the_numpy_path_gives_the_same_explanation(monkeypatch):
     assert [_explained(planted.build(*entry))[1] for entry in entries] == compiled
 
 
-@pytest.mark.parametrize("tokens, top_k, hidden", [(600, 2, 1), (40, 130, 16), (64, 8, 2048)])
+@pytest.mark.parametrize("tokens, top_k, hidden", [(600, 2, 1), (1000, 130, 1), (40, 130, 16), (64, 8, 2048)])
 def test_the_peak_stays_within_explain_peak_bytes(tokens, top_k, hidden):
     """Every row differs (the worst case): the traced peak is within the reservation."""
     rng = np.random.default_rng(3)

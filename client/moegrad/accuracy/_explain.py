@@ -27,7 +27,7 @@ from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad.accuracy import _fused
 from moegrad.accuracy._bound import any_order_bound
 from moegrad.accuracy._explanation import LABELS, WORST_ELEMENTS, Explanation, RowExplanation
-from moegrad.accuracy._fingerprint import Block, RowIndex, take_rows
+from moegrad.accuracy._fingerprint import WINDOW, Block, RowIndex, take_rows
 from moegrad.accuracy._matching import same_rows
 from moegrad.accuracy._replay import known_schedules
 from moegrad.accuracy._rows import Searches, explain_rows
@@ -100,7 +100,7 @@ def explain(
         searches = Searches(schedules, own, row_index, capacity)
         golden = _Golden(call, rows)
         with _collector_paused():
-            for block_rows in _blocks(differing, call.hidden_size):
+            for block_rows in _blocks(differing, _row_elements(call)):
                 explained += explain_rows(_block(call, rows, candidate, device, golden, block_rows), searches)
     labels = dict.fromkeys(LABELS, 0)
     for row in explained:
@@ -224,8 +224,15 @@ def differing_rows(candidate: np.ndarray, device: np.ndarray) -> np.ndarray:
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
-def _blocks(rows: np.ndarray, hidden: int) -> Iterator[np.ndarray]:
-    step = max(1, _BLOCK_ELEMENTS // max(hidden, 1))
+def _row_elements(call: MoeInitRoutingV2GradCall) -> int:
+    """The elements a row takes in a block: its H columns, or its K slots' window of columns
+    (min(16, H) each), whichever is more."""
+    hidden = max(call.hidden_size, 1)
+    return max(hidden, call.top_k * min(hidden, WINDOW))
+
+
+def _blocks(rows: np.ndarray, per_row: int) -> Iterator[np.ndarray]:
+    step = max(1, _BLOCK_ELEMENTS // per_row)
     for start in range(0, rows.size, step):
         yield rows[start : start + step]
 
@@ -370,8 +377,9 @@ def explain_peak_bytes(call: MoeInitRoutingV2GradCall, *, device_result: bool = 
 
     The worst case, every row differing: the device's result (unless given), a C-contiguous copy
     of grad_expanded_x when it is not one, the sorted key columns of the row search, one block of
-    about 2^19 elements of grad_x, the searches' working set, and the result (per differing row,
-    its K slots and its worst elements). docs/accuracy.md gives the formula.
+    about 2^19 elements (rows of max(H, K * min(16, H)) elements each), the searches' working set,
+    and the result (per differing row, its K slots and its worst elements). docs/accuracy.md gives
+    the formula.
 
     Args:
         call: the call to be explained.
@@ -383,7 +391,8 @@ def explain_peak_bytes(call: MoeInitRoutingV2GradCall, *, device_result: bool = 
     tokens, hidden, top_k = call.num_tokens, call.hidden_size, call.top_k
     item = call.grad_expanded_x.dtype.itemsize
     rows = math.prod(call.grad_expanded_x.shape[:-1])
-    block = min(tokens, max(1, _BLOCK_ELEMENTS // max(hidden, 1))) * hidden
+    per_row = _row_elements(call)
+    block = min(tokens, max(1, _BLOCK_ELEMENTS // per_row)) * per_row
     total = 0 if device_result else tokens * hidden * item
     if not call.grad_expanded_x.flags.c_contiguous:
         total += rows * hidden * item

@@ -29,12 +29,12 @@ import numpy as np
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy._bound import any_order_bound
 
-__all__ = ["Block", "Fit", "RowIndex", "Window", "own_slot_fits", "row_search_fits", "take_rows"]
+__all__ = ["WINDOW", "Block", "Fit", "RowIndex", "Window", "own_slot_fits", "row_search_fits", "take_rows"]
 
 _F64 = np.dtype(np.float64)
 _CHUNK_ELEMENTS = 1 << 18  # float64 elements per array of a check: a few MiB
 _KEY_COLUMNS = 8
-_WINDOW = 16  # columns a hypothesis or a schedule is tried on before the whole row
+WINDOW = 16  # columns a hypothesis or a schedule is tried on before the whole row
 _WINDOW_ROWS = 1 << 12  # a target whose narrowest window is wider is not searched (docs/accuracy.md)
 _PAIRS = 1 << 16  # (target, row) pairs looked at in one batch
 _TINY = np.finfo(np.float64).tiny
@@ -161,7 +161,7 @@ class Window:
 
     def __init__(self, block: Block, w: np.ndarray) -> None:
         hidden = block.rows.shape[1]
-        width = min(_WINDOW, hidden)
+        width = min(WINDOW, hidden)
         worst = np.where(block.top[w, 0] >= 0, block.eh[np.maximum(block.top[w, 0], 0)], 0)
         first = np.clip(worst - width // 2, 0, hidden - width)
         self.block, self.rows, self.width, self.whole = block, w, width, width == hidden
