@@ -361,11 +361,14 @@ def _element_tables(block: Block) -> list[ElementTable]:
     with np.errstate(invalid="ignore"):
         error_c, error_d = np.abs(block.ecand - block.egold), np.abs(block.edev - block.egold)
         within = block.eusable & (block.eratio <= 1.0)
-        near_c, near_d = np.nan_to_num(error_c, nan=np.inf), np.nan_to_num(error_d, nan=np.inf)
-    closer = np.where(near_c < near_d, 1, np.where(near_d < near_c, 2, 0))
+        # a NaN error (a non-finite element) is never the closer one: compare as +inf
+        near_c = np.where(np.isnan(error_c), np.inf, error_c)
+        near_d = np.where(np.isnan(error_d), np.inf, error_d)
     w = block.ew
-    counts = [np.bincount(w[mask], minlength=rows).tolist() for mask in (within, closer == 1, closer == 2)]
+    weights = np.stack([within, near_c < near_d, near_d < near_c]).astype(np.float64)
+    counts = [[int(n) for n in np.bincount(w, weights=part, minlength=rows)] for part in weights]
     differing = np.bincount(w, minlength=rows).tolist()
+    closer = np.where(near_c < near_d, 1, np.where(near_d < near_c, 2, 0))
     pick = block.top[block.top >= 0]
     with np.errstate(invalid="ignore"):
         unit = ulp(block.egold[pick], block.dtype)
