@@ -11,18 +11,23 @@ and Lemma 3.1; an add whose exact result is subnormal is exact, so underflow add
 final cast to float16 or bfloat16 adds at most half an ULP of the result in that dtype (it rounds
 to nearest, and the result's binade is at least the float32 sum's). docs/accuracy.md derives it.
 
-:func:`any_order_bound` adds a slack of 2^-50 * (sum |x_t| + |result|) for the float64 arithmetic
-that evaluates both sides (the golden is the exact sum rounded once to float64; the magnitude a
-float64 sum of at most K terms), far below any float32 rounding.
+:func:`sum_bound` computes it per element; it adds a slack of 2^-50 * (sum |x_t| + |result|) for
+the float64 arithmetic that evaluates both sides (the golden is the exact sum rounded once to
+float64; the magnitude a float64 sum of at most K terms), far below any float32 rounding.
+:func:`any_order_bound` is the same bound for a whole call, as the candidate harness uses it. Every
+part of the accuracy toolkit that needs the bound takes it from here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from moegrad.accuracy._compare import summand_magnitude
 from moegrad.accuracy._standards import DTYPE_LIMITS
+from moegrad.numerics._reference import moe_init_routing_v2_grad_golden
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
-__all__ = ["UNIT_ROUNDOFF", "any_order_bound", "cast_term", "gamma", "ordinal", "ulp"]
+__all__ = ["UNIT_ROUNDOFF", "any_order_bound", "cast_term", "gamma", "ordinal", "sum_bound", "ulp"]
 
 #: u, the unit roundoff of float32 (round to nearest): half an ULP of 1.0.
 UNIT_ROUNDOFF = 2.0**-24
@@ -63,10 +68,10 @@ def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
     return np.where(np.isfinite(values), result, np.nan)
 
 
-def any_order_bound(
+def sum_bound(
     magnitude: np.ndarray, summands: np.ndarray, result: np.ndarray, dtype: str, cast: np.ndarray | None = None
 ) -> np.ndarray:
-    """The largest ``|result - exact sum|`` any float32 order of adds can give, then the final cast.
+    """The largest ``|result - exact sum|`` any float32 schedule of adds can give, then the final cast.
 
     ``gamma_(n-1) * magnitude + (half an ULP of dtype at result, unless dtype is float32)``, plus
     the evaluation slack of the module docstring.
@@ -76,7 +81,7 @@ def any_order_bound(
         summands: n, the number of summands added (skipped slots excluded), broadcastable to
             ``magnitude`` (e.g. [rows, 1]).
         result: the result in question as float64 (the candidate's or the device's value), the
-            shape of ``magnitude``.
+            shape of ``magnitude``; the half ULP is taken at ``|result|``.
         dtype: the output dtype ("float16", "bfloat16" or "float32").
         cast: :func:`cast_term` of ``result`` when the caller has it already (it depends on
             ``result`` alone), broadcastable to ``magnitude``.
@@ -89,6 +94,31 @@ def any_order_bound(
     bound += _EVALUATION_SLACK * (magnitude + np.abs(result))
     bound += cast_term(result, dtype) if cast is None else cast
     return bound
+
+
+def any_order_bound(call: MoeInitRoutingV2GradCall, golden: np.ndarray | None = None) -> np.ndarray:
+    """How far from the exact sum some schedule of float32 adds can land, per element of grad_x.
+
+    :func:`sum_bound` with n the slots each row adds (a skipped slot adds nothing) and the final
+    cast's half ULP taken at ``|golden| + gamma_(n-1) * sum_t |x_t|``, the farthest the float32 sum
+    can reach (so that it covers a sum rounded into the next binade).
+
+    Args:
+        call: the call.
+        golden: ``moe_init_routing_v2_grad_golden(call)`` when already computed.
+
+    Returns:
+        [N, H] float64; NaN where the golden is not finite (there the bound does not apply: the
+        classes NaN, +inf and -inf are compared instead).
+    """
+    golden = moe_init_routing_v2_grad_golden(call) if golden is None else golden
+    magnitude = summand_magnitude(call)
+    rows = int(np.prod(call.grad_expanded_x.shape[:-1]))
+    index = call.expanded_row_idx.reshape(-1, max(call.top_k, 1))
+    added = ((index >= 0) & (index < rows)).sum(axis=1)[:, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        reach = np.abs(golden) + gamma(added - 1) * magnitude
+        return sum_bound(magnitude, added, reach, call.dtype_name)
 
 
 def cast_term(result: np.ndarray, dtype: str) -> np.ndarray | float:

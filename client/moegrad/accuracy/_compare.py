@@ -23,10 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from moegrad._dtypes import dtype_name
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
-from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
-from moegrad._wire import dtype_name
 from moegrad.accuracy._fused import fused_metrics
 from moegrad.accuracy._metrics import FLOAT_INPUTS, float_array, metrics
 from moegrad.accuracy._results import (
@@ -39,6 +37,8 @@ from moegrad.accuracy._results import (
     ZeroRowCheck,
 )
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY, STANDARDS, THRESHOLDS, Criterion, Status
+from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
+from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
 
 __all__ = [
     "check_compare_arguments",

@@ -10,27 +10,24 @@ docs/accuracy.md, "Explaining a mismatch", gives the method, the labels and work
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from moegrad import _reference
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._orders import order_schedule
-from moegrad._profiles import CHAIN, resolve_profile
-from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad.accuracy import _fused
-from moegrad.accuracy._bound import any_order_bound
+from moegrad.accuracy._bound import sum_bound
 from moegrad.accuracy._explanation import LABELS, WORST_ELEMENTS, Explanation, RowExplanation
 from moegrad.accuracy._fingerprint import WINDOW, Block, RowIndex, take_rows
 from moegrad.accuracy._matching import same_rows
 from moegrad.accuracy._replay import known_schedules
 from moegrad.accuracy._rows import Searches, explain_rows
+from moegrad.numerics import _reference
+from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
+from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import resolve_profile
 
 __all__ = ["differing_rows", "explain", "explain_peak_bytes"]
 
@@ -99,9 +96,8 @@ def explain(
 
         searches = Searches(schedules, own, row_index, capacity)
         golden = _Golden(call, rows)
-        with _collector_paused():
-            for block_rows in _blocks(differing, _row_elements(call)):
-                explained += explain_rows(_block(call, rows, candidate, device, golden, block_rows), searches)
+        for block_rows in _blocks(differing, _row_elements(call)):
+            explained += explain_rows(_block(call, rows, candidate, device, golden, block_rows), searches)
     labels = dict.fromkeys(LABELS, 0)
     for row in explained:
         labels[row.label] += 1
@@ -114,21 +110,6 @@ def explain(
         rows=tuple(explained),
         capacity=capacity,
     )
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while the rows are built, as for any bulk allocation:
-    they hold no reference cycles, and with every row differing their tens of thousands of small
-    objects would otherwise set off full collections of the whole process, several times the
-    work of building them. It is turned back on after, unless it was off before."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
 
 
 def _on_profile(call: Any, profile: str | None) -> MoeInitRoutingV2GradCall:
@@ -252,8 +233,8 @@ class _Golden:
         count, hidden = grad_rows.size, self.rows.shape[1]
         if self.rows.shape[0] == 0:
             return np.zeros((count, hidden)), np.zeros((count, hidden))
-        golden, magnitude = np.empty((count, hidden)), np.empty((count, hidden))
         if self.jit is not None and self.bits is not None:
+            golden, magnitude = np.empty((count, hidden)), np.empty((count, hidden))
             self._compiled(grad_rows, golden, magnitude)
             return golden, magnitude
         flat = np.where(skip, self.rows.shape[0], index).reshape(-1).astype(np.int32)
@@ -266,8 +247,8 @@ class _Golden:
             order=self.call.order,
             allow_duplicate_indices=True,
         )
-        _reference._accumulate(sub, _F64, order_schedule(self.call.top_k, CHAIN), golden, compensated=True)
-        magnitude.fill(0.0)
+        golden = moe_init_routing_v2_grad_golden(sub)
+        magnitude = np.zeros((count, hidden))
         for t in range(index.shape[1]):
             summand = take_rows(self.rows, np.where(skip[:, t], 0, index[:, t])).astype(_F64)
             magnitude += np.where(skip[:, t, None], 0.0, np.abs(summand))
@@ -296,7 +277,7 @@ class _Golden:
                 )
 
         # one task per thread of the pool: each row is a long loop already
-        _reference._map_chunks(run, grad_rows.size, max(1, -(-grad_rows.size // _reference._workers())))
+        _reference._map_chunks(run, grad_rows.size, max(1, -(-grad_rows.size // _reference.kernel_threads())))
 
 
 def _block(
@@ -318,7 +299,7 @@ def _block(
     keep = ~(np.isnan(ecand) & np.isnan(edev))
     ew, eh, ecand, edev = ew[keep], eh[keep], ecand[keep], edev[keep]
     egold = golden[ew, eh]
-    ebound = any_order_bound(magnitude[ew, eh], count[ew], ecand, call.dtype_name)
+    ebound = sum_bound(magnitude[ew, eh], count[ew], ecand, call.dtype_name)
     with np.errstate(invalid="ignore", divide="ignore"):
         error = np.abs(ecand - egold)
         eratio = np.where(error == 0, 0.0, error / ebound)

@@ -2,8 +2,9 @@
 
 The objects are frozen dataclasses with the ``to_dict`` / ``from_dict`` of the comparison's results
 (:mod:`moegrad.accuracy._results`): JSON- and msgpack-safe, a non-finite float written as ``"nan"``,
-``"inf"`` or ``"-inf"``. The per-slot and per-element tables are kept column by column (one list per
-field), so that an explanation of every row of a large call stays small and quick to build.
+``"inf"`` or ``"-inf"``. The per-slot and per-element tables are kept column by column (one tuple
+per field) and every class is slotted (no per-object dict), so that an explanation of every row of a
+large call stays small and quick to build, with few objects for the garbage collector to visit.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ SUMMAND_FAULTS: tuple[str, ...] = ("missing", "duplicated", "replaced", "extra")
 WORST_ELEMENTS = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SlotTable(_Serializable):
     """A row's K slots, one list per field, in slot order (t = 0..K-1).
 
@@ -69,7 +70,7 @@ class SlotTable(_Serializable):
     capacity_row: tuple[Int | None, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ElementTable(_Serializable):
     """A row's differing elements: counts over all of them, and the worst few, one list per field.
 
@@ -104,7 +105,7 @@ class ElementTable(_Serializable):
     closer: tuple[Str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Hypothesis(_Serializable):
     """One explanation that fits a row.
 
@@ -126,7 +127,7 @@ class Hypothesis(_Serializable):
     residual_ratio: WireFloat
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Evidence(_Serializable):
     """Why a row got its label.
 
@@ -157,7 +158,7 @@ class Evidence(_Serializable):
     search_complete: Bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RowExplanation(_Serializable):
     """One row of grad_x whose bits differ from the device's.
 
@@ -185,7 +186,7 @@ class RowExplanation(_Serializable):
     elements: ElementTable
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Explanation(_Serializable):
     """What :func:`moegrad.explain` found: the rows that differ from the device's, each explained.
 

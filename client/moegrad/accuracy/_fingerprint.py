@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad.accuracy._bound import any_order_bound
+from moegrad.accuracy._bound import sum_bound
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = ["WINDOW", "Block", "Fit", "RowIndex", "Window", "own_slot_fits", "row_search_fits", "take_rows"]
 
@@ -132,7 +132,7 @@ def _within(
     """For block rows ``w`` [P] and fingerprints ``delta`` [P, H] (summands ``count`` [P] of
     ``magnitude`` [P, H]): whether every usable column fits, and the largest ratio to the bound."""
     cand, residual, usable = block.dense(w)
-    bound = any_order_bound(magnitude, count[:, None], cand, block.dtype)
+    bound = sum_bound(magnitude, count[:, None], cand, block.dtype)
     with np.errstate(invalid="ignore"):
         error = np.abs(residual - delta)
         ok = np.asarray(np.where(usable, error <= bound, True).all(axis=1))
@@ -208,7 +208,7 @@ def _at_worst(block: Block, window: Window, w: np.ndarray, sign: float) -> np.nd
     with np.errstate(invalid="ignore"):
         residual = cand - block.golden[w, column][:, None]
         grown = np.maximum(block.magnitude[w, column][:, None] + sign * np.abs(x), 0.0)
-        bound = any_order_bound(grown, (block.count[w] + int(sign))[:, None], cand, block.dtype)
+        bound = sum_bound(grown, (block.count[w] + int(sign))[:, None], cand, block.dtype)
         return ((np.abs(residual - sign * x) <= bound) | ~usable) & ~window.skip[at]
 
 
@@ -227,7 +227,7 @@ def _probe(block: Block, window: Window, at: np.ndarray, t: np.ndarray, sign: fl
         with np.errstate(invalid="ignore"):
             residual = cand - block.golden[where]
             grown = np.maximum(block.magnitude[where] + sign * np.abs(x), 0.0)
-            bound = any_order_bound(grown, (block.count[rows] + int(sign))[:, None], cand, block.dtype)
+            bound = sum_bound(grown, (block.count[rows] + int(sign))[:, None], cand, block.dtype)
             ok[part] = ((np.abs(residual - sign * x) <= bound) | ~usable).all(axis=1)
     return ok
 
@@ -337,7 +337,7 @@ def _targets(block: Block, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     target = np.where(usable, residual, np.nan)
     count = block.count[at] + np.where(replaced, 0, 1)
     reach = block.magnitude[at] + np.abs(target)
-    tolerance = 2.0 * any_order_bound(reach, count[:, None], cand, block.dtype)
+    tolerance = 2.0 * sum_bound(reach, count[:, None], cand, block.dtype)
     return at, slot, target, tolerance
 
 

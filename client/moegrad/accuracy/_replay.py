@@ -1,13 +1,14 @@
 """Replays: rows of grad_x summed again by a known schedule, on chosen summands, in a chosen precision.
 
 :func:`moegrad.explain` asks "would this schedule, on these summands, give the candidate's bits?".
-The schedules are the ones moegrad already writes out (:mod:`moegrad._orders`, :mod:`moegrad._ascend950`):
-every device profile's for the call's shape, plus two orders a port commonly uses, written in the
-same vocabulary of steps: ``"pairwise"`` (adjacent slots added in pairs, then pairs of pairs, a
-leftover passed up) and ``"reversed"`` (a chain from +0.0 over the slots K-1 down to 0). A replay runs
-through the reference module's accumulation engine (the compiled kernel for float32, NumPy
-otherwise), on any rows: a replay's summands are rows of a 2-D array, read through an index in
-which a slot outside [0, rows) is skipped, exactly as the device skips one.
+The schedules are the ones moegrad already writes out (:mod:`moegrad.numerics._schedules`,
+:mod:`moegrad.numerics._ascend950`): every device profile's for the call's shape, plus two schedules
+a port commonly uses, written in the same vocabulary of steps: ``"pairwise"`` (adjacent slots added
+in pairs, then pairs of pairs, a leftover passed up) and ``"reversed"`` (a chain from +0.0 over the
+slots K-1 down to 0). A replay runs through the reference module's accumulation engine (the
+compiled kernel for float32, NumPy otherwise), on any rows: a replay's summands are rows of a 2-D
+array, read through an index in which a slot outside [0, rows) is skipped, exactly as the device
+skips one.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moegrad import _reference
-from moegrad._ascend950 import ascend950_schedule, ascend950_tiling
-from moegrad._orders import order_schedule
-from moegrad._profiles import BINS, CHAIN, CHIPS, GROUPS_OF_FOUR, PROFILES, RELEASES
-from moegrad._spec import MoeInitRoutingV2GradCall
+from moegrad.numerics import _reference
+from moegrad.numerics._ascend950 import ascend950_schedule, ascend950_tiling
+from moegrad.numerics._schedules import schedule_steps
+from moegrad.operator._call import MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import BINS, CHAIN, CHIPS, GROUPS_OF_FOUR, PROFILES, RELEASES
 
 __all__ = ["PAIRWISE", "REVERSED", "Schedule", "known_schedules", "replay"]
 
@@ -93,9 +94,9 @@ def _arithmetic(steps: Steps) -> str:
 def _profile_schedule(call: MoeInitRoutingV2GradCall, name: str) -> Schedule:
     """A profile's schedule for ``call``'s shape, in the form the reference kernels run it."""
     profile = PROFILES[name]
-    if profile.order in (BINS, CHAIN):
-        return Schedule((name,), order_schedule(call.top_k, profile.order))
-    assert profile.order == GROUPS_OF_FOUR
+    if profile.schedule in (BINS, CHAIN):
+        return Schedule((name,), schedule_steps(call.top_k, profile.schedule))
+    assert profile.schedule == GROUPS_OF_FOUR
     tiling = ascend950_tiling(call.dtype_name, max(call.num_tokens, 1), call.top_k, max(call.hidden_size, 1))
     return Schedule((name,), ascend950_schedule(call.top_k, tiling.k_chunk), (tiling.k_chunk, True))
 
@@ -110,7 +111,7 @@ def _newest(name: str) -> int:
 
 def known_schedules(call: MoeInitRoutingV2GradCall) -> tuple[Schedule, ...]:
     """Every distinct arithmetic a known schedule gives ``call``: the call's own profile first, then
-    ``"sequential"`` (the order ports most often use), the other profiles chip by chip, the newest
+    ``"sequential"`` (the schedule ports most often use), the other profiles chip by chip, the newest
     release first (a group is named after its newest), then ``"pairwise"`` and ``"reversed"``;
     schedules of the same arithmetic are one entry carrying all their names.
 
@@ -147,7 +148,7 @@ def replay(
         call: the call whose top_k and profile (for its name only) apply.
         rows: [R, H] summands, the call's dtype, C-contiguous.
         index: [n*K] integers; a slot outside [0, R) is skipped (as the device skips one).
-        schedule: the order of adds.
+        schedule: the schedule of adds.
         accumulator: the dtype every add rounds to: float32 (the kernels'), or float16 /
             bfloat16 (a port that accumulates in a narrower type; each summand is cast to it first).
         out_dtype: the result's dtype: the call's (default; one rounding at the end) or float32 (the
@@ -178,4 +179,4 @@ def replay(
         allow_duplicate_indices=True,
     )
     chunking = schedule.chunking if np.dtype(accumulator) == _F32 else None
-    return _reference._accumulate(sub, np.dtype(accumulator), schedule.steps, out, chunking=chunking)
+    return _reference.accumulate(sub, schedule.steps, out, chunking=chunking, accumulator=np.dtype(accumulator))

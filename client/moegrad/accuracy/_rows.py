@@ -27,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from moegrad._wire import dtype_name
+from moegrad._dtypes import dtype_name
 from moegrad.accuracy._bound import ordinal, ulp
 from moegrad.accuracy._explanation import ElementTable, Evidence, Hypothesis, RowExplanation, SlotTable
 from moegrad.accuracy._fingerprint import Block, Fit, RowIndex, Window, own_slot_fits, row_search_fits
@@ -61,14 +61,14 @@ class Searches:
 
     Attributes:
         schedules: every known arithmetic of the call, the device's first (fault and precision replays).
-        order_schedules: those a differing row may match (the device's own left out when the device
+        other_schedules: those a differing row may match (the device's own left out when the device
             result is the emulation, which differs from the row by definition).
         row_index: the sorted key columns of grad_expanded_x, built on first use (None: no rows).
         capacity: drop/pad mode: C; else None.
     """
 
     schedules: tuple[Schedule, ...]
-    order_schedules: tuple[Schedule, ...]
+    other_schedules: tuple[Schedule, ...]
     row_index: Callable[[], RowIndex | None]
     capacity: int | None
 
@@ -104,7 +104,7 @@ def explain_rows(block: Block, searches: Searches) -> list[RowExplanation]:
     outside, worst_ratio = block.outside, block.worst
     quiet, faulty = rest[outside[rest] == 0], rest[outside[rest] >= 1]
     window = Window(block, rest)
-    order = dict(zip(quiet.tolist(), match_schedules(block, quiet, searches.order_schedules, window), strict=True))
+    matched = dict(zip(quiet.tolist(), match_schedules(block, quiet, searches.other_schedules, window), strict=True))
     hypotheses: dict[int, list[Hypothesis]] = {}
     own = own_slot_fits(block, rest, window)
     _replayed(block, own + _extras_of_own_rows(block, own), searches.schedules, hypotheses)
@@ -124,7 +124,7 @@ def explain_rows(block: Block, searches: Searches) -> list[RowExplanation]:
             decision = _nonfinite(block, w, mismatch[w])
         else:
             decision = _decide(
-                order.get(w), int(outside[w]), hypotheses.get(w, []), precision.get(w), float(worst_ratio[w])
+                matched.get(w), int(outside[w]), hypotheses.get(w, []), precision.get(w), float(worst_ratio[w])
             )
         label, slot, source, profile, evidence = decision
         if w in cut:
@@ -262,9 +262,9 @@ def _decide(
             "order", None, None, None if schedule is None else schedule.name, schedule is not None, ratio
         )
         if exact:
-            return _ambiguous([order, *exact], outside, "an order of adds and a replayed fault both reproduce the row")
+            return _ambiguous([order, *exact], outside, "another schedule and a replayed fault both reproduce the row")
         if schedule is not None:
-            summary = f"the {schedule.name} order of adds reproduces the row bit for bit"
+            summary = f"the {schedule.name} schedule reproduces the row bit for bit"
             return "order", None, None, schedule.name, _evidence(summary, order, outside, schedules=schedule.names)
         summary = (
             f"every column lies within the any-order bound (at most {ratio:.3g} of it); "
@@ -287,7 +287,7 @@ def _decide(
     rivals = tuple(h for h in _distinct(everything) if _key(h) != _key(chosen))[:_CANDIDATES]
     if chosen.label == "precision":
         assert precision is not None
-        summary = f"accumulating in {precision[0]} in the {precision[1].name} order reproduces the row bit for bit"
+        summary = f"accumulating in {precision[0]} in the {precision[1].name} schedule reproduces the row bit for bit"
         evidence = _evidence(
             summary, chosen, outside, schedules=precision[1].names, accumulator=precision[0], candidates=rivals
         )
@@ -306,7 +306,7 @@ def _fault_summary(h: Hypothesis) -> str:
         "extra": f"skipped slot {h.slot} was added, reading row {h.source_row}",
     }[h.label]
     how = (
-        f"; the {h.profile} order with that summand reproduces the row bit for bit"
+        f"; the {h.profile} schedule with that summand reproduces the row bit for bit"
         if h.exact
         else f", within the any-order bound in every column ({h.residual_ratio:.3g} of it at most)"
     )
