@@ -4,7 +4,7 @@ Every case of ``support.planted.matrix()`` (three modes, three dtypes, K in {1, 
 H in {1, 7, 256}, every plant, the profiles ascend910b@9.1 and ascend950@9.1; the plants that need a
 skipped slot only where the mode has one) is built by its slow loops, explained, and each planted
 row's label counted (``agrees``: the fault changed no bit of that row, so it is not listed). The
-gates of ``tests/unit/test_explain.py`` are checked on every case and each breach is printed. Prints
+gates of ``tests/unit/accuracy/test_explain.py`` are checked on every case and each breach is printed. Prints
 Markdown; ``--write`` also puts it into bench/RESULTS.md and docs/accuracy.md (between the
 ``explain-matrix`` markers). The exit status is 1 when a gate is breached.
 

@@ -21,12 +21,18 @@ medians; the exit status is 1 when a target is missed.
 
 ``--write`` also puts the tables into bench/RESULTS.md (section ``explain``).
 
-    python -m bench.explain_speed [--workload W1 ...] [--repeats 5] [--write]
+``--collector`` measures instead what Python's cyclic garbage collector costs explain where it
+builds the most objects: every row of a 65,536-token call differing (K = 8, H = 16, float32, the
+sequential order), explain timed with the collector on (as it runs) and off (``gc.disable`` around
+the call, here only), alternating; with ``--write``, section ``explain-collector``.
+
+    python -m bench.explain_speed [--workload W1 ...] [--repeats 5] [--collector] [--write]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -112,13 +118,58 @@ def measure(workload: Workload, repeats: int) -> dict:
             "reserved": moegrad.accuracy.explain_peak_bytes(call, device_result=True)}
 
 
+def collector(repeats: int) -> str:
+    """Explain of a call whose 65,536 rows all differ, with the collector on and off; a Markdown table."""
+    rng = np.random.default_rng(0)
+    tokens, top_k, hidden = 65536, 8, 16
+    grad = (rng.standard_normal((tokens * top_k, hidden)) * np.exp2(rng.integers(-4, 4, (tokens * top_k, hidden))))
+    call = moegrad.MoeInitRoutingV2GradCall(grad_expanded_x=grad.astype(np.float32), top_k=top_k,
+                                            expanded_row_idx=rng.permutation(tokens * top_k).astype(np.int32))
+    device = moegrad.moe_init_routing_v2_grad(call)
+    candidate = moegrad.moe_init_routing_v2_grad(call.model_copy(update={"order": "sequential"}))
+    moegrad.explain(call, candidate, device_result=device)  # warm
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    collections: dict[str, int] = {"on": 0, "off": 0}
+    for _ in range(repeats):
+        for state in ("on", "off"):
+            before = sum(generation["collections"] for generation in gc.get_stats())
+            if state == "off":
+                gc.disable()
+            try:
+                times[state].append(_seconds(lambda: moegrad.explain(call, candidate, device_result=device)))
+            finally:
+                gc.enable()
+            collections[state] += sum(generation["collections"] for generation in gc.get_stats()) - before
+            gc.collect()
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    rows = moegrad.explain(call, candidate, device_result=device).differing_rows
+    return (
+        "| collector | explain ms (median) | collections per explain |\n|---|---:|---:|\n"
+        f"| on (as explain runs) | {on * 1e3:.0f} | {collections['on'] / repeats:.0f} |\n"
+        f"| off (gc.disable around the call) | {off * 1e3:.0f} | {collections['off'] / repeats:.0f} |\n\n"
+        f"{rows} of {tokens} rows differ (N = {tokens}, K = {top_k}, H = {hidden}, float32, the sequential order); "
+        f"on / off = {on / off:.2f}; medians of {repeats} alternating rounds in one process."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.explain_speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", action="append", choices=[w.name for w in WORKLOADS],
                         help="a workload to run (repeatable; default W1-W4)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of the five runs per workload (default 5)")
+    parser.add_argument("--collector", action="store_true",
+                        help="measure the garbage collector's share instead (a 65,536-row call, every row differing)")
     parser.add_argument("--write", action="store_true", help="write bench/RESULTS.md's explain section")
     args = parser.parse_args(argv)
+    if args.collector:
+        moegrad.warm_up()
+        text = collector(args.repeats)
+        print(text)
+        if args.write:
+            write_section("explain-collector", "## moegrad.explain and Python's garbage collector\n\n"
+                          f"`python -m bench.explain_speed --collector --repeats {args.repeats}` on {machine()}\n\n"
+                          f"{text}")
+        return 0
     names = args.workload or ["W1", "W2", "W3", "W4"]
     moegrad.warm_up()
     moegrad.accuracy.warm_up_compare()
