@@ -175,3 +175,20 @@ def test_the_server_stays_within_what_an_explanation_reserves(tmp_path):
     assert response.status_code == 200, response.text
     assert msgpack.unpackb(response.content, raw=False)["explanation"]["differing_rows"] == tokens
     assert peak - before <= reserved, (peak - before, reserved)
+
+
+def test_a_sweep_on_the_service_records_each_cases_counts(server_url):
+    """Client.compare_many(explain=True): each report carries the label counts of the in-process
+    explanation against the profile that judged it (AsyncClient the same)."""
+    cases = [planted_case(entry) for entry in CASES]
+    items = [(f"case{i}", arguments(call), candidate) for i, (call, candidate) in enumerate(cases)]
+    want = {f"case{i}": moegrad.explain(call, candidate).labels for i, (call, candidate) in enumerate(cases)}
+    with moegrad.Client(server_url) as client:
+        results = client.compare_many(items, explain=True, progress=False)
+
+    async def asynchronously():
+        async with moegrad.AsyncClient(server_url) as client:
+            return await client.compare_many(items, explain=True, progress=False)
+
+    for found in (results, asyncio.run(asynchronously())):
+        assert {result.name: result.report.explained for result in found} == want
