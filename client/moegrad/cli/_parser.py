@@ -93,7 +93,7 @@ _EPILOG = (
     _EXIT_HEAD
     + "  0  success (`compare`: the candidate passed; a warning passes)\n"
     + "  1  `example`: the result differs from the documentation's bit for bit; `compare`: a standard failed\n"
-    + "     (or, with --require-exact, the candidate is not bit-exact)\n"
+    + "     (or, with --require-exact, the candidate is not bit-exact); `explain`: rows differ from the device's\n"
     + _EXIT_USAGE_FILES
     + _EXIT_REJECTED
     + _EXIT_SERVER
