@@ -12,8 +12,8 @@
 - :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
   ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
-  against the device and a float64 golden; :mod:`moegrad.accuracy` holds the standards and the
-  report writers (docs/accuracy.md);
+  against the device and a float64 golden, and :func:`explain` says why each differing row
+  differs; :mod:`moegrad.accuracy` holds the standards and the report writers (docs/accuracy.md);
 - the candidate on the bench (:class:`Candidate`: a callable, ``package.module:function`` or a v2
   URL): :func:`probe_order` reveals its tree of adds, :func:`order_free_inputs` builds calls every
   order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row.
@@ -50,6 +50,7 @@ from moegrad.accuracy import (
     DeterminismCheck,
     DtypeLimits,
     ExactMatch,
+    Explanation,
     InconsistentOrder,
     Metrics,
     MultiTermOrder,
@@ -62,15 +63,18 @@ from moegrad.accuracy import (
     as_candidate,
     check_compare_arguments,
     check_determinism,
+    check_explain_arguments,
     compare,
     compare_arrays,
+    explain,
+    explain_peak_bytes,
     metrics,
     order_free_inputs,
     probe_order,
     skipped_rows,
     summand_magnitude,
 )
-from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._answers import CompareResult, ExplainResult, GradResult
 from moegrad.http._client import AsyncClient, Client
 from moegrad.http._documents import BatchCompare
 from moegrad.http._replicas import ReplicaStats
@@ -132,6 +136,8 @@ __all__ = [
     "DeviceFault",
     "DtypeLimits",
     "ExactMatch",
+    "ExplainResult",
+    "Explanation",
     "GradResult",
     "Identification",
     "InconsistentOrder",
@@ -165,6 +171,7 @@ __all__ = [
     "brief",
     "check_compare_arguments",
     "check_determinism",
+    "check_explain_arguments",
     "compare",
     "compare_arrays",
     "decode_batch",
@@ -178,6 +185,8 @@ __all__ = [
     "encode_frames",
     "encode_tensor",
     "expanded_row_idx_layout",
+    "explain",
+    "explain_peak_bytes",
     "identify",
     "invert_expanded_row_idx",
     "metrics",

@@ -16,6 +16,13 @@ standard, with the thresholds per dtype and their sources.
   :func:`report_context` / :func:`with_context`
   (what makes a saved report reproducible), :func:`with_profiles` (the device profiles whose
   emulation is bit-identical to the candidate), :func:`rejudge` (verdicts again from stored metrics);
+- explaining: :func:`explain` (why each differing row differs: order of adds, a wrong summand,
+  precision, NaN/Inf; :class:`Explanation`), :func:`check_explain_arguments`,
+  :func:`explain_peak_bytes`, :func:`any_order_bound` (the largest error any schedule of float32
+  adds can give); a comparison explained (``moegrad compare --explain``): :func:`explain_case`,
+  :func:`with_explanation` (the label counts in the report), :func:`explaining_one`,
+  :func:`explaining_batch`, :func:`aexplaining_batch` (a sweep's), :func:`explanation_markdown`,
+  :func:`labels_line`;
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary` (a sweep's summary to triage: :class:`SummaryNotes`, :func:`triage`,
   :class:`Finding`); sweeps: :class:`SweepFile` (the results file a run writes as it goes and
@@ -32,6 +39,7 @@ standard, with the thresholds per dtype and their sources.
 """
 
 from moegrad.accuracy._batches import ProfilesDiffer, context_call, fields_with_order, refuse_mixed_profiles
+from moegrad.accuracy._bound import any_order_bound
 from moegrad.accuracy._candidate import Candidate, CandidateError, as_candidate
 from moegrad.accuracy._cases import CaseResult, find_cases, load_case, save_case, shard_of
 from moegrad.accuracy._compare import (
@@ -43,8 +51,27 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
 )
 from moegrad.accuracy._context import report_context, with_context, with_profiles
-from moegrad.accuracy._determinism import DeterminismCheck, any_order_bound, check_determinism
+from moegrad.accuracy._determinism import DeterminismCheck, check_determinism
 from moegrad.accuracy._escape import console_text
+from moegrad.accuracy._explain import check_explain_arguments, explain, explain_peak_bytes
+from moegrad.accuracy._explained import (
+    aexplaining_batch,
+    explain_case,
+    explaining_batch,
+    explaining_one,
+    explanation_markdown,
+    with_explanation,
+)
+from moegrad.accuracy._explanation import (
+    LABELS,
+    ElementTable,
+    Evidence,
+    Explanation,
+    Hypothesis,
+    RowExplanation,
+    SlotTable,
+    labels_line,
+)
 from moegrad.accuracy._export import (
     CSV_CONTEXT_COLUMNS,
     MSPROBE_DETAIL_COLUMNS,
@@ -95,6 +122,7 @@ __all__ = [
     "CSV_CONTEXT_COLUMNS",
     "DEFAULT_STANDARDS",
     "DTYPE_LIMITS",
+    "LABELS",
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
     "ORDER_FREE_LIMITS",
@@ -112,8 +140,12 @@ __all__ = [
     "CriterionResult",
     "DeterminismCheck",
     "DtypeLimits",
+    "ElementTable",
+    "Evidence",
     "ExactMatch",
+    "Explanation",
     "Finding",
+    "Hypothesis",
     "InconsistentOrder",
     "MergeError",
     "MergedSweep",
@@ -123,6 +155,8 @@ __all__ = [
     "OrderProbeError",
     "ProfilesDiffer",
     "ReportContext",
+    "RowExplanation",
+    "SlotTable",
     "StandardVerdict",
     "SummaryNotes",
     "SweepFile",
@@ -131,10 +165,12 @@ __all__ = [
     "SweepHeader",
     "WorstElement",
     "ZeroRowCheck",
+    "aexplaining_batch",
     "any_order_bound",
     "as_candidate",
     "check_compare_arguments",
     "check_determinism",
+    "check_explain_arguments",
     "compare",
     "compare_arrays",
     "compare_cases",
@@ -143,9 +179,16 @@ __all__ = [
     "context_call",
     "csv_rows",
     "exactness_line",
+    "explain",
+    "explain_case",
+    "explain_peak_bytes",
+    "explaining_batch",
+    "explaining_one",
+    "explanation_markdown",
     "fields_with_order",
     "find_cases",
     "format_report",
+    "labels_line",
     "load_case",
     "markdown_report",
     "merge_sweeps",
@@ -166,6 +209,7 @@ __all__ = [
     "triage",
     "warm_up_compare",
     "with_context",
+    "with_explanation",
     "with_profiles",
     "worst_first",
     "write_csv_report",

@@ -64,6 +64,8 @@ def _adapter(cls: type) -> TypeAdapter[Any]:
 class _Serializable:
     """``to_dict`` / ``from_dict`` through a pydantic ``TypeAdapter`` of the dataclass."""
 
+    __slots__ = ()  # a subclass declared with slots=True then holds no __dict__
+
     def to_dict(self) -> dict[str, Any]:
         """This object as a JSON- and msgpack-safe dict (non-finite floats as strings, tuples as lists)."""
         # mypy takes a class for non-Hashable (its __hash__ is seen unbound), so functools.cache's stub refuses it
@@ -338,6 +340,9 @@ class ComparisonReport(_Serializable):
         profiles_matching: the device profiles (:data:`moegrad.PROFILES`) whose emulation of the
             call is bit-identical to the candidate, possibly none, when asked for
             (:func:`with_profiles`; ``moegrad compare`` asks); None otherwise.
+        explained: when the candidate was explained (:func:`moegrad.explain`; ``moegrad compare
+            --explain``): every label of :data:`~moegrad.accuracy.LABELS` -> the rows that got it
+            (all 0 when every row is bit-identical to the device's); None otherwise.
     """
 
     dtype: Str
@@ -353,6 +358,7 @@ class ComparisonReport(_Serializable):
     device_zero_rows: ZeroRowCheck | None = None
     context: ReportContext | None = None
     profiles_matching: tuple[Str, ...] | None = None
+    explained: dict[Str, Int] | None = None
 
     @property
     def passed(self) -> bool:

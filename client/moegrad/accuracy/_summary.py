@@ -3,7 +3,8 @@
 Each row says what the case is (its dtype, grad_x's shape [N, H], K, the mode, active_num and the
 device profile that judged it, from its report's :class:`~moegrad.accuracy.ReportContext`), the
 candidate's status beside the device's own under the same standards, the criterion that decided
-it and a message per criterion that did not pass, naming its unit.
+it, a message per criterion that did not pass, naming its unit, and (a sweep with ``--explain``)
+its explanation's label counts (``explained``: :func:`~moegrad.accuracy.labels_line`).
 
 **A finding the device shares.** A criterion that the device's own result misses too (``device_value``
 past the same line; every bfloat16 case's ``dual_thousandth`` warning, say) is the data's, not the
@@ -38,6 +39,7 @@ from pathlib import Path
 
 from moegrad.accuracy._cases import CaseResult
 from moegrad.accuracy._escape import csv_row, markdown_text
+from moegrad.accuracy._explanation import labels_line
 from moegrad.accuracy._export import MSPROBE_STATUS
 from moegrad.accuracy._results import ComparisonReport, CriterionResult
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY
@@ -222,6 +224,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "bit_exact",
     "bitwise_mismatches",
     "worst_row",
+    "explained",
     "top_k",
     "mode",
     "active_num",
@@ -282,6 +285,7 @@ def _row(result: CaseResult, finding: Finding, notes: SummaryNotes) -> dict[str,
             "bit_exact": "" if exact is None else str(exact.bit_exact).lower(),
             "bitwise_mismatches": "" if exact is None else str(exact.mismatched),
             "worst_row": "" if worst is None else str(worst.row),
+            "explained": labels_line(r.explained),
         }
     )
     if context is not None:
@@ -343,7 +347,7 @@ def _missing_lines(notes: SummaryNotes) -> list[str]:
 
 
 _TABLE = ("case", "status", "device", "dtype", "shape", "K", "mode", "active_num", "profile", "deciding")
-_TABLE_END = ("bit-exact", "worst row", "message")
+_TABLE_END = ("bit-exact", "worst row", "explained", "message")
 
 
 def _markdown(
@@ -372,6 +376,7 @@ def _markdown(
             row["deciding"],
             row["bit_exact"],
             row["worst_row"],
+            row["explained"],
         )
         shown = [markdown_text(cell) or "-" for cell in cells] + [markdown_text(row["Message"])]
         lines.append("| " + " | ".join(shown) + " |")

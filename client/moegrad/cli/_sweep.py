@@ -59,6 +59,7 @@ from moegrad.accuracy import (
     SweepHeader,
     compare_cases,
     compare_in_process,
+    explaining_one,
     find_cases,
     merge_sweeps,
     refuse_mixed_profiles,
@@ -153,7 +154,9 @@ def run_cases(
     files = [file for file in files if shard_of(file.stem, count) == index]
     prefix = summary_prefix(args)
     make_folder(prefix, "--summary")
-    reports = CaseReports(args.reports, args.plots or "failing", args.order) if args.reports else None
+    reports = None
+    if args.reports:
+        reports = CaseReports(args.reports, args.plots or "failing", args.order, explain=args.explain)
     client = None if args.local else open_client()
     try:
         header, ledger = _open_output(args, files, (index, count), client)
@@ -273,6 +276,7 @@ def _judge(
     on_result = None if reports is None else reports.add
     if client is None:
         judge_one = compare_in_process(args.standards, args.require_exact, args.order)
+        judge_one = explaining_one(judge_one) if args.explain else judge_one
         return compare_cases(files, judge_one, progress=args.progress, on_result=on_result, output=ledger), ()
     try:
         results = client.compare_many(  # interrupted, the client is left open: closing it could wait on a request
@@ -284,6 +288,7 @@ def _judge(
             on_result=on_result,
             concurrency=args.max_concurrency,
             output=ledger,
+            explain=args.explain,
         )
     except ProfilesDiffer as exc:  # a replica changed its profile since it was asked: nothing was sent
         client.close()

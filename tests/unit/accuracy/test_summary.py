@@ -22,6 +22,8 @@ import pytest
 import moegrad
 from moegrad import accuracy
 from moegrad.operator import DEFAULT_PROFILE
+from support import planted
+from support.inputs import F32
 from support.oracle import device_k2, oracle_call, oracle_candidate
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -173,3 +175,26 @@ def test_what_a_sweep_is_missing_is_said_first_with_a_row_per_case(judged, tmp_p
     rows = read_csv(tmp_path / "s.csv")
     assert [(row["API Name"], row["moegrad_status"], row["比对结果"]) for row in rows[:2]] == [
         ("x1", "missing", "error"), ("'=x2", "missing", "error")]  # first, and never a formula
+
+
+def test_an_explained_sweep_s_label_counts_are_a_column_of_the_csv_and_the_markdown(tmp_path):
+    # tests/support/planted.py plants one missing summand per chosen row (slow loops of its own)
+    built = planted.build("dropless", F32, 8, 7, "drop", "ascend910b@9.1")
+    changed = (built.candidate.view(np.uint32) != built.device.view(np.uint32)).any(axis=1)
+    missing = sum(1 for row, p in built.planted.items() if changed[row] and p.label == "missing")
+    assert missing > 0
+    fields = {"grad_expanded_x": built.grad, "expanded_row_idx": built.index.astype(np.int32), "top_k": built.top_k,
+              "order": "ascend910b@9.1"}
+    explaining = accuracy.explaining_one(accuracy.compare_in_process())
+    results = accuracy.compare_cases([("planted", fields, built.candidate), ("device", fields, built.device)],
+                                     explaining, progress=False)
+    unexplained = accuracy.compare_cases([("plain", fields, built.device)], accuracy.compare_in_process(),
+                                         progress=False)
+    accuracy.write_summary([*results, *unexplained], tmp_path / "s.csv", tmp_path / "s.md")
+    rows = {row["API Name"]: row["explained"] for row in read_csv(tmp_path / "s.csv")}
+    assert rows == {"planted": f"missing {missing}", "device": "no row differs", "plain": ""}
+    table = [line.split(" | ") for line in (tmp_path / "s.md").read_text().splitlines() if line.startswith("| ")]
+    column = table[0].index("explained")
+    assert table[0][column - 1:column + 2] == ["worst row", "explained", "message |"]
+    cells = {cells[0].removeprefix("| "): cells[column] for cells in table[1:]}
+    assert cells == {"planted": f"missing {missing}", "device": "no row differs", "plain": "-"}
