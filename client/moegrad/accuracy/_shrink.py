@@ -56,7 +56,7 @@ from moegrad.operator._call import MoeInitRoutingV2GradCall
 __all__ = ["DEFAULT_MAX_TESTS", "NothingToShrink", "ShrinkError", "ShrinkResult", "ShrinkStep", "shrink"]
 
 #: The most candidate calls one shrink makes, unless told otherwise.
-DEFAULT_MAX_TESTS = 5000
+DEFAULT_MAX_TESTS = 20000
 _UINT = {2: np.uint16, 4: np.uint32}
 #: The labels that name what went wrong, chosen first when no label is asked for.
 _DEFINITE = (*SUMMAND_FAULTS, "precision", "nonfinite")
