@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     seconds = statistics.median(result.seconds for result, _ in runs)
     inside = statistics.median(inside for _, inside in runs)
     print(f"Call: {first.original} ({size:.0f} MiB); candidate: the ascend910b@9.1 emulation with the last "
-          f"token's slot {FAULTY_SLOT} left out. Median of {args.repeats} shrinks.\n")
+          f"token's slot {FAULTY_SLOT} left out. Median of {args.repeats} shrinks. A candidate call includes the "
+          "fresh copy of the inputs moegrad.Candidate hands a callable; the shrink's candidate calls count its "
+          "first, on the whole call, and its final check.\n")
     print("| one candidate call, whole call | one explain, whole call | shrink: candidate calls | smaller calls kept "
           "| shrink wall s (inside the candidate) | shrunk call | reproducer script s (exit) |")
     print("|---:|---:|---:|---:|---|---|---|")

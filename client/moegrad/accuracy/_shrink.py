@@ -18,9 +18,9 @@ to 0, then to ±1, then rounded to an integer, 5. drop/pad only: experts (E), th
 positions (C).
 
 The five run again, in that order, until one whole round keeps nothing: then no move of any phase
-keeps the fault, and shrinking the result again changes nothing (for a deterministic candidate,
-unless ``max_tests`` ran out first). docs/accuracy.md, "The smallest failing call", has a worked
-example.
+keeps the fault, and shrinking the result again for the same fault changes nothing (for a
+deterministic candidate, unless ``max_tests`` ran out first). docs/accuracy.md, "The smallest
+failing call", has a worked example.
 """
 
 from __future__ import annotations

@@ -154,8 +154,20 @@ def run_probe_order(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_output(folder: str) -> None:
+    """Refuse an ``--output`` that cannot become a folder to write in, before any candidate call."""
+    path = os.path.abspath(folder)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"cannot write the reproducer to --output {folder}: it is a file, not a folder")
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write the reproducer to --output {folder}: {path} is not a writable folder")
+
+
 def run_shrink(args: argparse.Namespace, read_npy: ReadNpy) -> int:
     """``moegrad shrink``: 1 a fault shrunk and its reproducer written, 0 nothing to shrink."""
+    _check_output(args.output)
     call = read_call(args, read_npy, "shrink")
     with open_candidate(args) as candidate:
         try:

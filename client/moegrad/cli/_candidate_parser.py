@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +76,12 @@ def _count(least: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _file_name(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a plain file name: letters, digits, '_', '.', '-'")
+    return text
 
 
 def _seconds(text: str) -> float:
@@ -211,7 +218,12 @@ def _add_shrink(commands: Any, formatter: type[argparse.HelpFormatter], call_arg
         metavar="DIR",
         help="the folder to write the reproducer to (created if missing)",
     )
-    chosen.add_argument("--name", default="reproducer", help="the reproducer's file name (default: %(default)s)")
+    chosen.add_argument(
+        "--name",
+        type=_file_name,
+        default="reproducer",
+        help="the reproducer's files: NAME.npz and NAME.py (default: %(default)s)",
+    )
     chosen.add_argument(
         "--label",
         choices=LABELS,

@@ -151,6 +151,42 @@ def test_the_slot_past_the_active_rows_stays_the_first_past_them():
     assert shrunk.expanded_row_idx.reshape(-1, shrunk.top_k)[result.row, result.slot] == shrunk.active_num
 
 
+def valid_by_the_documented_rules(grad, index, top_k, drop_pad_mode, active_num):
+    """docs/operator.md's rules, written here: dropless: grad [N*K, H] and the index a permutation of
+    [0, N*K); active: grad [A, H] and the index N*K distinct values in [0, N*K); drop/pad: grad
+    [E, C, H] and the index -1 or distinct values in [0, E*C)."""
+    slots = index.size
+    if slots % top_k or index.dtype != np.int32:
+        return False
+    if drop_pad_mode == 1:
+        read = index[index != -1]
+        rows = grad.shape[0] * grad.shape[1]
+        return grad.ndim == 3 and bool(((read >= 0) & (read < rows)).all()) and len(set(read.tolist())) == read.size
+    if active_num > 0:
+        return (grad.shape[0] == active_num and bool(((index >= 0) & (index < slots)).all())
+                and len(set(index.tolist())) == slots)
+    return grad.shape[0] == slots and sorted(index.tolist()) == list(range(slots))
+
+
+@pytest.mark.parametrize(("name", "mode", "options"), [
+    ("missing_odd_rows", "dropless", {}),
+    ("extra_active_as_last_row", "active", {"active_num": 150}),
+    ("extra_dropped_as_last_row", "drop_pad", {"capacity": 3}),
+])
+def test_every_call_the_candidate_sees_is_valid_in_its_mode(name, mode, options):
+    seen = []
+
+    def recording(grad_expanded_x, expanded_row_idx, top_k, *, drop_pad_mode=0, active_num=0):
+        seen.append((mode == "active") == (active_num > 0) and (drop_pad_mode == 1) == (mode == "drop_pad")
+                    and valid_by_the_documented_rules(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode,
+                                                      active_num))
+        return getattr(triggers, name)(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=drop_pad_mode,
+                                       active_num=active_num)
+
+    result = shrink(routed_call(mode=mode, **options), recording)
+    assert len(seen) == result.tests > 10 and all(seen)
+
+
 # ---- idempotence ---------------------------------------------------------------------------------------
 
 

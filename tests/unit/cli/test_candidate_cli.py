@@ -110,6 +110,19 @@ def test_shrink_of_a_correct_candidate_has_nothing_to_do(tmp_path, call_files, c
     assert not list(tmp_path.glob("reproducer.*"))
 
 
+def test_shrink_refuses_an_output_it_cannot_write_before_calling_the_candidate(tmp_path, call_files, capsys):
+    (tmp_path / "taken").write_text("")
+    app = candidate_app(triggers.missing_odd_rows)
+    with serving(app) as url:
+        assert main(["shrink", "--candidate-url", url, *call_files, "-o", str(tmp_path / "taken")]) == 2
+        with pytest.raises(SystemExit) as exit_info:  # argparse's own usage error
+            main(["shrink", "--candidate-url", url, *call_files, "-o", str(tmp_path), "--name", "../up"])
+        assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "it is a file, not a folder" in err and "plain file name" in err
+    assert app.requests == 0
+
+
 def test_shrink_rejects_an_invalid_call_with_exit_3(tmp_path, capsys):
     np.save(tmp_path / "g.npy", np.ones((4, 2), np.float32))
     np.save(tmp_path / "idx.npy", np.array([0, 0, 1, 2], np.int32))  # a repeated index
@@ -133,6 +146,13 @@ def test_determinism_flags_an_order_that_changes_between_runs(call_files, capsys
     assert main(["determinism", "--candidate", "support.triggers:atomic_order", *call_files, "--json"]) == 1
     found = json.loads(capsys.readouterr().out)
     assert found["varying_rows"] == list(range(16)) and found["within_bound"]
+
+
+def test_determinism_over_v2(call_files, capsys):
+    app = candidate_app(triggers.correct)
+    with serving(app) as url:
+        assert main(["determinism", "--candidate-url", url, *call_files, "--runs", "3"]) == 0
+    assert app.requests == 3 and "the same bits in all 3 runs" in capsys.readouterr().out
 
 
 # ---- compare --order-free ------------------------------------------------------------------------------
