@@ -51,6 +51,15 @@ def test_the_case_file_holds_the_shrunk_call_and_result_bit_for_bit(tmp_path):
     assert same_bits(saved, result.candidate)
 
 
+def test_a_sweep_reads_the_case_file(tmp_path):
+    result = shrink(routed_call(), triggers.missing_at_k8)
+    result.save(tmp_path)
+    cases = moegrad.accuracy.find_cases(tmp_path)
+    [judged] = moegrad.accuracy.compare_cases(cases, moegrad.accuracy.compare_in_process())
+    assert judged.name == "reproducer" and judged.status == "fail"  # a summand left out is no rounding
+    assert judged.report.exact.mismatched == 2  # the row's two nonzero columns
+
+
 def test_the_script_reproduces_then_tells_a_fix_and_another_fault_apart(tmp_path):
     result = shrink(routed_call(), triggers.missing_above_h)  # N=1 K=2 H=49: slot 1 left out
     assert result.replay.target == "support.triggers:missing_above_h"
