@@ -16,7 +16,8 @@
   differs; :mod:`moegrad.accuracy` holds the standards and the report writers (docs/accuracy.md);
 - the candidate on the bench (:class:`Candidate`: a callable, ``package.module:function`` or a v2
   URL): :func:`probe_order` reveals its tree of adds, :func:`order_free_inputs` builds calls every
-  order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row.
+  order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row,
+  :func:`shrink` finds the smallest call that keeps a fault and writes a reproducer.
 """
 
 from moegrad._dtypes import DTYPES, brief, dtype_name
@@ -54,8 +55,11 @@ from moegrad.accuracy import (
     InconsistentOrder,
     Metrics,
     MultiTermOrder,
+    NothingToShrink,
     OrderProbe,
     OrderProbeError,
+    ShrinkError,
+    ShrinkResult,
     StandardVerdict,
     WorstElement,
     ZeroRowCheck,
@@ -71,6 +75,7 @@ from moegrad.accuracy import (
     metrics,
     order_free_inputs,
     probe_order,
+    shrink,
     skipped_rows,
     summand_magnitude,
 )
@@ -148,6 +153,7 @@ __all__ = [
     "MoeInitRoutingV2Result",
     "MoegradError",
     "MultiTermOrder",
+    "NothingToShrink",
     "OrderProbe",
     "OrderProbeError",
     "PayloadTooLarge",
@@ -156,6 +162,8 @@ __all__ = [
     "ReplicaStats",
     "ReplicaWarning",
     "ServiceError",
+    "ShrinkError",
+    "ShrinkResult",
     "StandardVerdict",
     "StructureLimits",
     "TransportError",
@@ -198,6 +206,7 @@ __all__ = [
     "order_free_inputs",
     "probe_order",
     "resolve_profile",
+    "shrink",
     "skipped_rows",
     "summand_magnitude",
     "warm_up",

@@ -15,6 +15,7 @@ The service's own result is what the route gets.
 from __future__ import annotations
 
 from collections.abc import Callable
+import struct
 from typing import Any
 
 import msgpack
@@ -37,6 +38,8 @@ def _plain(value: Any) -> Any:
         return [_plain(item) for item in value]
     if isinstance(value, MoegradError):
         return _error(value)
+    if isinstance(value, float):  # by its bits: NaN equals NaN, and -0.0 differs from 0.0
+        return ("float", struct.pack("<d", value))
     return value
 
 
