@@ -8,7 +8,8 @@ standard, with the thresholds per dtype and their sources.
 - tables: :data:`STANDARDS`, :data:`THRESHOLDS` (standard, dtype) -> criteria, :data:`DTYPE_LIMITS`;
 - judging: :func:`compare` (one operator call), :func:`compare_arrays` (given arrays),
   :func:`metrics` (one pair), :func:`check_compare_arguments`, :func:`skipped_rows`,
-  :func:`summand_magnitude`;
+  :func:`summand_magnitude`; :func:`warm_up_compare` (compile the comparison now, or load it from
+  numba's cache: :func:`compare_cache` says which);
 - results: :class:`ComparisonReport` and its parts, each with ``to_dict`` / ``from_dict``;
 - reports: :func:`format_report` (terminal), :func:`markdown_report` / :func:`write_markdown_report`
   (with the plot, :func:`write_histogram`), :func:`write_json_report` / :func:`read_json_report`,
@@ -82,7 +83,7 @@ from moegrad.accuracy._export import (
     write_csv_report,
     write_json_report,
 )
-from moegrad.accuracy._fused import warm_up_compare
+from moegrad.accuracy._fused import compare_cache, warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
@@ -180,6 +181,7 @@ __all__ = [
     "check_explain_arguments",
     "compare",
     "compare_arrays",
+    "compare_cache",
     "compare_cases",
     "compare_in_process",
     "console_text",
