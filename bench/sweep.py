@@ -5,7 +5,7 @@ Usage::
 
     .venv/bin/python -m bench.sweep                       # 600 cases, 1/2/3 servers, best of 3
     .venv/bin/python -m bench.sweep --cases 300 --repeat 1 --servers 1 3
-    .venv/bin/python -m bench.sweep --cases 300 --servers 3 --reports --failing 30
+    .venv/bin/python -m bench.sweep --cases 300 --servers 3 --repeat 5 --reports --failing 10
 
 It starts the largest number of reference-backend servers asked for (``moegrad-service serve
 --backend reference``, each on a free 127.0.0.1 port, started together by
@@ -18,11 +18,11 @@ hashed, the batches sent, every verdict checked to be ``pass``). The servers sha
 cores with the client: the table says how far a sweep spreads here, not what N hosts would give.
 
 With ``--reports``, the command itself (``moegrad compare --cases DIR --url ...``, run in this process
-through :func:`moegrad.cli.main`, over every server) is timed without ``--reports``, with it
-(``--plots failing``, the default) and, with ``--plots-all``, with ``--plots all``, the three
-alternating, ``--repeat`` times each, the median kept; then the same over a second folder where
-``--failing`` cases of the ``--cases`` fail (their candidate scaled by 1 + 2^-12), each of which gets
-a plot. Each row says the plots drawn and its time over the sweep's without ``--reports``.
+through :func:`moegrad.cli.main`, over every server) is timed without ``--reports``, with it (``--plots
+none``, the default), with ``--plots failing`` and, with ``--plots-all``, with ``--plots all``, the
+variants alternating, ``--repeat`` times each, the median kept; then the same over a second folder
+where ``--failing`` cases of the ``--cases`` fail (their candidate scaled by 1 + 2^-12). Each row
+says the plots drawn and its time over the sweep's without ``--reports``.
 """
 
 from __future__ import annotations
@@ -84,7 +84,11 @@ def reports_cost(
     base = ["compare", "--cases", str(folder), "--no-progress", "--summary", str(folder.parent / "summary"),
             *(arg for url in urls for arg in ("--url", url))]
     expected = 1 if failing else 0
-    variants = [("without --reports", [], 0), ("--reports OUT (--plots failing, the default)", ["--reports"], failing)]
+    variants = [
+        ("without --reports", [], 0),
+        ("--reports OUT (--plots none, the default)", ["--reports"], 0),
+        ("--reports OUT --plots failing", ["--reports", "--plots", "failing"], failing),
+    ]
     if plots_all:
         variants.append(("--reports OUT --plots all", ["--reports", "--plots", "all"], len(list(folder.iterdir()))))
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}

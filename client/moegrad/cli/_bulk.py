@@ -62,14 +62,15 @@ def add_bulk_options(comparison: argparse.ArgumentParser) -> None:
     bulk.add_argument(
         "--reports",
         metavar="OUT",
-        help="also write each case's report to OUT/<case>.md, .json and .csv (OUT created), the plots "
-        "(OUT/<case>.png) as --plots says, drawn in worker processes while the sweep goes on",
+        help="also write each case's report to OUT/<case>.md, .json and .csv (OUT created) while the sweep "
+        "goes on, and the plots (OUT/<case>.png) that --plots asks for",
     )
     bulk.add_argument(
         "--plots",
         choices=PLOTS,
-        help="with --reports: which cases get a plot, none, the failed ones or all (default: failing; "
-        "a plot costs about 0.3 s of a core, the rest of a case's report about 2 ms)",
+        help="with --reports: which cases get a plot, none, the failed ones or all (default: none); plots "
+        "are drawn in worker processes while the sweep goes on, each costing a hundred times the rest of "
+        "its case's report, and each worker a second to start",
     )
     bulk.add_argument(
         "--progress",

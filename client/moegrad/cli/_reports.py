@@ -1,17 +1,20 @@
 """``compare --cases DIR --reports OUT``: each case's report written off the sweep's path.
 
 A case's report is its ``.json``, ``.csv`` and ``.md`` (docs/accuracy.md, "Reports that reproduce")
-and, as ``--plots`` says (``none``, ``failing``: the cases that failed, ``all``), its plot
-(``.png``, linked from the ``.md``). The sweep only queues each result (under its lock, at once):
-one thread writes the text files, a few milliseconds a case, and worker processes draw the plots,
-about 0.3 s of a core each, which in the sweep's own process would hold the sweep back (matplotlib
-draws under the interpreter's lock). The workers are started (``spawn``: a fresh interpreter, never
-a fork of this threaded process) at the first case to plot, at most one per CPU up to
-:data:`PLOT_WORKERS`; :meth:`CaseReports.close` waits for every report once the sweep is done.
-A plot's device result and golden are computed in the worker, by the emulation of the profile
-that judged the case. With ``--explain``, a case that is not bit-exact is explained again here (its
-report keeps only the label counts): its rows go to ``NAME.explain.json`` and at the end of its
-``.md`` (docs/accuracy.md, "Explaining a mismatch").
+and, as ``--plots`` says (``none``, the default; ``failing``: the cases that failed; ``all``), its
+plot (``.png``, linked from the ``.md``). The sweep only hands each result over: one thread writes
+the cases without a plot (about a millisecond each), and worker processes draw the others
+(``spawn``: a fresh interpreter, never a fork of this threaded process), since matplotlib draws
+under the interpreter's lock and would hold the sweep back. The first plot worker is started at the
+first case to plot (``--plots all``: with the reports, so that its imports overlap the sweep),
+another each time :data:`PLOTS_PER_WORKER` plots wait per worker, at most one per CPU up to
+:data:`PLOT_WORKERS`: a worker's start (an interpreter importing moegrad and matplotlib) costs as
+much as several plots. :meth:`CaseReports.close` waits for every report once the sweep is done. A
+plot's device result and golden are computed in its worker by the emulation of the profile that
+judged the case (a small call on the NumPy path: the worker imports no numba). With ``--explain``, a
+case that is not bit-exact is explained again where its report is written (its report keeps only
+the label counts): its rows go to ``NAME.explain.json`` and at the end of its ``.md``
+(docs/accuracy.md, "Explaining a mismatch").
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from moegrad.accuracy import (
     PLOT_MISSING,
     CaseResult,
     ComparisonReport,
-    Explanation,
     context_call,
     explain_case,
     explanation_markdown,
@@ -44,31 +46,86 @@ from moegrad.accuracy import (
 from moegrad.cli._explain import explanation_json_path
 from moegrad.cli._parser import UsageError
 
-__all__ = ["PLOT_WORKERS", "CaseReports"]
+__all__ = ["NUMPY_ELEMENTS", "PLOTS_PER_WORKER", "PLOT_WORKERS", "CaseReports", "write_case"]
 
 #: The most worker processes that draw plots at once.
 PLOT_WORKERS = 4
+#: Plots waiting per worker before another worker is started.
+PLOTS_PER_WORKER = 16
+#: Elements of grad_expanded_x up to which a plot's device result is computed on the NumPy path:
+#: importing numba and loading the compiled kernel costs a fresh worker more than such calls do.
+NUMPY_ELEMENTS = 1 << 22
+
+Worker = tuple[ProcessPoolExecutor, list[Future[None]]]
 
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def draw(markdown: str, report: ComparisonReport, path: str, order: str | None, section: str = "") -> None:
-    """A worker's task: the case's markdown report with its plot (``.md`` and ``.png``), the call
-    on the profile that judged it (its report's context), else on ``order``'s; ``section`` (its
-    explanation's, or empty) at the end.
+def write_case(folder: str, result: CaseResult, order: str | None, explain: bool, note: str | None) -> None:
+    """One case's ``.json``, ``.csv`` and ``.md`` in ``folder``, with ``--explain`` its explanation,
+    and its plot unless ``note`` says why there is none.
+
+    Args:
+        folder: the reports' folder.
+        result: the judged case (its report and its case file's path).
+        order: the profile of the cases that name none (``--order``), for the plot of an in-process case.
+        explain: explain the case when it is not bit-exact (``--explain``).
+        note: why the case has no plot (said in its ``.md``); None: draw it.
 
     Raises:
-        OSError: a file cannot be read or written.
+        OSError: a file cannot be read or written (the message names it).
     """
+    report, path = result.report, result.path
+    assert report is not None and path is not None  # CaseReports.add hands over only those
+    base = os.path.join(folder, result.name)
+    write_json_report(base + ".json", report)
+    write_csv_report(base + ".csv", report)
+    section = _explained(report, path, base + ".json") if explain else ""
+    if note is None:
+        _draw(base + ".md", report, path, order)
+    else:
+        with open(base + ".md", "w", encoding="utf-8") as file:
+            file.write(markdown_report(report, histogram_note=note))
+    if section:
+        with open(base + ".md", "a", encoding="utf-8") as file:
+            file.write(section)
+
+
+def _draw(markdown: str, report: ComparisonReport, path: str, order: str | None) -> None:
+    """The case's markdown report with its plot (``.md`` and ``.png``), the call on the profile that
+    judged it (its report's context), else on ``order``'s."""
     fields, candidate = load_case(path)
     judged = report.context.order if report.context is not None else None
     call = context_call(fields, judged) if judged else MoeInitRoutingV2GradCall(**fields_with_order(fields, order))
-    write_markdown_report(markdown, report, call, candidate, device_result=moe_init_routing_v2_grad(call))
-    if section:
-        with open(markdown, "a", encoding="utf-8") as file:
-            file.write(section)
+    small = call.grad_expanded_x.size <= NUMPY_ELEMENTS
+    device_result = moe_init_routing_v2_grad(call, kernel="numpy" if small else None)
+    write_markdown_report(markdown, report, call, candidate, device_result=device_result)
+
+
+def _explained(report: ComparisonReport, path: str, json_path: str) -> str:
+    """The case's explanation as a markdown section, its rows written beside its JSON report; empty
+    when it is bit-exact or cannot be explained (:func:`~moegrad.accuracy.explain_case`)."""
+    fields, candidate = load_case(path)
+    explanation = explain_case(report, fields, candidate)[1]
+    if explanation is None:
+        return ""
+    with open(explanation_json_path(json_path), "w", encoding="utf-8") as file:
+        json.dump(explanation.to_dict(), file, indent=2, allow_nan=False)
+        file.write("\n")
+    return "\n" + explanation_markdown(explanation)
+
+
+def _prepare() -> None:
+    """A plot worker's first task, run as it starts: its imports, before the first case arrives."""
+    import matplotlib.figure  # noqa: F401  (the ``plot`` extra: present, or no case is plotted)
+
+
+def _worker() -> Worker:
+    """A started plot worker (its imports begin at once) and the list of its tasks."""
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    return pool, [pool.submit(_prepare)]
 
 
 class CaseReports:
@@ -91,63 +148,52 @@ class CaseReports:
             raise UsageError(f"cannot create --reports {folder}: {exc}") from None
         self.folder, self.plots, self.order, self.explain = folder, plots, order, explain
         self._drawable = importlib.util.find_spec("matplotlib") is not None
-        self._work: queue.SimpleQueue[CaseResult | None] = queue.SimpleQueue()
-        self._pool: ProcessPoolExecutor | None = None
+        if not self._drawable and plots != "none":
+            self._note = PLOT_MISSING
+        else:
+            self._note = f"not drawn: --plots {plots}" + (
+                " draws the failed cases'" if plots == "failing" else "; --plots failing draws the failed cases'"
+            )
+        self._plotters: list[Worker] = []
+        if self._drawable and plots == "all":
+            self._plotters.append(_worker())
         self._plotted: list[tuple[str, Future[None]]] = []
-        self.error: str | None = None
+        self._work: queue.SimpleQueue[CaseResult | None] = queue.SimpleQueue()
+        self._error: str | None = None
         self._stopped = False
         self._writer = threading.Thread(target=self._write_all, name="moegrad-reports", daemon=True)
         self._writer.start()
 
     def add(self, result: CaseResult) -> None:
-        """Queue a judged case's reports (a case without a report, invalid or not judged, has none)."""
-        if result.report is not None and result.path is not None:
+        """Hand over a judged case's reports (a case without a report, invalid or not judged, has none)."""
+        if result.report is None or result.path is None:
+            return
+        if self._drawable and (self.plots == "all" or (self.plots == "failing" and result.status == "fail")):
+            self._plot(result)
+        else:
             self._work.put(result)
-
-    def _plotted_case(self, result: CaseResult) -> bool:
-        return self._drawable and (self.plots == "all" or (self.plots == "failing" and result.status == "fail"))
 
     def _write_all(self) -> None:
         while (result := self._work.get()) is not None:
-            if self.error is None and not self._stopped:
+            if self._error is None and not self._stopped:
                 try:
-                    self._write(result)
+                    write_case(self.folder, result, self.order, self.explain, self._note)
                 except OSError as exc:
-                    self.error = f"cannot write --reports {self.folder}: {exc}"
+                    self._error = f"cannot write --reports {self.folder}: {exc}"
 
-    def _write(self, result: CaseResult) -> None:
-        report, path = result.report, result.path
-        assert report is not None and path is not None  # add() queues only those
-        base = os.path.join(self.folder, result.name)
-        write_json_report(base + ".json", report)
-        write_csv_report(base + ".csv", report)
-        explanation = self._explained(report, path, base + ".json") if self.explain else None
-        section = "" if explanation is None else "\n" + explanation_markdown(explanation)
-        if self._plotted_case(result):
-            if self._pool is None:
-                workers = max(1, min(PLOT_WORKERS, _cpus()))
-                self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-            drawn = self._pool.submit(draw, base + ".md", report, path, self.order, section)
-            self._plotted.append((base + ".md", drawn))
-            return
-        if not self._drawable and self.plots != "none":
-            note = PLOT_MISSING
-        else:
-            note = f"not drawn: --plots {self.plots}" + (" draws the failed cases'" if self.plots == "failing" else "")
-        with open(base + ".md", "w", encoding="utf-8") as file:
-            file.write(markdown_report(report, histogram_note=note) + section)
-
-    @staticmethod
-    def _explained(report: ComparisonReport, path: str, json_path: str) -> Explanation | None:
-        """The case's explanation, its rows written beside its JSON report; None when it is bit-exact
-        or cannot be explained (:func:`~moegrad.accuracy.explain_case`)."""
-        fields, candidate = load_case(path)
-        explanation = explain_case(report, fields, candidate)[1]
-        if explanation is not None:
-            with open(explanation_json_path(json_path), "w", encoding="utf-8") as file:
-                json.dump(explanation.to_dict(), file, indent=2, allow_nan=False)
-                file.write("\n")
-        return explanation
+    def _plot(self, result: CaseResult) -> None:
+        """Hand a case with a plot to the plot worker with the fewest waiting, first starting
+        another when each has :data:`PLOTS_PER_WORKER` waiting (or none is started)."""
+        for _, tasks in self._plotters:
+            tasks[:] = [task for task in tasks if not task.done()]
+        waiting = sum(len(tasks) for _, tasks in self._plotters)
+        most = max(1, min(PLOT_WORKERS, _cpus()))
+        if len(self._plotters) < most and waiting >= PLOTS_PER_WORKER * len(self._plotters):
+            self._plotters.append(_worker())
+        pool, tasks = min(self._plotters, key=lambda worker: len(worker[1]))
+        task = pool.submit(write_case, self.folder, result, self.order, self.explain, None)
+        tasks.append(task)
+        self._plotted.append((os.path.join(self.folder, result.name + ".md"), task))
 
     def close(self) -> None:
         """Wait for every report (the plots included).
@@ -157,23 +203,23 @@ class CaseReports:
         """
         self._work.put(None)
         self._writer.join()
-        if self._pool is not None:
-            for markdown, plotted in self._plotted:
-                try:
-                    plotted.result()
-                except OSError as exc:
-                    self.error = self.error or f"cannot write --reports {markdown}: {exc}"
-            self._pool.shutdown()
-        if self.error is not None:
-            raise UsageError(self.error)
+        for markdown, plotted in self._plotted:
+            try:
+                plotted.result()
+            except OSError as exc:
+                self._error = self._error or f"cannot write --reports {markdown}: {exc}"
+        for pool, _ in self._plotters:
+            pool.shutdown()
+        if self._error is not None:
+            raise UsageError(self._error)
 
     def abandon(self) -> None:
         """Stop at once (an interrupted sweep): what is queued is dropped, the plots not begun are cancelled."""
         self._stopped = True
         self._work.put(None)
-        self._writer.join(1.0)  # the report in hand: a few milliseconds
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._writer.join(1.0)  # the report in hand: a millisecond
+        for pool, _ in self._plotters:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> CaseReports:
         return self

@@ -156,7 +156,7 @@ def run_cases(
     make_folder(prefix, "--summary")
     reports = None
     if args.reports:
-        reports = CaseReports(args.reports, args.plots or "failing", args.order, explain=args.explain)
+        reports = CaseReports(args.reports, args.plots or "none", args.order, explain=args.explain)
     client = None if args.local else open_client()
     try:
         header, ledger = _open_output(args, files, (index, count), client)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moegrad import accuracy
@@ -39,7 +40,7 @@ def cases(tmp_path) -> tuple[Path, dict[str, str]]:
     return folder, expected
 
 
-@pytest.mark.parametrize("plots", ["none", None, "all"])
+@pytest.mark.parametrize("plots", ["none", None, "failing", "all"])
 def test_every_case_gets_its_reports_and_a_plot_as_plots_says(cases, tmp_path, plots):
     pytest.importorskip("matplotlib")
     folder, expected = cases
@@ -47,7 +48,7 @@ def test_every_case_gets_its_reports_and_a_plot_as_plots_says(cases, tmp_path, p
     flags = [] if plots is None else ["--plots", plots]
     assert main(["compare", "--local", "--cases", str(folder), "--no-progress", "--reports", str(reports),
                  *flags]) == 1
-    drawn = {"none": set(), "failing": {"c1"}, "all": set(expected), None: {"c1"}}[plots]  # default: failing
+    drawn = {"none": set(), "failing": {"c1"}, "all": set(expected), None: set()}[plots]  # default: none
     assert {p.stem for p in reports.glob("*.png")} == drawn
     for name, status in expected.items():
         assert {p.suffix for p in reports.glob(f"{name}.*")} == {".md", ".json", ".csv"} | (
@@ -57,7 +58,7 @@ def test_every_case_gets_its_reports_and_a_plot_as_plots_says(cases, tmp_path, p
         if name in drawn:
             assert (reports / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE and f"]({name}.png)" in markdown
         else:
-            assert ".png" not in markdown and f"Histogram skipped: not drawn: --plots {plots or 'failing'}" in markdown
+            assert ".png" not in markdown and f"Histogram skipped: not drawn: --plots {plots or 'none'}" in markdown
 
 
 def test_plots_without_reports_is_a_usage_error(cases, capsys):
@@ -72,7 +73,75 @@ def test_the_installed_command_draws_in_spawned_workers(cases, tmp_path):
     pytest.importorskip("matplotlib")
     folder, _ = cases
     done = subprocess.run([sys.executable, "-m", "moegrad", "compare", "--local", "--cases", str(folder),
-                           "--no-progress", "--reports", str(tmp_path / "r")], capture_output=True, text=True,
-                          timeout=300)
+                           "--no-progress", "--reports", str(tmp_path / "r"), "--plots", "failing"],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr
     assert {p.name for p in (tmp_path / "r").glob("*.png")} == {"c1.png"} and not done.stderr
+
+
+def test_a_report_that_cannot_be_written_is_a_usage_error_naming_it(cases, tmp_path, capsys):
+    folder, _ = cases
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "c2.json").mkdir()  # a folder where c2's JSON report goes: it cannot be written
+    assert main(["compare", "--local", "--cases", str(folder), "--no-progress", "--reports", str(reports)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write --reports {reports}" in err and "c2.json" in err
+
+
+class _Pool:
+    """A stand-in for one plot worker: its tasks never finish."""
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, *args):
+        self.submitted.append(args)
+        return _Pending()
+
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
+
+
+class _Pending:
+    def done(self):
+        return False
+
+    def result(self):
+        return None
+
+
+@pytest.mark.parametrize(("cpus", "shares"), [(1, [33]), (2, [17, 16]), (64, [16, 16, 1])])
+def test_a_plot_worker_is_started_per_plots_per_worker_waiting_up_to_the_cpus(monkeypatch, tmp_path, cpus, shares):
+    pytest.importorskip("matplotlib")
+    from moegrad.cli import _reports
+
+    pools = []
+    monkeypatch.setattr(_reports, "_worker", lambda: (pools.append(_Pool()) or pools[-1], []))
+    monkeypatch.setattr(_reports, "_cpus", lambda: cpus)
+    call = oracle_call(seed=0, tokens=2, hidden=2)
+    report = accuracy.compare(call, device_k2(call))
+    reports = _reports.CaseReports(str(tmp_path / "r"), "all", None)
+    assert len(pools) == 1  # --plots all: the first worker starts with the reports
+    assert _reports.PLOTS_PER_WORKER == 16
+    for i in range(33):
+        reports.add(accuracy.CaseResult(f"c{i}", "pass", report, None, str(tmp_path / f"c{i}.npz")))
+    # a second worker once 16 wait on the first, a third once 32 wait on two; each plot to the one with fewest
+    assert [len(pool.submitted) for pool in pools] == shares
+    reports.close()
+
+
+@pytest.mark.parametrize(("tokens", "kernel"), [(64, "numpy"), (1 << 16, None)])
+def test_a_plot_s_device_result_takes_the_numpy_path_for_a_small_call(monkeypatch, tmp_path, tokens, kernel):
+    from moegrad.cli import _reports
+
+    seen = []
+    monkeypatch.setattr(_reports, "moe_init_routing_v2_grad", lambda call, kernel=None: seen.append(kernel))
+    monkeypatch.setattr(_reports, "write_markdown_report", lambda *args, **kwargs: None)
+    call = oracle_call(seed=0, tokens=tokens, hidden=64)  # N*K*H = 2^13, or 2^23 > NUMPY_ELEMENTS
+    path = tmp_path / "c.npz"
+    accuracy.save_case(path, grad_expanded_x=call.grad_expanded_x, expanded_row_idx=call.expanded_row_idx, top_k=2,
+                       candidate=np.zeros((tokens, 64), np.float32))
+    report = accuracy.with_context(accuracy.compare(call, device_k2(call)), accuracy.report_context(call, device_k2(call)))
+    _reports.write_case(str(tmp_path), accuracy.CaseResult("c", "pass", report, None, str(path)), None, False, None)
+    assert seen == [kernel]
