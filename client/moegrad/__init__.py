@@ -82,7 +82,8 @@ from moegrad.accuracy import (
     summand_magnitude,
 )
 from moegrad.http._answers import CompareResult, ExplainResult, GradResult
-from moegrad.http._client import AsyncClient, Client
+from moegrad.http._async_client import AsyncClient
+from moegrad.http._client import Client
 from moegrad.http._documents import BatchCompare
 from moegrad.http._replicas import ReplicaStats
 from moegrad.numerics._ascend950 import Ascend950Tiling, ascend950_tiling
