@@ -48,7 +48,7 @@ PRINTED: dict[str, tuple[str, str, list[str], list[str]]] = {
     "explain-matrix": ("moegrad.explain on the planted-fault matrix", "bench.explain_matrix",
                        ["--sample", "200"], []),
     "sweep": ("Sweep rate against one, two and three servers (Client.compare_many); what --reports costs",
-              "bench.sweep", ["--cases", "300", "--reports", "--failing", "10"],
+              "bench.sweep", ["--cases", "300", "--repeat", "5", "--reports", "--failing", "10"],
               ["--cases", "600", "--repeat", "2", "--reports", "--failing", "30"]),
     "probe": ("The order probe: candidate calls and time per K", "bench.probe_speed", ["--repeats", "3"],
               ["--repeats", "7"]),

@@ -80,7 +80,7 @@ def write_case(folder: str, result: CaseResult, order: str | None, explain: bool
     report, path = result.report, result.path
     assert report is not None and path is not None  # CaseReports.add hands over only those
     base = os.path.join(folder, result.name)
-    write_json_report(base + ".json", report)
+    write_json_report(base + ".json", report, indent=None)  # one line: the C encoder, several times faster
     write_csv_report(base + ".csv", report)
     section = _explained(report, path, base + ".json") if explain else ""
     if note is None:

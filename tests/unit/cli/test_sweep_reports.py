@@ -54,6 +54,7 @@ def test_every_case_gets_its_reports_and_a_plot_as_plots_says(cases, tmp_path, p
         assert {p.suffix for p in reports.glob(f"{name}.*")} == {".md", ".json", ".csv"} | (
             {".png"} if name in drawn else set())
         assert accuracy.read_json_report(reports / f"{name}.json").verdict == status
+        assert (reports / f"{name}.json").read_text().count("\n") == 1  # one line, the C encoder's
         markdown = (reports / f"{name}.md").read_text()
         if name in drawn:
             assert (reports / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE and f"]({name}.png)" in markdown
