@@ -145,7 +145,7 @@ def _map_png(error_map: ErrorMap) -> str:
         interpolation="nearest",
         cmap=colormaps["viridis"].with_extremes(bad="lightgrey"),
     )
-    figure.colorbar(image, label="log10 scaled error (NaN/Inf at the top; grey: no slot reads it)")
+    figure.colorbar(image, label="log10 scaled error")
     rows, columns = ("expert", "capacity row") if error_map.kind == "experts" else ("row", "column")
     axes.set_xlabel(f"{columns} block (first {columns})")
     axes.set_ylabel(f"{rows} block (first {rows})")
@@ -260,7 +260,12 @@ def _map_html(error_map: ErrorMap, plots: bool) -> str:
         body.append([f"<th>{_text(label)}</th>", *cells])
     what = "per expert x capacity row" if error_map.kind == "experts" else "per row block x column block"
     image = _image(_map_png(error_map), f"the largest scaled error {what}") if plots else ""
-    return image + _table(headers, body, f"Largest scaled error {what} (nan: no slot reads it)")
+    caption = f"Largest scaled error {what}: |candidate - golden| / max(magnitude, small value); inf: a NaN/Inf "
+    caption += "unlike the golden's (the top of the plot's scale)" + (
+        "; nan: no slot reads it (grey)" if error_map.kind == "experts" else ""
+    )
+    table = _table(headers, body, caption)
+    return f"{image}<details open><summary>The map's numbers</summary>{table}</details>"
 
 
 def _slots_html(slots: SlotErrors, plots: bool) -> str:
