@@ -9,10 +9,10 @@ condition the cases fall in a 2 x 2 table, failing or passing, with or without i
 
 A condition is named only when the failing cases gather where it holds beyond chance: the one-sided
 Fisher exact test (the hypergeometric tail: the chance that at least as many failing cases land on
-it if the verdicts were shuffled), below 0.01 divided by the number of conditions that could have
+it if the verdicts were shuffled), below 0.001 divided by the number of conditions that could have
 been tested (Bonferroni: each condition in both directions, each pair in four). So verdicts that
-do not depend on the conditions (a flaky candidate, random failures) name none, at a 1% chance over
-the whole sweep, and the summary says plainly that no condition separates them. ``fail`` is
+do not depend on the conditions (a flaky candidate, random failures) name one in at most 0.1% of
+sweeps, and the summary says plainly that no condition separates them. ``fail`` is
 failing; ``pass`` and ``warning`` are passing; invalid cases and those not judged take no part.
 """
 
@@ -32,7 +32,7 @@ from moegrad.accuracy._traits import mode_of
 __all__ = ["FAMILY_ALPHA", "Factor", "FactorAnalysis", "analyse_factors", "fisher_tail"]
 
 #: The chance, over a whole sweep, that verdicts unrelated to every condition still name one.
-FAMILY_ALPHA = 0.01
+FAMILY_ALPHA = 0.001
 _THRESHOLDS = 16  # at most this many cut points per numeric attribute (K, H), at quantiles of its values
 _SHOWN = 5
 
@@ -169,8 +169,11 @@ def fisher_tail(failing_with: int, failing: int, with_condition: int, total: int
     x = failing_with
     log_pmf = log_comb(failing, x) + log_comb(total - failing, with_condition - x) - log_comb(total, with_condition)
     pmf, tail = math.exp(log_pmf), 0.0
+    mode = (with_condition + 1) * (failing + 1) // (total + 2)  # past it the terms only shrink
     while x <= high and pmf > 0.0:
         tail += pmf
+        if x > mode and pmf < tail * 2.0**-60:  # what is left cannot change the float
+            break
         # pmf(x + 1) / pmf(x) = (failing - x)(with - x) / ((x + 1)(total - failing - with + x + 1))
         pmf *= (failing - x) * (with_condition - x) / ((x + 1) * (total - failing - with_condition + x + 1))
         x += 1
