@@ -124,7 +124,14 @@ class FactorAnalysis:
         if self.undescribed:
             notes.append(f"{self.undescribed} cases record no call and are left out")
         if not self.factors:
-            strongest = "" if self.strongest is None else f"; the strongest, {self.strongest.describe()}"
+            best = self.strongest
+            if best is not None and best.exact:
+                strongest = (
+                    f"; {best.condition} holds on exactly the failing cases, but {self.failing + self.passing} "
+                    f"cases are too few to tell that from chance (p = {best.p_value:.2g})"
+                )
+            else:
+                strongest = "" if best is None else f"; the strongest, {best.describe()}"
             lines = [
                 f"which factor makes cases fail: no condition separates the {self.failing} failing cases from "
                 f"the {self.passing} passing ones ({test}){strongest}"
