@@ -23,6 +23,12 @@ standard, with the thresholds per dtype and their sources.
   :func:`with_explanation` (the label counts in the report), :func:`explaining_one`,
   :func:`explaining_batch`, :func:`aexplaining_batch` (a sweep's), :func:`explanation_markdown`,
   :func:`labels_line`;
+- where the error lives: :func:`row_errors`, :func:`with_row_errors` (:class:`RowErrors`,
+  :class:`RowPercentiles`, :class:`NonfiniteRow`; the CSV's :data:`ROW_ERROR_COLUMNS`); which
+  factor makes a sweep's cases fail: :func:`analyse_factors` (:class:`FactorAnalysis`,
+  :class:`Factor`, :func:`fisher_tail`, :data:`FAMILY_ALPHA`) over the :class:`CallTraits` each
+  report context records (:func:`call_traits`); one HTML page: :func:`write_html_report`,
+  :func:`write_html_sweep`;
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
