@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moegrad._dtypes import DTYPES, dtype_name
-from moegrad.accuracy._bound import sum_bound, ulp
+from moegrad._dtypes import dtype_name
+from moegrad.accuracy._bound import sum_bound
 from moegrad.accuracy._compare import check_compare_arguments, skipped_rows
 from moegrad.accuracy._explain import _device, _Golden, _rows2d
 from moegrad.accuracy._explanation import labels_line
+from moegrad.accuracy._fused import _OVERFLOW_AT
 from moegrad.accuracy._results import ComparisonReport, NonfiniteRow, RowErrors, RowPercentiles, SlotTable
 from moegrad.accuracy._standards import DTYPE_LIMITS, THRESHOLDS
 from moegrad.operator._call import MoeInitRoutingV2GradCall
@@ -78,40 +79,59 @@ def _row_max(values: np.ndarray, defined: np.ndarray) -> np.ndarray:
     return np.where(defined.any(axis=1), largest, np.nan)
 
 
+@dataclass
+class _Block:
+    """What both sides of a block share: the golden, its binary exponent, the magnitude, the zero rows."""
+
+    golden: np.ndarray
+    exponent: np.ndarray
+    magnitude: np.ndarray
+    zero_rows: np.ndarray
+
+    @classmethod
+    def of(cls, golden: np.ndarray, magnitude: np.ndarray, zero_rows: np.ndarray) -> _Block:
+        with np.errstate(all="ignore"):
+            _, exponent = np.frexp(golden)  # |g| = m * 2^exponent, 0.5 <= m < 1: the binade is exponent - 1
+        return cls(golden, exponent, magnitude, zero_rows)
+
+
 def _measure(
-    values: np.ndarray,
-    value_dtype: str,
-    golden: np.ndarray,
-    magnitude: np.ndarray,
-    call_dtype: str,
-    zero_rows: np.ndarray,
+    values: np.ndarray, value_dtype: str, block: _Block, call_dtype: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row of a block: largest relative error, largest ULP distance, failing, NaN/Inf; and the
     [rows, H] mask of finite elements.
 
-    ``values`` is [rows, H] float64 (widened from ``value_dtype``); the golden is rounded to
-    ``value_dtype`` before its class is read (an overflow to inf is the right answer).
+    ``values`` is [rows, H] float64 (widened from ``value_dtype``). The golden's class is read
+    after rounding it to ``value_dtype`` (an overflow to inf is the right answer): a finite golden
+    rounds to inf at or beyond half the top ULP above the largest value (``_OVERFLOW_AT``). A ULP
+    at the golden is 2^(e - p), e its binade (at least the smallest normal's; zero has that one), so
+    ``|v - g| / ulp`` is ``ldexp(|v - g|, p - e)``.
     """
-    limits = DTYPE_LIMITS[call_dtype]
+    limits, value_limits = DTYPE_LIMITS[call_dtype], DTYPE_LIMITS[value_dtype]
+    golden, magnitude, top = block.golden, block.magnitude, _OVERFLOW_AT[value_dtype]
     with np.errstate(all="ignore"):
-        rounded = golden.astype(DTYPES[value_dtype]).astype(_F64)
-        value_class, golden_class = _classes(values), _classes(rounded)
-        finite = (value_class == 0) & (golden_class == 0) & np.isfinite(golden) & np.isfinite(magnitude)
+        value_finite = np.isfinite(values)
+        golden_finite = np.abs(golden) < top  # NaN and inf compare False
+        mismatch = value_finite != golden_finite
+        odd = np.nonzero(~value_finite & ~golden_finite)
+        if odd[0].size:  # both NaN/Inf: the same class, or not
+            rounded = np.where(np.abs(golden[odd]) >= top, np.sign(golden[odd]) * np.inf, golden[odd])
+            mismatch[odd] = _classes(values[odd]) != _classes(rounded)
+        finite = value_finite & golden_finite & np.isfinite(magnitude)
         error = np.where(finite, np.abs(values - golden), 0.0)
         normal = finite & (magnitude >= limits.small_value)
         relative = np.where(normal, error / np.where(normal, magnitude, 1.0), 0.0)
-        ulps = np.where(finite, error / np.where(finite, ulp(np.where(finite, golden, 0.0), value_dtype), 1.0), 0.0)
+        lowest = value_limits.min_exponent
+        binade = np.where(golden == 0, lowest, np.maximum(block.exponent - 1, lowest))
+        ulps = np.ldexp(error, (value_limits.mantissa_bits - binade).astype(np.int32))
         accumulative = error / np.maximum(magnitude, limits.accumulative_small_value)
     max_relative = _limit("threshold", call_dtype, "max_relative_error")
     bound = _limit("accumulative", call_dtype, "max_accumulative_error")
-    positive_zero = (values == 0) & ~np.signbit(values)
-    failing = (
-        (value_class != golden_class)
-        | (normal & (relative >= max_relative))
-        | (finite & (accumulative > bound))
-        | (zero_rows[:, None] & ~positive_zero)
-    ).any(axis=1)
-    nonfinite = (value_class != 0).any(axis=1)
+    failing = (mismatch | (normal & (relative >= max_relative)) | (finite & (accumulative > bound))).any(axis=1)
+    if block.zero_rows.any():  # a row whose every slot is skipped must be +0.0, bit for bit
+        positive_zero = (values == 0) & ~np.signbit(values)
+        failing |= block.zero_rows & ~positive_zero.all(axis=1)
+    nonfinite = ~value_finite.all(axis=1)
     return _row_max(relative, normal), _row_max(ulps, finite), failing, nonfinite, finite
 
 
@@ -228,12 +248,10 @@ def row_errors(
         index = index_all[start:stop].astype(np.int64)
         skip = (index < 0) | (index >= rows2d.shape[0])
         golden, magnitude = golden_of(grad_rows, index, skip)
+        block = _Block.of(golden, magnitude, zero[start:stop])
         c, d = candidate[start:stop].astype(_F64), device[start:stop].astype(_F64)
-        *figures, finite = _measure(c, candidate_dtype, golden, magnitude, dtype, zero[start:stop])
-        for side, got in (
-            (mine, figures),
-            (theirs, _measure(d, dtype, golden, magnitude, dtype, zero[start:stop])[:4]),
-        ):
+        *figures, finite = _measure(c, candidate_dtype, block, dtype)
+        for side, got in ((mine, figures), (theirs, _measure(d, dtype, block, dtype)[:4])):
             side.relative[start:stop], side.ulp[start:stop], side.failing[start:stop], side.nonfinite[start:stop] = got
         same = ((c == d) & (np.signbit(c) == np.signbit(d))) | (np.isnan(c) & np.isnan(d))
         differing[start:stop] = ~same.all(axis=1) if hidden else False
