@@ -106,3 +106,21 @@ def test_the_readme_commands_use_compares_flags_and_help_lists_html(capsys):
     assert any("--html" in line for line in lines)
     used = {flag for line in lines for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", line.split("#")[0])}
     assert used <= flags, used - flags
+
+
+def test_a_merge_writes_the_sweeps_page(tmp_path, capsys):
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    for name, entry in {"drop": DROP, "order": ("dropless", planted.F32, 4, 7, "sequential", "ascend910b@9.1")}.items():
+        case = planted.build(*entry)
+        save_case(cases / f"{name}.npz", grad_expanded_x=case.grad, expanded_row_idx=case.index, top_k=case.top_k,
+                  drop_pad_mode=case.drop_pad_mode, active_num=case.active_num, order=case.profile,
+                  candidate=case.candidate)
+    results, page = tmp_path / "run.jsonl", tmp_path / "merged.html"
+    assert main(["compare", "--local", "--cases", str(cases), "--output", str(results)]) == 1
+    capsys.readouterr()
+    assert main(["compare", "--merge", str(results), "--cases", str(cases), "--html", str(page)]) == 1
+    assert f"wrote {page}" in capsys.readouterr().out
+    text = page.read_text()
+    assert 'href="#case-0"' in text and 'href="#case-1"' in text and "Which factor makes cases fail" in text
+    assert "<script" not in text and "http" not in text
