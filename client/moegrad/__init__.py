@@ -100,9 +100,8 @@ from moegrad.numerics._routing import (
 from moegrad.numerics._schedules import accumulation_schedule, bin_count
 from moegrad.operator._call import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import PROFILES, Profile, resolve_profile
+from moegrad.wire._bodies import decode_batch, decode_body
 from moegrad.wire._codec import (
-    decode_batch,
-    decode_body,
     decode_tensor,
     encode_batch,
     encode_body,

@@ -24,6 +24,12 @@ standard, with the thresholds per dtype and their sources.
   :func:`with_explanation` (the label counts in the report), :func:`explaining_one`,
   :func:`explaining_batch`, :func:`aexplaining_batch` (a sweep's), :func:`explanation_markdown`,
   :func:`labels_line`;
+- where the error lives: :func:`row_errors`, :func:`with_row_errors` (:class:`RowErrors`,
+  :class:`RowPercentiles`, :class:`NonfiniteRow`; the CSV's :data:`ROW_ERROR_COLUMNS`); which
+  factor makes a sweep's cases fail: :func:`analyse_factors` (:class:`FactorAnalysis`,
+  :class:`Factor`, :func:`fisher_tail`, :data:`FAMILY_ALPHA`) over the :class:`CallTraits` each
+  report context records (:func:`call_traits`); one HTML page: :func:`write_html_report`,
+  :func:`write_html_sweep`;
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary` (a sweep's summary to triage: :class:`SummaryNotes`, :func:`triage`,
   :class:`Finding`); sweeps: :class:`SweepFile` (the results file a run writes as it goes and
@@ -83,11 +89,13 @@ from moegrad.accuracy._export import (
     write_csv_report,
     write_json_report,
 )
+from moegrad.accuracy._factors import FAMILY_ALPHA, Factor, FactorAnalysis, analyse_factors, fisher_tail
 from moegrad.accuracy._fused import compare_cache, warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
 from moegrad.accuracy._order_free import ORDER_FREE_LIMITS, order_free_inputs
+from moegrad.accuracy._pages import write_html_report, write_html_sweep
 from moegrad.accuracy._probe import (
     PROBE_LIMITS,
     InconsistentOrder,
@@ -107,11 +115,15 @@ from moegrad.accuracy._report import (
     write_markdown_report,
 )
 from moegrad.accuracy._results import (
+    CallTraits,
     ComparisonReport,
     CriterionResult,
     ExactMatch,
     Metrics,
+    NonfiniteRow,
     ReportContext,
+    RowErrors,
+    RowPercentiles,
     StandardVerdict,
     WorstElement,
     ZeroRowCheck,
@@ -120,22 +132,28 @@ from moegrad.accuracy._shrink import DEFAULT_MAX_TESTS, NothingToShrink, ShrinkE
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
 from moegrad.accuracy._summary import SUMMARY_COLUMNS, Finding, SummaryNotes, triage, worst_first, write_summary
 from moegrad.accuracy._sweep import SWEEP_THREAD, compare_cases, compare_in_process
+from moegrad.accuracy._traits import call_traits
+from moegrad.accuracy._where import PERCENTILES, ROW_ERROR_COLUMNS, row_errors, with_row_errors
 
 __all__ = [
     "CSV_CONTEXT_COLUMNS",
     "DEFAULT_MAX_TESTS",
     "DEFAULT_STANDARDS",
     "DTYPE_LIMITS",
+    "FAMILY_ALPHA",
     "LABELS",
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
     "ORDER_FREE_LIMITS",
+    "PERCENTILES",
     "PLOT_MISSING",
     "PROBE_LIMITS",
+    "ROW_ERROR_COLUMNS",
     "STANDARDS",
     "SUMMARY_COLUMNS",
     "SWEEP_THREAD",
     "THRESHOLDS",
+    "CallTraits",
     "Candidate",
     "CandidateError",
     "CaseResult",
@@ -148,6 +166,8 @@ __all__ = [
     "Evidence",
     "ExactMatch",
     "Explanation",
+    "Factor",
+    "FactorAnalysis",
     "Finding",
     "Hypothesis",
     "InconsistentOrder",
@@ -155,12 +175,15 @@ __all__ = [
     "MergedSweep",
     "Metrics",
     "MultiTermOrder",
+    "NonfiniteRow",
     "NothingToShrink",
     "OrderProbe",
     "OrderProbeError",
     "ProfilesDiffer",
     "ReportContext",
+    "RowErrors",
     "RowExplanation",
+    "RowPercentiles",
     "ShrinkError",
     "ShrinkResult",
     "ShrinkStep",
@@ -174,8 +197,10 @@ __all__ = [
     "WorstElement",
     "ZeroRowCheck",
     "aexplaining_batch",
+    "analyse_factors",
     "any_order_bound",
     "as_candidate",
+    "call_traits",
     "check_compare_arguments",
     "check_determinism",
     "check_explain_arguments",
@@ -196,6 +221,7 @@ __all__ = [
     "explanation_markdown",
     "fields_with_order",
     "find_cases",
+    "fisher_tail",
     "format_report",
     "labels_line",
     "load_case",
@@ -210,6 +236,7 @@ __all__ = [
     "rejudge",
     "relative_errors",
     "report_context",
+    "row_errors",
     "save_case",
     "shard_of",
     "shrink",
@@ -221,9 +248,12 @@ __all__ = [
     "with_context",
     "with_explanation",
     "with_profiles",
+    "with_row_errors",
     "worst_first",
     "write_csv_report",
     "write_histogram",
+    "write_html_report",
+    "write_html_sweep",
     "write_json_report",
     "write_markdown_report",
     "write_summary",

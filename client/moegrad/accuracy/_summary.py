@@ -41,6 +41,7 @@ from moegrad.accuracy._cases import CaseResult
 from moegrad.accuracy._escape import csv_row, markdown_text
 from moegrad.accuracy._explanation import labels_line
 from moegrad.accuracy._export import MSPROBE_STATUS
+from moegrad.accuracy._factors import analyse_factors
 from moegrad.accuracy._results import ComparisonReport, CriterionResult
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY
 
@@ -380,6 +381,7 @@ def _markdown(
         )
         shown = [markdown_text(cell) or "-" for cell in cells] + [markdown_text(row["Message"])]
         lines.append("| " + " | ".join(shown) + " |")
+    lines += ["", *analyse_factors([result for result, _ in ordered]).markdown()]  # which factor makes cases fail
     return "\n".join(lines) + "\n"
 
 
@@ -397,7 +399,8 @@ def write_summary(
             text cell that a spreadsheet would read as a formula written with a leading ``'``
             (:func:`~moegrad.accuracy._escape.csv_cell`).
         markdown_path: the same rows as markdown, after what is missing, the counts per status,
-            the policy and the replicas' notes; None: not written. Every cell is escaped
+            the policy and the replicas' notes, then which conditions separate the failing cases
+            from the passing ones (:func:`~moegrad.accuracy.analyse_factors`); None: not written. Every cell is escaped
             (:func:`~moegrad.accuracy._escape.markdown_text`): a case's name or message never
             ends its cell or row.
         notes: the policy and what the sweep is missing (default: the default standards, exactness

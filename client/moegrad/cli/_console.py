@@ -17,7 +17,15 @@ import sys
 from collections.abc import Sequence
 
 from moegrad import ReplicaStats
-from moegrad.accuracy import CaseResult, SummaryNotes, console_text, statuses, worst_first, write_summary
+from moegrad.accuracy import (
+    CaseResult,
+    SummaryNotes,
+    analyse_factors,
+    console_text,
+    statuses,
+    worst_first,
+    write_summary,
+)
 from moegrad.cli._parser import UsageError
 
 __all__ = ["counted", "make_folder", "print_replicas", "print_results", "replica_notes"]
@@ -114,6 +122,9 @@ def print_results(
     missing = notes.missing_count if notes.missing_count is not None else len(notes.missing_cases)
     parts = [f"{n} {s}" for s, n in counts.items() if n] + ([f"{missing} missing"] if missing else [])
     print(f"{counted(len(ordered) + missing)} against {where}: " + ", ".join(parts))
+    factors = analyse_factors(ordered)  # which conditions separate the failing cases from the passing ones
+    if factors.failing and factors.passing:
+        print("\n".join(console_text(line) for line in factors.lines()))
     unreachable = {id(r) for r in ordered if r.status == "error" and (r.error or "").startswith(_UNREACHABLE)}
     for result in ordered:
         if (result.status in ("pass", "warning") or id(result) in unreachable) and not verbose:

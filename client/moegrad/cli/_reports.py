@@ -9,11 +9,12 @@ under the interpreter's lock and would hold the sweep back. The first plot worke
 first case to plot (``--plots all``: with the reports, so that its imports overlap the sweep),
 another each time :data:`PLOTS_PER_WORKER` plots wait per worker, at most one per CPU up to
 :data:`PLOT_WORKERS`: a worker's start (an interpreter importing moegrad and matplotlib) costs as
-much as several plots. :meth:`CaseReports.close` waits for every report once the sweep is done. A
-plot's device result and golden are computed in its worker by the emulation of the profile that
-judged the case (a small call on the NumPy path: the worker imports no numba). With ``--explain``, a
-case that is not bit-exact is explained again where its report is written (its report keeps only
-the label counts): its rows go to ``NAME.explain.json`` and at the end of its ``.md``
+much as several plots. :meth:`CaseReports.close` waits for every report once the sweep is done.
+Where a case's report is written, its case file is read again and its device result computed by the
+emulation of the profile that judged it (a small call on the NumPy path: a plot worker imports no
+numba), for the report's row errors (docs/accuracy.md, "Where the error lives") and its plot. With
+``--explain``, a case that is not bit-exact is explained again there (its report keeps only the
+label counts): its rows go to ``NAME.explain.json`` and at the end of its ``.md``
 (docs/accuracy.md, "Explaining a mismatch").
 """
 
@@ -28,6 +29,8 @@ import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from moegrad import MoeInitRoutingV2GradCall, moe_init_routing_v2_grad
 from moegrad.accuracy import (
     PLOT_MISSING,
@@ -39,6 +42,7 @@ from moegrad.accuracy import (
     fields_with_order,
     load_case,
     markdown_report,
+    with_row_errors,
     write_csv_report,
     write_json_report,
     write_markdown_report,
@@ -52,7 +56,7 @@ __all__ = ["NUMPY_ELEMENTS", "PLOTS_PER_WORKER", "PLOT_WORKERS", "CaseReports", 
 PLOT_WORKERS = 4
 #: Plots waiting per worker before another worker is started.
 PLOTS_PER_WORKER = 16
-#: Elements of grad_expanded_x up to which a plot's device result is computed on the NumPy path:
+#: Elements of grad_expanded_x up to which a report's device result is computed on the NumPy path:
 #: importing numba and loading the compiled kernel costs a fresh worker more than such calls do.
 NUMPY_ELEMENTS = 1 << 22
 
@@ -64,13 +68,14 @@ def _cpus() -> int:
 
 
 def write_case(folder: str, result: CaseResult, order: str | None, explain: bool, note: str | None) -> None:
-    """One case's ``.json``, ``.csv`` and ``.md`` in ``folder``, with ``--explain`` its explanation,
-    and its plot unless ``note`` says why there is none.
+    """One case's ``.json``, ``.csv`` and ``.md`` in ``folder``, its report with where the error lives
+    (:func:`~moegrad.accuracy.with_row_errors`), with ``--explain`` its explanation, and its plot
+    unless ``note`` says why there is none.
 
     Args:
         folder: the reports' folder.
         result: the judged case (its report and its case file's path).
-        order: the profile of the cases that name none (``--order``), for the plot of an in-process case.
+        order: the profile of the cases that name none (``--order``), for an in-process case.
         explain: explain the case when it is not bit-exact (``--explain``).
         note: why the case has no plot (said in its ``.md``); None: draw it.
 
@@ -79,12 +84,18 @@ def write_case(folder: str, result: CaseResult, order: str | None, explain: bool
     """
     report, path = result.report, result.path
     assert report is not None and path is not None  # CaseReports.add hands over only those
+    fields, candidate = load_case(path)
+    judged = report.context.order if report.context is not None else None  # the profile that judged it
+    call = context_call(fields, judged) if judged else MoeInitRoutingV2GradCall(**fields_with_order(fields, order))
+    small = call.grad_expanded_x.size <= NUMPY_ELEMENTS
+    device_result = moe_init_routing_v2_grad(call, kernel="numpy" if small else None)
+    report = with_row_errors(report, call, candidate, device_result=device_result)
     base = os.path.join(folder, result.name)
     write_json_report(base + ".json", report, indent=None)  # one line: the C encoder, several times faster
     write_csv_report(base + ".csv", report)
-    section = _explained(report, path, base + ".json") if explain else ""
+    section = _explained(report, fields, candidate, base + ".json") if explain else ""
     if note is None:
-        _draw(base + ".md", report, path, order)
+        write_markdown_report(base + ".md", report, call, candidate, device_result=device_result)
     else:
         with open(base + ".md", "w", encoding="utf-8") as file:
             file.write(markdown_report(report, histogram_note=note))
@@ -93,21 +104,9 @@ def write_case(folder: str, result: CaseResult, order: str | None, explain: bool
             file.write(section)
 
 
-def _draw(markdown: str, report: ComparisonReport, path: str, order: str | None) -> None:
-    """The case's markdown report with its plot (``.md`` and ``.png``), the call on the profile that
-    judged it (its report's context), else on ``order``'s."""
-    fields, candidate = load_case(path)
-    judged = report.context.order if report.context is not None else None
-    call = context_call(fields, judged) if judged else MoeInitRoutingV2GradCall(**fields_with_order(fields, order))
-    small = call.grad_expanded_x.size <= NUMPY_ELEMENTS
-    device_result = moe_init_routing_v2_grad(call, kernel="numpy" if small else None)
-    write_markdown_report(markdown, report, call, candidate, device_result=device_result)
-
-
-def _explained(report: ComparisonReport, path: str, json_path: str) -> str:
+def _explained(report: ComparisonReport, fields: dict[str, Any], candidate: np.ndarray, json_path: str) -> str:
     """The case's explanation as a markdown section, its rows written beside its JSON report; empty
     when it is bit-exact or cannot be explained (:func:`~moegrad.accuracy.explain_case`)."""
-    fields, candidate = load_case(path)
     explanation = explain_case(report, fields, candidate)[1]
     if explanation is None:
         return ""

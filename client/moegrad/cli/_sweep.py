@@ -139,9 +139,11 @@ def run_cases(
     *,
     open_client: Callable[[], Client],
     where: str,
+    on_results: Callable[[Sequence[CaseResult]], None] | None = None,
 ) -> int:
     """``compare --cases DIR`` (with ``--shard``, ``--output``, ``--max-concurrency``, ``--reports``):
-    judge, write, report.
+    judge, write, report; ``on_results`` is called with every case's result (``--html``) once the
+    summary is written.
 
     Raises:
         UsageError: a folder or file that cannot be read or written, FILE written for another sweep.
@@ -191,7 +193,10 @@ def run_cases(
         try:
             if reports is not None:
                 reports.close()
-            return _report(args, results, ledger, len(files), prefix, notes, where, stats)
+            status = _report(args, results, ledger, len(files), prefix, notes, where, stats)
+            if on_results is not None:
+                on_results(results)
+            return status
         except (KeyboardInterrupt, _Terminated) as exc:  # every case is judged (and written): only the summary is left
             if reports is not None:
                 reports.abandon()
@@ -297,9 +302,10 @@ def _judge(
     return results, client.stats
 
 
-def run_merge(args: argparse.Namespace) -> int:
+def run_merge(args: argparse.Namespace, on_results: Callable[[Sequence[CaseResult]], None] | None = None) -> int:
     """``compare --merge PATH...`` (with ``--cases DIR`` to check coverage): one summary of a sweep's
-    shards, what is missing said first.
+    shards, what is missing said first; ``on_results`` is called with the merged results (``--html``)
+    once it is written.
 
     Raises:
         UsageError: files that do not make one sweep, or that cannot be read; a summary that cannot be written.
@@ -329,4 +335,6 @@ def run_merge(args: argparse.Namespace) -> int:
     for what in merged.missing:
         print(f"moegrad: missing: {what}", file=sys.stderr)
     print(f"wrote {prefix}.csv and {prefix}.md")
+    if on_results is not None:
+        on_results(merged.results)
     return sweep_status(merged.results, missing=bool(merged.missing))
