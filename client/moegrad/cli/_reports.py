@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import queue
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
@@ -60,14 +61,26 @@ PLOTS_PER_WORKER = 16
 #: importing numba and loading the compiled kernel costs a fresh worker more than such calls do.
 NUMPY_ELEMENTS = 1 << 22
 
+#: Bytes of the cases' inputs the reports hold while they wait to be written; past it, a case's file
+#: is read again when its report is written.
+HELD_BYTES = 256 << 20
+
 Worker = tuple[ProcessPoolExecutor, list[Future[None]]]
+Inputs = tuple[Mapping[str, Any], np.ndarray]
 
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def write_case(folder: str, result: CaseResult, order: str | None, explain: bool, note: str | None) -> None:
+def write_case(
+    folder: str,
+    result: CaseResult,
+    order: str | None,
+    explain: bool,
+    note: str | None,
+    inputs: tuple[Mapping[str, Any], np.ndarray] | None = None,
+) -> None:
     """One case's ``.json``, ``.csv`` and ``.md`` in ``folder``, its report with where the error lives
     (:func:`~moegrad.accuracy.with_row_errors`), with ``--explain`` its explanation, and its plot
     unless ``note`` says why there is none.
@@ -78,13 +91,14 @@ def write_case(folder: str, result: CaseResult, order: str | None, explain: bool
         order: the profile of the cases that name none (``--order``), for an in-process case.
         explain: explain the case when it is not bit-exact (``--explain``).
         note: why the case has no plot (said in its ``.md``); None: draw it.
+        inputs: the case's fields and candidate as the sweep read them; None: read from its file.
 
     Raises:
         OSError: a file cannot be read or written (the message names it).
     """
     report, path = result.report, result.path
     assert report is not None and path is not None  # CaseReports.add hands over only those
-    fields, candidate = load_case(path)
+    fields, candidate = load_case(path) if inputs is None else inputs
     judged = report.context.order if report.context is not None else None  # the profile that judged it
     call = context_call(fields, judged) if judged else MoeInitRoutingV2GradCall(**fields_with_order(fields, order))
     small = call.grad_expanded_x.size <= NUMPY_ELEMENTS
@@ -104,7 +118,7 @@ def write_case(folder: str, result: CaseResult, order: str | None, explain: bool
             file.write(section)
 
 
-def _explained(report: ComparisonReport, fields: dict[str, Any], candidate: np.ndarray, json_path: str) -> str:
+def _explained(report: ComparisonReport, fields: Mapping[str, Any], candidate: np.ndarray, json_path: str) -> str:
     """The case's explanation as a markdown section, its rows written beside its JSON report; empty
     when it is bit-exact or cannot be explained (:func:`~moegrad.accuracy.explain_case`)."""
     explanation = explain_case(report, fields, candidate)[1]
@@ -114,6 +128,11 @@ def _explained(report: ComparisonReport, fields: dict[str, Any], candidate: np.n
         json.dump(explanation.to_dict(), file, indent=2, allow_nan=False)
         file.write("\n")
     return "\n" + explanation_markdown(explanation)
+
+
+def _nbytes(inputs: Inputs) -> int:
+    fields, candidate = inputs
+    return candidate.nbytes + sum(value.nbytes for value in fields.values() if isinstance(value, np.ndarray))
 
 
 def _prepare() -> None:
@@ -157,28 +176,43 @@ class CaseReports:
         if self._drawable and plots == "all":
             self._plotters.append(_worker())
         self._plotted: list[tuple[str, Future[None]]] = []
-        self._work: queue.SimpleQueue[CaseResult | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[tuple[CaseResult, Inputs | None] | None] = queue.SimpleQueue()
+        self._held = 0  # bytes of the inputs waiting in self._work (under self._lock)
+        self._lock = threading.Lock()
         self._error: str | None = None
         self._stopped = False
         self._writer = threading.Thread(target=self._write_all, name="moegrad-reports", daemon=True)
         self._writer.start()
 
-    def add(self, result: CaseResult) -> None:
-        """Hand over a judged case's reports (a case without a report, invalid or not judged, has none)."""
+    def add(
+        self, result: CaseResult, fields: Mapping[str, Any] | None = None, candidate: np.ndarray | None = None
+    ) -> None:
+        """Hand over a judged case's reports (a case without a report, invalid or not judged, has
+        none), with its inputs as the sweep read them (kept while at most :data:`HELD_BYTES` wait;
+        else its file is read again)."""
         if result.report is None or result.path is None:
             return
         if self._drawable and (self.plots == "all" or (self.plots == "failing" and result.status == "fail")):
-            self._plot(result)
-        else:
-            self._work.put(result)
+            self._plot(result)  # read again in the worker: a plot worker is sent no arrays
+            return
+        inputs = None
+        if fields is not None and candidate is not None:
+            with self._lock:
+                if self._held + _nbytes((fields, candidate)) <= HELD_BYTES:
+                    inputs, self._held = (fields, candidate), self._held + _nbytes((fields, candidate))
+        self._work.put((result, inputs))
 
     def _write_all(self) -> None:
-        while (result := self._work.get()) is not None:
+        while (work := self._work.get()) is not None:
+            result, inputs = work
             if self._error is None and not self._stopped:
                 try:
-                    write_case(self.folder, result, self.order, self.explain, self._note)
+                    write_case(self.folder, result, self.order, self.explain, self._note, inputs)
                 except OSError as exc:
                     self._error = f"cannot write --reports {self.folder}: {exc}"
+            if inputs is not None:
+                with self._lock:
+                    self._held -= _nbytes(inputs)
 
     def _plot(self, result: CaseResult) -> None:
         """Hand a case with a plot to the plot worker with the fewest waiting, first starting

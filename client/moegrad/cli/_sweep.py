@@ -278,11 +278,11 @@ def _judge(
     reports: CaseReports | None,
 ) -> tuple[list[CaseResult], tuple[ReplicaStats, ...]]:
     """Every case's result, and each replica's counters (none in-process)."""
-    on_result = None if reports is None else reports.add
+    on_judged = None if reports is None else reports.add
     if client is None:
         judge_one = compare_in_process(args.standards, args.require_exact, args.order)
         judge_one = explaining_one(judge_one) if args.explain else judge_one
-        return compare_cases(files, judge_one, progress=args.progress, on_result=on_result, output=ledger), ()
+        return compare_cases(files, judge_one, progress=args.progress, on_judged=on_judged, output=ledger), ()
     try:
         results = client.compare_many(  # interrupted, the client is left open: closing it could wait on a request
             files,
@@ -290,7 +290,7 @@ def _judge(
             require_exact=args.require_exact,
             order=args.order,
             progress=args.progress,
-            on_result=on_result,
+            on_judged=on_judged,
             concurrency=args.max_concurrency,
             output=ledger,
             explain=args.explain,

@@ -205,6 +205,7 @@ class AsyncClient(ClientBase):
         concurrency: int | None = None,
         output: str | os.PathLike[str] | SweepFile | None = None,
         explain: bool = False,
+        on_judged: Callable[[CaseResult, Mapping[str, Any], np.ndarray], None] | None = None,
     ) -> list[CaseResult]:
         """As :meth:`Client.compare_many`, awaited: ``concurrency`` tasks send the batches (the cases
         are read in a thread); cancelled, the cases written to ``output`` are whole."""
@@ -217,7 +218,9 @@ class AsyncClient(ClientBase):
         items, orders = list(cases), await self._drive(self._core.replica_orders_flow())
         replicas = len(self._core.config.replicas)
         with sweep(items, orders, order, replicas, standards, require_exact, output, concurrency) as options:
-            return await acompare_cases(compare_batch=judged, progress=progress, on_result=on_result, **options)
+            return await acompare_cases(
+                compare_batch=judged, progress=progress, on_result=on_result, on_judged=on_judged, **options
+            )
 
     async def info(self) -> dict[str, Any]:
         """As :meth:`Client.info`, awaited."""

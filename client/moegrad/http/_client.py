@@ -338,6 +338,7 @@ class Client(ClientBase):
         concurrency: int | None = None,
         output: str | os.PathLike[str] | SweepFile | None = None,
         explain: bool = False,
+        on_judged: Callable[[CaseResult, Mapping[str, Any], np.ndarray], None] | None = None,
     ) -> list[CaseResult]:
         """Judge many candidates over every replica, several requests at a time, and never stop on a bad one.
 
@@ -363,6 +364,9 @@ class Client(ClientBase):
             explain: also explain each case whose candidate is not bit-exact, in this process
                 against the emulation of the profile that judged it, and record the label counts in
                 its report (:attr:`~moegrad.ComparisonReport.explained`; docs/accuracy.md, "Sweeps").
+            on_judged: called as ``on_judged(result, fields, candidate)`` after ``on_result`` for each
+                case judged, with its inputs as read (:func:`moegrad.accuracy.compare_cases`): work
+                that needs them again reads no file twice.
 
         Returns:
             One :class:`~moegrad.accuracy.CaseResult` per case, in the order given; each report
@@ -387,7 +391,9 @@ class Client(ClientBase):
         items, orders = list(cases), self._drive(self._core.replica_orders_flow())
         replicas = len(self._core.config.replicas)
         with sweep(items, orders, order, replicas, standards, require_exact, output, concurrency) as options:
-            return compare_cases(compare_batch=judged, progress=progress, on_result=on_result, **options)
+            return compare_cases(
+                compare_batch=judged, progress=progress, on_result=on_result, on_judged=on_judged, **options
+            )
 
     def info(self) -> dict[str, Any]:
         """``GET /v1/info`` of every replica: the first answer (version, backend, device, order, streams,

@@ -148,3 +148,20 @@ def test_a_report_s_device_result_takes_the_numpy_path_for_a_small_call(monkeypa
     report = accuracy.with_context(accuracy.compare(call, device_k2(call)), accuracy.report_context(call, device_k2(call)))
     _reports.write_case(str(tmp_path), accuracy.CaseResult("c", "pass", report, None, str(path)), None, False, None)
     assert seen == [kernel]
+
+
+@pytest.mark.parametrize(("held", "reads"), [(None, 0), (0, 4)])
+def test_the_reports_use_the_inputs_the_sweep_read_within_held_bytes(cases, tmp_path, monkeypatch, held, reads):
+    from moegrad.cli import _reports
+
+    folder, expected = cases
+    read = []
+    monkeypatch.setattr(_reports, "load_case", lambda path: read.append(path) or accuracy.load_case(path))
+    if held is not None:
+        monkeypatch.setattr(_reports, "HELD_BYTES", held)  # nothing held: each case file is read again
+    reports = tmp_path / "reports"
+    assert main(["compare", "--local", "--cases", str(folder), "--no-progress", "--reports", str(reports)]) == 1
+    assert len(read) == reads
+    for name, status in expected.items():
+        report = accuracy.read_json_report(reports / f"{name}.json")
+        assert report.verdict == status and report.row_errors is not None and report.row_errors.rows == 8
