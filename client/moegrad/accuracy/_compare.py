@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from moegrad._errors import AclnnStatus, InvalidArgument
+from moegrad._errors import AclnnStatus, DeadlineExceeded, InvalidArgument
 from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
 from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad._wire import dtype_name
@@ -49,6 +50,7 @@ __all__ = [
     "summand_magnitude",
 ]
 
+_ZERO_ROW_BLOCK = 1 << 16  # elements of a block of the zero-row check
 _FUSED = "auto"  # compare()'s path: "auto" (the compiled pass when numba imports) or "numpy"
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
 _NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
@@ -181,17 +183,33 @@ def skipped_rows(call: MoeInitRoutingV2GradCall) -> np.ndarray:
     return ((index < 0) | (index >= rows)).all(axis=1)
 
 
-def _zero_rows(candidate: np.ndarray, rows: np.ndarray) -> ZeroRowCheck:
-    block = candidate[rows].astype(np.float64)
-    bad = ~((block == 0) & ~np.signbit(block))
-    bad_rows = np.flatnonzero(bad.any(axis=1))
-    first = int(np.flatnonzero(rows)[bad_rows[0]]) if bad_rows.size else None
+def _zero_rows(candidate: np.ndarray, rows: np.ndarray, stop: threading.Event | None = None) -> ZeroRowCheck:
+    """The rows that must be +0.0, checked a block of about _ZERO_ROW_BLOCK elements at a time (so
+    that the check's float64 copy stays small whatever the call), ``stop`` looked at before each."""
+    where = np.flatnonzero(rows)
+    step = max(1, _ZERO_ROW_BLOCK // max(candidate.shape[1], 1))
+    mismatched_rows = mismatched = 0
+    first = None
+    for start in range(0, where.size, step):
+        _check_stop(stop)
+        block = candidate[where[start : start + step]].astype(np.float64)
+        bad = ~((block == 0) & ~np.signbit(block))
+        bad_rows = np.flatnonzero(bad.any(axis=1))
+        if bad_rows.size and first is None:
+            first = int(where[start + bad_rows[0]])
+        mismatched_rows += int(bad_rows.size)
+        mismatched += int(np.count_nonzero(bad))
     return ZeroRowCheck(
-        rows=int(np.count_nonzero(rows)),
-        mismatched_rows=int(bad_rows.size),
-        mismatched_elements=int(np.count_nonzero(bad)),
+        rows=int(where.size),
+        mismatched_rows=mismatched_rows,
+        mismatched_elements=mismatched,
         first_mismatched_row=first,
     )
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise DeadlineExceeded("the comparison was stopped: its caller gave up on it")
 
 
 def _candidate_dtype(candidate: np.ndarray) -> str:
@@ -466,6 +484,7 @@ def compare(
     golden: np.ndarray | None = None,
     standards: Iterable[str] | str | None = None,
     require_exact: bool = False,
+    stop: threading.Event | None = None,
 ) -> ComparisonReport:
     """Judge a candidate implementation's gradX for one validated operator call.
 
@@ -483,6 +502,8 @@ def compare(
         standards: names from :data:`STANDARDS`; default :data:`DEFAULT_STANDARDS`.
         require_exact: the verdict fails unless the candidate is bit-exact to the device's result
             (:attr:`ComparisonReport.exact` states exactness either way).
+        stop: set it (from another thread) to stop the comparison at its next block of rows (a
+            service whose caller has gone); None: it runs to the end.
 
     Returns:
         A :class:`ComparisonReport`.
@@ -490,6 +511,7 @@ def compare(
     Raises:
         InvalidArgument: as :func:`check_compare_arguments` (a missing candidate 161001, a bad
             candidate or an unknown standard 161002); checked before anything is computed.
+        DeadlineExceeded: ``stop`` was set before the comparison ended.
         TypeError: ``call`` is not a :class:`~moegrad.MoeInitRoutingV2GradCall`.
         ValueError: ``device_result`` or ``golden`` has the wrong shape or dtype.
     """
@@ -506,7 +528,7 @@ def compare(
         device_result = float_array(device_result, "device_result", GRAD_DTYPES)
         if dtype_name(device_result.dtype) != call.dtype_name:
             raise TypeError(f"device_result.dtype={device_result.dtype} is not the operator's dtype {call.dtype_name}")
-        fused = fused_metrics(call, candidate, device_result, golden)
+        fused = fused_metrics(call, candidate, device_result, golden, stop)
         if fused is not None:
             rows = skipped_rows(call)
             return _report(
@@ -516,11 +538,13 @@ def compare(
                 _check_standards(standards),
                 require_exact,
                 *fused,
-                _zero_rows(candidate, rows),
-                _zero_rows(device_result, rows),
+                _zero_rows(candidate, rows, stop),
+                _zero_rows(device_result, rows, stop),
             )
+    _check_stop(stop)
     if golden is None:
         golden = moe_init_routing_v2_grad_golden(call)
+    _check_stop(stop)
     return compare_arrays(
         candidate,
         device_result,

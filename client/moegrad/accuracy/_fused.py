@@ -12,11 +12,13 @@ exact sum rounded once to float64).
 from __future__ import annotations
 
 import math
+import threading
 from types import ModuleType
 
 import ml_dtypes
 import numpy as np
 
+from moegrad._errors import DeadlineExceeded
 from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad._wire import dtype_name
 from moegrad.accuracy._results import Metrics, WorstElement
@@ -106,12 +108,19 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 
 def fused_metrics(
-    call: MoeInitRoutingV2GradCall, candidate: np.ndarray, device_result: np.ndarray, golden: np.ndarray | None = None
+    call: MoeInitRoutingV2GradCall,
+    candidate: np.ndarray,
+    device_result: np.ndarray,
+    golden: np.ndarray | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[Metrics, Metrics, Metrics] | None:
     """candidate vs golden, device vs golden, candidate vs device, relative to the summands' magnitude.
 
     Returns None when this path cannot take the inputs (numba missing, a byte-swapped or strided
     array, an empty grad_x): the caller runs the NumPy path.
+
+    Raises:
+        DeadlineExceeded: ``stop`` was set (checked before each block of rows).
     """
     jit = _load()
     tokens, hidden = call.num_tokens, call.hidden_size
@@ -137,7 +146,9 @@ def fused_metrics(
     has_golden = golden is not None
     golden_in = _read_only(golden if golden is not None else np.zeros((1, 1), dtype=np.float64))
 
-    def run(start: int, stop: int) -> None:
+    def run(start: int, end: int) -> None:
+        if stop is not None and stop.is_set():
+            raise DeadlineExceeded("the comparison was stopped: its caller gave up on it")
         jit.compare_rows(
             rows,
             index,
@@ -148,7 +159,7 @@ def fused_metrics(
             golden_in,
             has_golden,
             start,
-            stop,
+            end,
             p_cand,
             p_dev,
             acc,
