@@ -25,11 +25,13 @@ from moegrad import (
     decode_frames,
     encode_frames,
 )
+from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import answer_for
 from moegrad_service.api.inputs import (
     INLINE_DECODE_BYTES,
     MSGPACK_MEDIA_TYPES,
     admission_of,
+    cover,
     dataplane_of,
     disconnected,
     media_type_of,
@@ -51,8 +53,8 @@ from moegrad_service.api.v1.codec import (
     tensor_bytes,
 )
 from moegrad_service.api.v1.msgpack_view import decode_batch_body, decode_call_body, encode_parts, holds_views
-from moegrad_service.dataplane import BatchItem, GradRequest
-from moegrad_service.memory import MemoryBudget
+from moegrad_service.dataplane import BatchItem, Comparison, GradRequest, GroupMember
+from moegrad_service.memory import MemoryBudget, Peak, batch_peak, call_peak, compare_peak
 from moegrad_service.metrics import Metrics
 
 __all__ = [
@@ -74,6 +76,12 @@ COMPARE_PATH = "/v1/moe_init_routing_v2_grad/compare"
 MSGPACK = "application/msgpack"
 #: What a v1 call's body may be: msgpack, or frames (a msgpack header, then the tensors' bytes).
 V1_MEDIA_TYPES = MSGPACK_MEDIA_TYPES | {FRAMES_MEDIA_TYPE}
+#: Batch bodies larger than this are decoded on a worker thread: a batch's cost is its items (up to
+#: MAX_BATCH_CALLS), which a few KiB already hold many of.
+INLINE_BATCH_BYTES = 64 << 10
+#: Batches of more items than this have their reply built on a worker thread (a comparison's
+#: report alone costs about half a millisecond to write out).
+INLINE_BATCH_ITEMS = 16
 
 
 def msgpack_response(document: dict[str, Any], metrics: Metrics) -> Response:
@@ -140,6 +148,7 @@ async def read_call(request: Request) -> GradRequest:
 async def moe_init_routing_v2_grad(request: Request) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     call, named_order = await read_call(request)
+    cover(request, call_peak, call)
     outcome = await dataplane_of(request).infer(
         call,
         named_order=named_order,
@@ -147,6 +156,7 @@ async def moe_init_routing_v2_grad(request: Request) -> Response:
         disconnected=partial(disconnected, request),
         received_s=started,
         admission=admission_of(request.scope),
+        tenant=tenant_of(request.scope),
     )
     metrics = metrics_of(request)
     response = reply_response(request, grad_reply(outcome, started), metrics)
@@ -167,10 +177,17 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
         items = decode_batch_body(body, REQUEST_LIMITS, max_calls=MAX_BATCH_CALLS)
         return decode_batch_items(items, dataplane, max_elements=settings.max_elements)
 
-    items = await off_loop(decode) if len(body) > INLINE_DECODE_BYTES else decode()
-    answers = await dataplane.infer_batch(items, timeout_s=timeout_s, disconnected=partial(disconnected, request))
-    reply = {"results": batch_reply(items, answers), "timings_ms": {"total": (time.perf_counter() - started) * 1e3}}
-    response = msgpack_response(reply, metrics)
+    items = await off_loop(decode) if len(body) > INLINE_BATCH_BYTES else decode()
+    cover(request, _batch_peak, items)
+    answers = await dataplane.infer_batch(
+        items, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
+    )
+
+    def encode() -> Response:
+        reply = {"results": batch_reply(items, answers), "timings_ms": {"total": (time.perf_counter() - started) * 1e3}}
+        return msgpack_response(reply, metrics)
+
+    response = await off_loop(encode) if len(answers) > INLINE_BATCH_ITEMS else encode()
     failed = [answer for answer in answers if isinstance(answer, BaseException)]
     for answer in failed:  # each call of a batch is counted, as a single call would be
         metrics.failure.labels(endpoint=BATCH_PATH, reason=answer_for(answer).reason).inc()
@@ -189,10 +206,30 @@ async def compare_candidate(request: Request) -> Response:
         max_elements=settings_of(request).max_elements,
         default_order=dataplane.default_order,
     )
-    outcome = await dataplane.compare(comparison, timeout_s=timeout_s, disconnected=partial(disconnected, request))
+    cover(request, compare_peak, comparison.call, comparison.candidate.nbytes)
+    outcome = await dataplane.compare(
+        comparison, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
+    )
     response = msgpack_response(compare_reply(comparison, outcome, started), metrics)
     metrics.succeeded(COMPARE_PATH, started)
     return response
+
+
+def _batch_peak(items: list[BatchItem], *, body_bytes: int) -> Peak:
+    """What a decoded batch holds (moegrad_service.memory.batch_peak): its calls, comparisons and refused items."""
+    calls, comparisons, refused = [], [], 0
+    for item in items:
+        if isinstance(item, Comparison):
+            comparisons.append((item.call, item.candidate.nbytes))
+        elif isinstance(item, GroupMember):
+            calls.append(item.group.like)  # every member has the shape of the group's first
+        elif isinstance(item, GradRequest):
+            calls.append(item.call)
+        elif isinstance(item, BaseException):
+            refused += 1
+        else:
+            calls.append(item)
+    return batch_peak(calls, comparisons, refused=refused, body_bytes=body_bytes)
 
 
 routes = [
