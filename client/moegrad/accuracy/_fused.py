@@ -34,6 +34,7 @@ _VIEWS: dict[np.dtype, np.dtype] = {
 # |x| at or above which a finite float64 rounds to inf in the format (half the top ULP above the maximum).
 _OVERFLOW_AT = {"float32": 2.0**128 - 2.0**103, "float16": 65520.0, "bfloat16": 2.0**128 - 2.0**119}
 _CHUNK_ELEMENTS = 1 << 16  # output elements per task of the pool
+_CHUNK_ROWS = 4096  # and at most this many rows (each row costs microseconds, however short): a stop waits one
 
 _jit: ModuleType | None = None
 _missing = False
@@ -167,7 +168,7 @@ def fused_metrics(
 
     from moegrad import _reference  # the shared pool of the reference kernels
 
-    _reference._map_chunks(run, tokens, max(1, _CHUNK_ELEMENTS // hidden))
+    _reference._map_chunks(run, tokens, max(1, min(_CHUNK_ROWS, _CHUNK_ELEMENTS // hidden)))
     totals = acc.sum(axis=0)
     maxima = acc.max(axis=0)
     actual = (candidate_dtype, dtype, candidate_dtype)
