@@ -799,3 +799,14 @@ def test_a_set_stop_event_stops_the_comparison():
     with pytest.raises(moegrad.DeadlineExceeded, match="stopped"):
         compare(call, moe_init_routing_v2_grad(call), stop=stop)
     assert compare(call, moe_init_routing_v2_grad(call), stop=threading.Event()).verdict == "pass"
+
+
+@pytest.mark.parametrize("mode", ["dropless", "drop_pad"])
+def test_a_comparison_on_the_calling_thread_alone_gives_the_same_report(mode):
+    call = make_call(mode, "bfloat16", tokens=6000, top_k=2)  # 5 blocks of at most 1365 rows of 48
+    device = moe_init_routing_v2_grad(call)
+    candidate = device.copy()
+    candidate.reshape(-1)[::97] = 1.0
+    together = compare(call, candidate, device_result=device)
+    alone = compare(call, candidate, device_result=device, parallel=False)
+    assert json.dumps(alone.to_dict(), sort_keys=True) == json.dumps(together.to_dict(), sort_keys=True)

@@ -485,6 +485,7 @@ def compare(
     standards: Iterable[str] | str | None = None,
     require_exact: bool = False,
     stop: threading.Event | None = None,
+    parallel: bool = True,
 ) -> ComparisonReport:
     """Judge a candidate implementation's gradX for one validated operator call.
 
@@ -504,6 +505,10 @@ def compare(
             (:attr:`ComparisonReport.exact` states exactness either way).
         stop: set it (from another thread) to stop the comparison at its next block of rows (a
             service whose caller has gone); None: it runs to the end.
+        parallel: spread the rows over the shared thread pool of the reference kernels (the
+            default); False: compute them on the calling thread alone (a service judging many
+            comparisons at once on threads of its own, which should not queue behind each other
+            there, nor hold up the calls it runs on that pool).
 
     Returns:
         A :class:`ComparisonReport`.
@@ -528,7 +533,7 @@ def compare(
         device_result = float_array(device_result, "device_result", GRAD_DTYPES)
         if dtype_name(device_result.dtype) != call.dtype_name:
             raise TypeError(f"device_result.dtype={device_result.dtype} is not the operator's dtype {call.dtype_name}")
-        fused = fused_metrics(call, candidate, device_result, golden, stop)
+        fused = fused_metrics(call, candidate, device_result, golden, stop, parallel)
         if fused is not None:
             rows = skipped_rows(call)
             return _report(

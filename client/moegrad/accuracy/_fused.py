@@ -114,8 +114,12 @@ def fused_metrics(
     device_result: np.ndarray,
     golden: np.ndarray | None = None,
     stop: threading.Event | None = None,
+    parallel: bool = True,
 ) -> tuple[Metrics, Metrics, Metrics] | None:
     """candidate vs golden, device vs golden, candidate vs device, relative to the summands' magnitude.
+
+    The blocks of rows are spread over the reference module's shared thread pool, or computed on
+    the calling thread alone when ``parallel`` is False.
 
     Returns None when this path cannot take the inputs (numba missing, a byte-swapped or strided
     array, an empty grad_x): the caller runs the NumPy path.
@@ -168,7 +172,12 @@ def fused_metrics(
 
     from moegrad import _reference  # the shared pool of the reference kernels
 
-    _reference._map_chunks(run, tokens, max(1, min(_CHUNK_ROWS, _CHUNK_ELEMENTS // hidden)))
+    step = max(1, min(_CHUNK_ROWS, _CHUNK_ELEMENTS // hidden))
+    if parallel:
+        _reference._map_chunks(run, tokens, step)
+    else:
+        for start in range(0, tokens, step):
+            run(start, min(start + step, tokens))
     totals = acc.sum(axis=0)
     maxima = acc.max(axis=0)
     actual = (candidate_dtype, dtype, candidate_dtype)
