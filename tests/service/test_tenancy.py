@@ -201,6 +201,45 @@ async def test_judging_past_its_deadline_is_stopped_and_answers_504():
         await judges.close()
 
 
+@pytest.mark.asyncio
+async def test_judging_still_waiting_at_shutdown_is_answered_503():
+    judges, log, release = JudgePool(1), [], threading.Event()
+    running = Blocking("running", log, release)
+    first = asyncio.create_task(judges.run(running, timeout_s=30))
+    await asyncio.to_thread(running.started.wait, 10)
+    waiting = asyncio.create_task(judges.run(Blocking("waiting", log, release), timeout_s=30))
+    await asyncio.sleep(0)
+    await judges.close(timeout_s=0.1)  # the running one holds its thread past the wait
+    with pytest.raises(DeviceBusy, match="shutting down"):
+        await waiting
+    release.set()
+    assert await first == "running"
+    assert log == ["running"]
+
+
+@pytest.mark.asyncio
+async def test_a_judging_spreads_its_rows_over_the_shared_pool_only_while_it_is_alone():
+    judges, release, seen = JudgePool(2), threading.Event(), []
+
+    def work(stop: threading.Event) -> None:
+        seen.append(judges.alone())
+        release.wait(10)
+
+    try:
+        first = asyncio.create_task(judges.run(work, timeout_s=30))
+        while not seen:
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(judges.run(work, timeout_s=30))  # starts while the first runs
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(first, second)
+    finally:
+        release.set()
+        await judges.close()
+    assert seen == [True, False]
+
+
 # --- the dataplane: a comparison whose client goes, and the gauges --------------------------------
 
 

@@ -315,7 +315,7 @@ class DataPlane:
     async def _compare(self, comparison: Comparison, deadline: float, tenant: str | None) -> CompareOutcome:
         loop = asyncio.get_running_loop()
         grad = await self.infer(comparison.call, timeout_s=_seconds_until(deadline, loop), tenant=tenant)
-        judge = partial(_judge, comparison, grad.grad_x)
+        judge = partial(_judge, comparison, grad.grad_x, alone=self.judges.alone)
         report, golden_s, compare_s = await self.judges.run(
             judge, timeout_s=_seconds_until(deadline, loop), tenant=tenant
         )
@@ -397,7 +397,9 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         try:
             await self.judges.run(
-                partial(_judge_each, judged, done), timeout_s=_seconds_until(deadline, loop), tenant=tenant
+                partial(_judge_each, judged, done, alone=self.judges.alone),
+                timeout_s=_seconds_until(deadline, loop),
+                tenant=tenant,
             )
         except DeadlineExceeded as exc:
             exc.with_traceback(None)  # kept as an answer: see infer_batch's Returns
@@ -508,11 +510,16 @@ def _seconds_until(deadline: float, loop: asyncio.AbstractEventLoop) -> float:
 
 
 def _judge(
-    comparison: Comparison, device_result: np.ndarray, stop: threading.Event
+    comparison: Comparison,
+    device_result: np.ndarray,
+    stop: threading.Event,
+    *,
+    alone: Callable[[], bool] = lambda: True,
 ) -> tuple[ComparisonReport, float, float]:
     """The report, and the seconds it took (on a judging thread): the golden is computed within the
     comparison (one compiled pass with the metrics), so its own share is 0. Stops with
-    DeadlineExceeded at the next block of rows once ``stop`` is set."""
+    DeadlineExceeded at the next block of rows once ``stop`` is set. Its rows are spread over the
+    reference kernels' shared pool only when ``alone()`` says no other judging waits or runs."""
     started = time.perf_counter()
     report = compare(
         comparison.call,
@@ -520,18 +527,25 @@ def _judge(
         device_result=device_result,
         standards=comparison.standards,
         stop=stop,
+        parallel=alone(),
     )
     return report, 0.0, time.perf_counter() - started
 
 
-def _judge_each(judged: list[tuple[int, Comparison, GradOutcome]], done: dict[int, Any], stop: threading.Event) -> None:
+def _judge_each(
+    judged: list[tuple[int, Comparison, GradOutcome]],
+    done: dict[int, Any],
+    stop: threading.Event,
+    *,
+    alone: Callable[[], bool] = lambda: True,
+) -> None:
     """Each comparison whose call succeeded, against its device result, its answer put in ``done``
-    under its place as soon as it has one; none after ``stop`` is set."""
+    under its place as soon as it has one; none after ``stop`` is set (:func:`_judge`)."""
     for index, comparison, grad in judged:
         if stop.is_set():
             return
         try:
-            report, golden_s, compare_s = _judge(comparison, grad.grad_x, stop)
+            report, golden_s, compare_s = _judge(comparison, grad.grad_x, stop, alone=alone)
         except MoegradError as exc:
             done[index] = exc.with_traceback(None)
         else:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from moegrad import DeadlineExceeded, MoegradError
+from moegrad import DeadlineExceeded, DeviceBusy, MoegradError
 from moegrad_service.engine.fair import FairQueue
 
 __all__ = ["JudgePool"]
@@ -64,6 +64,7 @@ class JudgePool:
         self._queued = 0
         self._running = 0
         self._threads: list[threading.Thread] = []
+        self._waiting: set[_Work[Any]] = set()  # queued, not yet taken or dropped
 
     def start(self) -> None:
         """Start the threads (idempotent)."""
@@ -75,11 +76,17 @@ class JudgePool:
             self._threads.append(thread)
 
     async def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the threads once the work queued before this has been taken (up to ``timeout_s``)."""
+        """Stop the threads (waiting up to ``timeout_s`` for the running work); work still waiting
+        then is answered DeviceBusy (503), never run."""
         threads, self._threads = self._threads, []
         for _ in threads:
             self._queue.put(_STOP, _STOP)
         await asyncio.to_thread(_join, threads, timeout_s)
+        for job in list(self._waiting):
+            if job.transition("queued", "dropped"):
+                job.work = None
+                _settle(job.future, None, DeviceBusy("the service is shutting down", retry_after_s=1.0))
+        self._waiting.clear()
 
     @property
     def queue_depth(self) -> int:
@@ -90,6 +97,13 @@ class JudgePool:
     def in_flight(self) -> int:
         """Judgings running now."""
         return self._running
+
+    def alone(self) -> bool:
+        """Whether the judging asking (on a judging thread) is the only one waiting or running: it
+        may then spread its rows over the thread pool the calls share (moegrad.compare's
+        ``parallel``); else each judging keeps to its own thread, so that judgings queue here, in
+        their tenants' turns, not there, ahead of the calls."""
+        return self._queued == 0 and self._running <= 1
 
     async def run(self, work: Callable[[threading.Event], T], *, timeout_s: float | None, tenant: Hashable = None) -> T:
         """``work(stop)`` on the next free thread in ``tenant``'s turn; its result.
@@ -107,6 +121,7 @@ class JudgePool:
         job: _Work[T] = _Work(work, loop, loop.create_future())
         with self._lock:
             self._queued += 1
+            self._waiting.add(job)
         self._queue.put(job, tenant)
         timer = None if timeout_s is None else loop.call_later(timeout_s, self._expire, job, timeout_s)
         try:
@@ -125,6 +140,7 @@ class JudgePool:
             job.work = None
             with self._lock:
                 self._queued -= 1
+                self._waiting.discard(job)
         else:
             job.stop.set()
 
@@ -146,6 +162,7 @@ class JudgePool:
             with self._lock:
                 self._queued -= 1
                 self._running += 1
+                self._waiting.discard(job)
             work, job.work = job.work, None
             error: BaseException | None = None
             try:
