@@ -46,7 +46,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _settled(pid: int, quiet_s: float = 0.5, within_s: float = 30.0) -> float:
+def _settled(pid: int, quiet_s: float = 1.0, within_s: float = 30.0) -> float:
     """Wait until the process has used no CPU for ``quiet_s``; its CPU time then."""
     end, last = time.monotonic() + within_s, cpu_seconds(pid)
     while time.monotonic() < end:
@@ -123,9 +123,10 @@ def oversized(server: ServerProcess, name: str, budget: int) -> Outcome | None:
     return outcome
 
 
-def stalled_large_uploads(log_dir: Path, quick: bool) -> Outcome:
+def stalled_large_uploads(log_dir: Path, quick: bool, env: dict[str, str] | None = None) -> Outcome:
     """Row 5: two uploads at 16 bytes/s hold most of a 64 MiB budget; another tenant's 4 MiB call
-    (holding 8 MiB) is tried every 0.25 s until it gets through."""
+    (holding 8 MiB) is tried every 0.25 s until it gets through. ``env``: the server's environment
+    (bench/tenancy.py runs an older checkout's code through PYTHONPATH)."""
     settings = {"max_inflight_bytes": 64 * MIB, "body_timeout_s": 30.0, "body_grace_s": 1.0,
                 "body_min_bytes_per_s": 64 << 10, "warm_up": "false", "shutdown_drain_s": 0}
     outcome = Outcome("uploads at 16 B/s holding the large-body budget", 5,
@@ -135,7 +136,7 @@ def stalled_large_uploads(log_dir: Path, quick: bool) -> Outcome:
     call = valid_call_body(4 * MIB)
     call_head = request_head("POST", GRAD_PATH, {"Content-Type": "application/msgpack"}, len(call))
     limit_s = 8.0 if quick else 40.0
-    with moegrad_server(log_dir, settings=settings, name="stalled") as server:
+    with moegrad_server(log_dir, settings=settings, name="stalled", env=env) as server:
         example_call(server.port, timeout_s=120)
         stallers: list[Answer] = []
         threads = [threading.Thread(target=lambda: stallers.append(_trickle(server.port, head, 16, limit_s + 5)))
@@ -231,31 +232,49 @@ def abandoned_compares(server: ServerProcess, count: int, tokens: int) -> Outcom
 FLOOD_TOKEN, SMALL_TOKEN = "tenant-a-token", "tenant-b-token"
 
 
-def _latencies(port: int, seconds: float, token: str | None) -> list[float]:
-    """The example call sent back to back (a fresh connection each, 20 ms apart) for ``seconds``;
-    each latency in seconds (a failed call counts as NaN)."""
-    out, end = [], time.monotonic() + seconds
+def _latencies(port: int, seconds: float, token: str | None) -> tuple[list[float], list[float]]:
+    """The example call sent back to back (a fresh connection each, 20 ms apart) for ``seconds``:
+    each one's latency, and the time its reply says it waited for a worker (``timings_ms.queue``),
+    in seconds (NaN for a failed call)."""
+    import msgpack
+
+    latencies, queued, end = [], [], time.monotonic() + seconds
     while time.monotonic() < end:
         answer = example_call(port, timeout_s=30, token=token)
-        out.append(answer.elapsed_s if answer.status == 200 else float("nan"))
+        ok = answer.status == 200
+        latencies.append(answer.elapsed_s if ok else float("nan"))
+        queued.append(msgpack.unpackb(answer.body)["timings_ms"]["queue"] / 1e3 if ok else float("nan"))
         time.sleep(0.02)
-    return out
+    return latencies, queued
 
 
-def flood_main(port: int, connections: int, seconds: float, token: str, tokens: int, hidden: int) -> None:
-    """The flood process: ``connections`` keep-alive connections sending the same prebuilt compare
+def flood_main(port: int, connections: int, seconds: float, token: str, tokens: int, hidden: int,
+               kind: str = "compare") -> None:
+    """The flood process: ``connections`` keep-alive connections sending the same prebuilt request
     back to back for ``seconds`` (``python -m support.attacks.tenancy PORT CONNECTIONS SECONDS TOKEN
-    TOKENS HIDDEN``); prints the count of answers by status."""
+    TOKENS HIDDEN KIND``); prints the count of answers by status. ``kind`` "compare": a dropless
+    compare of ``tokens`` x ``hidden``, top_k 2; "grad": a call whose work is large for its body
+    and its reply (active mode, top_k 64, every index one of 1024 rows, repeats allowed: N x 64 x H
+    adds from a body of N x 256 bytes and 1024 rows)."""
     import msgpack
     import numpy as np
 
     rng = np.random.default_rng(0)
-    grad = rng.standard_normal((2 * tokens, hidden), dtype=np.float32)
     tensor = lambda a: {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.tobytes()}  # noqa: E731
-    body = msgpack.packb({"grad_expanded_x": tensor(grad), "expanded_row_idx": tensor(
-        rng.permutation(2 * tokens).astype(np.int32)), "top_k": 2, "drop_pad_mode": 0, "active_num": 0,
-        "candidate": tensor(np.zeros((tokens, hidden), np.float32))}, use_bin_type=True)
-    head = _head("/v1/moe_init_routing_v2_grad/compare", "application/msgpack", len(body), token or None)
+    if kind == "grad":
+        rows, top_k = 1024, 64
+        document = {"grad_expanded_x": tensor(rng.standard_normal((rows, hidden), dtype=np.float32)),
+                    "expanded_row_idx": tensor(rng.integers(0, rows, tokens * top_k, dtype=np.int32)),
+                    "top_k": top_k, "drop_pad_mode": 0, "active_num": rows, "allow_duplicate_indices": True}
+        path = GRAD_PATH
+    else:
+        grad = rng.standard_normal((2 * tokens, hidden), dtype=np.float32)
+        document = {"grad_expanded_x": tensor(grad), "expanded_row_idx": tensor(
+            rng.permutation(2 * tokens).astype(np.int32)), "top_k": 2, "drop_pad_mode": 0, "active_num": 0,
+            "candidate": tensor(np.zeros((tokens, hidden), np.float32))}
+        path = "/v1/moe_init_routing_v2_grad/compare"
+    body = msgpack.packb(document, use_bin_type=True)
+    head = _head(path, "application/msgpack", len(body), token or None)
     counts: Counter = Counter()
     lock = threading.Lock()
     end = time.monotonic() + seconds
@@ -285,27 +304,31 @@ def flood_main(port: int, connections: int, seconds: float, token: str, tokens: 
 
 
 def flood_latency(log_dir: Path, *, seconds: float, connections: int, tokens: int, hidden: int,
-                  authenticated: bool) -> dict[str, float | str]:
+                  authenticated: bool, env: dict[str, str] | None = None, kind: str = "compare"
+                  ) -> dict[str, float | str]:
     """A small call's latency (the documentation's example, tenant B) alone, then under tenant A's
-    flood of compares, on one server (bearer tokens on when ``authenticated``, so A and B are two
-    tenants; else both are the one tenant a server without tokens has). Milliseconds."""
+    flood (``connections`` keep-alive connections of :func:`flood_main`'s ``kind``), on one server
+    (bearer tokens on when ``authenticated``, so A and B are two tenants; else both are the one
+    tenant a server without tokens has); ``env``: the server's environment. Milliseconds."""
     settings: dict[str, object] = {"warm_up": "true", "shutdown_drain_s": 0}
     if authenticated:
         settings["auth_tokens"] = f"{FLOOD_TOKEN},{SMALL_TOKEN}"
     flood_token, small_token = (FLOOD_TOKEN, SMALL_TOKEN) if authenticated else ("", None)
-    with moegrad_server(log_dir, settings=settings, name="flood", ready_within_s=300) as server:
+    with moegrad_server(log_dir, settings=settings, name="flood", ready_within_s=300, env=env) as server:
         for _ in range(20):
             example_call(server.port, timeout_s=120, token=small_token)
-        alone = _latencies(server.port, seconds, small_token)
+        alone, alone_queued = _latencies(server.port, seconds, small_token)
         flood = subprocess.Popen([sys.executable, "-m", "support.attacks.tenancy", str(server.port), str(connections),
-                                  str(seconds + 2.0), flood_token, str(tokens), str(hidden)],
+                                  str(seconds + 2.0), flood_token, str(tokens), str(hidden), kind],
                                  stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                      p for p in (str(Path(__file__).resolve().parents[2]),
                                                  os.environ.get("PYTHONPATH", "")) if p)})
         time.sleep(1.0)  # the flood fills the queue
-        flooded = _latencies(server.port, seconds, small_token)
+        flooded, flooded_queued = _latencies(server.port, seconds, small_token)
         counts, _ = flood.communicate(timeout=seconds + 120)
-    return {**_percentiles("alone", alone), **_percentiles("flood", flooded), "flood_answers": counts.strip()}
+    return {**_percentiles("alone", alone), **_percentiles("flood", flooded),
+            **_percentiles("alone_queue", alone_queued), **_percentiles("flood_queue", flooded_queued),
+            "flood_answers": counts.strip()}
 
 
 def _percentiles(name: str, values: list[float]) -> dict[str, float]:
@@ -320,4 +343,4 @@ def _percentiles(name: str, values: list[float]) -> dict[str, float]:
 
 if __name__ == "__main__":
     flood_main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], int(sys.argv[5]),
-               int(sys.argv[6]))
+               int(sys.argv[6]), sys.argv[7])
