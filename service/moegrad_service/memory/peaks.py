@@ -15,7 +15,7 @@ judge keeps :data:`JUDGE_ROW_BYTES` of per-row sums for every token (three compa
 float64 statistics each); a comparison's report, as objects, as a reply map and packed, is about
 :data:`REPORT_BYTES`; a batch item's decoded map, its call, its outcome and its reply map about
 :data:`BATCH_ITEM_BYTES`. The constants were measured (peak RSS of a real server against the
-formula, ``python -m bench.tenancy memory``; ``tests/e2e/test_memory_e2e.py`` holds a server to
+formula, ``python -m bench.tenancy --only memory``; ``tests/e2e/test_tenancy_e2e.py`` holds a server to
 them) with room to spare; what is not counted (a few MiB of chunks, small replies) is covered by the
 fixed allowance the tests grant.
 """
@@ -46,7 +46,7 @@ __all__ = [
 #: The judge's per-row sums: 3 comparisons x 33 float64 statistics for every token of grad_x
 #: (moegrad.accuracy's compiled comparison keeps them all until the rows are summed).
 JUDGE_ROW_BYTES = 3 * 33 * 8
-#: One comparison's report: its objects, its reply map and the map packed (measured about 24 KiB).
+#: One comparison's report: its objects, its reply map and the map packed, with room to spare.
 REPORT_BYTES = 32 << 10
 #: One batch item besides its tensors: its decoded map, its call, its outcome and its reply map.
 BATCH_ITEM_BYTES = 2 << 10
