@@ -227,10 +227,11 @@ async def test_a_judging_spreads_its_rows_over_the_shared_pool_only_while_it_is_
 
     try:
         first = asyncio.create_task(judges.run(work, timeout_s=30))
-        while not seen:
+        deadline = time.monotonic() + 20
+        while not seen and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         second = asyncio.create_task(judges.run(work, timeout_s=30))  # starts while the first runs
-        while len(seen) < 2:
+        while len(seen) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         release.set()
         await asyncio.gather(first, second)
@@ -278,7 +279,8 @@ async def test_a_comparison_whose_client_went_is_stopped_and_counted_until_then(
         first = asyncio.create_task(dataplane.compare(comparison(), timeout_s=30, disconnected=gone.wait))
         assert await asyncio.to_thread(blocking_judge["started"].acquire, True, 10)
         second = asyncio.create_task(dataplane.compare(comparison(), timeout_s=30))
-        while dataplane.queue_depth < 1:  # its call runs, then its judging waits for the one judge
+        deadline = time.monotonic() + 20
+        while dataplane.queue_depth < 1 and time.monotonic() < deadline:  # its call runs, then its judging waits
             await asyncio.sleep(0.01)
         # the queue gauge counts judging: one waiting, one running
         assert (dataplane.queue_depth, dataplane.in_flight) == (1, 1)
