@@ -59,6 +59,7 @@ PYTEST_LANES := -n 3 --dist loadfile
 test: $(STAMP)
 	$(BIN)/ruff check client service
 	$(BIN)/ruff format --check client service
+	$(BIN)/lint-imports
 	$(BIN)/python -m compileall -q client service bench tests
 	$(BIN)/python -c "import moegrad; moegrad.warm_up()" & kernel=$$!; \
 	$(BIN)/python -c "import moegrad.accuracy; moegrad.accuracy.warm_up_compare()" & compare=$$!; \

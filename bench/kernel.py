@@ -41,12 +41,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from moegrad import MoeInitRoutingV2GradCall, _fast, _reference, accumulation_schedule
+from moegrad import MoeInitRoutingV2GradCall, accumulation_schedule
+from moegrad.numerics import accumulate, compiled_kernel_available, kernel_threads
 
 __all__ = ["WORKLOADS", "Workload", "main"]
 
 _COPY_BYTES = 512 << 20
-_F32 = np.dtype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def run_call(call: MoeInitRoutingV2GradCall, kernel: str, out: np.ndarray | None
     public function does)."""
     if out is None:
         out = np.empty((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype)
-    return _reference._accumulate(call, _F32, accumulation_schedule(call.top_k), out, kernel=kernel)
+    return accumulate(call, accumulation_schedule(call.top_k), out, kernel=kernel)
 
 
 def moved_bytes(call: MoeInitRoutingV2GradCall) -> int:
@@ -152,7 +152,7 @@ def measure(w: Workload, repeats: int, slow_repeats: int, with_fallback: bool = 
     source = np.ones(_COPY_BYTES // 8, dtype=np.float64)
     target = np.empty_like(source)
     np.copyto(target, source)  # pages touched before timing
-    fast_kernel = "numba" if _fast.available() else "numpy"
+    fast_kernel = "numba" if compiled_kernel_available() else "numpy"
     fast = run_call(call, fast_kernel)  # compiles (or loads the cache) and starts the pool
     gather = gather_rows(call)
     out = np.zeros_like(fast)  # gradX written in place, pages touched: like copyto's target
@@ -256,7 +256,7 @@ def gather_rows(call: MoeInitRoutingV2GradCall):
     grad = call.grad_expanded_x
     rows = grad.reshape(-1, call.hidden_size).view(np.uint8)
     index = np.ascontiguousarray(call.expanded_row_idx, dtype=np.int32)
-    lanes = max(1, _reference._workers())
+    lanes = max(1, kernel_threads())
     bounds = np.linspace(0, index.size, lanes + 1).astype(int)
     spans = list(itertools.pairwise(bounds))
     _touch(rows, index, 0, min(8, index.size))
@@ -345,7 +345,7 @@ def _machine() -> str:
         compiled = f"numba {numba.__version__}"
     except ImportError:
         compiled = "numba not installed (the fast path is the NumPy path)"
-    return f"{line}; {compiled}; reference pool: {_reference._workers()} threads"
+    return f"{line}; {compiled}; reference pool: {kernel_threads()} threads"
 
 
 def _verdict(ok: bool | None) -> str:
@@ -453,7 +453,7 @@ def render(results: list[dict], memory: dict[tuple[str, str], dict], quick: bool
 def main(quick: bool = True, *, write: bool = True, workloads: tuple[str, ...] = ()) -> str:
     """Run the benchmark, print the section and (``write``) put it in bench/RESULTS.md; returns it."""
     started = time.monotonic()
-    if not _fast.available():
+    if not compiled_kernel_available():
         print("bench.kernel: numba is not installed; 'fast' below is the NumPy path", flush=True)
     machine_before = _machine()
     probes = [probe()]
@@ -467,8 +467,8 @@ def main(quick: bool = True, *, write: bool = True, workloads: tuple[str, ...] =
         del result
     memory: dict[tuple[str, str], dict] = {}
     for w in chosen:
-        fast_kernel = "numba" if _fast.available() else "numpy"
-        for kernel in (fast_kernel,) if quick else ("numba", "numpy")[:2 if _fast.available() else 1]:
+        fast_kernel = "numba" if compiled_kernel_available() else "numpy"
+        for kernel in (fast_kernel,) if quick else ("numba", "numpy")[:2 if compiled_kernel_available() else 1]:
             print(f"bench.kernel: peak memory {w.name} {kernel} ...", flush=True)
             memory[(w.name, kernel)] = peak_extra(w.name, kernel)
     probes.append(probe())

@@ -28,8 +28,8 @@ import torch
 import moegrad
 import moegrad.torch  # noqa: F401  (registers torch.ops.moegrad)
 from bench.kernel import WORKLOADS, build
-from moegrad import _reference
-from moegrad._tensors import to_numpy, to_torch
+from moegrad.torch import to_numpy, to_torch
+from moegrad.numerics import kernel_threads
 
 __all__ = ["main"]
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = moegrad.warm_up()
     results = [measure(w, args.repeats) for w in chosen]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; moegrad pool "
-          f"{_reference._workers()} threads, compiled kernel: {'yes' if compiled else 'no (NumPy path)'}; "
+          f"{kernel_threads()} threads, compiled kernel: {'yes' if compiled else 'no (NumPy path)'}; "
           f"{len(os.sched_getaffinity(0))} CPUs, load average {os.getloadavg()[0]:.1f} at the end; "
           f"best of {args.repeats}\n")
     print(table(results))

@@ -103,7 +103,7 @@ def s2_in_process(payload: Payload) -> dict[str, float]:
     pack the reply; unpack it and copy grad_x out (GradResult owns its array).
     """
     from moegrad import MoeInitRoutingV2GradCall, decode_body, decode_tensor, encode_tensor, moe_init_routing_v2_grad
-    from moegrad._wire import encode_body_view
+    from moegrad.wire import encode_body_view
 
     steps: dict[str, float] = {}
     t0 = time.perf_counter()

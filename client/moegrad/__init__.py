@@ -13,11 +13,13 @@
   ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
   against the device and a float64 golden; :mod:`moegrad.accuracy` holds the standards and the
-  report writers (docs/accuracy.md).
+  report writers (docs/accuracy.md);
+- the candidate on the bench (:class:`Candidate`: a callable, ``package.module:function`` or a v2
+  URL): :func:`probe_order` reveals its tree of adds, :func:`order_free_inputs` builds calls every
+  order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row.
 """
 
-from moegrad._ascend950 import Ascend950Tiling, ascend950_tiling
-from moegrad._client import AsyncClient, Client
+from moegrad._dtypes import DTYPES, brief, dtype_name
 from moegrad._errors import (
     AclnnStatus,
     DeadlineExceeded,
@@ -31,57 +33,70 @@ from moegrad._errors import (
     TransportError,
     Unauthorized,
 )
-from moegrad._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
-from moegrad._identify import Identification, ProfileMatch, identify
-from moegrad._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
-from moegrad._orders import accumulation_schedule, bin_count
-from moegrad._profiles import PROFILES, Profile, resolve_profile
-from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
-from moegrad._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
-from moegrad._replicas import ReplicaStats
-from moegrad._requests import BatchCompare
-from moegrad._results import CompareResult, GradResult
-from moegrad._routing import (
+from moegrad._version import __version__
+from moegrad.accuracy import (
+    DEFAULT_STANDARDS,
+    DTYPE_LIMITS,
+    ORDER_FREE_LIMITS,
+    PROBE_LIMITS,
+    STANDARDS,
+    THRESHOLDS,
+    Candidate,
+    CandidateError,
+    ComparisonReport,
+    Criterion,
+    CriterionResult,
+    DeterminismCheck,
+    DtypeLimits,
+    ExactMatch,
+    InconsistentOrder,
+    Metrics,
+    MultiTermOrder,
+    OrderProbe,
+    OrderProbeError,
+    StandardVerdict,
+    WorstElement,
+    ZeroRowCheck,
+    any_order_bound,
+    as_candidate,
+    check_compare_arguments,
+    check_determinism,
+    compare,
+    compare_arrays,
+    metrics,
+    order_free_inputs,
+    probe_order,
+    skipped_rows,
+    summand_magnitude,
+)
+from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._client import AsyncClient, Client
+from moegrad.http._documents import BatchCompare
+from moegrad.http._replicas import ReplicaStats
+from moegrad.numerics._ascend950 import Ascend950Tiling, ascend950_tiling
+from moegrad.numerics._identify import Identification, ProfileMatch, identify
+from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
+from moegrad.numerics._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
+from moegrad.numerics._routing import (
     MoeInitRoutingV2Result,
     expanded_row_idx_layout,
     invert_expanded_row_idx,
     moe_init_routing_v2,
 )
-from moegrad._spec import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
-from moegrad._version import __version__
-from moegrad._wire import (
-    DTYPES,
-    brief,
+from moegrad.numerics._schedules import accumulation_schedule, bin_count
+from moegrad.operator._call import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import PROFILES, Profile, resolve_profile
+from moegrad.wire._codec import (
     decode_batch,
     decode_body,
     decode_tensor,
-    dtype_name,
     encode_batch,
     encode_body,
     encode_body_view,
     encode_tensor,
 )
-from moegrad.accuracy import (
-    DEFAULT_STANDARDS,
-    DTYPE_LIMITS,
-    STANDARDS,
-    THRESHOLDS,
-    ComparisonReport,
-    Criterion,
-    CriterionResult,
-    DtypeLimits,
-    ExactMatch,
-    Metrics,
-    StandardVerdict,
-    WorstElement,
-    ZeroRowCheck,
-    check_compare_arguments,
-    compare,
-    compare_arrays,
-    metrics,
-    skipped_rows,
-    summand_magnitude,
-)
+from moegrad.wire._frames import FRAMES_MEDIA_TYPE, decode_frames, encode_frames
+from moegrad.wire._limits import MAX_BATCH_CALLS, MAX_RANK, REQUEST_LIMITS, StructureLimits
 
 __all__ = [
     "DEFAULT_STANDARDS",
@@ -92,6 +107,8 @@ __all__ = [
     "MAX_BATCH_CALLS",
     "MAX_RANK",
     "ORDERS",
+    "ORDER_FREE_LIMITS",
+    "PROBE_LIMITS",
     "PROFILES",
     "REQUEST_LIMITS",
     "STANDARDS",
@@ -101,24 +118,31 @@ __all__ = [
     "AsyncClient",
     "BatchCompare",
     "CallGroup",
+    "Candidate",
+    "CandidateError",
     "Client",
     "CompareResult",
     "ComparisonReport",
     "Criterion",
     "CriterionResult",
     "DeadlineExceeded",
+    "DeterminismCheck",
     "DeviceBusy",
     "DeviceFault",
     "DtypeLimits",
     "ExactMatch",
     "GradResult",
     "Identification",
+    "InconsistentOrder",
     "InvalidArgument",
     "MalformedRequest",
     "Metrics",
     "MoeInitRoutingV2GradCall",
     "MoeInitRoutingV2Result",
     "MoegradError",
+    "MultiTermOrder",
+    "OrderProbe",
+    "OrderProbeError",
     "PayloadTooLarge",
     "Profile",
     "ProfileMatch",
@@ -132,10 +156,13 @@ __all__ = [
     "ZeroRowCheck",
     "__version__",
     "accumulation_schedule",
+    "any_order_bound",
+    "as_candidate",
     "ascend950_tiling",
     "bin_count",
     "brief",
     "check_compare_arguments",
+    "check_determinism",
     "compare",
     "compare_arrays",
     "decode_batch",
@@ -157,6 +184,8 @@ __all__ = [
     "moe_init_routing_v2_grad_golden",
     "moe_init_routing_v2_grad_group",
     "moe_init_routing_v2_grad_many",
+    "order_free_inputs",
+    "probe_order",
     "resolve_profile",
     "skipped_rows",
     "summand_magnitude",

@@ -1,6 +1,6 @@
 """``python -m moegrad``: the ``moegrad`` command (see ``moegrad --help``)."""
 
-from moegrad._cli import main
+from moegrad.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moegrad._profiles import DEFAULT_PROFILE
 from moegrad._version import __version__
+from moegrad.operator._profiles import DEFAULT_PROFILE
 
 #: The environment variable naming the profile (a key of :data:`moegrad.msprobe.PROFILES`).
 ORDER_ENV = "MOEGRAD_MSPROBE_ORDER"

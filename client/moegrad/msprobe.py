@@ -93,14 +93,14 @@ except ImportError as _missing:
 
     raise ImportError(f"moegrad.msprobe needs torch: {TORCH_HINT}") from _missing
 
-from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
-from moegrad._client import Client
 from moegrad._msprobe_install import DTYPE_ENV, ORDER_ENV, TOKEN_ENV, URL_ENV
-from moegrad._profiles import DEFAULT_PROFILE, resolve_profile
-from moegrad._profiles import PROFILES as _DEVICE_PROFILES
-from moegrad._reference import moe_init_routing_v2_grad
-from moegrad._routing import MoeInitRoutingV2Result, expert_range, invert_expanded_row_idx, moe_init_routing_v2
 from moegrad._tensors import to_numpy, to_torch
+from moegrad.http._client import Client
+from moegrad.numerics._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad.numerics._reference import moe_init_routing_v2_grad
+from moegrad.numerics._routing import MoeInitRoutingV2Result, expert_range, invert_expanded_row_idx, moe_init_routing_v2
+from moegrad.operator._profiles import DEFAULT_PROFILE, resolve_profile
+from moegrad.operator._profiles import PROFILES as _DEVICE_PROFILES
 
 __all__ = [
     "DTYPE_ENV",
@@ -391,7 +391,7 @@ def npu_moe_token_permute(
 
 def _expert_range(active_expert_range: Sequence[int], expert_num: int, ids: np.ndarray) -> tuple[int, int]:
     """[start, end) of the active experts: the default () every expert, else the range as the
-    routing's own :func:`moegrad._routing.expert_range` checks it (561002)."""
+    routing's own :func:`moegrad.numerics._routing.expert_range` checks it (561002)."""
     if len(active_expert_range) == 0:
         return 0, max(expert_num, int(ids.max()) + 1 if ids.size else 0, 1)
     checked = expert_range(active_expert_range, max(expert_num, 0))

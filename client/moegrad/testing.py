@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moegrad._reference import moe_init_routing_v2_grad_golden
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy import DTYPE_LIMITS, ComparisonReport, compare, exactness_line, summand_magnitude
+from moegrad.numerics._reference import moe_init_routing_v2_grad_golden
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 if TYPE_CHECKING:
-    from moegrad._client import Client
+    from moegrad.http._client import Client
 
 __all__ = ["assert_close"]
 

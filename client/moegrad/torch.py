@@ -11,7 +11,7 @@ Install with ``pip install 'moegrad[torch]'``; ``import moegrad`` never imports 
 - ``torch.ops.moegrad.moe_init_routing_grad_ordered``: the same with a trailing ``str order`` (a
   profile name; docs/semantics.md).
 - ``torch.ops.moegrad.moe_init_routing_v2`` (and :func:`moe_init_routing_v2`): the forward routing,
-  aclnnMoeInitRoutingV2 (:mod:`moegrad._routing`); :class:`MoeInitRoutingV2` pairs it with the
+  aclnnMoeInitRoutingV2 (:mod:`moegrad.numerics._routing`); :class:`MoeInitRoutingV2` pairs it with the
   backward op, so ``expanded_x.backward(...)`` puts the device's bits in ``x.grad``.
 
 Where the work runs: on the CPU the embedded emulation reads and writes the tensors' own memory
@@ -20,7 +20,8 @@ host memory and the result back to that device. With :func:`set_service` (a :cla
 every call of the backward op goes to that service instead, e.g. a server with an Ascend NPU.
 
 Bad input raises :class:`moegrad.InvalidArgument` with the aclnn code and the field, as the NumPy
-functions do.
+functions do. :func:`to_numpy` and :func:`to_torch` are the conversions at moegrad's edges (a CPU
+tensor's memory viewed, bfloat16 as 2-byte words), for code that times or checks the op.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from collections.abc import Iterator
 
 import torch
 
-from moegrad._client import Client
 from moegrad._errors import AclnnStatus, InvalidArgument
-from moegrad._profiles import DEFAULT_PROFILE, resolve_profile
-from moegrad._reference import moe_init_routing_v2_grad as _grad_numpy
-from moegrad._routing import MoeInitRoutingV2Result
-from moegrad._routing import moe_init_routing_v2 as _routing_numpy
 from moegrad._tensors import to_numpy, to_torch
+from moegrad.http._client import Client
+from moegrad.numerics._reference import moe_init_routing_v2_grad as _grad_numpy
+from moegrad.numerics._routing import MoeInitRoutingV2Result
+from moegrad.numerics._routing import moe_init_routing_v2 as _routing_numpy
+from moegrad.operator._profiles import DEFAULT_PROFILE, resolve_profile
 
 __all__ = [
     "MoeInitRoutingV2",
@@ -48,6 +49,8 @@ __all__ = [
     "moe_init_routing_v2",
     "set_order",
     "set_service",
+    "to_numpy",
+    "to_torch",
     "using_order",
     "using_service",
 ]

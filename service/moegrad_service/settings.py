@@ -14,8 +14,8 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
-from moegrad._profiles import ALIASES, DEFAULT_PROFILE, PROFILES, resolve_profile
+from moegrad.numerics import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad.operator import ALIASES, DEFAULT_PROFILE, PROFILES, resolve_profile
 
 __all__ = ["Settings"]
 
@@ -54,6 +54,14 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(
         2 << 30, ge=1024, description="largest request body in bytes, checked before it is read"
+    )
+    grpc_max_message_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description="largest gRPC message in bytes, refused by gRPC from its length prefix before it is read; "
+        "each message being read reserves 4 times this of max_inflight_bytes, its size being unknown until "
+        "it is read (default: the smallest of max_body_bytes, 2 GiB - 1 and a sixteenth of the seven eighths "
+        "of max_inflight_bytes that one call may take: four reads of the largest message fit at once)",
     )
     max_elements: int = Field(1 << 31, ge=1, description="largest element count of one tensor")
     max_inflight_bytes: int = Field(

@@ -38,7 +38,7 @@ SIM_SOURCES = Path(__file__).parent / "sim"
 BUILD_ROOT = Path(__file__).parent / "_build"
 CFLAGS = ["-std=gnu11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off",
           "-Wall", "-Wextra", "-pthread"]
-#: The release every built home records (the newest of moegrad._profiles.RELEASES).
+#: The release every built home records (the newest of moegrad.operator._profiles.RELEASES).
 DEFAULT_VERSION = "9.1.0"
 #: Bumped when what _build writes besides the libraries changes, so that older builds are rebuilt.
 BUILD_RECIPE = b"share/info/ops_transformer/version.info " + DEFAULT_VERSION.encode()

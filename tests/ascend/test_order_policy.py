@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
-from support.docexample import example_document
+from support.docexample import example_document, v2_inputs
 from support.servicekit import pack, post
 
 
@@ -35,9 +35,7 @@ def serve_device(monkeypatch, release_home, soc: str, version: str | None):
 
 def v2_infer(client: TestClient, **parameters):
     body = {"parameters": {"top_k": 2, **parameters},
-            "inputs": [{"name": "grad_expanded_x", "shape": [4, 2], "datatype": "FP32",
-                        "data": [0.1, 0.1, 0.3, 0.3, 0.2, 0.2, 0.4, 0.4]},
-                       {"name": "expanded_row_idx", "shape": [4], "datatype": "INT32", "data": [2, 0, 1, 3]}]}
+            "inputs": v2_inputs()}
     return client.post("/v2/models/moe_init_routing_v2_grad/infer", content=json.dumps(body))
 
 

@@ -1,6 +1,6 @@
 """What changes with the CANN release, on the simulated device of each release.
 
-The rules (the profile table, moegrad._profiles, and docs/semantics.md): phase one answers an
+The rules (the profile table, moegrad.operator._profiles, and docs/semantics.md): phase one answers an
 attribute or shape failure with 561002 before 9.1 and with 561103 ACLNN_ERR_INNER_NULLPTR from 9.1
 (the 9.1 documentation's code; docs/operator.md's return codes list the checks); from 9.1 an empty
 output succeeds with no launch and no attribute check, before it is a tiling error (561002); the

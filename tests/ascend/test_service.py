@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,16 +26,19 @@ from fastapi.testclient import TestClient
 
 import moegrad
 from moegrad_service.app import create_app
+from moegrad_service.engine.ascend import AscendBackend
 from moegrad_service.settings import Settings
 from support.docexample import example_document
-from support.servicekit import grad_x_of, post
+from support.servicekit import gauge, grad_x_of, post
 
 LIVE = ("allocations", "tensors", "executors", "streams", "pending", "device_refs", "initialized")
 
 
 @contextlib.contextmanager
-def serve(**settings):
-    app = create_app(Settings(**settings))
+def serve(opened=None, **settings):
+    """A TestClient of the service, its lifespan open, over the backend ``opened`` (one made by the test)
+    or else the one ``settings`` names."""
+    app = create_app(Settings(**settings), backend=opened)
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 
@@ -48,6 +52,63 @@ def assert_nothing_left(sim, before: dict[str, int]) -> None:
     assert {name: after[name] for name in LIVE} == dict.fromkeys(LIVE, 0)
     for name in ("violations", "reclaimed", "context_errors"):
         assert after[name] == before[name], name
+
+
+def settled(client) -> bool:
+    """True once the pool holds no call: none queued, none running (its /metrics gauges)."""
+    return (gauge(client, "moegrad_inference_pending_request_count") == 0
+            and gauge(client, "moegrad_inference_exec_count") == 0)
+
+
+def hang_kernels(client, sim, pending: int, timeout: str = "0.05") -> None:
+    """Post calls with a deadline of ``timeout`` s, arming a hang before each, until ``pending`` kernels hang.
+
+    Every such call is answered 504, but a 504 does not say that the call's kernel took the hang: the
+    pool answers at the deadline, from the event loop, while the call may still be queued (it is then
+    never run) or still on its worker ahead of its launch (the launch comes after the answer, and the
+    simulator's hang goes to the next kernel launched, whichever call's it is). So the next hang is
+    armed only once the pool has let go of the call, and a call that never launched leaves its hang
+    armed for the next one.
+    """
+    for _ in range(4 * pending + 8):
+        if sim.counts()["pending"] >= pending:
+            break
+        sim.inject("hang", 1, -1)
+        answer = post(client, example_document(), headers={"x-request-timeout": timeout})
+        assert answer.status_code == 504, answer.text
+        wait = time.monotonic() + 10
+        while not settled(client) and time.monotonic() < wait:
+            time.sleep(0.01)
+    assert sim.counts()["pending"] == pending
+
+
+def launch_after_the_answer(monkeypatch, backend, sim, hold_s: float = 0.5) -> None:
+    """Hold each kernel launch of ``backend`` until the test arms its next fault (at most ``hold_s``).
+
+    The interleaving CPU load makes: the worker thread runs a call up to its launch, the pool answers
+    504 at the deadline, the test arms its next hang, and only then is the kernel launched. ``hold_s``
+    stays well under the pool's ABANDON_GRACE_S (2 s), past which a worker still running is replaced.
+    """
+    armed = threading.Condition()
+    injected = [0]
+    inject = sim.inject
+
+    def counted(*args) -> None:
+        inject(*args)
+        with armed:
+            injected[0] += 1
+            armed.notify_all()
+
+    launch = backend._api.aclnnMoeInitRoutingV2Grad
+
+    def late(*args):
+        with armed:
+            seen = injected[0]
+            armed.wait_for(lambda: injected[0] > seen, timeout=hold_s)
+        return launch(*args)
+
+    monkeypatch.setattr(sim, "inject", counted)
+    monkeypatch.setattr(backend._api, "aclnnMoeInitRoutingV2Grad", late)
 
 
 def test_results_match_the_reference_backend_and_nothing_is_left(sim, sim_home):
@@ -71,7 +132,7 @@ def test_results_match_the_reference_backend_and_nothing_is_left(sim, sim_home):
 def test_a_batch_of_calls_of_one_shape_runs_each_on_the_device_with_its_own_bits(sim, sim_home, monkeypatch):
     """Batch members grouped by shape run one by one on the device (the ascend backend computes no
     group itself): each result has the bits of the reference's single call, and nothing is left."""
-    from moegrad._spec import CallGroup
+    from moegrad.operator._call import CallGroup
 
     members = []
     call_of = CallGroup.call
@@ -144,10 +205,7 @@ def test_a_host_without_ascend_opp_path_is_never_ready(sim, sim_home, monkeypatc
 def test_hung_kernel_is_a_504_and_the_pool_keeps_its_capacity(sim, sim_home):
     before = sim.counts()
     with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as client:
-        sim.inject("hang", 1, -1)
-        hung = post(client, example_document(), headers={"x-request-timeout": "0.2"})
-        assert hung.status_code == 504, hung.text
-        assert sim.counts()["pending"] == 1
+        hang_kernels(client, sim, pending=1, timeout="0.2")
         # Both workers still serve at once, the one that timed out on a fresh stream.
         with ThreadPoolExecutor(4) as clients:
             replies = list(clients.map(lambda _: post(client, example_document()), range(8)))
@@ -231,15 +289,19 @@ def test_real_client_against_a_real_server(ascend_server):
                     assert_bitwise(reply.grad_x, moegrad.moe_init_routing_v2_grad(call))
 
 
-def test_a_worker_with_too_many_hung_kernels_is_lost_capacity_and_shutdown_stays_clean(sim, sim_home):
+@pytest.mark.parametrize("launch", ["prompt", "after_its_504"])
+def test_a_worker_with_too_many_hung_kernels_is_lost_capacity_and_shutdown_stays_clean(sim, sim_home, monkeypatch,
+                                                                                       launch):
     # One stream: after 4 kernels that missed their deadline (MAX_RETIRED_STREAMS) the only worker
     # cannot run calls, so the service is not ready and refuses calls with 503 instead of failing them.
+    # "after_its_504": every kernel is launched only after its call was answered (see hang_kernels).
     before = sim.counts()
-    # shutdown_grace_s bounds closing's wait for the kernel still hung at the end (else 10 s)
-    with serve(backend="ascend", ascend_home_path=sim_home, streams=1, shutdown_grace_s=1) as client:
-        for _ in range(4):
-            sim.inject("hang", 1, -1)
-            assert post(client, example_document(), headers={"x-request-timeout": "0.05"}).status_code == 504
+    # closing waits for the kernel still hung at the end no longer than shutdown_grace_s, as open_backend's does
+    backend = AscendBackend(ascend_home_path=sim_home, drain_timeout_s=1)
+    if launch == "after_its_504":
+        launch_after_the_answer(monkeypatch, backend, sim)
+    with serve(opened=backend, backend="ascend", ascend_home_path=sim_home, streams=1, shutdown_grace_s=1) as client:
+        hang_kernels(client, sim, pending=4)
         wait = time.monotonic() + 5
         while client.get("/health/ready").status_code == 200 and time.monotonic() < wait:
             time.sleep(0.05)
@@ -254,8 +316,8 @@ def test_a_worker_with_too_many_hung_kernels_is_lost_capacity_and_shutdown_stays
             time.sleep(0.05)
         assert client.get("/health/ready").status_code == 200
         assert post(client, example_document()).status_code == 200
-        sim.inject("hang", 1, -1)  # and one still hung when the service shuts down
-        assert post(client, example_document(), headers={"x-request-timeout": "0.05"}).status_code == 504
+        hang_kernels(client, sim, pending=1)  # and one still hung when the service shuts down
     after = sim.counts()  # no CANN call after aclFinalize, nothing left but what the device reset took
     assert after["violations"] == before["violations"] and after["context_errors"] == before["context_errors"]
     assert after["initialized"] == after["streams"] == after["allocations"] == 0
+    assert after["forced"] == before["forced"] + 1  # the hung kernel's stream, destroyed without waiting

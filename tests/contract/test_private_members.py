@@ -2,7 +2,7 @@
 
 The server's connection layer (moegrad_service.connections._uvicorn_private, the one module that
 reaches them) uses members of uvicorn's httptools protocol, its request cycle and its Server that
-uvicorn does not document; the client's transport (moegrad._transport) sets httpx's and httpcore's.
+uvicorn does not document; the client's transport (moegrad.http._transport) sets httpx's and httpcore's.
 pyproject.toml bounds these libraries to the releases this file passed on and requirements.lock
 holds the exact ones. An upgrade that renames, re-types or starts defining one of these names fails
 here, by name, instead of silently undoing the attack hardening or the wire speed.
@@ -25,7 +25,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from moegrad._transport import PRIVATE_MEMBERS
+from moegrad.http._transport import PRIVATE_MEMBERS
 
 # ---- uvicorn's httptools protocol -------------------------------------------------------------------
 

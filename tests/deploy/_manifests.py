@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-__all__ = ["kustomize", "quantity"]
+__all__ = ["expand", "kustomize", "option", "quantity"]
 
 RENDER_TIMEOUT_S = 120
 
@@ -51,3 +51,16 @@ def quantity(value: str | int) -> float:
     scale = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
              "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
     return number * scale[suffix]
+
+
+def option(args: list[str], flag: str) -> str:
+    """The value that follows ``flag`` in a container's ``args`` (given once)."""
+    (at,) = [i for i, arg in enumerate(args) if arg == flag]
+    return args[at + 1]
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` references expanded as the kubelet expands a container's command and args: a
+    variable the container defines is replaced, ``$$`` is a literal ``$``, anything else stays."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)

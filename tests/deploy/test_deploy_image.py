@@ -100,7 +100,7 @@ def test_substitute_follows_docker_rules():
 @pytest.mark.parametrize(("path", "excluded"), [
     ("pyproject.toml", False),
     ("client", False),
-    ("client/moegrad/_wire.py", False),
+    ("client/moegrad/wire/_codec.py", False),
     ("client/moegrad/__pycache__/_wire.cpython-311.pyc", True),
     ("docker/entrypoint.sh", False),
     ("docker/notes.md", True),

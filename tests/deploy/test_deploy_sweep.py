@@ -1,13 +1,15 @@
 """The sweep (deploy/sweep): an Indexed Job, schema-valid, and consistent with the CLI, the servers and the docs.
 
-The sweep's kustomizations (the Job and its headless Service, the volumes, the merge Job) are
-rendered by ``kubectl kustomize`` (the tests skip where kubectl is not installed), and the files pod
-is read as it is applied (``kubectl apply -f``). Each is validated against the strict Kubernetes
-OpenAPI schemas of the ``kubernetes-validate`` wheel for versions that have every field the Job
-uses, and checked against what it must agree with: the exit codes of ``moegrad`` (the pod failure
-policy), the shard count (``completions`` and ``--shard I/N``), how Kubernetes expands
+The sweep's kustomizations (the Job and its headless Service, the volumes, the files pod, the
+merge Job) are rendered by ``kubectl kustomize`` (the tests skip where kubectl is not installed).
+Each is validated against the strict Kubernetes OpenAPI schemas of the ``kubernetes-validate``
+wheel for versions that have every field the Job uses, and checked against what it must agree
+with: the exit codes of ``moegrad`` (the pod failure policy: a pod that judged every case completes,
+issue 38), the shard count (``completions`` and ``--shard I/N``), how Kubernetes expands
 ``$(JOB_COMPLETION_INDEX)``, the servers of deploy/k8s (labels, port, image, what they admit at
-once), and docs/operations.md ("Sweeps at cluster scale" states the interface: issue 30).
+once), the one image setting (deploy/sweep/image, a kustomize component every kustomization
+includes), and docs/operations.md ("Sweeps at cluster scale" states the interface: issue 30).
+That the Job's URL reaches every server pod is run, not only read: test_deploy_sweep_run.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import shutil
 from functools import cache
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
@@ -22,13 +25,14 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from deploy._manifests import kustomize, quantity
+from deploy._manifests import expand, kustomize, option, quantity
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP = REPO / "deploy" / "sweep"
 K8S = REPO / "deploy" / "k8s"
-KUSTOMIZATIONS = {"sweep": SWEEP, "volumes": SWEEP / "volumes", "merge": SWEEP / "merge"}
-FILES_POD = SWEEP / "volumes" / "files-pod.yaml"
+KUSTOMIZATIONS = {"sweep": SWEEP, "volumes": SWEEP / "volumes", "merge": SWEEP / "merge", "files": SWEEP / "files"}
+#: The kustomize component that sets the image of every kustomization above.
+IMAGE = SWEEP / "image"
 KINDS = {"sweep": ["Job", "Service"], "volumes": ["PersistentVolumeClaim"] * 2, "merge": ["Job"], "files": ["Pod"]}
 #: The annotation the Job controller writes each pod's completion index to (Kubernetes' batch/v1 API).
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -40,8 +44,6 @@ BODIES_PER_CASE_IN_FLIGHT = 2
 
 @cache
 def rendered(name: str) -> tuple[dict, ...]:
-    if name == "files":
-        return (yaml.safe_load(FILES_POD.read_text(encoding="utf-8")),)
     return tuple(kustomize(KUSTOMIZATIONS[name]))
 
 
@@ -61,19 +63,6 @@ def pod_spec(name: str = "sweep") -> dict:
 def container(name: str = "sweep") -> dict:
     (only,) = pod_spec(name)["containers"]
     return only
-
-
-def option(args: list[str], flag: str) -> str:
-    """The value that follows ``flag`` in ``args`` (given once)."""
-    (at,) = [i for i, arg in enumerate(args) if arg == flag]
-    return args[at + 1]
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """``$(VAR)`` references expanded as the kubelet expands a container's command and args: a
-    variable the container defines is replaced, ``$$`` is a literal ``$``, anything else stays."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
 def shard_count() -> int:
@@ -147,7 +136,7 @@ def test_each_index_judges_its_own_shard_into_its_own_file():
 
 
 def test_the_failure_policy_follows_moegrads_exit_codes():
-    from moegrad._cli import EXIT_FAILURE, EXIT_MISMATCH, EXIT_REJECTED, EXIT_USAGE
+    from moegrad.cli._main import EXIT_FAILURE, EXIT_INTERNAL, EXIT_MISMATCH, EXIT_REJECTED, EXIT_USAGE
 
     spec = job()["spec"]
     assert pod_spec()["restartPolicy"] == "Never", "required by podFailurePolicy and backoffLimitPerIndex"
@@ -155,21 +144,21 @@ def test_the_failure_policy_follows_moegrads_exit_codes():
     rules = spec["podFailurePolicy"]["rules"]
     # A pod evicted or preempted is started again without counting a failure; that rule comes first.
     assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
-    by_action = {rule["action"]: rule["onExitCodes"] for rule in rules[1:]}
-    assert set(by_action) == {"FailIndex", "FailJob"}
-    for codes in by_action.values():
-        assert codes["containerName"] == container()["name"] and codes["operator"] == "In"
-    # Invalid input (3) and a failed standard (1) give the same answer again: the index fails, unretried.
-    assert EXIT_REJECTED == 3 and EXIT_REJECTED in by_action["FailIndex"]["values"]
-    assert sorted(by_action["FailIndex"]["values"]) == sorted([EXIT_MISMATCH, EXIT_REJECTED])
-    # A wrong command line is wrong for every index.
-    assert by_action["FailJob"]["values"] == [EXIT_USAGE]
-    # A server or transport failure (4) matches no rule: counted, and retried up to backoffLimitPerIndex.
-    assert not any(EXIT_FAILURE in codes["values"] for codes in by_action.values())
+    # A wrong command line is wrong for every index: the whole Job stops.
+    fail_job = {"containerName": container()["name"], "operator": "In", "values": [EXIT_USAGE]}
+    assert rules[1:] == [{"action": "FailJob", "onExitCodes": fail_job}]
+    # A pod that judged every case exits 0 whatever the verdicts: a failed standard (1) or an invalid
+    # case (3) never fails the index or the Job; the findings are the merge's (its summary, its exit status).
+    assert "--exit-zero-on-findings" in container()["args"]
+    assert "--exit-zero-on-findings" not in container("merge")["args"]
+    named = {code for rule in rules[1:] for code in rule["onExitCodes"]["values"]}
+    assert not named & {EXIT_MISMATCH, EXIT_REJECTED}
+    # A server or transport failure (4) or a bug (70) matches no rule: counted, retried up to backoffLimitPerIndex.
+    assert not named & {EXIT_FAILURE, EXIT_INTERNAL}
 
 
 def test_the_job_args_are_the_clis():
-    from moegrad._cli import build_parser
+    from moegrad.cli._main import build_parser
 
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
@@ -189,7 +178,9 @@ def test_the_job_args_are_the_clis():
 def test_the_sweep_calls_every_ready_server_pod():
     url = urlsplit(option(container()["args"], "--url"))
     service = one("sweep", "Service")
-    assert url.scheme == "http" and url.hostname == service["metadata"]["name"]
+    # dns+: the client takes each address of the name as a replica (README.md, docs/accuracy.md
+    # "Sweeps"); a plain http:// name is one replica. test_deploy_sweep_run.py runs it.
+    assert url.scheme == "dns+http" and url.hostname == service["metadata"]["name"]
     # A headless Service: one A record per ready server pod, which the client takes as its replicas.
     assert service["spec"]["clusterIP"] == "None"
     server_labels = k8s_deployment()["spec"]["template"]["metadata"]["labels"]
@@ -265,6 +256,46 @@ def test_the_merge_job_reads_every_shard_and_writes_the_summary_beside_them():
     assert job("merge")["spec"]["backoffLimit"] == 0, "deterministic: its exit status is the sweep's verdict"
 
 
+# ---- the image -----------------------------------------------------------------------------------
+
+def _images(value) -> list[str]:
+    """Every ``image`` of the containers in a rendered resource."""
+    if isinstance(value, dict):
+        return [image for key, item in value.items()
+                for image in ([item] if key == "image" and isinstance(item, str) else _images(item))]
+    return [image for item in value for image in _images(item)] if isinstance(value, list) else []
+
+
+def test_every_manifest_is_rendered_by_a_kustomization_that_takes_the_image_from_one_place():
+    component = yaml.safe_load((IMAGE / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert component["kind"] == "Component" and [rule["name"] for rule in component["images"]] == ["moegrad"]
+    listed = set()
+    for name, directory in KUSTOMIZATIONS.items():
+        kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text(encoding="utf-8"))
+        assert "images" not in kustomization, f"{directory}: the image is set in {IMAGE} alone"
+        listed |= {(directory / resource).resolve() for resource in kustomization["resources"]}
+        if any(_images(resource) for resource in rendered(name)):
+            assert [(directory / c).resolve() for c in kustomization.get("components", [])] == [IMAGE.resolve()]
+    manifests = {path.resolve() for path in SWEEP.rglob("*.yaml") if path.name != "kustomization.yaml"}
+    assert manifests == listed, "every manifest is applied through a kustomization (kubectl apply -k)"
+
+
+def test_one_rule_sets_the_image_of_every_container(tmp_path):
+    """The rule of deploy/sweep/image changed in a copy: every container of every kustomization follows it."""
+    copy = tmp_path / "sweep"
+    shutil.copytree(SWEEP, copy)
+    component = yaml.safe_load((copy / "image" / "kustomization.yaml").read_text(encoding="utf-8"))
+    component["images"] = [{"name": "moegrad", "newName": "registry.example.com/ml/moegrad", "newTag": "9.9.9-cpu"}]
+    (copy / "image" / "kustomization.yaml").write_text(yaml.safe_dump(component), encoding="utf-8")
+    seen = 0
+    for directory in KUSTOMIZATIONS.values():
+        for resource in kustomize(copy / directory.relative_to(SWEEP)):
+            for image in _images(resource):
+                assert image == "registry.example.com/ml/moegrad:9.9.9-cpu", (directory, resource["kind"])
+                seen += 1
+    assert seen == 3, "the sweep Job, the merge Job and the files pod"
+
+
 # ---- the documentation ---------------------------------------------------------------------------
 
 def _section(title: str) -> str:
@@ -282,6 +313,7 @@ def test_the_operations_guide_describes_these_manifests():
         assert str(directory.relative_to(REPO)) in section
     spec = job()["spec"]
     for fact in (f"completions: {spec['completions']}", f"parallelism: {spec['parallelism']}",
-                 f"backoffLimitPerIndex: {spec['backoffLimitPerIndex']}", "FailIndex", "FailJob", "DisruptionTarget",
-                 "shard-$(JOB_COMPLETION_INDEX).jsonl", INDEX_ANNOTATION):
+                 f"backoffLimitPerIndex: {spec['backoffLimitPerIndex']}", "FailJob", "DisruptionTarget",
+                 "shard-$(JOB_COMPLETION_INDEX).jsonl", INDEX_ANNOTATION, option(container()["args"], "--url"),
+                 "--exit-zero-on-findings", f"{IMAGE.relative_to(REPO)}/kustomization.yaml"):
         assert fact in section, fact

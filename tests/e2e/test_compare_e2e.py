@@ -1,13 +1,13 @@
 """Accuracy comparisons end to end: a real moegrad-service (uvicorn), the Client, the AsyncClient and
 the ``moegrad compare`` command, in all three modes. Against the server the command runs as a
-subprocess, as a user runs it; ``--local`` runs in this process (``moegrad._cli.main``), which
+subprocess, as a user runs it; ``--local`` runs in this process (``moegrad.cli._main.main``), which
 spares a process start per case.
 
 Most of these tests check **transport only**: the expected report is :func:`moegrad.compare` of the
 same call and candidate, the very function the server runs, and the device result is
 :func:`moegrad.moe_init_routing_v2_grad` (the emulation the reference backend serves), so they prove
 that the numbers arrive intact, not that they are right. The numbers are proven by the oracles in
-tests/unit/test_accuracy.py and tests/service/test_compare.py (tests/support/oracle.py), and
+tests/unit/accuracy/test_accuracy.py and tests/service/test_compare.py (tests/support/oracle.py), and
 ``test_cli_json_exit_code_follows_the_independent_verdicts`` here takes its expected exit code and
 statuses from that oracle. Exit codes are the ones ``moegrad --help`` documents: 0 pass (a warning
 passes), 1 a failed standard, 2 usage, 3 rejected input, 4 server or transport failure.
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import moegrad
-from moegrad._cli import main
+from moegrad.cli._main import main
 from support import routing
 from support.oracle import (
     ALL_STANDARDS,
@@ -44,7 +44,7 @@ TOLERANCE = ("dual_thousandth", "threshold", "benchmark", "accumulative")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Runs the command with matplotlib made unimportable, as on a host without the ``plot`` extra.
 WITHOUT_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None; "
-                      "from moegrad._cli import main; sys.exit(main(sys.argv[1:]))")
+                      "from moegrad.cli._main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def make_call(mode: str, dtype=np.float32, *, tokens: int = 20, top_k: int = 4, hidden: int = 24, seed: int = 0):

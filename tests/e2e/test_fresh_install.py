@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support.docexample import DOC_GRAD, DOC_IDX
+
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_ONLY_ABSENT = ("fastapi", "uvicorn", "pydantic_settings", "prometheus_client", "numba", "torch")
 
@@ -35,9 +37,9 @@ def test_the_client_install_has_no_server_packages_and_calls_a_server(fresh_venv
 import importlib.util, json, sys
 import numpy as np
 import moegrad
-grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
+grad = np.array({DOC_GRAD.tolist()!r}, dtype=np.float32)
 with moegrad.Client({server_url!r}) as client:
-    grad_x = client.moe_init_routing_v2_grad(grad, np.array([2, 0, 1, 3], dtype=np.int32), top_k=2)
+    grad_x = client.moe_init_routing_v2_grad(grad, np.array({DOC_IDX.tolist()!r}, dtype=np.int32), top_k=2)
 print(json.dumps({{"file": moegrad.__file__, "grad_x": grad_x.tolist(),
                   "absent": [m for m in {CLIENT_ONLY_ABSENT!r} if importlib.util.find_spec(m) is None]}}))
 """

@@ -25,9 +25,9 @@ import pytest
 
 import moegrad
 from moegrad import InvalidArgument, accuracy
-from moegrad._cli import main
-from moegrad._cli_parser import with_flags
 from moegrad.accuracy._batches import ProfilesDiffer
+from moegrad.cli._main import main
+from moegrad.cli._parser import with_flags
 from support.launch import moegrad_server
 
 A950, A910 = "ascend950@9.1", "ascend910b@9.1"

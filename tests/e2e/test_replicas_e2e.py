@@ -33,8 +33,8 @@ import pytest
 
 import moegrad
 from moegrad import accuracy
-from moegrad._cli import main
-from moegrad._cli_sweep import sweep_status
+from moegrad.cli._main import main
+from moegrad.cli._sweep import sweep_status
 from support.launch import moegrad_server
 from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
 

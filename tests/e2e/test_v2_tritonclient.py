@@ -18,6 +18,7 @@ import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
 import moegrad
+from support.docexample import v2_inputs
 
 MODEL = "moe_init_routing_v2_grad"
 TRITON_DATATYPES = {np.dtype(np.float16): "FP16", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "FP32"}
@@ -229,11 +230,7 @@ def test_httpx_json_documentation_example(server_url):
     document = {
         "id": "doc-example",
         "parameters": {"top_k": 2, "drop_pad_mode": 0, "active_num": 0},
-        "inputs": [
-            {"name": "grad_expanded_x", "shape": [4, 2], "datatype": "FP32",
-             "data": [0.1, 0.1, 0.3, 0.3, 0.2, 0.2, 0.4, 0.4]},
-            {"name": "expanded_row_idx", "shape": [4], "datatype": "INT32", "data": [2, 0, 1, 3]},
-        ],
+        "inputs": v2_inputs(),
     }
     response = httpx.post(f"{server_url}/v2/models/{MODEL}/infer", content=json.dumps(document), timeout=30)
     assert response.status_code == 200, response.text

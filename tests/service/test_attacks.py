@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 
 import moegrad
-from moegrad_service.memory import MemoryBudget
 from moegrad_service.engine import ReferenceBackend
 from moegrad_service.engine import pool as pool_module
+from moegrad_service.memory import MemoryBudget
 from support.docexample import example_document
 from support.servicekit import post
 

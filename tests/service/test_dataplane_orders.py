@@ -22,6 +22,7 @@ from moegrad_service.dataplane import Comparison, DataPlane, GradOutcome, GradRe
 from moegrad_service.engine import ReferenceBackend, StreamPool
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
+from support.docexample import DOC_GRAD, DOC_IDX
 
 PARAM_INVALID = 161002
 
@@ -35,8 +36,7 @@ class Atlas910(ReferenceBackend):
 
 
 def call(order: str = "ascend910b") -> MoeInitRoutingV2GradCall:
-    grad = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], np.float32)
-    return MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.array([2, 0, 1, 3], np.int32),
+    return MoeInitRoutingV2GradCall(grad_expanded_x=DOC_GRAD, expanded_row_idx=DOC_IDX,
                                     top_k=2, order=order)
 
 

@@ -28,14 +28,14 @@ import msgpack
 import numpy as np
 import pytest
 import schemathesis
-from schemathesis.specs.openapi.checks import status_code_conformance, unsupported_method
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis.specs.openapi.checks import status_code_conformance, unsupported_method
 
 from moegrad import InvalidArgument, MalformedRequest, MoeInitRoutingV2GradCall, decode_body
-from moegrad_service.memory import heap
 from moegrad_service.app import create_app
+from moegrad_service.memory import heap
 from moegrad_service.settings import Settings
 from support import routing
 from support.servicekit import MSGPACK_HEADERS

@@ -29,6 +29,7 @@ import moegrad
 from moegrad_service.app import create_app
 from moegrad_service.settings import Settings
 from support.bits import same_bits
+from support.docexample import DOC_GRAD, DOC_IDX
 from support.grpckit import (
     DOC_BITS,
     DTYPES,
@@ -194,9 +195,9 @@ def test_empty_call_and_typed_contents(service):
         request = service_pb2.ModelInferRequest(model_name=MODEL)
         request.parameters["top_k"].int64_param = 2
         grad = request.inputs.add(name="grad_expanded_x", datatype="FP32", shape=[4, 2])
-        grad.contents.fp32_contents.extend([0.1, 0.1, 0.3, 0.3, 0.2, 0.2, 0.4, 0.4])
+        grad.contents.fp32_contents.extend(DOC_GRAD.ravel().tolist())
         request.inputs.add(name="expanded_row_idx", datatype="INT32", shape=[4]).contents.int_contents.extend(
-            [2, 0, 1, 3])
+            DOC_IDX.tolist())
         response = stub.ModelInfer(request, timeout=30)
         assert list(response.outputs[0].shape) == [2, 2] and response.outputs[0].datatype == "FP32"
         assert np.frombuffer(response.raw_output_contents[0], np.uint32).reshape(2, 2).tolist() == DOC_BITS

@@ -147,7 +147,7 @@ def test_the_service_trims_its_heap_after_a_large_call_once_quiet(serve, monkeyp
     call = moegrad.MoeInitRoutingV2GradCall(grad_expanded_x=rng.standard_normal((512, 512), dtype=np.float32),
                                             expanded_row_idx=rng.permutation(512).astype(np.int32), top_k=1)
     with serve() as client:
-        response = client.post("/v1/moe_init_routing_v2_grad", content=moegrad._wire.encode_body(call.to_wire()),
+        response = client.post("/v1/moe_init_routing_v2_grad", content=moegrad.wire._codec.encode_body(call.to_wire()),
                                headers={"content-type": "application/msgpack"})
         assert response.status_code == 200
         deadline = time.monotonic() + 5

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from moegrad import DeviceFault
-from moegrad_service.engine import ReferenceBackend, pool as pool_module
+from moegrad_service.engine import ReferenceBackend
+from moegrad_service.engine import pool as pool_module
 from support.docexample import DOC_GRAD, DOC_IDX, example_document
 from support.servicekit import grad_x_of, pack, post
 
@@ -309,10 +310,9 @@ def test_a_content_length_of_thousands_of_digits_is_refused_not_an_error(declare
     (past int()'s 4300-digit cap) are a client's mistake, never an internal error. uvicorn refuses
     such a header itself, so read_body is called directly, as another ASGI server would reach it."""
     import asyncio
+    from types import SimpleNamespace
 
     from starlette.requests import Request
-
-    from types import SimpleNamespace
 
     import moegrad
     from moegrad_service.api.inputs import read_body

@@ -14,8 +14,9 @@ import pytest
 
 import moegrad
 from moegrad import DeviceFault
-from moegrad_service.engine import ReferenceBackend, pool as pool_module
-from support.docexample import DOC_GRAD, DOC_IDX, DOC_RESULT_BITS
+from moegrad_service.engine import ReferenceBackend
+from moegrad_service.engine import pool as pool_module
+from support.docexample import DOC_GRAD, DOC_IDX, DOC_RESULT_BITS, v2_inputs
 
 MODEL = "moe_init_routing_v2_grad"
 INFER = f"/v2/models/{MODEL}/infer"
@@ -495,7 +496,7 @@ def test_json_number_beyond_float_range_is_400_not_infinity(client):
 def test_a_datatype_that_is_not_a_string_is_400_naming_the_input(client, datatype):
     body = {"parameters": {"top_k": 2},
             "inputs": [{"name": "grad_expanded_x", "shape": [4, 2], "datatype": datatype, "data": [0.0] * 8},
-                       {"name": "expanded_row_idx", "shape": [4], "datatype": "INT32", "data": [2, 0, 1, 3]}]}
+                       v2_inputs()[1]]}
     response = client.post("/v2/models/moe_init_routing_v2_grad/infer", content=json.dumps(body))
     assert response.status_code == 400, response.text
     assert "grad_expanded_x.datatype" in response.json()["error"]

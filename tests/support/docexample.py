@@ -12,7 +12,16 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-__all__ = ["DOC_BODY", "DOC_GRAD", "DOC_IDX", "DOC_RESULT", "DOC_RESULT_BITS", "DOC_TOP_K", "example_document"]
+__all__ = [
+    "DOC_BODY",
+    "DOC_GRAD",
+    "DOC_IDX",
+    "DOC_RESULT",
+    "DOC_RESULT_BITS",
+    "DOC_TOP_K",
+    "example_document",
+    "v2_inputs",
+]
 
 #: gradExpandedX [4, 2] float32.
 DOC_GRAD = np.array([[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]], dtype=np.float32)
@@ -48,3 +57,12 @@ def example_document(**overrides) -> dict:
 
 #: The example's msgpack request body (``example_document()`` packed).
 DOC_BODY = msgpack.packb(example_document(), use_bin_type=True)
+
+
+def v2_inputs() -> list[dict]:
+    """The example's two inputs as a v2 JSON infer request carries them (docs/protocol.md, "The
+    request"): grad_expanded_x FP32 [4, 2] and expanded_row_idx INT32 [4], row-major, fresh each call."""
+    return [
+        {"name": "grad_expanded_x", "shape": [4, 2], "datatype": "FP32", "data": DOC_GRAD.ravel().tolist()},
+        {"name": "expanded_row_idx", "shape": [4], "datatype": "INT32", "data": DOC_IDX.tolist()},
+    ]

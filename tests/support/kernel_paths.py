@@ -17,7 +17,7 @@ __all__ = ["record_stream_flags", "streamed_into_offset_buffer"]
 def record_stream_flags(monkeypatch, name: str) -> list[bool]:
     """The ``stream`` argument of each call of ``_fast_jit.<name>`` (run_rows or run_rows_950, whose
     eighth argument it is); the kernel still runs."""
-    from moegrad import _fast_jit  # imports numba: only the tests of the compiled path get here
+    from moegrad.numerics import _fast_jit  # imports numba: only the tests of the compiled path get here
 
     flags = []
     kernel = getattr(_fast_jit, name)

@@ -8,8 +8,9 @@ library and httpx (nothing of moegrad), so a test or benchmark that uses it load
   whole group, so nothing the server started outlives it). Use it as a context manager, or call
   :meth:`~ServerProcess.start` and :meth:`~ServerProcess.stop`.
 - :func:`moegrad_server` starts ``moegrad-service serve`` (or a launcher that takes its flags) on
-  127.0.0.1, with the caller's settings only: every inherited ``MOEGRAD_*`` variable is dropped.
-  A port taken between choosing it and binding it is retried on a fresh port.
+  127.0.0.1 (or another loopback address), with the caller's settings only: every inherited
+  ``MOEGRAD_*`` variable is dropped. A port taken between choosing it and binding it is retried on
+  a fresh port, unless the caller chose the port.
 - :func:`stop_on_sigterm` makes SIGTERM unwind like Ctrl-C, so ``finally`` blocks stop the servers.
 """
 
@@ -182,8 +183,9 @@ def _clear_group(pgid: int) -> None:
 def moegrad_server(log_dir: Path, *, flags: Sequence[str] = REFERENCE_FLAGS,
                    settings: Mapping[str, object] | None = None, command: Sequence[str] = SERVE_COMMAND,
                    env: Mapping[str, str] | None = None, tls_ca: Path | None = None, cwd: Path | None = None,
-                   ready_within_s: float = 60.0, stop_within_s: float = 30.0, name: str = "moegrad") -> ServerProcess:
-    """Start ``command --host 127.0.0.1 --port PORT *flags`` on a free port and wait until it is ready.
+                   ready_within_s: float = 60.0, stop_within_s: float = 30.0, name: str = "moegrad",
+                   host: str = LOOPBACK, port: int | None = None) -> ServerProcess:
+    """Start ``command --host HOST --port PORT *flags`` on a free port and wait until it is ready.
 
     Args:
         log_dir: where ``<name>-<port>.log`` is written.
@@ -193,26 +195,30 @@ def moegrad_server(log_dir: Path, *, flags: Sequence[str] = REFERENCE_FLAGS,
         command: the command before the flags (a test launcher that forwards them, say).
         env: the base environment (default: this process's); its ``MOEGRAD_*`` variables are dropped.
         tls_ca: the CA bundle that signed the server's certificate: the URL is then ``https://``.
+        host: the address to bind and call: 127.0.0.1, or any 127.x.y.z (on Linux all of
+            127.0.0.0/8 is loopback), so that servers on several addresses share one port.
+        port: the port; None: a free one.
 
     Returns the started server; the caller stops it (``with`` or :meth:`ServerProcess.stop`).
 
     Raises:
-        ServerNotReady: as :meth:`ServerProcess.start`, after the port attempts.
+        ServerNotReady: as :meth:`ServerProcess.start`, after the port attempts (one when ``port`` is given).
     """
     base = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("MOEGRAD_")}
     base["MOEGRAD_SHUTDOWN_DRAIN_S"] = "0"  # stopped at once (no load balancer to drain from), unless asked for
     base.update({f"MOEGRAD_{key.upper()}": str(value) for key, value in (settings or {}).items()})
     scheme = "https" if tls_ca else "http"
-    for attempt in range(1, _PORT_ATTEMPTS + 1):
-        port = free_port()
-        server = ServerProcess([*command, "--host", LOOPBACK, "--port", str(port), *flags],
-                               url=f"{scheme}://{LOOPBACK}:{port}", log_path=Path(log_dir) / f"{name}-{port}.log",
+    attempts = _PORT_ATTEMPTS if port is None else 1
+    for attempt in range(1, attempts + 1):
+        bound = free_port(host) if port is None else port
+        server = ServerProcess([*command, "--host", host, "--port", str(bound), *flags],
+                               url=f"{scheme}://{host}:{bound}", log_path=Path(log_dir) / f"{name}-{bound}.log",
                                env=base, cwd=cwd, ready_within_s=ready_within_s, stop_within_s=stop_within_s,
                                verify=str(tls_ca) if tls_ca else True, name=name)
         try:
             return server.start()
         except ServerNotReady:
-            if attempt == _PORT_ATTEMPTS or "address already in use" not in server.log().lower():
+            if attempt == attempts or "address already in use" not in server.log().lower():
                 raise  # not a port race: another port will not help
     raise AssertionError("unreachable")
 

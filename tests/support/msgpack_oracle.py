@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 
 from moegrad import MoegradError, decode_batch, decode_body
-from moegrad._wire import Segment
+from moegrad.wire._codec import Segment
 
 __all__ = ["checking", "outcome"]
 

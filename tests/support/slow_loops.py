@@ -14,7 +14,7 @@ round-half-to-even written from the definition (not NumPy's cast):
 - :func:`every_add_tree`: every binary tree of float32 adds over K slots, to prove a hand-written
   order the only one that fits.
 
-tests/unit/test_reference.py and tests/unit/test_ascend950.py check these loops by hand before the
+tests/unit/numerics/test_reference.py and tests/unit/numerics/test_ascend950.py check these loops by hand before the
 other tests trust them.
 """
 

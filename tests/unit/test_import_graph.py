@@ -1,90 +1,42 @@
-"""No import circles among the modules of moegrad and moegrad_service.
+"""No import circle runs through a package's face.
 
-Every import counts: at the top of a module, inside a function, or for type checking only (a
-circle hidden in a function is still a circle in the design). Oracle: the source files' own
-import statements, read with ``ast``; the strongly connected components of that graph must all be
-single modules.
+import-linter (``make test`` runs ``lint-imports``; the contracts are in pyproject.toml) checks the
+layers of the client, the public faces and, with its ``acyclic_siblings`` contract, that no modules
+of one package import each other in a circle. What that contract cannot see is a circle through a
+package's ``__init__``: a module that imports the face of a package holding it (its own package's,
+or an ancestor's) while that face imports the module back, directly or through others. A face
+imports its package's modules, so such an import is a circle in the design even where Python's
+import order happens to let it run.
+
+Oracle: the import graph as grimp (import-linter's engine) builds it from the source, every import
+counted (at the top of a module, inside a function, or for type checking only).
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"moegrad": ROOT / "client" / "moegrad", "moegrad_service": ROOT / "service" / "moegrad_service"}
+import grimp
 
 
-def _modules() -> dict[str, Path]:
-    found = {}
-    for top, folder in PACKAGES.items():
-        for path in folder.rglob("*.py"):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join([top, *parts])] = path
+def _circles_through_faces(graph: grimp.ImportGraph) -> list[str]:
+    found = []
+    for module in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if module.startswith(imported + ".") and graph.chain_exists(importer=imported, imported=module):
+                found.append(f"{module} -> {imported} (which imports {module} back)")
     return found
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``name`` imports (``from X import Y`` counts as X.Y when that is a module)."""
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                module = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                module = node.module or ""
-            for alias in node.names:
-                child = f"{module}.{alias.name}"
-                found.add(child if child in modules else module)
-    return {m for m in found if m in modules and m != name}
+def test_the_checker_finds_a_circle_through_a_face():
+    graph = grimp.ImportGraph()
+    for name in ("pkg", "pkg.a", "pkg.b", "pkg.c"):
+        graph.add_module(name)
+    graph.add_import(importer="pkg", imported="pkg.a")  # the face imports its modules
+    graph.add_import(importer="pkg.a", imported="pkg.b")
+    graph.add_import(importer="pkg.b", imported="pkg")  # ... and one of them its face: a circle
+    graph.add_import(importer="pkg.c", imported="pkg")  # the face does not import c: no circle
+    assert _circles_through_faces(graph) == ["pkg.b -> pkg (which imports pkg.b back)"]
 
 
-def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's strongly connected components with more than one module."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    circles = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for other in graph[node]:
-            if other not in index:
-                visit(other)
-                low[node] = min(low[node], low[other])
-            elif other in on_stack:
-                low[node] = min(low[node], index[other])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                circles.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return circles
-
-
-def test_the_checker_finds_a_circle():
-    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_no_import_circles():
-    modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert _circles(graph) == []
+def test_no_circle_runs_through_a_face():
+    graph = grimp.build_graph("moegrad", "moegrad_service")
+    assert _circles_through_faces(graph) == []

@@ -19,11 +19,19 @@ standard, with the thresholds per dtype and their sources.
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
-  :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles).
+  :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles) and
+  :func:`refuse_mixed_profiles`, :func:`worst_first`, :func:`statuses`; a sweep's pieces as the
+  ``moegrad`` command uses them: :func:`fields_with_order`, :func:`context_call`,
+  :data:`SWEEP_THREAD`, :data:`PLOT_MISSING`, :func:`console_text` (a name or message shown inert);
+- the candidate on the bench: :class:`Candidate` (:func:`as_candidate`, :class:`CandidateError`),
+  :func:`probe_order` (its tree of adds, FPRev; :class:`OrderProbe`, :class:`InconsistentOrder`,
+  :class:`MultiTermOrder`, :data:`PROBE_LIMITS`, :func:`probe_scale`), :func:`order_free_inputs`
+  (:data:`ORDER_FREE_LIMITS`), :func:`check_determinism` (:class:`DeterminismCheck`,
+  :func:`any_order_bound`).
 """
 
-from moegrad._identify import with_profiles
-from moegrad.accuracy._batches import ProfilesDiffer
+from moegrad.accuracy._batches import ProfilesDiffer, context_call, fields_with_order, refuse_mixed_profiles
+from moegrad.accuracy._candidate import Candidate, CandidateError, as_candidate
 from moegrad.accuracy._cases import (
     SUMMARY_COLUMNS,
     CaseResult,
@@ -31,6 +39,7 @@ from moegrad.accuracy._cases import (
     load_case,
     save_case,
     shard_of,
+    worst_first,
     write_summary,
 )
 from moegrad.accuracy._compare import (
@@ -41,7 +50,9 @@ from moegrad.accuracy._compare import (
     skipped_rows,
     summand_magnitude,
 )
-from moegrad.accuracy._context import report_context, with_context
+from moegrad.accuracy._context import report_context, with_context, with_profiles
+from moegrad.accuracy._determinism import DeterminismCheck, any_order_bound, check_determinism
+from moegrad.accuracy._escape import console_text
 from moegrad.accuracy._export import (
     CSV_CONTEXT_COLUMNS,
     MSPROBE_DETAIL_COLUMNS,
@@ -52,10 +63,21 @@ from moegrad.accuracy._export import (
     write_json_report,
 )
 from moegrad.accuracy._fused import warm_up_compare
-from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader
+from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
+from moegrad.accuracy._order_free import ORDER_FREE_LIMITS, order_free_inputs
+from moegrad.accuracy._probe import (
+    PROBE_LIMITS,
+    InconsistentOrder,
+    MultiTermOrder,
+    OrderProbe,
+    OrderProbeError,
+    probe_order,
+    probe_scale,
+)
 from moegrad.accuracy._report import (
+    PLOT_MISSING,
     exactness_line,
     format_report,
     markdown_report,
@@ -74,7 +96,7 @@ from moegrad.accuracy._results import (
     ZeroRowCheck,
 )
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
-from moegrad.accuracy._sweep import compare_cases, compare_in_process
+from moegrad.accuracy._sweep import SWEEP_THREAD, compare_cases, compare_in_process
 
 __all__ = [
     "CSV_CONTEXT_COLUMNS",
@@ -82,18 +104,29 @@ __all__ = [
     "DTYPE_LIMITS",
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
+    "ORDER_FREE_LIMITS",
+    "PLOT_MISSING",
+    "PROBE_LIMITS",
     "STANDARDS",
     "SUMMARY_COLUMNS",
+    "SWEEP_THREAD",
     "THRESHOLDS",
+    "Candidate",
+    "CandidateError",
     "CaseResult",
     "ComparisonReport",
     "Criterion",
     "CriterionResult",
+    "DeterminismCheck",
     "DtypeLimits",
     "ExactMatch",
+    "InconsistentOrder",
     "MergeError",
     "MergedSweep",
     "Metrics",
+    "MultiTermOrder",
+    "OrderProbe",
+    "OrderProbeError",
     "ProfilesDiffer",
     "ReportContext",
     "StandardVerdict",
@@ -103,30 +136,42 @@ __all__ = [
     "SweepHeader",
     "WorstElement",
     "ZeroRowCheck",
+    "any_order_bound",
+    "as_candidate",
     "check_compare_arguments",
+    "check_determinism",
     "compare",
     "compare_arrays",
     "compare_cases",
     "compare_in_process",
+    "console_text",
+    "context_call",
     "csv_rows",
     "exactness_line",
+    "fields_with_order",
     "find_cases",
     "format_report",
     "load_case",
     "markdown_report",
     "merge_sweeps",
     "metrics",
+    "order_free_inputs",
+    "probe_order",
+    "probe_scale",
     "read_json_report",
+    "refuse_mixed_profiles",
     "rejudge",
     "relative_errors",
     "report_context",
     "save_case",
     "shard_of",
     "skipped_rows",
+    "statuses",
     "summand_magnitude",
     "warm_up_compare",
     "with_context",
     "with_profiles",
+    "worst_first",
     "write_csv_report",
     "write_histogram",
     "write_json_report",

@@ -8,7 +8,7 @@ SHA-256, the replica that answered, the profile that judged it, the time).
 
 A case that names no device profile (no ``order``) is run by its replica on the replica's own
 profile: it is sent as its keyword arguments, for the client to check by the replicas' profile
-(``moegrad._requests.prepare``), and :func:`refuse_mixed_profiles` stops a sweep of such cases over
+(``moegrad.http._unnamed.prepare``), and :func:`refuse_mixed_profiles` stops a sweep of such cases over
 replicas whose profiles differ before anything is sent (docs/accuracy.md, "Sweeps").
 """
 
@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy._cases import case_names_order
 from moegrad.accuracy._compare import rejudge
 from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._results import ComparisonReport
-
-if TYPE_CHECKING:  # moegrad._results imports moegrad.accuracy: a type only, to keep the import one way
-    from moegrad._results import CompareResult
+from moegrad.operator._call import MoeInitRoutingV2GradCall, names_profile
 
 __all__ = [
     "AsyncCompareBatch",
     "AsyncSendCompares",
     "Case",
+    "CompareAnswer",
     "CompareBatch",
     "ProfilesDiffer",
     "SendCompares",
@@ -41,9 +39,25 @@ __all__ = [
     "acompare_batch_on",
     "compare_batch_on",
     "context_call",
-    "named",
+    "fields_with_order",
     "refuse_mixed_profiles",
 ]
+
+
+class CompareAnswer(Protocol):
+    """What a batch's comparison answers (``moegrad.CompareResult`` is one): read here, never built."""
+
+    @property
+    def report(self) -> ComparisonReport: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def order(self) -> str: ...
+    @property
+    def device(self) -> str | None: ...
+    @property
+    def server_url(self) -> str | None: ...
+
 
 #: A case: a case file, or ``(name, fields, candidate)`` (``fields``: the call's keyword arguments).
 Case = str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]
@@ -55,9 +69,9 @@ AsyncCompareBatch = Callable[
 ]
 
 
-def named(fields: Mapping[str, Any], order: str | None) -> Mapping[str, Any]:
+def fields_with_order(fields: Mapping[str, Any], order: str | None) -> Mapping[str, Any]:
     """A case's fields, ``order`` given to it when it names none; an ``order`` of None left out."""
-    if fields.get("order") is not None:
+    if names_profile(fields):
         return fields
     rest = {name: value for name, value in fields.items() if name != "order"}
     return rest if order is None else {**rest, "order": order}
@@ -67,9 +81,9 @@ def named(fields: Mapping[str, Any], order: str | None) -> Mapping[str, Any]:
 #: arguments, which the client checks by the replicas' profile.
 SentCall = MoeInitRoutingV2GradCall | Mapping[str, Any]
 #: send([(call, candidate), ...]) -> per pair, in order, the service's answer or the exception that case earned.
-SendCompares = Callable[[list[tuple[SentCall, np.ndarray]]], Sequence["CompareResult | MoegradError"]]
+SendCompares = Callable[[list[tuple[SentCall, np.ndarray]]], Sequence[CompareAnswer | MoegradError]]
 #: As SendCompares, awaited.
-AsyncSendCompares = Callable[[list[tuple[SentCall, np.ndarray]]], Awaitable[Sequence["CompareResult | MoegradError"]]]
+AsyncSendCompares = Callable[[list[tuple[SentCall, np.ndarray]]], Awaitable[Sequence[CompareAnswer | MoegradError]]]
 
 
 class ProfilesDiffer(ValueError):
@@ -124,8 +138,8 @@ class _Batch:
         self.pairs: list[tuple[SentCall, np.ndarray]] = []
         self.sent: list[int] = []
         for index, (_, given, candidate) in enumerate(chunk):
-            fields = named(given, order)
-            if "order" not in fields:
+            fields = fields_with_order(given, order)
+            if not names_profile(fields):
                 self.pairs.append((fields, candidate))
                 self.sent.append(index)
                 continue
@@ -138,7 +152,7 @@ class _Batch:
             self.sent.append(index)
 
     def judged(
-        self, answers: Sequence[CompareResult | MoegradError], *, require_exact: bool, server_url: str
+        self, answers: Sequence[CompareAnswer | MoegradError], *, require_exact: bool, server_url: str
     ) -> list[ComparisonReport | Exception]:
         for index, (sent, _), answer in zip(self.sent, self.pairs, answers, strict=True):
             if isinstance(answer, Exception):

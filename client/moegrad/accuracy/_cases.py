@@ -13,19 +13,18 @@ A case file (:func:`save_case`, :func:`load_case`; docs/accuracy.md, "Bulk check
 
 ``numpy.savez`` stores a bfloat16 array as raw 2-byte words (``|V2``): :func:`load_case` reads any
 such array back as ``ml_dtypes.bfloat16``, bit for bit. Archives are read with
-``allow_pickle=False``, and only when their arrays, as the members' .npy headers give their shapes
-and dtypes, take at most :data:`MAX_CASE_BYTES` together (``MOEGRAD_MAX_CASE_BYTES`` changes it): a
-compressed archive of a few MiB can otherwise inflate to gigabytes.
+``allow_pickle=False``, and only when their arrays take at most :data:`MAX_CASE_BYTES` together
+(``MOEGRAD_MAX_CASE_BYTES`` changes it), by the file's length, each member's declared size and its
+.npy header, before any array is read (:mod:`moegrad.accuracy._case_archive`): a compressed archive
+of a few MiB can otherwise inflate to gigabytes.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import math
 import os
-import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,8 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
+from moegrad.accuracy._case_archive import archive_names, read_arrays, read_case_file
+from moegrad.accuracy._escape import csv_row, markdown_text
 from moegrad.accuracy._export import MSPROBE_STATUS
 from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
@@ -51,6 +52,7 @@ __all__ = [
     "find_cases",
     "load_case",
     "max_case_bytes",
+    "read_case_bytes",
     "save_case",
     "shard_of",
     "worst_first",
@@ -141,12 +143,24 @@ def load_case(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> 
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: it is not an ``.npz`` archive, lacks a required array, holds an unknown key or
-            a value of the wrong kind (the message names the key), or its arrays' headers say they
-            take more than ``max_bytes`` (the message names the file, the size and the limit);
+        ValueError: it is not an ``.npz`` archive, lacks a required array, holds an unknown key, a
+            member that is not an ``.npy`` array or a value of the wrong kind (the message names the
+            key), or it is longer, or its arrays would take more, than ``max_bytes`` allows (the
+            message names the file, the size and the limit; nothing is read past it);
             ``MOEGRAD_MAX_CASE_BYTES`` that is not a whole number >= 1.
     """
-    return case_from_bytes(Path(path).read_bytes(), os.fspath(path), max_bytes=max_bytes)
+    return case_from_bytes(read_case_bytes(path, max_bytes=max_bytes), os.fspath(path), max_bytes=max_bytes)
+
+
+def read_case_bytes(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> bytes:
+    """A case file's bytes (to digest and read), when its length fits ``max_bytes`` of arrays
+    (None: :func:`max_case_bytes`) and their headers; measured before it is read.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is longer (naming the file, its length and the limit).
+    """
+    return read_case_file(os.fspath(path), max_case_bytes() if max_bytes is None else max_bytes)
 
 
 def max_case_bytes() -> int:
@@ -166,49 +180,6 @@ def max_case_bytes() -> int:
     if value < 1:
         raise ValueError(f"{MAX_CASE_BYTES_ENV}={text!r} must be a whole number of bytes >= 1 (e.g. 4294967296)")
     return value
-
-
-def _gib(size: int) -> str:
-    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
-
-
-def _inflated_sizes(data: bytes) -> dict[str, int]:
-    """The bytes each known array of a case archive takes once read, from its .npy header's shape
-    and dtype (what NumPy allocates for it), read without reading the array; 0 for a member whose
-    header cannot be read (reading it then says why)."""
-    sizes: dict[str, int] = {}
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        for info in archive.infolist():
-            name = info.filename.removesuffix(".npy")
-            if name not in _KNOWN:
-                continue
-            try:
-                with archive.open(info) as member:
-                    version = np.lib.format.read_magic(member)
-                    header = (
-                        np.lib.format.read_array_header_1_0
-                        if version == (1, 0)
-                        else np.lib.format.read_array_header_2_0
-                    )
-                    shape, _, dtype = header(member)
-                size = math.prod(shape) * dtype.itemsize
-            except Exception:  # damaged bytes: what NumPy and zipfile raise is no one type
-                size = 0
-            sizes[name] = sizes.get(name, 0) + size
-    return sizes
-
-
-def _check_size(data: bytes, path: str, max_bytes: int | None) -> None:
-    limit = max_case_bytes() if max_bytes is None else max_bytes
-    sizes = _inflated_sizes(data)
-    total = sum(sizes.values())
-    if total > limit:
-        largest = max(sizes, key=lambda name: sizes[name])
-        raise ValueError(
-            f"{path}: its arrays would take {_gib(total)} ({total} bytes) once read ({largest} "
-            f"{_gib(sizes[largest])}), over the limit of {_gib(limit)} ({limit} bytes); split the "
-            f"case, or set {MAX_CASE_BYTES_ENV} to a larger number of bytes"
-        )
 
 
 def case_digest(data: bytes) -> str:
@@ -237,55 +208,24 @@ def case_from_bytes(data: bytes, path: str, *, max_bytes: int | None = None) -> 
     Raises:
         ValueError: as :func:`load_case`.
     """
-    if not zipfile.is_zipfile(io.BytesIO(data)):
-        raise ValueError(f"{path} is not an .npz archive (numpy.savez writes one; docs/accuracy.md)")
-    try:
-        archive = np.load(io.BytesIO(data), allow_pickle=False)
-    except (zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"{path} is not a valid .npz archive: {exc}") from None
-    with archive:
-        unknown = sorted(set(archive.files) - _KNOWN)
-        if unknown:
-            raise ValueError(f"{path}: unknown key {unknown[0]!r}; a case holds {', '.join(sorted(_KNOWN))}")
-        missing = [name for name in (*_TENSORS, "top_k") if name not in archive.files]
-        if missing:
-            raise ValueError(
-                f"{path}: missing {missing[0]!r} (a case holds grad_expanded_x, expanded_row_idx, candidate and top_k)"
-            )
-        _check_size(data, path, max_bytes)
-        fields: dict[str, Any] = {name: _array(_member(archive, name, path)) for name in _TENSORS}
-        for name in _INTEGERS:
-            if name in archive.files:
-                value = _member(archive, name, path)
-                if value.shape != () or value.dtype.kind not in "iu":
-                    raise ValueError(f"{path}: {name} must be a 0-d integer, got {value.dtype} {list(value.shape)}")
-                fields[name] = int(value)
-        if "order" in archive.files:
-            order = _member(archive, "order", path)
-            if order.shape != () or order.dtype.kind != "U":
-                raise ValueError(f"{path}: order must be a 0-d string")
-            fields["order"] = str(order)
-        if "allow_duplicate_indices" in archive.files:
-            fields["allow_duplicate_indices"] = bool(_member(archive, "allow_duplicate_indices", path))
+    limit = max_case_bytes() if max_bytes is None else max_bytes
+    arrays = read_arrays(data, path, limit, _KNOWN, (*_TENSORS, "top_k"))
+    fields: dict[str, Any] = {name: _array(arrays[name]) for name in _TENSORS}
+    for name in _INTEGERS:
+        if name in arrays:
+            value = arrays[name]
+            if value.shape != () or value.dtype.kind not in "iu":
+                raise ValueError(f"{path}: {name} must be a 0-d integer, got {value.dtype} {list(value.shape)}")
+            fields[name] = int(value)
+    if "order" in arrays:
+        order = arrays["order"]
+        if order.shape != () or order.dtype.kind != "U":
+            raise ValueError(f"{path}: order must be a 0-d string")
+        fields["order"] = str(order)
+    if "allow_duplicate_indices" in arrays:
+        fields["allow_duplicate_indices"] = bool(arrays["allow_duplicate_indices"])
     candidate = fields.pop("candidate")
     return fields, candidate
-
-
-def _member(archive: Any, name: str, path: str) -> np.ndarray:
-    """The array ``name`` of an open ``.npz`` archive.
-
-    Raises:
-        ValueError: NumPy cannot read it (naming the file and the array): a header that is not
-            an .npy header (NumPy's parser raises ValueError, or tokenize's TokenError), a
-            compressed member whose bytes are damaged (zlib.error, a CRC mismatch), an object
-            array (never loaded: ``allow_pickle=False``), a member cut short.
-    """
-    try:
-        return archive[name]
-    except MemoryError:
-        raise
-    except Exception as exc:  # what NumPy and zipfile raise for damaged bytes is no one type
-        raise ValueError(f"{path}: the array {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
 def case_names_order(case: str | os.PathLike[str] | tuple[str, Mapping[str, Any], Any]) -> bool:
@@ -295,11 +235,8 @@ def case_names_order(case: str | os.PathLike[str] | tuple[str, Mapping[str, Any]
     sent, it is an invalid case."""
     if isinstance(case, tuple):
         return case[1].get("order") is not None
-    try:
-        with zipfile.ZipFile(os.fspath(case)) as archive:
-            return "order.npy" in archive.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return True
+    names = archive_names(os.fspath(case))
+    return names is None or "order.npy" in names
 
 
 def shard_of(name: str, count: int) -> int:
@@ -408,8 +345,12 @@ def write_summary(
 
     Args:
         results: :func:`compare_cases`'s.
-        csv_path: the summary CSV (:data:`SUMMARY_COLUMNS`; UTF-8 with a byte-order mark).
+        csv_path: the summary CSV (:data:`SUMMARY_COLUMNS`; UTF-8 with a byte-order mark), a
+            text cell that a spreadsheet would read as a formula written with a leading ``'``
+            (:func:`~moegrad.accuracy._escape.csv_cell`).
         markdown_path: the same table as markdown, with the counts per status; None: not written.
+            Every cell is escaped (:func:`~moegrad.accuracy._escape.markdown_text`): a case's name
+            or message never ends its cell or row.
 
     Returns:
         The results in the order written.
@@ -422,7 +363,7 @@ def write_summary(
     with open(os.fspath(csv_path), "w", encoding="utf-8-sig", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(SUMMARY_COLUMNS))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(map(csv_row, rows))
     if markdown_path is not None:
         counts = {status: sum(1 for r in ordered if r.status == status) for status in _CASE_SEVERITY}
         lines = [
@@ -434,10 +375,8 @@ def write_summary(
             "|---|---|---|---|---|---|",
         ]
         for row in rows:
-            message = row["Message"].replace("|", "\\|").replace("\n", " ")
-            lines.append(
-                f"| {row['API Name']} | {row['moegrad_status']} | {row['bit_exact'] or '-'} | "
-                f"{row['均方根误差比值'] or '-'} | {row['worst_row'] or '-'} | {message} |"
-            )
+            cells = (row["API Name"], row["moegrad_status"], row["bit_exact"], row["均方根误差比值"], row["worst_row"])
+            shown = [markdown_text(cell) or "-" for cell in cells] + [markdown_text(row["Message"])]
+            lines.append("| " + " | ".join(shown) + " |")
         Path(markdown_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return ordered

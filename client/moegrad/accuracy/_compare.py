@@ -24,10 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from moegrad._dtypes import dtype_name
 from moegrad._errors import AclnnStatus, DeadlineExceeded, InvalidArgument
-from moegrad._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
-from moegrad._spec import GRAD_DTYPES, MoeInitRoutingV2GradCall
-from moegrad._wire import dtype_name
 from moegrad.accuracy._fused import fused_metrics
 from moegrad.accuracy._metrics import FLOAT_INPUTS, float_array, metrics
 from moegrad.accuracy._results import (
@@ -40,6 +38,8 @@ from moegrad.accuracy._results import (
     ZeroRowCheck,
 )
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY, STANDARDS, THRESHOLDS, Criterion, Status
+from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
+from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
 
 __all__ = [
     "check_compare_arguments",
@@ -476,6 +476,17 @@ def summand_magnitude(call: MoeInitRoutingV2GradCall) -> np.ndarray:
     return moe_init_routing_v2_grad_golden(absolute)
 
 
+def _check_shapes(call: MoeInitRoutingV2GradCall, device_result: Any, golden: Any) -> tuple[int, int]:
+    """grad_x's shape, [N, H]; a given ``device_result`` or ``golden`` of another shape is a ValueError."""
+    shape = (call.num_tokens, call.hidden_size)
+    for name, given in (("device_result", device_result), ("golden", golden)):
+        if given is not None and getattr(given, "shape", None) != shape:
+            raise ValueError(
+                f"{name} has shape {list(getattr(given, 'shape', ()))}; grad_x of this call is {list(shape)}"
+            )
+    return shape
+
+
 def compare(
     call: MoeInitRoutingV2GradCall,
     candidate: np.ndarray,
@@ -521,12 +532,7 @@ def compare(
         ValueError: ``device_result`` or ``golden`` has the wrong shape or dtype.
     """
     check_compare_arguments(call, candidate, standards)
-    shape = (call.num_tokens, call.hidden_size)
-    for name, given in (("device_result", device_result), ("golden", golden)):
-        if given is not None and getattr(given, "shape", None) != shape:
-            raise ValueError(
-                f"{name} has shape {list(getattr(given, 'shape', ()))}; grad_x of this call is {list(shape)}"
-            )
+    shape = _check_shapes(call, device_result, golden)
     if device_result is None:
         device_result = moe_init_routing_v2_grad(call)
     if _FUSED != "numpy" and isinstance(require_exact, bool):

@@ -1,6 +1,6 @@
 """The record that makes a saved comparison report reproducible (docs/accuracy.md, "Reports that reproduce"):
 the call, the SHA-256 of its inputs as the wire sends them, its profile and product line, who
-answered and when."""
+answered and when; and, when asked, the device profiles whose bits the candidate has."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import hashlib
 
 import numpy as np
 
-from moegrad._profiles import resolve_profile
-from moegrad._spec import ORDERS, MoeInitRoutingV2GradCall
+from moegrad._dtypes import dtype_name
 from moegrad._version import __version__
-from moegrad._wire import dtype_name
 from moegrad.accuracy._results import ComparisonReport, ReportContext
+from moegrad.numerics._identify import profiles_matching
+from moegrad.operator._call import ORDERS, MoeInitRoutingV2GradCall
+from moegrad.operator._profiles import resolve_profile
 
-__all__ = ["report_context", "with_context"]
+__all__ = ["report_context", "with_context", "with_profiles"]
 
 
 def _product_line(order: str) -> str:
@@ -88,3 +89,10 @@ def report_context(
 def with_context(report: ComparisonReport, context: ReportContext | None) -> ComparisonReport:
     """``report`` with its :attr:`~ComparisonReport.context` set (the metrics and verdicts unchanged)."""
     return dataclasses.replace(report, context=context)
+
+
+def with_profiles(report: ComparisonReport, call: MoeInitRoutingV2GradCall, candidate: np.ndarray) -> ComparisonReport:
+    """``report`` with :attr:`~moegrad.ComparisonReport.profiles_matching` set: the profiles whose
+    emulation of ``call`` is bit-identical to ``candidate`` (:func:`~moegrad.identify`; up to four
+    emulations, so it is asked for, not done by every comparison). Same errors as that function."""
+    return dataclasses.replace(report, profiles_matching=profiles_matching(call, candidate))

@@ -15,6 +15,7 @@ import math
 import os
 from pathlib import Path
 
+from moegrad.accuracy._escape import csv_row
 from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
 
@@ -178,7 +179,8 @@ def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
 
 
 def write_csv_report(path: str | os.PathLike[str], report: ComparisonReport) -> None:
-    """Write :func:`csv_rows` to ``path`` (UTF-8 with a byte-order mark, as spreadsheet tools expect).
+    """Write :func:`csv_rows` to ``path`` (UTF-8 with a byte-order mark, as spreadsheet tools expect;
+    a text cell they would read as a formula gets a leading ``'``: :func:`~moegrad.accuracy._escape.csv_cell`).
 
     Raises:
         OSError: the file cannot be written.
@@ -187,4 +189,4 @@ def write_csv_report(path: str | os.PathLike[str], report: ComparisonReport) -> 
         columns = [*MSPROBE_DETAIL_COLUMNS, *_MOEGRAD_COLUMNS, "profiles_matching", *CSV_CONTEXT_COLUMNS]
         writer = csv.DictWriter(file, fieldnames=columns)
         writer.writeheader()
-        writer.writerows(csv_rows(report))
+        writer.writerows(map(csv_row, csv_rows(report)))

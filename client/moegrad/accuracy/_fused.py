@@ -18,11 +18,12 @@ from types import ModuleType
 import ml_dtypes
 import numpy as np
 
+from moegrad._dtypes import dtype_name
 from moegrad._errors import DeadlineExceeded
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad._wire import dtype_name
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS
+from moegrad.numerics._fast import CompiledModule
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = ["available", "fused_metrics", "warm_up_compare"]
 
@@ -36,20 +37,12 @@ _OVERFLOW_AT = {"float32": 2.0**128 - 2.0**103, "float16": 65520.0, "bfloat16": 
 _CHUNK_ELEMENTS = 1 << 16  # output elements per task of the pool
 _CHUNK_ROWS = 4096  # and at most this many rows (each row costs microseconds, however short): a stop waits one
 
-_jit: ModuleType | None = None
-_missing = False
+_KERNELS = CompiledModule("moegrad.accuracy._fused_jit")
 
 
 def _load() -> ModuleType | None:
-    global _jit, _missing
-    if _jit is None and not _missing:
-        try:
-            from moegrad.accuracy import _fused_jit
-        except ImportError:
-            _missing = True
-        else:
-            _jit = _fused_jit
-    return _jit
+    """The compiled comparison, imported on first use; None where numba cannot be imported."""
+    return _KERNELS.load()
 
 
 def available() -> bool:
@@ -170,7 +163,7 @@ def fused_metrics(
             acc,
         )
 
-    from moegrad import _reference  # the shared pool of the reference kernels
+    from moegrad.numerics import _reference  # the shared pool of the reference kernels
 
     step = max(1, min(_CHUNK_ROWS, _CHUNK_ELEMENTS // hidden))
     if parallel:
@@ -182,12 +175,12 @@ def fused_metrics(
     maxima = acc.max(axis=0)
     actual = (candidate_dtype, dtype, candidate_dtype)
     cand_gold, dev_gold, cand_dev = (
-        _metrics(jit, acc[:, k], totals[k], maxima[k], dtype, actual[k], tokens * hidden, hidden) for k in range(3)
+        _sums_metrics(jit, acc[:, k], totals[k], maxima[k], dtype, actual[k], tokens * hidden, hidden) for k in range(3)
     )
     return cand_gold, dev_gold, cand_dev
 
 
-def _metrics(
+def _sums_metrics(
     jit: ModuleType,
     per_row: np.ndarray,
     total: np.ndarray,

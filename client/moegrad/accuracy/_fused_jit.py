@@ -11,7 +11,7 @@ reads the call's K summands once, widened exactly to float64, and forms
 then updates, per row, the sums, counts and maxima that :class:`moegrad.accuracy.Metrics` is made
 of, for candidate vs golden, device vs golden and candidate vs device, with the definitions of
 :func:`moegrad.accuracy.metrics` (docs/accuracy.md, "Metrics"). Elements are widened through the
-same bit views as the reference kernel (:mod:`moegrad._fast_jit`): float32 as float32, float16 as
+same bit views as the reference kernel (:mod:`moegrad.numerics._fast_jit`): float32 as float32, float16 as
 int16 words, bfloat16 as uint16 words.
 
 The statistics are written so that LLVM turns each row's loop into SIMD code without changing a
@@ -31,7 +31,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from moegrad._fast_jit import _compiled, _widen
+from moegrad.numerics._fast_jit import _compiled, _widen
 
 # Per-row accumulator slots (the last axis of ``acc``), per comparison.
 FINITE, NORMAL, SMALL, SUM_ABS, SUM_SQ, MAX_ABS, MAX_REL, SUM_REL, SMALL_ERR, MAX_SMALL, MAX_ACC = range(11)
@@ -74,7 +74,12 @@ def _larger(x, y):
 
 def _row_stats_for(checked):
     """The statistics of one row of one comparison, compiled with or without the NaN/Inf
-    classification (``checked``, a constant numba folds)."""
+    classification (``checked``, a constant numba folds).
+
+    Longer than 80 lines on purpose, as :func:`row_stats` inside it is: a numba kernel body whose one
+    loop over H LLVM vectorises whole, every statistic accumulated in registers in the same pass;
+    split into functions, the loop would need each statistic's partial sums in memory between the
+    pieces, or several passes over the row (the compare section of bench/RESULTS.md measures it)."""
 
     @_compiled(fastmath={"reassoc"}, error_model="numpy")
     def row_stats(o, a, e, g, m, p, inv_ulp, key):

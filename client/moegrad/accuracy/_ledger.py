@@ -241,7 +241,9 @@ def _parse(data: bytes, where: str) -> list[tuple[SweepHeader, list[CaseLine]]]:
             whose fields are not theirs, a case line before any header, an unknown kind.
     """
     runs: list[tuple[SweepHeader, list[CaseLine]]] = []
-    for number, text in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+    # "\n" alone ends a line: str.splitlines would also split at U+2028, U+0085 ..., which JSON
+    # leaves unescaped in a string (a case's name, a message) and a line of ours may hold
+    for number, text in enumerate(data.decode("utf-8", errors="replace").split("\n"), 1):
         if not text.strip():
             continue
         try:

@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from moegrad.accuracy._cases import CaseResult, case_digest, shard_of
+from moegrad.accuracy._cases import CaseResult, case_digest, read_case_bytes, shard_of
 from moegrad.accuracy._ledger import CaseLine, SweepFileError, SweepHeader, read_sweep_file
 
 __all__ = ["MergeError", "MergedSweep", "merge_sweeps", "shard_files"]
@@ -95,6 +95,19 @@ def _order(result: CaseResult) -> str:
     return os.path.basename(result.path) if result.path else result.name
 
 
+def _digest(path: str | os.PathLike[str]) -> str | None:
+    """A case file's digest as a sweep records it; None for a file longer than any case can be,
+    which a sweep records invalid, unread, with no digest.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    try:
+        return case_digest(read_case_bytes(path))
+    except ValueError:
+        return None
+
+
 def merge_sweeps(
     paths: Sequence[str | os.PathLike[str]], cases: Sequence[str | os.PathLike[str]] | None = None
 ) -> MergedSweep:
@@ -149,7 +162,7 @@ def merge_sweeps(
     missing: list[str] = []
     stale = 0
     if cases is not None:
-        expected = {Path(path).stem: case_digest(Path(path).read_bytes()) for path in cases}
+        expected = {Path(path).stem: _digest(path) for path in cases}
         unfiled = {index: 0 for index in absent}
         results = []
         late: list[str] = []

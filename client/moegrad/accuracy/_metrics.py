@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from moegrad._spec import GRAD_DTYPES
-from moegrad._wire import dtype_name
+from moegrad._dtypes import dtype_name
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS, DtypeLimits
+from moegrad.operator._call import GRAD_DTYPES
 
 __all__ = ["FLOAT_INPUTS", "float_array", "metrics"]
 
@@ -102,10 +102,10 @@ def metrics(
     if dtype not in DTYPE_LIMITS:
         raise TypeError(f"dtype={dtype!r} is not one of {', '.join(DTYPE_LIMITS)}")
     with np.errstate(all="ignore"):
-        return _metrics(actual, expected, golden, magnitude, dtype, actual_dtype)
+        return _pair_metrics(actual, expected, golden, magnitude, dtype, actual_dtype)
 
 
-def _metrics(
+def _pair_metrics(
     actual: np.ndarray,
     expected: np.ndarray,
     golden: np.ndarray,
@@ -142,40 +142,11 @@ def _metrics(
     def stat(values: np.ndarray, reduce: Callable[[np.ndarray], Any]) -> float:
         return float(reduce(values)) if values.size else math.nan
 
-    if n == 0:
-        cosine = math.nan
-    else:
-        norm_a, norm_e = float(np.sqrt(np.dot(af, af))), float(np.sqrt(np.dot(ef, ef)))
-        if norm_a == 0 and norm_e == 0:
-            cosine = 1.0
-        elif norm_a == 0 or norm_e == 0:
-            cosine = 0.0
-        else:
-            cosine = float(np.dot(af, ef)) / norm_a / norm_e
-
     equal = ((a == e) & (np.signbit(a) == np.signbit(e))) | (np.isnan(a) & np.isnan(e))
     bitwise_equal = int(np.count_nonzero(equal))
     matched = int(np.count_nonzero(matched_other))
-    positive, negative = int(np.count_nonzero(err > 0)), int(np.count_nonzero(err < 0))
-    toward = int(np.count_nonzero(np.abs(af) < np.abs(ef)))
-    away = int(np.count_nonzero(np.abs(af) > np.abs(ef)))
+    positive, negative, toward, away = _directions(err, af, ef)
     nonzero = positive + negative
-    imbalance = max(abs(positive - negative), abs(away - toward)) / nonzero if nonzero else math.nan
-
-    badness = np.full(count, -1.0)
-    badness[finite] = abs_err
-    badness[mismatch] = math.inf
-    worst = None
-    if count and badness.max() > 0:
-        index = int(np.argmax(badness))
-        worst = WorstElement(
-            row=index // width,
-            column=index % width,
-            actual=float(a[index]),
-            expected=float(e[index]),
-            golden=float(g[index]),
-            abs_error=float(abs(a[index] - e[index])),
-        )
 
     small_errors = int(np.count_nonzero(small_abs > limits.small_value_atol))
     return Metrics(
@@ -195,7 +166,7 @@ def _metrics(
         small_value_error_rate=_share(small_errors, small_abs.size),
         max_small_value_abs_error=stat(small_abs, np.max),
         max_accumulative_error=stat(abs_err / np.maximum(mf, limits.accumulative_small_value), np.max),
-        cosine_similarity=cosine,
+        cosine_similarity=_cosine(af, ef),
         bitwise_equal_count=bitwise_equal,
         bitwise_equal_share=_share(bitwise_equal, count),
         max_ulp_error=stat(ulp_err, np.max),
@@ -211,6 +182,42 @@ def _metrics(
         toward_zero_share=_share(toward, n),
         away_from_zero_share=_share(away, n),
         nonzero_error_count=nonzero,
-        error_imbalance=imbalance,
-        worst=worst,
+        error_imbalance=max(abs(positive - negative), abs(away - toward)) / nonzero if nonzero else math.nan,
+        worst=_worst(a, e, g, np.where(finite, np.abs(a - e), np.where(mismatch, math.inf, -1.0)), width),
     )
+
+
+def _cosine(actual: np.ndarray, expected: np.ndarray) -> float:
+    """The cosine similarity of two float64 vectors: 1.0 when both are zero, 0.0 when one is, NaN when empty."""
+    if actual.size == 0:
+        return math.nan
+    norm_a, norm_e = float(np.sqrt(np.dot(actual, actual))), float(np.sqrt(np.dot(expected, expected)))
+    if norm_a == 0 and norm_e == 0:
+        return 1.0
+    if norm_a == 0 or norm_e == 0:
+        return 0.0
+    return float(np.dot(actual, expected)) / norm_a / norm_e
+
+
+def _worst(a: np.ndarray, e: np.ndarray, g: np.ndarray, badness: np.ndarray, width: int) -> WorstElement | None:
+    """The element of largest ``badness`` (a finite pair's absolute error, inf for a NaN/Inf class
+    mismatch, -1 otherwise), or None when no element is off."""
+    if not badness.size or badness.max() <= 0:
+        return None
+    index = int(np.argmax(badness))
+    return WorstElement(
+        row=index // width,
+        column=index % width,
+        actual=float(a[index]),
+        expected=float(e[index]),
+        golden=float(g[index]),
+        abs_error=float(abs(a[index] - e[index])),
+    )
+
+
+def _directions(err: np.ndarray, actual: np.ndarray, expected: np.ndarray) -> tuple[int, int, int, int]:
+    """How many finite errors are positive, negative, toward zero and away from zero."""
+    positive, negative = int(np.count_nonzero(err > 0)), int(np.count_nonzero(err < 0))
+    toward = int(np.count_nonzero(np.abs(actual) < np.abs(expected)))
+    away = int(np.count_nonzero(np.abs(actual) > np.abs(expected)))
+    return positive, negative, toward, away

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import math
 import os
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moegrad._reference import moe_init_routing_v2_grad_golden
-from moegrad._spec import MoeInitRoutingV2GradCall
 from moegrad.accuracy._compare import summand_magnitude
+from moegrad.accuracy._escape import console_text, markdown_text
 from moegrad.accuracy._results import ComparisonReport, CriterionResult, Metrics, ReportContext
 from moegrad.accuracy._standards import DTYPE_LIMITS, THRESHOLDS
+from moegrad.numerics._reference import moe_init_routing_v2_grad_golden
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = [
     "PLOT_MISSING",
@@ -157,6 +159,13 @@ def _summary(report: ComparisonReport, source: str | None) -> list[str]:
 
 
 def _context_rows(context: ReportContext) -> list[list[str]]:
+    """The call's provenance, each value's control characters made visible (a case's name is its
+    file's, a server's strings its own): one line each, in either rendering."""
+    rows = _context_values(context)
+    return [[field, console_text(value)] for field, value in rows]
+
+
+def _context_values(context: ReportContext) -> list[list[str]]:
     rows = [["operator", context.operator]]
     for name in context.shapes:
         rows.append([name, f"{context.dtypes[name]} {list(context.shapes[name])}, sha256 {context.sha256[name]}"])
@@ -185,7 +194,7 @@ def _zero_rows_line(report: ComparisonReport) -> str:
 
 
 def _text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    split = [[cell.split("\n") for cell in row] for row in rows]
+    split = [[[console_text(line) for line in cell.split("\n")] for cell in row] for row in rows]
     widths = [max([len(headers[i])] + [len(line) for row in split for line in row[i]]) for i in range(len(headers))]
     out = [
         "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
@@ -205,7 +214,7 @@ def format_report(report: ComparisonReport, *, source: str | None = None) -> str
         report: the comparison.
         source: where the device result came from, e.g. ``"backend reference, order ascend910b@9.1"``.
     """
-    lines = _summary(report, source)
+    lines = [console_text(line) for line in _summary(report, source)]
     for title, headers, rows in _sections(report):
         lines += ["", f"{title}:", *_text_table(headers, rows)]
     lines += ["", _zero_rows_line(report)]
@@ -213,7 +222,8 @@ def format_report(report: ComparisonReport, *, source: str | None = None) -> str
 
 
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", "<br>")
+    """A table cell: each of its lines as markdown shows it literally, joined by ``<br>``."""
+    return "<br>".join(markdown_text(line) for line in text.split("\n"))
 
 
 def markdown_report(
@@ -232,14 +242,14 @@ def markdown_report(
         histogram_note: said instead of the image when there is none (why it was skipped).
     """
     lines = [f"# moegrad accuracy report: {report.verdict}", ""]
-    lines += [f"- {line}" for line in _summary(report, source)]
+    lines += [f"- {markdown_text(line)}" for line in _summary(report, source)]
     lines.append("- definitions and thresholds: docs/accuracy.md of moegrad")
     for title, headers, rows in _sections(report):
         lines += ["", f"## {title.capitalize()}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(_md_cell(cell) for cell in row) + " |" for row in rows]
     lines += ["", "## Zero rows", "", _zero_rows_line(report), "", "## Relative errors of the candidate", ""]
     if histogram is not None:
-        lines.append(f"![relative errors of the candidate against the float64 golden]({histogram})")
+        lines.append(f"![relative errors of the candidate against the float64 golden]({urllib.parse.quote(histogram)})")
     else:
         lines.append(f"Histogram skipped: {histogram_note or 'not drawn'}.")
     return "\n".join(lines) + "\n"

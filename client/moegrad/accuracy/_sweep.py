@@ -31,13 +31,13 @@ from typing import Any, TextIO
 import numpy as np
 
 from moegrad._errors import InvalidArgument, MalformedRequest, MoegradError
-from moegrad._spec import MoeInitRoutingV2GradCall
-from moegrad.accuracy._batches import AsyncCompareBatch, Case, CompareBatch, named
-from moegrad.accuracy._cases import CaseResult, case_digest, case_from_bytes, fields_digest
+from moegrad.accuracy._batches import AsyncCompareBatch, Case, CompareBatch, fields_with_order
+from moegrad.accuracy._cases import CaseResult, case_digest, case_from_bytes, fields_digest, read_case_bytes
 from moegrad.accuracy._compare import compare
 from moegrad.accuracy._context import report_context, with_context
 from moegrad.accuracy._ledger import SweepFile
 from moegrad.accuracy._results import ComparisonReport
+from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = [
     "BATCH_BYTES",
@@ -156,8 +156,8 @@ class _Sweep:
             else:
                 name, path = Path(item).stem, os.fspath(item)
                 try:
-                    data = Path(path).read_bytes()
-                except OSError as exc:
+                    data = read_case_bytes(path)  # refused by its length before it is read
+                except (OSError, ValueError) as exc:
                     self.record(position, _invalid(name, exc, path), None)
                     continue
                 digest = case_digest(data)
@@ -432,7 +432,7 @@ def compare_in_process(
     of the cases that name none (None: the default profile)."""
 
     def one(name: str, fields: Mapping[str, Any], candidate: np.ndarray) -> ComparisonReport:
-        call = MoeInitRoutingV2GradCall(**named(fields, order))
+        call = MoeInitRoutingV2GradCall(**fields_with_order(fields, order))
         report = compare(call, candidate, standards=standards, require_exact=require_exact)
         return with_context(report, report_context(call, candidate, case=name))
 

@@ -16,7 +16,7 @@ from moegrad import (
     moe_init_routing_v2_grad_group,
     moe_init_routing_v2_grad_many,
 )
-from moegrad._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT
+from moegrad.numerics import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad_service.engine.base import Backend, BackendWorker
 
 __all__ = ["ReferenceBackend"]

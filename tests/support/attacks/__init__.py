@@ -21,7 +21,8 @@ without it, at the size of the original finding (``python -m bench.attack``). Ev
 in count and in time, and all traffic stays on the loopback interface.
 
 Modules: :mod:`.wire` (raw HTTP on one socket), :mod:`.probes` (the probe process, /proc memory),
-:mod:`.outcome` (the judgement and the helpers around an attack), :mod:`.suite` (the attacks).
+:mod:`.outcome` (the judgement and the helpers around an attack), :mod:`.suite` (the attacks),
+:mod:`.rpc` (the gRPC attacks; imported by name, as it loads grpc).
 """
 
 from .outcome import ATTACKER_NICE, LIVE_P99_S, RSS_MARGIN_BYTES, VALID_WITHIN_S, Outcome, tally, watched

@@ -6,8 +6,10 @@ that the maintained ``tritonclient[grpc]`` package generates and ships (``triton
 
 A request's tensors come either all in ``raw_input_contents`` (one bytes entry per input, in the
 order of ``inputs``, little-endian and row-major, what tritonclient sends) or each in its input's
-typed ``contents`` (``fp32_contents``, ``int_contents``, ...). FP16 and BF16 have no typed
-contents in the protocol: they travel raw. The reply's grad_x is always in ``raw_output_contents``.
+typed ``contents`` (``fp32_contents``, ``int_contents``, ...), converted TYPED_CHUNK values at a
+time (the servicer bounds their size before the message is parsed: api/grpc/wire.py). FP16 and
+BF16 have no typed contents in the protocol: they travel raw. The reply's grad_x is always in
+``raw_output_contents``, appended to the serialized reply (one copy).
 The decoded tensors and the request parameters become a :class:`moegrad.MoeInitRoutingV2GradCall`,
 the validation every protocol uses, so a call is refused with the same message (field, rule and
 aclnn code) as on HTTP.
@@ -24,6 +26,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from moegrad import MAX_RANK, MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge
+from moegrad_service.api.grpc.wire import append_bytes_field
 from moegrad_service.api.v2.codec import ATTRIBUTES, CONTROLS, DATATYPES, INPUTS, MODEL_NAME, MODEL_VERSION, OUTPUT
 from moegrad_service.dataplane import GradOutcome
 
@@ -45,6 +48,10 @@ _CONTENTS_FIELDS: Mapping[str, str] = {
 }
 _DATATYPE_NAMES: Mapping[np.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
 _PARAMETERS = frozenset(ATTRIBUTES + CONTROLS)
+#: Typed values converted at a time: each chunk holds the GIL while it is converted, the event loop
+#: runs between chunks.
+TYPED_CHUNK = 1 << 16
+_RAW_OUTPUT_CONTENTS = service_pb2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,7 @@ def _typed(tensor: service_pb2.ModelInferRequest.InferInputTensor, datatype: str
         )
     dtype = DATATYPES[datatype]
     if dtype.kind in "iu":
-        wide = np.array(values, dtype=np.int64 if dtype.kind == "i" else np.uint64)
+        wide = _values(values, count, np.dtype(np.int64 if dtype.kind == "i" else np.uint64))
         info = np.iinfo(dtype)
         if wide.size and (wide.min() < info.min or wide.max() > info.max):
             raise MalformedRequest(
@@ -118,7 +125,16 @@ def _typed(tensor: service_pb2.ModelInferRequest.InferInputTensor, datatype: str
                 field=name,
             )
         return wide.astype(dtype)
-    return np.array(values, dtype=dtype)
+    return _values(values, count, dtype)
+
+
+def _values(values: Any, count: int, dtype: np.dtype) -> np.ndarray:
+    """A repeated field's values as an array of ``dtype``, converted TYPED_CHUNK at a time: each value
+    becomes a Python object on its way, and between chunks another thread (the event loop) may run."""
+    array = np.empty(count, dtype=dtype)
+    for start in range(0, count, TYPED_CHUNK):
+        array[start : start + TYPED_CHUNK] = values[start : start + TYPED_CHUNK]
+    return array
 
 
 def _raw(
@@ -229,13 +245,13 @@ def decode_infer_request(
     return InferRequest(call=call, id=request.id, timeout_s=timeout_s, named_order=parameters.get("order"))
 
 
-def encode_infer_response(outcome: GradOutcome, request_id: str) -> service_pb2.ModelInferResponse:
-    """The reply: grad_x [N, H] (the call's datatype) in ``raw_output_contents``, and the backend,
-    order, ``queue_ms`` and ``compute_ms`` (and the device, when there is one) as parameters."""
+def encode_infer_response(outcome: GradOutcome, request_id: str) -> bytes:
+    """The reply, serialized: grad_x [N, H] (the call's datatype) in ``raw_output_contents``, and the
+    backend, order, ``queue_ms`` and ``compute_ms`` (and the device, when there is one) as parameters.
+    grad_x's bytes are copied once, into the reply (wire.append_bytes_field)."""
     grad_x = outcome.grad_x
     response = service_pb2.ModelInferResponse(model_name=MODEL_NAME, model_version=MODEL_VERSION, id=request_id)
     response.outputs.add(name=OUTPUT, datatype=_DATATYPE_NAMES[grad_x.dtype], shape=grad_x.shape)
-    response.raw_output_contents.append(np.ascontiguousarray(grad_x).tobytes())
     parameters = response.parameters
     parameters["backend"].string_param = outcome.backend
     parameters["order"].string_param = outcome.order
@@ -243,4 +259,5 @@ def encode_infer_response(outcome: GradOutcome, request_id: str) -> service_pb2.
     parameters["compute_ms"].double_param = outcome.timings.compute_s * 1e3
     if outcome.device is not None:
         parameters["device"].string_param = outcome.device
-    return response
+    data = memoryview(np.ascontiguousarray(grad_x).reshape(-1).view(np.uint8).data)
+    return append_bytes_field(response.SerializeToString(), _RAW_OUTPUT_CONTENTS, data)

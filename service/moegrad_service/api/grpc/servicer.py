@@ -1,13 +1,15 @@
 """Protocol v2 over gRPC, the servicer: ``inference.GRPCInferenceService`` on the shared dataplane.
 
-Each RPC is decode (api/grpc/codec.py) -> dataplane -> encode, like the HTTP routes. An error is a
-gRPC status: its code from the one error table (api/errors.py, the ``grpc_code`` column), its
-details the same message the HTTP answer carries (for an operator constraint: the field, the rule
-and the aclnn code), and the HTTP answer's shared headers as trailing metadata (``retry-after`` on
-UNAVAILABLE, ``www-authenticate`` on UNAUTHENTICATED). Readiness RPCs answer ``ready: false``
-rather than an error, as Triton does. The RPCs of the service definition that moegrad does not
-serve (streaming, loading and unloading models, shared memory, trace and log settings) answer
-UNIMPLEMENTED.
+Each RPC is admit and read (api/grpc/admission.py) -> decode (api/grpc/codec.py) -> dataplane ->
+encode, like the HTTP routes; every method is registered request-streaming, so that nothing of
+its message is read before it is admitted (a unary call is one message on the wire either way).
+An error is a gRPC status: its code from the one error table (api/errors.py, the ``grpc_code``
+column), its details the same message the HTTP answer carries (for an operator constraint: the
+field, the rule and the aclnn code), and the HTTP answer's shared headers as trailing metadata
+(``retry-after`` on UNAVAILABLE, ``www-authenticate`` on UNAUTHENTICATED). Readiness RPCs answer
+``ready: false`` rather than an error, as Triton does. The RPCs of the service definition that
+moegrad does not serve (streaming, loading and unloading models, shared memory, trace and log
+settings) answer UNIMPLEMENTED, reading nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from moegrad import DeadlineExceeded, DeviceBusy, MalformedRequest, MoegradError
 from moegrad_service.api.errors import NotFound, answer_for, message_of, shared_headers
+from moegrad_service.api.grpc.admission import MessageGate
 from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response
+from moegrad_service.api.grpc.wire import check_typed_contents
 from moegrad_service.api.inputs import INLINE_DECODE_BYTES, off_loop
 from moegrad_service.api.v2.codec import INLINE_ENCODE_ELEMENTS
 from moegrad_service.api.v2.model import (
@@ -40,7 +44,7 @@ from moegrad_service.api.v2.model import (
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 
-__all__ = ["SERVICE", "InferenceServicer", "grpc_status", "method_handlers"]
+__all__ = ["SERVICE", "InferenceServicer", "grpc_status", "method_handlers", "parse_request"]
 
 log = logging.getLogger("moegrad_service.api")
 #: The full name of the service (the prefix of every method path).
@@ -68,6 +72,8 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
 
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext, float], Awaitable[Any]]
+#: RPCs whose request messages have no fields: they are answered without reading them.
+_UNREAD = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
 
 
 def _parse(request_type: Any, raw: bytes) -> Any:
@@ -80,33 +86,46 @@ def _parse(request_type: Any, raw: bytes) -> Any:
         ) from None
 
 
-def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
-    """An RPC that parses its request and serializes its reply itself: bytes that are not the
-    request message are INVALID_ARGUMENT (not the INTERNAL a failed deserializer gets from grpc), and
-    a large message is parsed and serialized on a worker thread, not on the event loop. Its errors
-    become gRPC statuses, counted in the failure metric under its method path."""
+async def parse_request(request_type: Any, raw: bytes) -> Any:
+    """``raw`` parsed as a ``request_type`` message, on a worker thread when it is large."""
+    return await off_loop(_parse, request_type, raw) if len(raw) > INLINE_DECODE_BYTES else _parse(request_type, raw)
+
+
+def _rpc(method: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    """An RPC served as request-streaming (module docstring): its request message is read only once
+    the in-flight budget holds room for it (api/grpc/admission.py; RPCs whose request has no fields
+    never read it), then parsed (bytes that are not the request message are INVALID_ARGUMENT, not
+    the INTERNAL a failed deserializer gets from grpc), a large message on a worker thread. The reply
+    is serialized here (ModelInfer's by its codec). Errors become gRPC statuses, counted in the
+    failure metric under the method path."""
     endpoint = f"/{SERVICE}/{method.__name__}"
     request_type: Any = getattr(service_pb2, _DESCRIPTOR.methods_by_name[method.__name__].input_type.name)
     infer = method.__name__ == "ModelInfer"
+    reads = method.__name__ not in _UNREAD
 
     @functools.wraps(method)
-    async def handler(self: InferenceServicer, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def handler(self: InferenceServicer, requests: Any, context: grpc.aio.ServicerContext) -> bytes:
         started = time.perf_counter()
-        admission = None
+        reservation = None
         try:
-            if infer:  # admitted as an HTTP body is: the queue and the in-flight byte budget
-                admission = self.dataplane.admit(len(raw))
-            if len(raw) > INLINE_DECODE_BYTES:
-                request = await off_loop(_parse, request_type, raw)
-            else:
-                request = _parse(request_type, raw)
-            reply = await method(self, request, context, started)
-            if len(raw) > INLINE_DECODE_BYTES or (infer and _large(reply)):
-                data = await off_loop(reply.SerializeToString)
-            else:
-                data = reply.SerializeToString()
+            if infer:  # refused before the message is read when the pool could not take the call
+                self.dataplane.admit().release()
+            raw = b""
+            if reads:
+                raw, reservation = await self.gate.receive(context, started)
+            received = len(raw)
             if infer:
-                self.metrics.bytes_in.inc(len(raw))
+                check_typed_contents(raw)
+            request = await parse_request(request_type, raw)
+            del raw  # the parsed message holds what the call needs
+            if reservation is not None and not infer:  # the parsed message is all such an RPC holds
+                reservation.release()
+            running = method(self, request, context, started)
+            del request  # the method alone holds it now, and lets it go once decoded
+            reply = await running
+            data = reply if isinstance(reply, bytes) else reply.SerializeToString()
+            if infer:
+                self.metrics.bytes_in.inc(received)
                 self.metrics.bytes_out.inc(len(data))
                 self.metrics.succeeded(endpoint, started)
             return data
@@ -122,16 +141,10 @@ def _rpc(method: Handler) -> Callable[[Any, bytes, grpc.aio.ServicerContext], Aw
             await context.abort(code, details)
             raise AssertionError("context.abort raises") from None
         finally:
-            if admission is not None:
-                admission.release()
+            if reservation is not None:
+                reservation.release()
 
     return handler
-
-
-def _large(reply: service_pb2.ModelInferResponse) -> bool:
-    """Whether the reply's outputs are larger than INLINE_ENCODE_ELEMENTS (from their shapes: reading a
-    bytes field of a parsed message copies it)."""
-    return sum(math.prod(output.shape) for output in reply.outputs) > INLINE_ENCODE_ELEMENTS
 
 
 def _declared_bytes(request: service_pb2.ModelInferRequest) -> int:
@@ -146,11 +159,13 @@ class InferenceServicer:
     Args:
         dataplane: the dataplane every protocol shares.
         metrics: the app's metrics (successes, failures and bytes, labelled with the method path).
+        gate: the admission of request messages before they are read.
     """
 
-    def __init__(self, dataplane: DataPlane, metrics: Metrics) -> None:
+    def __init__(self, dataplane: DataPlane, metrics: Metrics, gate: MessageGate) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
+        self.gate = gate
 
     async def _ready(self) -> bool:
         try:
@@ -203,7 +218,7 @@ class InferenceServicer:
         return json_format.ParseDict({"models": repository_index(request.ready)}, service_pb2.RepositoryIndexResponse())
 
     @_rpc
-    async def ModelInfer(self, request, context, started) -> service_pb2.ModelInferResponse:
+    async def ModelInfer(self, request, context, started) -> bytes:
         check_model(request.model_name, request.model_version)
         dataplane, settings = self.dataplane, self.dataplane.settings
         timeout_s = settings.request_timeout_s
@@ -213,36 +228,40 @@ class InferenceServicer:
         decode = functools.partial(
             decode_infer_request, request, max_elements=settings.max_elements, default_order=dataplane.default_order
         )
-        decoded = await off_loop(decode) if _declared_bytes(request) > INLINE_DECODE_BYTES else decode()
+        inline = _declared_bytes(request) <= INLINE_DECODE_BYTES
+        del request  # decode holds it until the tensors are copied out of it, then nothing does
+        decoded = decode() if inline else await off_loop(decode)
+        del decode
         if decoded.timeout_s is not None:
             timeout_s = min(timeout_s, decoded.timeout_s)
+        call, request_id, named_order = decoded.call, decoded.id, decoded.named_order
+        del decoded  # the call alone holds the tensors, and the dataplane lets go of it once it has run
         # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).
-        outcome = await dataplane.infer(
-            decoded.call, named_order=decoded.named_order, timeout_s=timeout_s, received_s=started
-        )
+        outcome = await dataplane.infer(call, named_order=named_order, timeout_s=timeout_s, received_s=started)
+        del call
         if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS:
-            response = await off_loop(encode_infer_response, outcome, decoded.id)
-        else:
-            response = encode_infer_response(outcome, decoded.id)
-        return response
+            return await off_loop(encode_infer_response, outcome, request_id)
+        return encode_infer_response(outcome, request_id)
 
 
 def _unimplemented(name: str) -> Callable[..., Awaitable[None]]:
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"moegrad does not serve {SERVICE}/{name}")
 
     return refuse
 
 
 def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
-    """Every method of the service definition, bound to ``servicer``: requests reach it as bytes and
-    replies leave it as bytes (each RPC parses and serializes its own messages)."""
+    """Every method of the service definition, bound to ``servicer``, each request-streaming: its
+    handler runs before the request message is read, and reads it (as bytes) only once admitted; a
+    unary call is one message on the wire either way. Replies leave as bytes (each RPC serializes
+    its own)."""
     handlers = {}
     for method in _DESCRIPTOR.methods:
         if method.name in _SERVED:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(getattr(servicer, method.name))
-        elif method.client_streaming:
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(getattr(servicer, method.name))
+        elif method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(_unimplemented(method.name))
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_unimplemented(method.name))
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(_unimplemented(method.name))
     return grpc.method_handlers_generic_handler(SERVICE, handlers)

@@ -5,7 +5,7 @@ Each is checked as :class:`moegrad.MoeInitRoutingV2GradCall` checks it, but at a
 costs more than the computation. So the calls that share every attribute, dtype and shape are
 checked once for what they share and together for what they do not:
 
-- Rules 1-6 (presence, dtypes, attributes, ranks, dim 0, divisibility: :mod:`moegrad._spec`)
+- Rules 1-6 (presence, dtypes, attributes, ranks, dim 0, divisibility: :mod:`moegrad.operator`)
   depend only on what the members share. The group's ``like`` call is built and validated from the
   first member's own document, with an index that keeps rule 7 by construction (0, 1, 2 ... in
   dropless/active mode, all -1 in drop/pad mode). If it is refused, every member goes the single

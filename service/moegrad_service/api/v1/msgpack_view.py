@@ -35,7 +35,7 @@ from typing import Any
 import msgpack
 
 from moegrad import MAX_BATCH_CALLS, MalformedRequest, StructureLimits, decode_batch, decode_body
-from moegrad._wire import Segment  # what decode_tensor takes as it takes a bin (moegrad exports no name for it)
+from moegrad.wire import Segment  # what decode_tensor takes as it takes a bin
 from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES
 
 __all__ = [

@@ -33,7 +33,7 @@ device buffers keyed by size. One call on a worker::
     ─> phase one (GetWorkspaceSize) ─> workspace (cached) ─> phase two on the worker's stream
     ─> aclrtSynchronizeStreamWithTimeout(remaining deadline, >= 1 ms) ─> device->host copy ─> tensors destroyed
 
-Profile. The device's results are the bits of one profile of moegrad._profiles, a chip running one
+Profile. The device's results are the bits of one profile of moegrad.operator's, a chip running one
 CANN release: the chip from ``aclrtGetSocName``, the release from the operator package's version.info
 (``aclsysGetVersionStr("ops_transformer")`` where the runtime has it). ``AscendBackend.order`` names it
 (``"ascend910b@9.1"``), or is None when the chip or the release is unknown.

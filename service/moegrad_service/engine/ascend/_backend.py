@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from moegrad import DeviceFault, Profile
-from moegrad._profiles import RELEASES, profile_of_release
+from moegrad.operator import RELEASES, profile_of_release
 from moegrad_service.engine.ascend._abi import (
     ACL_DATA_TYPES,
     ACL_HBM_MEM,
@@ -56,7 +56,7 @@ class AscendBackend(Backend):
             ``"ascend950"``), or None for an SoC not in the table.
         release: the CANN release of the operator's package and how it was read
             (:func:`~._release.operator_release`: ``aclsysGetVersionStr`` or version.info).
-        profile: ``moegrad._profiles.profile_of_release(chip, release.version)``, or None when the
+        profile: ``moegrad.operator.profile_of_release(chip, release.version)``, or None when the
             chip or the release is not in the profile table (or the release could not be read).
         order: the profile's name (``"ascend910b@9.1"``): the bits this device's results are; None
             when the profile is unknown (such a device's results are never named as a profile's).

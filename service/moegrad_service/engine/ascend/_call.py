@@ -1,7 +1,7 @@
 """One call as the device takes it: the chip an SoC is, the arguments on the host, and what phase
 one's status means on the device's profile.
 
-- :data:`SOC_CHIPS`: the SoC name -> chip table (the chips of moegrad._profiles.CHIPS);
+- :data:`SOC_CHIPS`: the SoC name -> chip table (the chips of moegrad.operator.CHIPS);
 - :func:`marshal`: a validated call's arguments as ``aclnnMoeInitRoutingV2GradGetWorkspaceSize``
   takes them (attributes as C integers, tensors as contiguous little-endian host arrays with their
   aclDataType, the grad_x buffer the device copy lands in), after the order check;
@@ -30,7 +30,7 @@ from moegrad import (
 from moegrad_service.engine.ascend._abi import ACL_DATA_TYPES, code_name
 from moegrad_service.engine.ascend._buffers import host_array
 
-#: SoC name (``aclrtGetSocName``) prefix -> the chip (a key of moegrad._profiles.CHIPS): Atlas A2
+#: SoC name (``aclrtGetSocName``) prefix -> the chip (a key of moegrad.operator.CHIPS): Atlas A2
 #: (Ascend910B*), Atlas A3 (Ascend910_93*) and Ascend 950PR/950DT (Ascend950*). The A2 and A3 run
 #: the same kernel (docs/semantics.md, section 3), the 950 the arch35 one (section 7). The one
 #: table of its kind; an SoC not in it is no chip moegrad has a profile for.
@@ -123,7 +123,7 @@ def marshal(
 
     Raises:
         InvalidArgument: ``call.order`` names no device profile (the ``"sequential"`` CPU golden, or
-            a name moegrad._profiles does not know; 161002), an attribute is not an integer (the
+            a name moegrad.operator does not know; 161002), an attribute is not an integer (the
             profile's attribute code: 561002, or 561103 from CANN 9.1), or a tensor is not an ndarray
             or has a dtype with no aclDataType (161002).
     """

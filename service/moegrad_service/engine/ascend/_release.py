@@ -1,7 +1,7 @@
 """The CANN release of the package that ships the operator, which names the device's profile.
 
 The bits of aclnnMoeInitRoutingV2Grad depend on the chip *and* on the release of the operator
-package (moegrad._profiles). CANN records each installed package's release in
+package (moegrad.operator's profiles). CANN records each installed package's release in
 ``<home>/share/info/<package>/version.info``, on a line ``Version=9.1.0``; the operator ships in the
 ops-transformer package, whose folder there is ``ops_transformer`` (hicann/ops-transformer,
 ``scripts/package/ops_transformer/scripts/opp_install.sh`` @ 048aca7e: ``OPP_PLATFORM_DIR`` is

@@ -1,0 +1,560 @@
+"""The ``moegrad`` command: aclnnMoeInitRoutingV2Grad on .npy files, through a service or in-process.
+
+Every remote command goes through :class:`moegrad.Client`; ``local`` calls
+:func:`moegrad.moe_init_routing_v2_grad` and ``compare --local`` calls :func:`moegrad.compare`.
+There is no third code path; reports are rendered by :mod:`moegrad.accuracy` in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from moegrad import (
+    Client,
+    CompareResult,
+    GradResult,
+    InvalidArgument,
+    MalformedRequest,
+    MoegradError,
+    MoeInitRoutingV2GradCall,
+    __version__,
+    identify,
+    moe_init_routing_v2_grad,
+)
+from moegrad.accuracy import (
+    PLOT_MISSING,
+    CaseResult,
+    ComparisonReport,
+    compare,
+    console_text,
+    context_call,
+    fields_with_order,
+    format_report,
+    load_case,
+    report_context,
+    with_context,
+    with_profiles,
+    write_csv_report,
+    write_json_report,
+    write_markdown_report,
+)
+from moegrad.cli._parser import (
+    EXIT_FAILURE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_USAGE,
+    UsageError,
+    build_parser,
+    default_urls,
+    index_as_int32,
+    with_flags,
+)
+from moegrad.cli._sweep import run_cases, run_merge
+from moegrad.wire import fields_document
+
+__all__ = ["load_npy", "main", "save_npy"]
+
+
+# The documentation's example (docs/operator.md, "The documentation's example"): the expected gradX
+# is [[0.3, 0.3], [0.7, 0.7]]; in float32, 0.2 + 0.1 rounds to 0.3 and 0.4 + 0.3 to 0.70000005.
+_EXAMPLE_GRAD_EXPANDED_X = [[0.1, 0.1], [0.3, 0.3], [0.2, 0.2], [0.4, 0.4]]
+_EXAMPLE_EXPANDED_ROW_IDX = [2, 0, 1, 3]
+_EXAMPLE_TOP_K = 2
+_EXAMPLE_EXPECTED = [[0.3, 0.3], [0.70000005, 0.70000005]]
+
+
+# --------------------------------------------------------------------------------------------------
+# .npy in and out
+# --------------------------------------------------------------------------------------------------
+
+
+def load_npy(path: str | os.PathLike[str]) -> np.ndarray:
+    """Read an array saved with ``numpy.save``; a raw 2-byte ``|V2`` array is read as bfloat16.
+
+    ``numpy.save`` of an ``ml_dtypes.bfloat16`` array writes the dtype descriptor ``'<V2'`` (NumPy
+    does not know the type), so ``numpy.load`` gives back untyped 2-byte words; they are viewed as
+    ``ml_dtypes.bfloat16`` here, which restores the array bit for bit.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a single-array .npy file (pickled objects are refused).
+    """
+    array = np.load(os.fspath(path), allow_pickle=False)
+    if not isinstance(array, np.ndarray):  # an .npz archive
+        array.close()
+        raise ValueError(f"{os.fspath(path)} is an .npz archive; save one array with numpy.save")
+    if array.dtype.kind == "V" and array.dtype.itemsize == 2 and array.dtype.fields is None:
+        array = array.view(ml_dtypes.bfloat16)
+    return array
+
+
+def save_npy(path: str | os.PathLike[str], array: np.ndarray) -> None:
+    """Write ``array`` to exactly ``path`` with ``numpy.save`` (bfloat16 is stored as ``|V2``, see :func:`load_npy`)."""
+    with open(os.fspath(path), "wb") as file:
+        np.save(file, array, allow_pickle=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> Client:
+    try:
+        return Client(
+            args.url[0] if len(args.url) == 1 else args.url,
+            timeout_s=args.timeout,
+            retries=args.retries,
+            token=args.token,
+            verify=args.cacert if args.cacert else True,
+        )
+    except (TypeError, ValueError) as exc:  # e.g. a --url that is not an http(s) URL
+        raise UsageError(with_flags(str(exc))) from None
+
+
+def _load(path: str, flag: str) -> np.ndarray:
+    try:
+        return load_npy(path)
+    # EOFError: an empty file; MemoryError: a header that claims more bytes than the machine has
+    except (OSError, ValueError, EOFError, MemoryError) as exc:
+        raise UsageError(f"cannot read {flag} {path}: {exc}") from None
+
+
+_TENSOR_FIELDS = ("grad_expanded_x", "expanded_row_idx")
+
+
+def _call_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for name in _TENSOR_FIELDS:
+        fields[name] = _load(getattr(args, name), f"--{name.replace('_', '-')}")
+    fields["expanded_row_idx"] = index_as_int32(fields["expanded_row_idx"], "--expanded-row-idx", args.expanded_row_idx)
+    fields.update(
+        top_k=args.top_k,
+        drop_pad_mode=args.drop_pad_mode,
+        active_num=args.active_num,
+        allow_duplicate_indices=args.allow_duplicate_indices,
+    )
+    if args.order is not None:
+        fields["order"] = args.order
+    return fields
+
+
+def _check_writable(path: str) -> None:
+    """Refuse an output path whose folder does not exist, before any work is done."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write -o {path}: the folder {folder} does not exist")
+
+
+def _write(path: str, grad_x: np.ndarray) -> None:
+    try:
+        save_npy(path, grad_x)
+    except OSError as exc:
+        raise UsageError(f"cannot write -o {path}: {exc}") from None
+
+
+def _describe(array: np.ndarray) -> str:
+    return f"{array.dtype.name} {list(array.shape)}"
+
+
+def _duration(ms: float) -> str:
+    return f"{ms:.3f} ms" if ms >= 1 else f"{ms * 1e3:.1f} µs"
+
+
+def _server_summary(result: GradResult | CompareResult) -> str:
+    timings = result.timings_ms
+    parts = [  # a golden of 0 ms is not measured: the comparison computes it (docs/protocol.md)
+        f"{name} {_duration(timings[name])}"
+        for name in ("compute", "golden", "compare", "total")
+        if isinstance(timings.get(name), (int, float)) and (timings[name] or name != "golden")
+    ]
+    timing = f"; on the server: {', '.join(parts)}" if parts else ""
+    return console_text(f"backend {result.backend}, order {result.order}, device {result.device or '-'}{timing}")
+
+
+def _call_document(fields: dict[str, Any]) -> dict[str, Any]:
+    """The call as a wire document, which ``Client.run`` checks before sending it (by the server's
+    profile when it names none); a tensor of a dtype the wire does not carry is refused here, as
+    every profile refuses it (161002)."""
+    try:
+        return fields_document(fields)
+    except TypeError:
+        MoeInitRoutingV2GradCall(**fields)  # raises InvalidArgument, naming the tensor and its dtype
+        raise
+
+
+def _cmd_grad(args: argparse.Namespace) -> int:
+    document = _call_document(_call_fields(args))
+    _check_writable(args.output)
+    with _client(args) as client:
+        result = client.run(document)
+    _write(args.output, result.grad_x)
+    print(f"wrote {args.output}: grad_x {_describe(result.grad_x)} ({_server_summary(result)})")
+    return EXIT_OK
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    call = MoeInitRoutingV2GradCall(**_call_fields(args))
+    _check_writable(args.output)
+    grad_x = moe_init_routing_v2_grad(call)
+    _write(args.output, grad_x)
+    print(f"wrote {args.output}: grad_x {_describe(grad_x)} (in-process, order {call.order})")
+    return EXIT_OK
+
+
+def _refuse_sweep_flags_out_of_place(args: argparse.Namespace) -> None:
+    """UsageError: a sweep's flags without ``--cases DIR``, or ``--exit-zero-on-findings`` with ``--merge``."""
+    sweep_only = [
+        flag
+        for flag, value in (
+            ("--shard", args.shard),
+            ("--output", args.output),
+            ("--max-concurrency", args.max_concurrency),
+            ("--exit-zero-on-findings", args.exit_zero_on_findings),
+        )
+        if value
+    ]
+    if sweep_only and not args.cases:
+        raise UsageError(f"{', '.join(sweep_only)} need --cases DIR")
+    if args.merge and args.exit_zero_on_findings:
+        raise UsageError(
+            "--exit-zero-on-findings is for a sweep's runs, not --merge: its exit status is the sweep's verdict"
+        )
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    _refuse_sweep_flags_out_of_place(args)
+    if args.merge:
+        return run_merge(args)
+    if args.cases:
+        return _cmd_compare_cases(args)
+    missing = [
+        flag
+        for flag, value in (
+            ("--grad-expanded-x", args.grad_expanded_x),
+            ("--expanded-row-idx", args.expanded_row_idx),
+            ("--top-k", args.top_k),
+            ("--candidate", args.candidate),
+        )
+        if value is None
+    ]
+    if missing:
+        raise UsageError(f"compare needs {', '.join(missing)} (or --cases DIR)")
+    fields = _call_fields(args)
+    candidate = _load(args.candidate, "--candidate")
+    device_result = None
+    if args.local:
+        call = MoeInitRoutingV2GradCall(**fields)
+        report: ComparisonReport = compare(call, candidate, standards=args.standards, require_exact=args.require_exact)
+        source = f"in-process emulation, order {call.order}"
+        context = report_context(call, candidate)
+    else:
+        with _client(args) as client:
+            result = client.compare(
+                **fields,
+                candidate=candidate,
+                standards=args.standards,
+                require_exact=args.require_exact,
+                return_grad_x=bool(args.report),
+            )
+        report, source, device_result = result.report, _server_summary(result), result.grad_x
+        call = context_call(fields, result.order)  # the Client checked it already, on the profile that answered
+        context = report_context(
+            call,
+            candidate,
+            backend=result.backend,
+            device=result.device,
+            server_url=result.server_url or args.url[0],
+            order=result.order,
+        )
+    report = with_context(report, context)
+    if args.profiles:
+        report = with_profiles(report, call, candidate)
+    png = _write_reports(
+        args.report,
+        args.report_json,
+        args.report_csv,
+        report,
+        call,
+        candidate,
+        source,
+        device_result if not args.local else None,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
+    else:
+        print(format_report(report, source=source), end="")
+        if args.report:
+            drawn = f" and {png}" if png is not None else f" (histogram skipped: {PLOT_MISSING})"
+            print(f"\nwrote {args.report}{drawn}")
+    return EXIT_OK if report.passed else EXIT_MISMATCH
+
+
+def _write_reports(
+    markdown: str | None,
+    json_path: str | None,
+    csv_path: str | None,
+    report: ComparisonReport,
+    call: MoeInitRoutingV2GradCall,
+    candidate: np.ndarray,
+    source: str | None,
+    device_result: np.ndarray | None,
+) -> Any:
+    png = None
+    for flag, path, write in (
+        ("--report-json", json_path, lambda p: write_json_report(p, report)),
+        ("--report-csv", csv_path, lambda p: write_csv_report(p, report)),
+    ):
+        if path:
+            try:
+                write(path)
+            except OSError as exc:
+                raise UsageError(f"cannot write {flag} {path}: {exc}") from None
+    if markdown:
+        try:
+            png = write_markdown_report(
+                markdown,
+                report,
+                call,
+                candidate,
+                source=source,
+                device_result=device_result
+                if device_result is not None
+                else (moe_init_routing_v2_grad(call) if call is not None else None),
+            )
+        except OSError as exc:
+            raise UsageError(f"cannot write --report {markdown}: {exc}") from None
+    return png
+
+
+def _cmd_compare_cases(args: argparse.Namespace) -> int:
+    """``compare --cases DIR``: the sweep is :func:`moegrad.cli._sweep.run_cases`'s; here, each case's reports."""
+    if args.reports:
+        try:
+            os.makedirs(args.reports, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create --reports {args.reports}: {exc}") from None
+
+    def save(result: CaseResult) -> None:
+        if not args.reports or result.report is None or result.path is None:
+            return
+        fields, candidate = load_case(result.path)
+        context = result.report.context
+        judged = context.order if context is not None else None  # the profile that judged it
+        call = (
+            context_call(fields, judged)
+            if judged
+            else MoeInitRoutingV2GradCall(**fields_with_order(fields, args.order))
+        )
+        base = os.path.join(args.reports, result.name)
+        device = moe_init_routing_v2_grad(call) if args.local else None
+        _write_reports(base + ".md", base + ".json", base + ".csv", result.report, call, candidate, None, device)
+
+    where = "in-process emulation" if args.local else ", ".join(args.url)
+    return run_cases(args, open_client=lambda: _client(args), on_result=save, where=where)
+
+
+def _format(array: np.ndarray) -> str:
+    """A small 2-D array with each element's shortest round-trip repr in its own dtype."""
+    return "[" + ", ".join("[" + ", ".join(str(v) for v in row) + "]" for row in array) + "]"
+
+
+def _cmd_example(args: argparse.Namespace) -> int:
+    grad_expanded_x = np.array(_EXAMPLE_GRAD_EXPANDED_X, dtype=np.float32)
+    expanded_row_idx = np.array(_EXAMPLE_EXPANDED_ROW_IDX, dtype=np.int32)
+    expected = np.array(_EXAMPLE_EXPECTED, dtype=np.float32)
+    call = MoeInitRoutingV2GradCall(
+        grad_expanded_x=grad_expanded_x, expanded_row_idx=expanded_row_idx, top_k=_EXAMPLE_TOP_K
+    )
+    with _client(args) as client:
+        result = client.run(call)
+    got = result.grad_x
+    same = (
+        got.dtype == expected.dtype
+        and got.shape == expected.shape
+        and bool(np.array_equal(got.view(np.uint32), expected.view(np.uint32)))
+    )
+    print("the documentation's example of aclnnMoeInitRoutingV2Grad")
+    print(f"  grad_expanded_x  {_format(grad_expanded_x)} float32")
+    print(
+        f"  expanded_row_idx {_EXAMPLE_EXPANDED_ROW_IDX} int32, top_k={_EXAMPLE_TOP_K}, drop_pad_mode=0, active_num=0"
+    )
+    print(f"  result           {_format(got)} {got.dtype.name}  ({_server_summary(result)})")
+    print(f"  expected         {_format(expected)} float32  (documentation: [[0.3, 0.3], [0.7, 0.7]])")
+    print(f"  bit-exact match: {'yes' if same else 'NO'}")
+    return EXIT_OK if same else EXIT_MISMATCH
+
+
+def _cmd_identify(args: argparse.Namespace) -> int:
+    call_flags = {
+        "--grad-expanded-x": args.grad_expanded_x,
+        "--expanded-row-idx": args.expanded_row_idx,
+        "--top-k": args.top_k,
+        "--grad-x": args.grad_x,
+    }
+    if args.case:
+        given = [flag for flag, value in call_flags.items() if value is not None]
+        if given:
+            raise UsageError(f"--case FILE holds the call and grad_x: leave out {', '.join(given)}")
+        try:
+            fields, grad_x = load_case(args.case)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read --case {args.case}: {exc}") from None
+        fields.pop("order", None)  # every profile is asked
+    else:
+        missing = [flag for flag, value in call_flags.items() if value is None]
+        if missing:
+            raise UsageError(f"identify needs {', '.join(missing)} (or --case FILE)")
+        fields = {name: _load(getattr(args, name), f"--{name.replace('_', '-')}") for name in _TENSOR_FIELDS}
+        fields.update(
+            top_k=args.top_k,
+            drop_pad_mode=args.drop_pad_mode,
+            active_num=args.active_num,
+            allow_duplicate_indices=args.allow_duplicate_indices,
+        )
+        grad_x = _load(args.grad_x, "--grad-x")
+    result = identify(fields, grad_x, profiles=args.profiles)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else str(result), end="\n" if args.json else "")
+    if result.matching:
+        return EXIT_OK
+    return EXIT_REJECTED if len(result.refusing) == len(result.profiles) else EXIT_MISMATCH
+
+
+def _note_profiles(orders: dict[str, Any]) -> None:
+    """A line on stderr when the replicas run different device profiles (their ``/v1/info`` ``order``)."""
+    known = {url: order for url, order in orders.items() if order is not None}
+    if len(set(known.values())) > 1:
+        listed = ", ".join(f"{url} {order}" for url, order in known.items())
+        print(f"moegrad: the replicas run different device profiles: {listed}", file=sys.stderr)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    if len(args.url) == 1:
+        with _client(args) as client:
+            info = client.info()
+            served = [stats.url for stats in client.stats if stats.served]
+        orders = info.pop("orders", {})  # printed: the server's own document
+        print(json.dumps(info, indent=2, sort_keys=True))
+        if args.url[0].lower().startswith("dns+") and served:
+            print(f"moegrad: info of {served[0]}, one of the replicas of {args.url[0]}", file=sys.stderr)
+        _note_profiles(orders)
+        return EXIT_OK
+    infos: dict[str, Any] = {}  # each replica's, in the order given
+    for url in args.url:
+        try:
+            with _client(argparse.Namespace(**{**vars(args), "url": [url]})) as client:
+                infos[url] = client.info()
+                infos[url].pop("orders", None)
+        except MoegradError as exc:
+            infos[url] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"moegrad: failed: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    print(json.dumps(infos, indent=2, sort_keys=False))
+    _note_profiles({url: info.get("order") for url, info in infos.items()})
+    return EXIT_FAILURE if any("error" in info for info in infos.values()) else EXIT_OK
+
+
+_COMMANDS = {
+    "grad": _cmd_grad,
+    "local": _cmd_local,
+    "compare": _cmd_compare,
+    "example": _cmd_example,
+    "info": _cmd_info,
+    "identify": _cmd_identify,
+}
+
+
+def _rejection(exc: InvalidArgument | MalformedRequest) -> str:
+    if isinstance(exc, InvalidArgument):
+        return with_flags(str(exc))  # message [field F] (ACLNN_NAME code), with the flags typed
+    where = f" [field {exc.field}]" if exc.field else ""
+    return f"{exc.message}{where}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``moegrad`` command; returns the exit status (argparse exits with 2 on usage errors).
+
+    A reader that leaves early (``moegrad ... | head``) does not change the status: what is left to
+    print goes to ``os.devnull`` (:class:`_Stdout`). Ctrl-C is 130 without a traceback; an exception
+    that is not one of moegrad's is a bug: one line saying so, and :data:`EXIT_INTERNAL` (70).
+    """
+    args = build_parser().parse_args(argv)
+    if getattr(args, "url", False) is None:
+        args.url = default_urls()
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)
+    try:
+        return _run(args)
+    finally:
+        sys.stdout.flush()  # here, not at exit: a closed pipe then costs nothing (exit 120 otherwise)
+        sys.stdout = stdout
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return _COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"moegrad: error: {console_text(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except (InvalidArgument, MalformedRequest) as exc:  # PayloadTooLarge is a MalformedRequest
+        print(f"moegrad: rejected input: {type(exc).__name__}: {console_text(_rejection(exc))}", file=sys.stderr)
+        return EXIT_REJECTED
+    except MoegradError as exc:
+        print(f"moegrad: failed: {type(exc).__name__}: {console_text(str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("\nmoegrad: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: say so in one line, with the exit status no verdict uses
+        if sys.flags.dev_mode:  # python -X dev -m moegrad ...: the traceback, for the report
+            raise
+        print(
+            f"moegrad: internal error: {type(exc).__name__}: {console_text(str(exc))}. "
+            f"This is a bug in moegrad {__version__}: "
+            "please report it with the command line; `python -X dev -m moegrad ...` prints the traceback",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs. Once the reader has gone (``moegrad ... | head``: a
+    write raises BrokenPipeError), the rest goes to ``os.devnull``, as the Python documentation
+    advises for SIGPIPE ("Note on SIGPIPE", the signal module), and the command runs on to its own
+    exit status: a verdict does not depend on who reads it."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

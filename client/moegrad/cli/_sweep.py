@@ -1,0 +1,352 @@
+"""``moegrad compare --cases DIR`` and ``moegrad compare --merge``: sweeps (docs/accuracy.md, "Sweeps").
+
+A sweep judges the ``.npz`` cases of a folder (its shard of them with ``--shard I/N``) through
+``Client.compare_many`` (over every ``--url``) or in-process (``--local``); with ``--output FILE``
+each judged case is written as it is known and a rerun skips what FILE records
+(:mod:`moegrad.accuracy._ledger`). ``--merge`` joins shard files (:mod:`moegrad.accuracy._merge`).
+The exit statuses (docs/accuracy.md, "Sweeps"), which deploy/sweep's Indexed Job is written against:
+
+======  ==================================================================================
+status  over all the cases of the run (its shard; for ``--merge``, the sweep), the first that applies
+======  ==================================================================================
+4       a case is not judged (no answer, 5xx, 401/403/404/408 ...), FILE is locked by another
+        run, or (``--merge``) a shard file or a case is missing: Kubernetes retries the index
+3       a case is invalid (unreadable, or the server answered 400/413/415/422): a retry answers the same
+1       a case failed a standard
+0       every case passed (warnings pass); with ``--exit-zero-on-findings`` (not for ``--merge``),
+        every case was judged, whatever the verdicts (deploy/sweep's Job: its pods complete)
+2       usage (bad flags, FILE written for another shard, files that are not one sweep)
+70      an internal error (a bug in moegrad; :func:`moegrad.cli._main.main` says how to report it)
+130/143 interrupted by SIGINT / SIGTERM: the lines written are whole; the workers finish the
+        batch in hand for up to 2 s, then requests still in flight are abandoned (the process
+        ends at once), so the command ends within seconds; interrupted once every case is
+        judged, while the summary is written, each summary file is the old one or the new, whole
+======  ==================================================================================
+
+The console lists the cases that did not pass, worst first (``--verbose``: every case), and says
+in one line that no replica was reachable rather than once per case; a case's name and message
+are shown with their control characters made visible (:func:`~moegrad.accuracy._escape.console_text`).
+
+Before it sends anything, a sweep asks every ``--url`` its device profile (``/v1/info``'s
+``order``): the results file's header records them, and a sweep whose replicas differ is refused
+(exit 2) while a case names no profile and ``--order`` gives it none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from moegrad import Client, InvalidArgument, MoegradError
+from moegrad.accuracy import (
+    SWEEP_THREAD,
+    CaseResult,
+    MergeError,
+    ProfilesDiffer,
+    SweepFile,
+    SweepFileBusy,
+    SweepFileError,
+    SweepHeader,
+    compare_cases,
+    compare_in_process,
+    console_text,
+    find_cases,
+    merge_sweeps,
+    refuse_mixed_profiles,
+    shard_of,
+    statuses,
+    worst_first,
+    write_summary,
+)
+from moegrad.cli._parser import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_TERMINATED,
+    UsageError,
+)
+
+__all__ = ["run_cases", "run_merge", "sweep_status"]
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` in the main thread while the sweep runs."""
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread: leave SIGTERM as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_now_if_a_worker_is_left(status: int) -> None:
+    """End the process with ``status`` at once when a sweep worker still waits on a request after
+    the sweep's grace period: a daemon thread that wakes while the interpreter finalizes is ended
+    by pthread_exit, which a C++ frame under it (a compiled kernel) may turn into an abort."""
+    if any(t.name.startswith(SWEEP_THREAD) and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def sweep_status(results: Sequence[CaseResult], *, missing: bool = False) -> int:
+    """The exit status of a sweep's results (the module's table): 4, 3, 1 or 0."""
+    counts = statuses(results)
+    if missing or counts["error"]:
+        return EXIT_FAILURE
+    if counts["invalid"]:
+        return EXIT_REJECTED
+    return EXIT_MISMATCH if counts["fail"] else EXIT_OK
+
+
+def _check_writable(path: str, flag: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {flag} {path}: the folder {folder} does not exist")
+
+
+#: How a case that no replica answered reads (:func:`moegrad.http._status.error_from_transport`'s message).
+_UNREACHABLE = "TransportError: cannot reach "
+
+
+def _write_summary(results: Sequence[CaseResult], prefix: str) -> list[CaseResult]:
+    """PREFIX.csv and PREFIX.md, each written beside its place and then moved there: a run stopped
+    while writing them leaves each file whole, the old one or the new."""
+    paths = (prefix + ".csv", prefix + ".md")
+    partial = [f"{path}.{os.getpid()}.partial" for path in paths]
+    try:
+        ordered = write_summary(results, *partial)
+        for written, path in zip(partial, paths, strict=True):
+            os.replace(written, path)
+    finally:
+        for written in partial:
+            with contextlib.suppress(OSError):
+                os.unlink(written)
+    return ordered
+
+
+def _print_results(
+    results: Sequence[CaseResult], where: str, prefix: str | None, *, verbose: bool, urls: Sequence[str] = ()
+) -> list[CaseResult]:
+    """The console lines of a sweep (and its summary files): the counts, then each case that did not
+    pass, worst first (every case with ``verbose``), and one line for the cases no replica answered."""
+    try:
+        ordered = worst_first(results) if prefix is None else _write_summary(results, prefix)
+    except OSError as exc:
+        raise UsageError(f"cannot write --summary {prefix}: {exc}") from None
+    counts = statuses(ordered)
+    print(f"{len(ordered)} cases against {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    unreachable = {id(r) for r in ordered if r.status == "error" and (r.error or "").startswith(_UNREACHABLE)}
+    for result in ordered:
+        if result.status in ("pass", "warning") and not verbose:
+            continue
+        if id(result) in unreachable and not verbose:
+            continue
+        worst = None if result.report is None else result.report.candidate_vs_golden.worst  # None: error says why
+        detail = result.error or (worst and f"worst row {worst.row}") or ""
+        print(f"  {result.status:<8} {console_text(result.name)}  {console_text(detail)}")
+    if unreachable and not verbose:
+        print(f"  error    {len(unreachable)} cases not judged: no replica reachable")
+    passing = counts["pass"] + counts["warning"]
+    if passing and not verbose:
+        print(f"  ({passing} passing cases not listed; --verbose lists every case)")
+    for result in ordered:
+        if result.status == "error" and id(result) not in unreachable:
+            error = console_text(result.error or "")
+            print(f"moegrad: not judged: {console_text(result.name)}: {error}", file=sys.stderr)
+    if unreachable:
+        print(
+            f"moegrad: no replica reachable: {', '.join(urls) or where}; start a server or check --url",
+            file=sys.stderr,
+        )
+    return ordered
+
+
+def run_cases(
+    args: argparse.Namespace,
+    *,
+    open_client: Callable[[], Client],
+    on_result: Callable[[CaseResult], None] | None,
+    where: str,
+) -> int:
+    """``compare --cases DIR`` (with ``--shard``, ``--output``, ``--max-concurrency``): judge, write, report.
+
+    Raises:
+        UsageError: a folder or file that cannot be read or written, FILE written for another sweep.
+    """
+    try:
+        files = find_cases(args.cases)
+    except OSError as exc:
+        raise UsageError(f"cannot read --cases {args.cases}: {exc}") from None
+    index, count = args.shard or (0, 1)
+    files = [file for file in files if shard_of(file.stem, count) == index]
+    prefix = args.summary or (None if args.output else os.path.join(args.cases, "summary"))
+    if prefix is not None:
+        _check_writable(prefix, "--summary")
+    client = None if args.local else open_client()
+    try:
+        ledger = _open_output(args, files, (index, count), client)
+    except BaseException as exc:  # nothing judged: the client is closed
+        if client is not None:
+            client.close()
+        if not isinstance(exc, SweepFileBusy):
+            raise
+        print(f"moegrad: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    with _sigterm_raises():
+        try:
+            results = _judge(args, files, ledger, client, on_result)
+        except (KeyboardInterrupt, _Terminated) as exc:
+            written = f"; {ledger.written} cases written to {args.output}, run again to resume" if ledger else ""
+            print(f"\nmoegrad: interrupted{written}", file=sys.stderr)
+            status = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
+            if ledger is not None:
+                ledger.close()
+            _exit_now_if_a_worker_is_left(status)
+            return status
+        finally:
+            if ledger is not None:
+                ledger.close()
+        try:
+            return _report(args, results, ledger, len(files), prefix, where)
+        except (KeyboardInterrupt, _Terminated) as exc:  # every case is judged (and written): only the summary is left
+            kept = f"; every case is written to {args.output}" if ledger else ""
+            print(f"\nmoegrad: interrupted while reporting{kept}; run again to report", file=sys.stderr)
+            return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
+
+
+def _report(
+    args: argparse.Namespace,
+    results: list[CaseResult],
+    ledger: SweepFile | None,
+    cases: int,
+    prefix: str | None,
+    where: str,
+) -> int:
+    """What a sweep that ran to its end prints and writes; its exit status."""
+    if ledger is not None and ledger.skipped:
+        print(f"skipped {ledger.skipped} of {cases} cases already judged in {args.output}")
+    _print_results(results, where, prefix, verbose=args.verbose, urls=() if args.local else args.url)
+    if prefix is not None:
+        print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
+    if ledger is not None:
+        print(f"{ledger.written} cases written to {args.output}")
+    status = sweep_status(results)
+    if args.exit_zero_on_findings and status in (EXIT_MISMATCH, EXIT_REJECTED):
+        print(f"moegrad: every case judged: exit 0, not {status} (--exit-zero-on-findings)", file=sys.stderr)
+        return EXIT_OK
+    return status
+
+
+def _open_output(
+    args: argparse.Namespace, files: list[Path], shard: tuple[int, int], client: Client | None
+) -> SweepFile | None:
+    """The results file of ``--output`` (None without it), its header holding each replica's profile.
+
+    Raises:
+        UsageError: replicas of different profiles for cases that name none (without ``--order``),
+            an unknown standard, FILE written for another sweep or not openable.
+        SweepFileBusy: another run holds FILE.
+    """
+    orders = {} if client is None else _replica_orders(client)
+    try:
+        refuse_mixed_profiles(orders, files, args.order)
+        header = SweepHeader.of(
+            cases=len(files), standards=args.standards, require_exact=args.require_exact, shard=shard, orders=orders
+        )
+    except (InvalidArgument, ProfilesDiffer) as exc:
+        raise UsageError(str(exc)) from None
+    if not args.output:
+        return None
+    try:
+        return SweepFile(args.output, header)
+    except SweepFileError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        if isinstance(exc, SweepFileBusy):
+            raise
+        raise UsageError(f"cannot open --output {args.output}: {exc}") from None
+
+
+def _replica_orders(client: Client) -> dict[str, str | None]:
+    """Each replica's profile (``Client.info()``'s ``orders``); none when no replica answers (the
+    sweep then reports its cases not judged)."""
+    try:
+        return dict(client.info()["orders"])
+    except MoegradError:
+        return {}
+
+
+def _judge(
+    args: argparse.Namespace,
+    files: list[Path],
+    ledger: SweepFile | None,
+    client: Client | None,
+    on_result: Callable[[CaseResult], None] | None,
+) -> list[CaseResult]:
+    if client is None:
+        judge_one = compare_in_process(args.standards, args.require_exact, args.order)
+        return compare_cases(files, judge_one, progress=args.progress, on_result=on_result, output=ledger)
+    try:
+        results = client.compare_many(  # interrupted, the client is left open: closing it could wait on a request
+            files,
+            standards=args.standards,
+            require_exact=args.require_exact,
+            order=args.order,
+            progress=args.progress,
+            on_result=on_result,
+            concurrency=args.max_concurrency,
+            output=ledger,
+        )
+    except ProfilesDiffer as exc:  # a replica changed its profile since it was asked: nothing was sent
+        client.close()
+        raise UsageError(str(exc)) from None
+    client.close()
+    return results
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """``compare --merge PATH...`` (with ``--cases DIR`` to check coverage): one summary of a sweep's shards.
+
+    Raises:
+        UsageError: files that do not make one sweep, or that cannot be read; a summary that cannot be written.
+    """
+    first = Path(args.merge[0])
+    prefix = args.summary or os.path.join(first if first.is_dir() else first.parent, "summary")
+    _check_writable(prefix, "--summary")
+    try:
+        cases = find_cases(args.cases) if args.cases else None
+        merged = merge_sweeps(args.merge, cases)
+    except MergeError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot read the shard files or cases: {exc}") from None
+    count = merged.header.shard[1]
+    _print_results(merged.results, f"{len(merged.files)} shard files of {count}", prefix, verbose=args.verbose)
+    if merged.stale:
+        print(f"left out {merged.stale} lines of cases that are gone or changed since")
+    for what in merged.missing:
+        print(f"moegrad: missing: {what}", file=sys.stderr)
+    print(f"wrote {prefix}.csv and {prefix}.md")
+    return sweep_status(merged.results, missing=bool(merged.missing))
