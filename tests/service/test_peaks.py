@@ -60,6 +60,13 @@ def test_a_small_call_counts_its_copies_and_a_json_reply_its_numbers():
                                     expanded_row_idx=np.arange(4, dtype=np.int32), top_k=2)
     assert call_peak(call, body_bytes=100) == Peak(body=100, decoded=48, result=16, reply=16)
     assert call_peak(call, body_bytes=100, reply="json").reply == 4 * 96
+    assert call_peak(call, body_bytes=100, reply="serialized").reply == 16  # gRPC's reply copies grad_x
+
+
+def test_a_grpc_call_holds_grad_x_twice_whatever_its_size():
+    # the all-dropped call of 100,000 tokens over gRPC: grad_x 25,600,000 B, and its copy in the serialized reply
+    peak = call_peak(all_dropped(100_000, 64), body_bytes=400_500, reply="serialized")
+    assert peak == Peak(body=400_500, result=25_600_000, reply=25_600_000)
 
 
 def test_a_batch_holds_each_item_every_result_and_its_largest_judging():

@@ -5,9 +5,10 @@ A request is admitted before its body is read, from ``Content-Length`` alone
 :data:`JSON_HOLD_PER_BODY_BYTE` times a v2 body's JSON). Once decoded, its shapes say what
 answering it really holds: each function here computes that as a :class:`Peak` (bytes, by part),
 and the request's admission is topped up to it before anything runs
-(:meth:`~moegrad_service.memory.Admission.cover`). Every protocol uses the same functions (HTTP v1
-and v2 here; gRPC with ``reply="buffers"``), and a request that asks what a call would cost can
-answer from them without running it.
+(:meth:`~moegrad_service.memory.Admission.cover`; a gRPC message's reservation likewise, once its
+message is decoded). Every protocol uses the same functions (HTTP v1 and v2, gRPC with
+``reply="serialized"``), and a request that asks what a call would cost can answer from them
+without running it.
 
 The figures are the service's host memory with numba's compiled comparison (a dependency of the
 service): a dropless call's grad_x is computed in bounded chunks, so its work is constant; the
@@ -61,9 +62,10 @@ JSON_HOLD_PER_BODY_BYTE = 24
 #: and its list slot, and its text twice (the ``str`` and its encoded bytes).
 JSON_REPLY_ELEMENT_BYTES = 96
 
-#: How a reply carries grad_x: from its own buffer (v1 msgpack and frames, v2 binary, gRPC), or as
-#: JSON numbers (a v2 reply without binary data).
-ReplyForm = Literal["buffers", "json"]
+#: How a reply carries grad_x: from its own buffer (v1 msgpack and frames, v2 binary), as JSON
+#: numbers (a v2 reply without binary data), or copied into one serialized message beside it (gRPC:
+#: the reply's bytes are built while grad_x is still held, so grad_x is held twice).
+ReplyForm = Literal["buffers", "json", "serialized"]
 
 
 @dataclass(frozen=True)
@@ -111,20 +113,24 @@ def _input_bytes(call: MoeInitRoutingV2GradCall) -> int:
 
 def call_peak(call: MoeInitRoutingV2GradCall, *, body_bytes: int, reply: ReplyForm = "buffers") -> Peak:
     """One call (v1 grad, v2 infer, gRPC ModelInfer): its body, its tensors copied out when small,
-    grad_x [N, H], and a JSON reply's numbers when ``reply`` is "json".
+    grad_x [N, H], a JSON reply's numbers when ``reply`` is "json", and grad_x's copy in the reply
+    when it is "serialized".
 
     A drop/pad call whose tokens are all dropped holds a grad_x many times its body ([N, H] from
     an index of N x K): that is the case this counts where a multiple of the body did not.
 
     Args:
         call: the validated call.
-        body_bytes: the request body's size (a gRPC message's), in bytes.
+        body_bytes: the request body's size (a gRPC message's: its tensors, copied out of it as it
+            is decoded, take its place), in bytes.
         reply: how the reply carries grad_x (:data:`ReplyForm`).
     """
     result = grad_x_bytes(call)
     inputs = _input_bytes(call)
     if reply == "json":
         encoded = call.num_tokens * call.hidden_size * JSON_REPLY_ELEMENT_BYTES
+    elif reply == "serialized":
+        encoded = result
     else:
         encoded = result if result <= COPIED_CALL_BYTES else 0
     return Peak(body=body_bytes, decoded=inputs if inputs <= COPIED_CALL_BYTES else 0, result=result, reply=encoded)
