@@ -3,8 +3,8 @@ parsed (api/grpc/wire.py), the reply written with one copy of grad_x, and typed 
 chunk at a time (api/grpc/codec.py).
 
 Oracles: the reservation rule and limits as docs/protocol.md states them (4 times the largest
-message before the read, 4 times the message after, its call's peak once decoded; 4 MiB of typed contents; 4,096 fields a level;
-a sixteenth of seven eighths of the budget by default), protobuf's own serializer for the sizes of
+message before the read, 4 times the message after, its call's peak once decoded; 4 MiB of typed
+contents; 4,096 fields a level; a sixteenth of seven eighths of the budget by default), protobuf's own serializer for the sizes of
 typed contents and for the reply's bytes, and Python lists for the values of typed contents.
 """
 

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
-import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from tritonclient.grpc import service_pb2
