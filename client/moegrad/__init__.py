@@ -12,8 +12,8 @@
 - :func:`moe_init_routing_v2` emulates the forward routing that makes a valid expanded_row_idx;
   ``moegrad.torch`` (extra ``torch``) wraps both as torch operators;
 - :func:`compare` (and ``Client.compare`` on a service) judges a candidate implementation's grad_x
-  against the device and a float64 golden; :mod:`moegrad.accuracy` holds the standards and the
-  report writers (docs/accuracy.md);
+  against the device and a float64 golden, and :func:`explain` says why each differing row
+  differs; :mod:`moegrad.accuracy` holds the standards and the report writers (docs/accuracy.md);
 - the candidate on the bench (:class:`Candidate`: a callable, ``package.module:function`` or a v2
   URL): :func:`probe_order` reveals its tree of adds, :func:`order_free_inputs` builds calls every
   order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row.
@@ -49,6 +49,7 @@ from moegrad.accuracy import (
     DeterminismCheck,
     DtypeLimits,
     ExactMatch,
+    Explanation,
     InconsistentOrder,
     Metrics,
     MultiTermOrder,
@@ -63,6 +64,7 @@ from moegrad.accuracy import (
     check_determinism,
     compare,
     compare_arrays,
+    explain,
     metrics,
     order_free_inputs,
     probe_order,
@@ -131,6 +133,7 @@ __all__ = [
     "DeviceFault",
     "DtypeLimits",
     "ExactMatch",
+    "Explanation",
     "GradResult",
     "Identification",
     "InconsistentOrder",
@@ -176,6 +179,7 @@ __all__ = [
     "encode_frames",
     "encode_tensor",
     "expanded_row_idx_layout",
+    "explain",
     "identify",
     "invert_expanded_row_idx",
     "metrics",

@@ -11,6 +11,7 @@ import nothing of moegrad's numerics (oracle.py takes only the call object from 
   Ascend 950) and every add tree;
 - :mod:`support.inputs` -- the reference tests' dtypes, K values and random calls;
 - :mod:`support.oracle` -- the float64 accuracy oracle (golden, scale, figures, verdicts);
+- :mod:`support.planted` -- the planted-fault matrix of moegrad.explain, from slow per-row loops;
 - :mod:`support.routing` -- a forward routing (aclnnMoeInitRoutingV2) to generate realistic inputs;
 - :mod:`support.kernel_paths` -- harness for the compiled and NumPy kernel path tests;
 - :mod:`support.servicekit` -- in-process service helpers (bodies, replies, metrics, a gated backend hook);

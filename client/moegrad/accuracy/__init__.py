@@ -16,6 +16,9 @@ standard, with the thresholds per dtype and their sources.
   :func:`report_context` / :func:`with_context`
   (what makes a saved report reproducible), :func:`with_profiles` (the device profiles whose
   emulation is bit-identical to the candidate), :func:`rejudge` (verdicts again from stored metrics);
+- explaining: :func:`explain` (why each differing row differs: order of adds, a wrong summand,
+  precision, NaN/Inf; :class:`Explanation`), :func:`explain_peak_bytes`, :func:`any_order_bound`
+  (the largest error any schedule of float32 adds can give);
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
@@ -31,6 +34,7 @@ standard, with the thresholds per dtype and their sources.
 """
 
 from moegrad.accuracy._batches import ProfilesDiffer, context_call, fields_with_order, refuse_mixed_profiles
+from moegrad.accuracy._bound import any_order_bound
 from moegrad.accuracy._candidate import Candidate, CandidateError, as_candidate
 from moegrad.accuracy._cases import (
     SUMMARY_COLUMNS,
@@ -51,8 +55,18 @@ from moegrad.accuracy._compare import (
     summand_magnitude,
 )
 from moegrad.accuracy._context import report_context, with_context, with_profiles
-from moegrad.accuracy._determinism import DeterminismCheck, any_order_bound, check_determinism
+from moegrad.accuracy._determinism import DeterminismCheck, check_determinism
 from moegrad.accuracy._escape import console_text
+from moegrad.accuracy._explain import explain, explain_peak_bytes
+from moegrad.accuracy._explanation import (
+    LABELS,
+    ElementTable,
+    Evidence,
+    Explanation,
+    Hypothesis,
+    RowExplanation,
+    SlotTable,
+)
 from moegrad.accuracy._export import (
     CSV_CONTEXT_COLUMNS,
     MSPROBE_DETAIL_COLUMNS,
@@ -102,6 +116,7 @@ __all__ = [
     "CSV_CONTEXT_COLUMNS",
     "DEFAULT_STANDARDS",
     "DTYPE_LIMITS",
+    "LABELS",
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
     "ORDER_FREE_LIMITS",
@@ -119,7 +134,11 @@ __all__ = [
     "CriterionResult",
     "DeterminismCheck",
     "DtypeLimits",
+    "ElementTable",
+    "Evidence",
     "ExactMatch",
+    "Explanation",
+    "Hypothesis",
     "InconsistentOrder",
     "MergeError",
     "MergedSweep",
@@ -129,6 +148,8 @@ __all__ = [
     "OrderProbeError",
     "ProfilesDiffer",
     "ReportContext",
+    "RowExplanation",
+    "SlotTable",
     "StandardVerdict",
     "SweepFile",
     "SweepFileBusy",
@@ -148,6 +169,8 @@ __all__ = [
     "context_call",
     "csv_rows",
     "exactness_line",
+    "explain",
+    "explain_peak_bytes",
     "fields_with_order",
     "find_cases",
     "format_report",

@@ -5,8 +5,9 @@ whatever order the threads arrive, so a row with several slots can come out diff
 run, while every variant is still a correct float32 sum. Such variants stay within the error bound
 of *some* order of adds (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section
 4.2: a recursive sum of n values errs by at most ``gamma_(n-1) * sum |x_t|``, ``gamma_n = n u / (1 -
-n u)``, u = 2**-24 for float32 adds), plus half an ULP of the output dtype for the final cast. A
-variant beyond that bound is not rounding: a race that loses or repeats an add.
+n u)``, u = 2**-24 for float32 adds), plus half an ULP of the output dtype for the final cast
+(:func:`moegrad.accuracy.any_order_bound`, the bound :func:`moegrad.explain` uses too). A variant
+beyond that bound is not rounding: a race that loses or repeats an add.
 """
 
 from __future__ import annotations
@@ -17,44 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from moegrad.accuracy._bound import any_order_bound
 from moegrad.accuracy._candidate import candidate_in_use
-from moegrad.accuracy._compare import summand_magnitude
 from moegrad.numerics._reference import moe_init_routing_v2_grad_golden
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 
-__all__ = ["DeterminismCheck", "any_order_bound", "check_determinism"]
+__all__ = ["DeterminismCheck", "check_determinism"]
 
-_UNIT = 2.0**-24  # float32's unit roundoff
-# (stored fraction bits, smallest normal exponent) of the narrow output dtypes
-_NARROW = {"float16": (10, -14), "bfloat16": (7, -126)}
 _KEEP_ROWS = 16
-
-
-def any_order_bound(call: MoeInitRoutingV2GradCall, golden: np.ndarray | None = None) -> np.ndarray:
-    """The largest distance from the exact sum that some order of float32 adds can reach, per element.
-
-    ``gamma_(K-1) * sum_t |x_t|`` (``gamma_n = n u / (1 - n u)``, u = 2**-24, skipped slots add
-    nothing to the sum of magnitudes), plus, for a float16 or bfloat16 call, half an ULP of the
-    output dtype at ``|golden| + that``: the final cast's rounding. This module's docstring gives
-    the source. The accuracy toolkit shares this one function.
-
-    Args:
-        call: the call.
-        golden: ``moe_init_routing_v2_grad_golden(call)`` when already computed.
-
-    Returns:
-        [N, H] float64.
-    """
-    adds = max(call.top_k - 1, 0)
-    gamma = adds * _UNIT / (1 - adds * _UNIT)
-    bound = gamma * summand_magnitude(call)
-    if call.dtype_name in _NARROW:
-        fraction, lowest = _NARROW[call.dtype_name]
-        exact = np.abs(golden if golden is not None else moe_init_routing_v2_grad_golden(call)) + bound
-        with np.errstate(invalid="ignore", over="ignore"):
-            exponent = np.maximum(np.frexp(exact)[1] - 1, lowest)
-            bound = bound + np.ldexp(0.5, exponent - fraction)
-    return bound
 
 
 @dataclass(frozen=True)
@@ -66,8 +37,9 @@ class DeterminismCheck:
         distinct_per_row: [N] int64, the distinct results of each row over the runs (1: steady);
             rows compare by bits, every NaN alike.
         varying_rows: the rows with more than one distinct result, ascending.
-        within_bound: whether every result of every run lies within :func:`any_order_bound` of the
-            float64 golden (NaN and infinities where the golden has them).
+        within_bound: whether every result of every run lies within
+            :func:`~moegrad.accuracy.any_order_bound` of the float64 golden (NaN and infinities
+            where the golden has them).
         outside_rows: the rows where some run lies outside that bound, ascending.
         variants: for up to 16 varying rows (the first ones found), their distinct results
             ([k, H], the call's dtype or float32), in the order they appeared.

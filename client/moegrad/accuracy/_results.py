@@ -64,6 +64,8 @@ def _adapter(cls: type) -> TypeAdapter[Any]:
 class _Serializable:
     """``to_dict`` / ``from_dict`` through a pydantic ``TypeAdapter`` of the dataclass."""
 
+    __slots__ = ()  # a subclass declared with slots=True then holds no __dict__
+
     def to_dict(self) -> dict[str, Any]:
         """This object as a JSON- and msgpack-safe dict (non-finite floats as strings, tuples as lists)."""
         # mypy takes a class for non-Hashable (its __hash__ is seen unbound), so functools.cache's stub refuses it

@@ -151,6 +151,7 @@ def accumulate(
     *,
     kernel: str | None = None,
     chunking: tuple[int, bool] | None = None,
+    accumulator: np.dtype = _F32,
 ) -> np.ndarray:
     """grad_x of a validated ``call`` into ``out`` with the device's arithmetic: float32 adds in the
     order of ``schedule`` (:func:`~moegrad.accumulation_schedule`'s steps), one rounding to ``out``'s dtype.
@@ -161,6 +162,9 @@ def accumulate(
             schedule, which the compiled path runs by its own loop.
         out: [N, H] of the call's dtype, C-contiguous, written whole.
         kernel: ``"auto"`` (numba when it imports), ``"numba"`` or ``"numpy"``; None: the module's default.
+        accumulator: the dtype every add rounds to: float32 (the device's), or float16 / bfloat16
+            (the arithmetic of a port that accumulates in a narrower type, which
+            :func:`moegrad.explain` replays; each summand is rounded to it first; NumPy only).
 
     Raises:
         ValueError: another ``kernel``. RuntimeError: ``kernel="numba"`` where numba does not import.
@@ -174,7 +178,8 @@ def accumulate(
         raise ValueError(f"kernel={kernel!r} is not one of 'auto', 'numba', 'numpy'")
     if kernel == "numba" and not _fast.available():
         raise RuntimeError("kernel='numba' needs numba: pip install 'moegrad[fast]'")
-    if kernel != "numpy":
+    accumulator = np.dtype(accumulator)
+    if kernel != "numpy" and accumulator == _F32:
         if chunking is not None:
             taken = _fast.accumulate_950(rows, flat_index, call.top_k, *chunking, out, _map_chunks, kernel_threads())
         else:
@@ -183,12 +188,12 @@ def accumulate(
             return out  # same bits as below; byte-swapped inputs fall through to NumPy
     index = flat_index.reshape(-1, call.top_k)
     nbins = 1 + max(step[1] for step in schedule)
-    chunk = max(1, _CHUNK_BYTES // (nbins * out.shape[1] * _F32.itemsize))
+    chunk = max(1, _CHUNK_BYTES // (nbins * out.shape[1] * accumulator.itemsize))
 
     def run(start: int, stop: int) -> None:
-        slots = _Slots(rows, index[start:stop], skipped, _F32)
-        bins = np.empty((nbins, stop - start, out.shape[1]), dtype=_F32)
-        value = np.empty((stop - start, out.shape[1]), dtype=_F32)
+        slots = _Slots(rows, index[start:stop], skipped, accumulator)
+        bins = np.empty((nbins, stop - start, out.shape[1]), dtype=accumulator)
+        value = np.empty((stop - start, out.shape[1]), dtype=accumulator)
         for op, dst, src in schedule:
             target = bins[dst]
             if op == "set":
@@ -274,7 +279,7 @@ class _Slots:
             np.take(self.rows, column, axis=0, out=into)
         else:
             np.take(self.rows, column, axis=0, out=self.gathered)
-            np.copyto(into, self.gathered, casting="unsafe")  # exact: float16/bfloat16 -> float32/64
+            np.copyto(into, self.gathered, casting="unsafe")  # exact when widened; else rounds to nearest even
         return mask
 
 
