@@ -43,6 +43,8 @@ PRINTED: dict[str, tuple[str, str, list[str], list[str]]] = {
                 ["--repeats", "3"], ["--repeats", "7"]),
     "explain": ("moegrad.explain beside compare and the grad call (targets: 1.5x compare, 15x the grad call)",
                 "bench.explain_speed", ["--repeats", "3"], ["--repeats", "7"]),
+    "explain-service": ("moegrad.explain of a DeepSeek-size call on the service", "bench.explain_service",
+                        ["--tokens", "1024", "--repeats", "1"], ["--repeats", "3"]),
     "explain-matrix": ("moegrad.explain on the planted-fault matrix", "bench.explain_matrix",
                        ["--sample", "200"], []),
     "sweep": ("Sweep rate against one, two and three servers (Client.compare_many)", "bench.sweep",

@@ -62,16 +62,18 @@ from moegrad.accuracy import (
     as_candidate,
     check_compare_arguments,
     check_determinism,
+    check_explain_arguments,
     compare,
     compare_arrays,
     explain,
+    explain_peak_bytes,
     metrics,
     order_free_inputs,
     probe_order,
     skipped_rows,
     summand_magnitude,
 )
-from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._answers import CompareResult, ExplainResult, GradResult
 from moegrad.http._client import AsyncClient, Client
 from moegrad.http._documents import BatchCompare
 from moegrad.http._replicas import ReplicaStats
@@ -133,6 +135,7 @@ __all__ = [
     "DeviceFault",
     "DtypeLimits",
     "ExactMatch",
+    "ExplainResult",
     "Explanation",
     "GradResult",
     "Identification",
@@ -166,6 +169,7 @@ __all__ = [
     "brief",
     "check_compare_arguments",
     "check_determinism",
+    "check_explain_arguments",
     "compare",
     "compare_arrays",
     "decode_batch",
@@ -180,6 +184,7 @@ __all__ = [
     "encode_tensor",
     "expanded_row_idx_layout",
     "explain",
+    "explain_peak_bytes",
     "identify",
     "invert_expanded_row_idx",
     "metrics",

@@ -1,6 +1,6 @@
 """One way in: every request reaches its handler through the app's own router, once.
 
-The tensor-carrying POST routes (v1's grad, batch and compare, v2's infer) are Starlette routes of the
+The tensor-carrying POST routes (v1's grad, batch, compare and explain, v2's infer) are Starlette routes of the
 app's router, each registered once; nothing in the middleware stack answers a request before the
 router except the access log (which only observes) and the token check. The API description
 lists them like every other route.
@@ -22,6 +22,7 @@ INFERENCE = {
     "/v1/moe_init_routing_v2_grad",
     "/v1/moe_init_routing_v2_grad/batch",
     "/v1/moe_init_routing_v2_grad/compare",
+    "/v1/moe_init_routing_v2_grad/explain",
     "/v2/models/{model_name}/infer",
     "/v2/models/{model_name}/versions/{model_version}/infer",
 }

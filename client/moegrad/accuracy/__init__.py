@@ -17,8 +17,12 @@ standard, with the thresholds per dtype and their sources.
   (what makes a saved report reproducible), :func:`with_profiles` (the device profiles whose
   emulation is bit-identical to the candidate), :func:`rejudge` (verdicts again from stored metrics);
 - explaining: :func:`explain` (why each differing row differs: order of adds, a wrong summand,
-  precision, NaN/Inf; :class:`Explanation`), :func:`explain_peak_bytes`, :func:`any_order_bound`
-  (the largest error any schedule of float32 adds can give);
+  precision, NaN/Inf; :class:`Explanation`), :func:`check_explain_arguments`,
+  :func:`explain_peak_bytes`, :func:`any_order_bound` (the largest error any schedule of float32
+  adds can give); a comparison explained (``moegrad compare --explain``): :func:`explain_case`,
+  :func:`with_explanation` (the label counts in the report), :func:`explaining_one`,
+  :func:`explaining_batch`, :func:`aexplaining_batch` (a sweep's), :func:`explanation_markdown`,
+  :func:`labels_line`;
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
@@ -57,7 +61,15 @@ from moegrad.accuracy._compare import (
 from moegrad.accuracy._context import report_context, with_context, with_profiles
 from moegrad.accuracy._determinism import DeterminismCheck, check_determinism
 from moegrad.accuracy._escape import console_text
-from moegrad.accuracy._explain import explain, explain_peak_bytes
+from moegrad.accuracy._explain import check_explain_arguments, explain, explain_peak_bytes
+from moegrad.accuracy._explained import (
+    aexplaining_batch,
+    explain_case,
+    explaining_batch,
+    explaining_one,
+    explanation_markdown,
+    with_explanation,
+)
 from moegrad.accuracy._explanation import (
     LABELS,
     ElementTable,
@@ -66,6 +78,7 @@ from moegrad.accuracy._explanation import (
     Hypothesis,
     RowExplanation,
     SlotTable,
+    labels_line,
 )
 from moegrad.accuracy._export import (
     CSV_CONTEXT_COLUMNS,
@@ -157,10 +170,12 @@ __all__ = [
     "SweepHeader",
     "WorstElement",
     "ZeroRowCheck",
+    "aexplaining_batch",
     "any_order_bound",
     "as_candidate",
     "check_compare_arguments",
     "check_determinism",
+    "check_explain_arguments",
     "compare",
     "compare_arrays",
     "compare_cases",
@@ -170,10 +185,15 @@ __all__ = [
     "csv_rows",
     "exactness_line",
     "explain",
+    "explain_case",
     "explain_peak_bytes",
+    "explaining_batch",
+    "explaining_one",
+    "explanation_markdown",
     "fields_with_order",
     "find_cases",
     "format_report",
+    "labels_line",
     "load_case",
     "markdown_report",
     "merge_sweeps",
@@ -193,6 +213,7 @@ __all__ = [
     "summand_magnitude",
     "warm_up_compare",
     "with_context",
+    "with_explanation",
     "with_profiles",
     "worst_first",
     "write_csv_report",

@@ -35,6 +35,7 @@ import numpy as np
 
 from moegrad.accuracy._case_archive import archive_names, read_arrays, read_case_file
 from moegrad.accuracy._escape import csv_row, markdown_text
+from moegrad.accuracy._explanation import labels_line
 from moegrad.accuracy._export import MSPROBE_STATUS
 from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
@@ -288,6 +289,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "bit_exact",
     "bitwise_mismatches",
     "worst_row",
+    "explained",
     "order",
     "file",
 )
@@ -326,6 +328,7 @@ def _summary_row(result: CaseResult) -> dict[str, str]:
             "bit_exact": "" if exact is None else str(exact.bit_exact).lower(),
             "bitwise_mismatches": "" if exact is None else str(exact.mismatched),
             "worst_row": "" if r.candidate_vs_golden.worst is None else str(r.candidate_vs_golden.worst.row),
+            "explained": labels_line(r.explained),
             "order": "" if r.context is None else r.context.order,
         }
     )
@@ -371,11 +374,18 @@ def write_summary(
             "",
             f"{len(ordered)} cases: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n),
             "",
-            "| case | status | bit-exact | rmse ratio | worst row | message |",
-            "|---|---|---|---|---|---|",
+            "| case | status | bit-exact | rmse ratio | worst row | explained | message |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in rows:
-            cells = (row["API Name"], row["moegrad_status"], row["bit_exact"], row["均方根误差比值"], row["worst_row"])
+            cells = (
+                row["API Name"],
+                row["moegrad_status"],
+                row["bit_exact"],
+                row["均方根误差比值"],
+                row["worst_row"],
+                row["explained"],
+            )
             shown = [markdown_text(cell) or "-" for cell in cells] + [markdown_text(row["Message"])]
             lines.append("| " + " | ".join(shown) + " |")
         Path(markdown_path).write_text("\n".join(lines) + "\n", encoding="utf-8")

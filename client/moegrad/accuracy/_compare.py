@@ -428,7 +428,7 @@ def rejudge(
     """Judge a report's stored metrics again (a report read back from JSON, or with other standards).
 
     The verdicts are a pure function of the three comparisons and the zero rows, so a saved report
-    reproduces its verdict without the tensors (its context and profiles_matching are kept).
+    reproduces its verdict without the tensors (its context, profiles_matching and explained are kept).
 
     Args:
         report: a :class:`ComparisonReport` (for example :func:`read_json_report`'s).
@@ -447,7 +447,7 @@ def rejudge(
     else:
         required = require_exact
     device_rows = report.zero_rows if report.device_zero_rows is None else report.device_zero_rows
-    return _report(
+    judged = _report(
         report.dtype,
         report.candidate_dtype,
         report.shape,
@@ -461,6 +461,7 @@ def rejudge(
         report.context,
         report.profiles_matching,
     )
+    return judged if report.explained is None else dataclasses.replace(judged, explained=report.explained)
 
 
 def summand_magnitude(call: MoeInitRoutingV2GradCall) -> np.ndarray:

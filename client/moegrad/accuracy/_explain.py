@@ -29,7 +29,7 @@ from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routi
 from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import resolve_profile
 
-__all__ = ["differing_rows", "explain", "explain_peak_bytes"]
+__all__ = ["check_explain_arguments", "differing_rows", "explain", "explain_peak_bytes"]
 
 _BLOCK_ELEMENTS = 1 << 19  # elements of grad_x per block of differing rows
 _SCAN_ELEMENTS = 1 << 20  # elements of grad_x per step of the scan for differing rows
@@ -76,7 +76,7 @@ def explain(
         ValueError: ``device_result`` has another shape than [N, H].
     """
     call = _on_profile(call, profile)
-    candidate = _checked_candidate(call, candidate)
+    candidate = check_explain_arguments(call, candidate)
     device = _device(call, device_result)
     rows = _rows2d(call)
     differing = differing_rows(candidate, device)
@@ -127,7 +127,25 @@ def _on_profile(call: Any, profile: str | None) -> MoeInitRoutingV2GradCall:
     return MoeInitRoutingV2GradCall(**{field: getattr(call, field) for field in fields}, order=name)
 
 
-def _checked_candidate(call: MoeInitRoutingV2GradCall, candidate: Any) -> np.ndarray:
+def check_explain_arguments(call: MoeInitRoutingV2GradCall, candidate: Any) -> np.ndarray:
+    """Check an explanation's candidate without computing anything (a service runs this before its device).
+
+    Args:
+        call: the validated call.
+        candidate: the implementation's grad_x: a numpy.ndarray [N, H] in the call's dtype (explain
+            compares bits; bfloat16 as ``ml_dtypes.bfloat16``), any strides and byte order.
+
+    Returns:
+        The candidate, C-contiguous in native byte order (a copy only when it is not already).
+
+    Raises:
+        InvalidArgument: the candidate is missing (161001), not an ndarray, of another dtype or
+            shape (161002), field ``candidate``; an empty call of a dtype that is not floating
+            (161002, field ``grad_expanded_x``).
+        TypeError: ``call`` is not a :class:`~moegrad.MoeInitRoutingV2GradCall`.
+    """
+    if not isinstance(call, MoeInitRoutingV2GradCall):
+        raise TypeError(f"call must be a MoeInitRoutingV2GradCall, got {type(call).__name__}")
     if call.dtype_name not in GRAD_DTYPES:
         raise InvalidArgument(
             f"grad_expanded_x.dtype={call.dtype_name}: this empty call is valid on {call.order}, but explain "
@@ -353,7 +371,7 @@ SEARCH_BYTES = 40 << 20
 RESULT_BYTES_PER_SLOT, RESULT_BYTES_PER_ELEMENT, RESULT_BYTES_PER_ROW = 200, 400, 6144
 
 
-def explain_peak_bytes(call: MoeInitRoutingV2GradCall, *, device_result: bool = False) -> int:
+def explain_peak_bytes(call: MoeInitRoutingV2GradCall, *, device_result: bool = False, reply: bool = False) -> int:
     """An upper bound on the memory :func:`explain` allocates for ``call``, beyond its inputs, in bytes.
 
     The worst case, every row differing: the device's result (unless given), a C-contiguous copy
@@ -365,6 +383,8 @@ def explain_peak_bytes(call: MoeInitRoutingV2GradCall, *, device_result: bool = 
     Args:
         call: the call to be explained.
         device_result: True when the caller passes the device's result (none is computed).
+        reply: also the result's dict form and its msgpack encoding, as a service answers it (as
+            much again as the result).
 
     Returns:
         Bytes, for a service's reservation.
@@ -380,4 +400,4 @@ def explain_peak_bytes(call: MoeInitRoutingV2GradCall, *, device_result: bool = 
     total += RowIndex.nbytes(rows, hidden)
     total += block * BLOCK_BYTES_PER_ELEMENT + SEARCH_BYTES
     per_row = RESULT_BYTES_PER_ROW + top_k * RESULT_BYTES_PER_SLOT + WORST_ELEMENTS * RESULT_BYTES_PER_ELEMENT
-    return int(total + tokens * per_row)
+    return int(total + tokens * per_row * (2 if reply else 1))

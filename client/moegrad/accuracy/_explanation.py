@@ -9,6 +9,7 @@ large call stays small and quick to build, with few objects for the garbage coll
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +26,7 @@ __all__ = [
     "Label",
     "RowExplanation",
     "SlotTable",
+    "labels_line",
 ]
 
 Label = Literal[
@@ -232,3 +234,11 @@ class Explanation(_Serializable):
         if len(self.rows) > 20:
             lines.append(f"... {len(self.rows) - 20} more rows (to_dict() lists every one)")
         return "\n".join(lines) + "\n"
+
+
+def labels_line(labels: Mapping[str, int] | None) -> str:
+    """Label counts as one line: ``"order 12, missing 1"``; ``"no row differs"`` when every count is
+    0; ``""`` for None (not explained)."""
+    if labels is None:
+        return ""
+    return ", ".join(f"{label} {count}" for label, count in labels.items() if count) or "no row differs"

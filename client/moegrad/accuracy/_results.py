@@ -340,6 +340,9 @@ class ComparisonReport(_Serializable):
         profiles_matching: the device profiles (:data:`moegrad.PROFILES`) whose emulation of the
             call is bit-identical to the candidate, possibly none, when asked for
             (:func:`with_profiles`; ``moegrad compare`` asks); None otherwise.
+        explained: when the candidate was explained (:func:`moegrad.explain`; ``moegrad compare
+            --explain``): every label of :data:`~moegrad.accuracy.LABELS` -> the rows that got it
+            (all 0 when every row is bit-identical to the device's); None otherwise.
     """
 
     dtype: Str
@@ -355,6 +358,7 @@ class ComparisonReport(_Serializable):
     device_zero_rows: ZeroRowCheck | None = None
     context: ReportContext | None = None
     profiles_matching: tuple[Str, ...] | None = None
+    explained: dict[Str, Int] | None = None
 
     @property
     def passed(self) -> bool:

@@ -14,12 +14,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from moegrad import (
-    Client,
     CompareResult,
+    Explanation,
     GradResult,
     InvalidArgument,
     MalformedRequest,
@@ -36,15 +35,28 @@ from moegrad.accuracy import (
     compare,
     console_text,
     context_call,
+    explain_case,
     fields_with_order,
     format_report,
     load_case,
     report_context,
     with_context,
+    with_explanation,
     with_profiles,
     write_csv_report,
     write_json_report,
     write_markdown_report,
+)
+from moegrad.cli._explain import cmd_explain, explain_compared, explanation_text, write_explanation
+from moegrad.cli._inputs import (
+    TENSOR_FIELDS,
+    call_fields,
+    check_writable,
+    load_npy,
+    open_client,
+    read_npy,
+    save_npy,
+    write_npy,
 )
 from moegrad.cli._parser import (
     EXIT_FAILURE,
@@ -57,7 +69,6 @@ from moegrad.cli._parser import (
     UsageError,
     build_parser,
     default_urls,
-    index_as_int32,
     with_flags,
 )
 from moegrad.cli._sweep import run_cases, run_merge
@@ -75,93 +86,8 @@ _EXAMPLE_EXPECTED = [[0.3, 0.3], [0.70000005, 0.70000005]]
 
 
 # --------------------------------------------------------------------------------------------------
-# .npy in and out
-# --------------------------------------------------------------------------------------------------
-
-
-def load_npy(path: str | os.PathLike[str]) -> np.ndarray:
-    """Read an array saved with ``numpy.save``; a raw 2-byte ``|V2`` array is read as bfloat16.
-
-    ``numpy.save`` of an ``ml_dtypes.bfloat16`` array writes the dtype descriptor ``'<V2'`` (NumPy
-    does not know the type), so ``numpy.load`` gives back untyped 2-byte words; they are viewed as
-    ``ml_dtypes.bfloat16`` here, which restores the array bit for bit.
-
-    Raises:
-        OSError: the file cannot be read.
-        ValueError: it is not a single-array .npy file (pickled objects are refused).
-    """
-    array = np.load(os.fspath(path), allow_pickle=False)
-    if not isinstance(array, np.ndarray):  # an .npz archive
-        array.close()
-        raise ValueError(f"{os.fspath(path)} is an .npz archive; save one array with numpy.save")
-    if array.dtype.kind == "V" and array.dtype.itemsize == 2 and array.dtype.fields is None:
-        array = array.view(ml_dtypes.bfloat16)
-    return array
-
-
-def save_npy(path: str | os.PathLike[str], array: np.ndarray) -> None:
-    """Write ``array`` to exactly ``path`` with ``numpy.save`` (bfloat16 is stored as ``|V2``, see :func:`load_npy`)."""
-    with open(os.fspath(path), "wb") as file:
-        np.save(file, array, allow_pickle=False)
-
-
-# --------------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------------
-
-
-def _client(args: argparse.Namespace) -> Client:
-    try:
-        return Client(
-            args.url[0] if len(args.url) == 1 else args.url,
-            timeout_s=args.timeout,
-            retries=args.retries,
-            token=args.token,
-            verify=args.cacert if args.cacert else True,
-        )
-    except (TypeError, ValueError) as exc:  # e.g. a --url that is not an http(s) URL
-        raise UsageError(with_flags(str(exc))) from None
-
-
-def _load(path: str, flag: str) -> np.ndarray:
-    try:
-        return load_npy(path)
-    # EOFError: an empty file; MemoryError: a header that claims more bytes than the machine has
-    except (OSError, ValueError, EOFError, MemoryError) as exc:
-        raise UsageError(f"cannot read {flag} {path}: {exc}") from None
-
-
-_TENSOR_FIELDS = ("grad_expanded_x", "expanded_row_idx")
-
-
-def _call_fields(args: argparse.Namespace) -> dict[str, Any]:
-    fields: dict[str, Any] = {}
-    for name in _TENSOR_FIELDS:
-        fields[name] = _load(getattr(args, name), f"--{name.replace('_', '-')}")
-    fields["expanded_row_idx"] = index_as_int32(fields["expanded_row_idx"], "--expanded-row-idx", args.expanded_row_idx)
-    fields.update(
-        top_k=args.top_k,
-        drop_pad_mode=args.drop_pad_mode,
-        active_num=args.active_num,
-        allow_duplicate_indices=args.allow_duplicate_indices,
-    )
-    if args.order is not None:
-        fields["order"] = args.order
-    return fields
-
-
-def _check_writable(path: str) -> None:
-    """Refuse an output path whose folder does not exist, before any work is done."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"cannot write -o {path}: the folder {folder} does not exist")
-
-
-def _write(path: str, grad_x: np.ndarray) -> None:
-    try:
-        save_npy(path, grad_x)
-    except OSError as exc:
-        raise UsageError(f"cannot write -o {path}: {exc}") from None
 
 
 def _describe(array: np.ndarray) -> str:
@@ -195,20 +121,20 @@ def _call_document(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cmd_grad(args: argparse.Namespace) -> int:
-    document = _call_document(_call_fields(args))
-    _check_writable(args.output)
-    with _client(args) as client:
+    document = _call_document(call_fields(args))
+    check_writable(args.output)
+    with open_client(args) as client:
         result = client.run(document)
-    _write(args.output, result.grad_x)
+    write_npy(args.output, result.grad_x)
     print(f"wrote {args.output}: grad_x {_describe(result.grad_x)} ({_server_summary(result)})")
     return EXIT_OK
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    call = MoeInitRoutingV2GradCall(**_call_fields(args))
-    _check_writable(args.output)
+    call = MoeInitRoutingV2GradCall(**call_fields(args))
+    check_writable(args.output)
     grad_x = moe_init_routing_v2_grad(call)
-    _write(args.output, grad_x)
+    write_npy(args.output, grad_x)
     print(f"wrote {args.output}: grad_x {_describe(grad_x)} (in-process, order {call.order})")
     return EXIT_OK
 
@@ -251,54 +177,61 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     ]
     if missing:
         raise UsageError(f"compare needs {', '.join(missing)} (or --cases DIR)")
-    fields = _call_fields(args)
-    candidate = _load(args.candidate, "--candidate")
-    device_result = None
-    if args.local:
-        call = MoeInitRoutingV2GradCall(**fields)
-        report: ComparisonReport = compare(call, candidate, standards=args.standards, require_exact=args.require_exact)
-        source = f"in-process emulation, order {call.order}"
-        context = report_context(call, candidate)
-    else:
-        with _client(args) as client:
-            result = client.compare(
-                **fields,
-                candidate=candidate,
-                standards=args.standards,
-                require_exact=args.require_exact,
-                return_grad_x=bool(args.report),
-            )
-        report, source, device_result = result.report, _server_summary(result), result.grad_x
-        call = context_call(fields, result.order)  # the Client checked it already, on the profile that answered
-        context = report_context(
-            call,
-            candidate,
-            backend=result.backend,
-            device=result.device,
-            server_url=result.server_url or args.url[0],
-            order=result.order,
-        )
-    report = with_context(report, context)
+    fields = call_fields(args)
+    candidate = read_npy(args.candidate, "--candidate")
+    report, call, source, device_result = _judged(args, fields, candidate)
+    explanation = explain_compared(call, candidate, device_result) if args.explain else None
+    if explanation is not None:
+        report = with_explanation(report, explanation)
     if args.profiles:
         report = with_profiles(report, call, candidate)
-    png = _write_reports(
-        args.report,
-        args.report_json,
-        args.report_csv,
-        report,
-        call,
-        candidate,
-        source,
-        device_result if not args.local else None,
-    )
+    paths = (args.report, args.report_json, args.report_csv)
+    png = _write_reports(*paths, report, call, candidate, source, device_result, explanation)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
     else:
         print(format_report(report, source=source), end="")
+        if explanation is not None:
+            print("\n" + explanation_text(explanation), end="")
         if args.report:
             drawn = f" and {png}" if png is not None else f" (histogram skipped: {PLOT_MISSING})"
             print(f"\nwrote {args.report}{drawn}")
     return EXIT_OK if report.passed else EXIT_MISMATCH
+
+
+def _judged(
+    args: argparse.Namespace, fields: dict[str, Any], candidate: np.ndarray
+) -> tuple[ComparisonReport, MoeInitRoutingV2GradCall, str, np.ndarray | None]:
+    """One call's comparison, in-process or on the service: the report with its context, the call
+    on the profile that judged it, where the device result came from, and the service's device
+    result (asked for when a markdown report or an explanation needs it; None in-process)."""
+    if args.local:
+        call = MoeInitRoutingV2GradCall(**fields)
+        report: ComparisonReport = compare(call, candidate, standards=args.standards, require_exact=args.require_exact)
+        return (
+            with_context(report, report_context(call, candidate)),
+            call,
+            f"in-process emulation, order {call.order}",
+            None,
+        )
+    with open_client(args) as client:
+        result = client.compare(
+            **fields,
+            candidate=candidate,
+            standards=args.standards,
+            require_exact=args.require_exact,
+            return_grad_x=bool(args.report) or args.explain,
+        )
+    call = context_call(fields, result.order)  # the Client checked it already, on the profile that answered
+    context = report_context(
+        call,
+        candidate,
+        backend=result.backend,
+        device=result.device,
+        server_url=result.server_url or args.url[0],
+        order=result.order,
+    )
+    return with_context(result.report, context), call, _server_summary(result), result.grad_x
 
 
 def _write_reports(
@@ -310,6 +243,7 @@ def _write_reports(
     candidate: np.ndarray,
     source: str | None,
     device_result: np.ndarray | None,
+    explanation: Explanation | None = None,
 ) -> Any:
     png = None
     for flag, path, write in (
@@ -335,6 +269,8 @@ def _write_reports(
             )
         except OSError as exc:
             raise UsageError(f"cannot write --report {markdown}: {exc}") from None
+    if explanation is not None:
+        write_explanation(markdown, json_path, explanation)
     return png
 
 
@@ -359,10 +295,12 @@ def _cmd_compare_cases(args: argparse.Namespace) -> int:
         )
         base = os.path.join(args.reports, result.name)
         device = moe_init_routing_v2_grad(call) if args.local else None
-        _write_reports(base + ".md", base + ".json", base + ".csv", result.report, call, candidate, None, device)
+        explanation = explain_case(result.report, fields, candidate)[1] if args.explain else None
+        paths = (base + ".md", base + ".json", base + ".csv")
+        _write_reports(*paths, result.report, call, candidate, None, device, explanation)
 
     where = "in-process emulation" if args.local else ", ".join(args.url)
-    return run_cases(args, open_client=lambda: _client(args), on_result=save, where=where)
+    return run_cases(args, open_client=lambda: open_client(args), on_result=save, where=where)
 
 
 def _format(array: np.ndarray) -> str:
@@ -377,7 +315,7 @@ def _cmd_example(args: argparse.Namespace) -> int:
     call = MoeInitRoutingV2GradCall(
         grad_expanded_x=grad_expanded_x, expanded_row_idx=expanded_row_idx, top_k=_EXAMPLE_TOP_K
     )
-    with _client(args) as client:
+    with open_client(args) as client:
         result = client.run(call)
     got = result.grad_x
     same = (
@@ -416,14 +354,14 @@ def _cmd_identify(args: argparse.Namespace) -> int:
         missing = [flag for flag, value in call_flags.items() if value is None]
         if missing:
             raise UsageError(f"identify needs {', '.join(missing)} (or --case FILE)")
-        fields = {name: _load(getattr(args, name), f"--{name.replace('_', '-')}") for name in _TENSOR_FIELDS}
+        fields = {name: read_npy(getattr(args, name), f"--{name.replace('_', '-')}") for name in TENSOR_FIELDS}
         fields.update(
             top_k=args.top_k,
             drop_pad_mode=args.drop_pad_mode,
             active_num=args.active_num,
             allow_duplicate_indices=args.allow_duplicate_indices,
         )
-        grad_x = _load(args.grad_x, "--grad-x")
+        grad_x = read_npy(args.grad_x, "--grad-x")
     result = identify(fields, grad_x, profiles=args.profiles)
     print(json.dumps(result.to_dict(), indent=2) if args.json else str(result), end="\n" if args.json else "")
     if result.matching:
@@ -441,7 +379,7 @@ def _note_profiles(orders: dict[str, Any]) -> None:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     if len(args.url) == 1:
-        with _client(args) as client:
+        with open_client(args) as client:
             info = client.info()
             served = [stats.url for stats in client.stats if stats.served]
         orders = info.pop("orders", {})  # printed: the server's own document
@@ -453,7 +391,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     infos: dict[str, Any] = {}  # each replica's, in the order given
     for url in args.url:
         try:
-            with _client(argparse.Namespace(**{**vars(args), "url": [url]})) as client:
+            with open_client(argparse.Namespace(**{**vars(args), "url": [url]})) as client:
                 infos[url] = client.info()
                 infos[url].pop("orders", None)
         except MoegradError as exc:
@@ -468,6 +406,7 @@ _COMMANDS = {
     "grad": _cmd_grad,
     "local": _cmd_local,
     "compare": _cmd_compare,
+    "explain": cmd_explain,
     "example": _cmd_example,
     "info": _cmd_info,
     "identify": _cmd_identify,

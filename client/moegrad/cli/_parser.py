@@ -1,4 +1,5 @@
-"""The ``moegrad`` command's arguments: the parser of its subcommands (grad, local, compare, example, info, identify).
+"""The ``moegrad`` command's arguments: the parser of its subcommands (grad, local, compare, explain,
+example, info, identify).
 
 What each subcommand does is :mod:`moegrad.cli._main`'s; this module only says what it takes, with the
 help text, the exit statuses and the environment it reads for defaults (MOEGRAD_URL, MOEGRAD_TOKEN).
@@ -53,6 +54,10 @@ _EXIT_COMPARE = """\
   1  a standard failed (or, with --require-exact, the candidate is not bit-exact)
 """
 _EXIT_EXAMPLE = "  1  the result differs from the documentation's bit for bit\n"
+_EXIT_EXPLAIN = """\
+  0  every row of the candidate is bit-identical to the device's
+  1  rows differ (each one explained)
+"""
 _EXIT_USAGE_FILES = (
     "  2  usage error (bad arguments, an input .npy that cannot be read, an output that cannot be written)\n"
 )
@@ -88,7 +93,7 @@ _EPILOG = (
     _EXIT_HEAD
     + "  0  success (`compare`: the candidate passed; a warning passes)\n"
     + "  1  `example`: the result differs from the documentation's bit for bit; `compare`: a standard failed\n"
-    + "     (or, with --require-exact, the candidate is not bit-exact)\n"
+    + "     (or, with --require-exact, the candidate is not bit-exact); `explain`: rows differ from the device's\n"
     + _EXIT_USAGE_FILES
     + _EXIT_REJECTED
     + _EXIT_SERVER
@@ -121,6 +126,15 @@ _EPILOGS = {
     + _NPY
     + _ENVIRONMENT
     + _CASE_ENVIRONMENT,
+    "explain": _EXIT_HEAD
+    + _EXIT_EXPLAIN
+    + _EXIT_USAGE_FILES
+    + _EXIT_REJECTED
+    + _EXIT_SERVER.replace("reached", "reached (not with --local)")
+    + _EXIT_INTERNAL
+    + _EXIT_SIGNALS
+    + _NPY
+    + _ENVIRONMENT,
     "example": _EXIT_HEAD
     + _EXIT_OK
     + _EXIT_EXAMPLE
@@ -345,7 +359,7 @@ def _add_call_arguments(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``moegrad`` argument parser (commands grad, local, compare, example, info, identify)."""
+    """The ``moegrad`` argument parser (commands grad, local, compare, explain, example, info, identify)."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="moegrad", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"moegrad {__version__}")
@@ -372,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_call_arguments(local, order_default=DEFAULT_PROFILE)
 
     _add_compare_parser(commands, formatter)
+    _add_explain_parser(commands, formatter)
 
     example = commands.add_parser(
         "example",
@@ -431,6 +446,37 @@ def _add_compare_parser(commands: Any, formatter: type[argparse.HelpFormatter]) 
     _add_server_arguments(comparison)
 
 
+def _add_explain_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """``moegrad explain``: why each row of a candidate differs from the device's (docs/accuracy.md)."""
+    explaining = commands.add_parser(
+        "explain",
+        help="explain why each row of a candidate grad_x differs from the device's",
+        formatter_class=formatter,
+        epilog=_EPILOGS["explain"],
+        description="Send a call and a candidate grad_x to a moegrad service (or, with --local,\n"
+        "compute in-process) and print, for each row whose bits differ from the device's,\n"
+        "one label and its evidence: order (another schedule of the same adds), missing,\n"
+        "duplicated, replaced or extra (one wrong summand: its slot and row), precision\n"
+        "(a narrower accumulator), nonfinite, unexplained or ambiguous\n"
+        '(docs/accuracy.md, "Explaining a mismatch"). Give the call\'s .npy files and\n'
+        "--candidate, or one case file (--case).",
+    )
+    group = _add_call_arguments(
+        explaining, order_default=f"the server's; with --local {DEFAULT_PROFILE}", output=False, required=False
+    )
+    group.add_argument("--candidate", metavar="PATH", help="the candidate grad_x .npy: [N, H], the call's dtype")
+    group.add_argument("--case", metavar="FILE", help='a case .npz instead (docs/accuracy.md, "Bulk checking")')
+    shown = explaining.add_argument_group("the explanation")
+    shown.add_argument("--json", action="store_true", help="print the explanation as JSON (Explanation.to_dict())")
+    shown.add_argument("-o", "--output", metavar="PATH", help="also write the explanation as JSON to PATH")
+    shown.add_argument(
+        "--local",
+        action="store_true",
+        help="explain in-process against the NumPy emulation of the device; no server (--url is ignored)",
+    )
+    _add_server_arguments(explaining)
+
+
 def _add_comparison_options(comparison: argparse.ArgumentParser) -> None:
     """``moegrad compare``'s options that choose and write the comparison."""
     choose = comparison.add_argument_group("the comparison")
@@ -466,6 +512,13 @@ def _add_comparison_options(comparison: argparse.ArgumentParser) -> None:
         "beside it (out.md -> out.png); the plot's float64 golden is computed in this process",
     )
     choose.add_argument("--report-json", metavar="PATH", help="also write the report as JSON to PATH")
+    choose.add_argument(
+        "--explain",
+        action="store_true",
+        help="also explain each row that differs from the device's (moegrad explain): the label counts in the "
+        "report (and a sweep's results and summary), the rows after the table, in --report and beside "
+        "--report-json as PATH.explain.json (with --cases, each case's in --reports DIR)",
+    )
     choose.add_argument(
         "--report-csv",
         metavar="PATH",

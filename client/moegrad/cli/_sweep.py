@@ -57,6 +57,7 @@ from moegrad.accuracy import (
     compare_cases,
     compare_in_process,
     console_text,
+    explaining_one,
     find_cases,
     merge_sweeps,
     refuse_mixed_profiles,
@@ -307,6 +308,7 @@ def _judge(
 ) -> list[CaseResult]:
     if client is None:
         judge_one = compare_in_process(args.standards, args.require_exact, args.order)
+        judge_one = explaining_one(judge_one) if args.explain else judge_one
         return compare_cases(files, judge_one, progress=args.progress, on_result=on_result, output=ledger)
     try:
         results = client.compare_many(  # interrupted, the client is left open: closing it could wait on a request
@@ -318,6 +320,7 @@ def _judge(
             on_result=on_result,
             concurrency=args.max_concurrency,
             output=ledger,
+            explain=args.explain,
         )
     except ProfilesDiffer as exc:  # a replica changed its profile since it was asked: nothing was sent
         client.close()

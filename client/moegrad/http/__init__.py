@@ -4,9 +4,9 @@ the transports, and the sweep adapter (docs/protocol.md).
 The public face of :mod:`moegrad.http` (``moegrad`` re-exports each of these names).
 """
 
-from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._answers import CompareResult, ExplainResult, GradResult
 from moegrad.http._client import AsyncClient, Client
 from moegrad.http._documents import BatchCompare
 from moegrad.http._replicas import ReplicaStats
 
-__all__ = ["AsyncClient", "BatchCompare", "Client", "CompareResult", "GradResult", "ReplicaStats"]
+__all__ = ["AsyncClient", "BatchCompare", "Client", "CompareResult", "ExplainResult", "GradResult", "ReplicaStats"]

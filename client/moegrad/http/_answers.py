@@ -1,4 +1,5 @@
-"""What a service answers: :class:`GradResult` (one call) and :class:`CompareResult` (one comparison)."""
+"""What a service answers: :class:`GradResult` (one call), :class:`CompareResult` (one comparison) and
+:class:`ExplainResult` (one explanation)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from moegrad.http._accuracy import ComparisonReport
+from moegrad.http._accuracy import ComparisonReport, Explanation
 
-__all__ = ["CompareResult", "GradResult"]
+__all__ = ["CompareResult", "ExplainResult", "GradResult"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,3 +74,28 @@ class CompareResult:
     def passed(self) -> bool:
         """True unless the overall verdict is ``"fail"`` (a warning passes): ``report.passed``."""
         return self.report.passed
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExplainResult:
+    """One explanation's answer from the service (docs/accuracy.md, "Explaining a mismatch").
+
+    Attributes:
+        explanation: the :class:`~moegrad.Explanation`, rebuilt with ``Explanation.from_dict`` from
+            the reply: each row of the candidate that differs from the device's result, explained.
+        backend: the backend that ran the call (``"reference"``, ``"ascend"``).
+        order: the device profile of the device result, as for :attr:`GradResult.order`.
+        device: the device that ran it, or None for the CPU emulation.
+        timings_ms: ``{"queue", "compute", "explain", "total"}`` as the server measured them, in
+            milliseconds.
+        request_id: the ``X-Request-Id`` the server echoed.
+        server_url: the root URL of the replica that answered.
+    """
+
+    explanation: Explanation
+    backend: str
+    order: str
+    device: str | None
+    timings_ms: Mapping[str, float]
+    request_id: str | None
+    server_url: str | None = None

@@ -49,11 +49,13 @@ from moegrad.http._accuracy import (
     SweepFile,
     acompare_batch_on,
     acompare_cases,
+    aexplaining_batch,
     compare_batch_on,
     compare_cases,
+    explaining_batch,
     sweep,
 )
-from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._answers import CompareResult, ExplainResult, GradResult
 from moegrad.http._config import CLIENT_DOC, USE_CLIENT_DEFAULT, ClientConfig, _UseClientDefault, ssl_verify
 from moegrad.http._core import ClientCore, Flow
 from moegrad.http._deadline import attempt_deadline
@@ -343,6 +345,40 @@ class Client(_ClientBase):
         call = compare_call(*fields, validate=self._core.config.validate)
         return self._drive(self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s, require_exact))
 
+    def explain(
+        self,
+        grad_expanded_x: np.ndarray | MoeInitRoutingV2GradCall,
+        expanded_row_idx: np.ndarray | None = None,
+        top_k: int | None = None,
+        drop_pad_mode: int = 0,
+        active_num: int = 0,
+        *,
+        candidate: np.ndarray,
+        order: str | None = None,
+        allow_duplicate_indices: bool = False,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
+    ) -> ExplainResult:
+        """Explain each row of a candidate grad_x that differs from the service's device result.
+
+        ``POST /v1/moe_init_routing_v2_grad/explain`` (docs/protocol.md): the service runs the call
+        and answers :func:`moegrad.explain` of the candidate against its result (docs/accuracy.md,
+        "Explaining a mismatch"). The call's arguments are :meth:`compare`'s; ``candidate``: [N, H]
+        grad_x of the implementation under test, in the call's dtype (explain compares bits).
+
+        Returns:
+            An :class:`ExplainResult`: ``.explanation`` lists the rows that differ, each labelled.
+
+        Raises:
+            InvalidArgument: the call's constraints (as :meth:`moe_init_routing_v2_grad`), a missing
+                candidate (161001), one of another dtype or shape (161002, field ``"candidate"``):
+                before it is sent when ``validate=True``, else from the server.
+            TypeError, MalformedRequest, PayloadTooLarge, Unauthorized, DeviceBusy, DeadlineExceeded,
+            DeviceFault, ServiceError, TransportError: as :meth:`compare`.
+        """
+        fields = (grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
+        call = compare_call(*fields, validate=self._core.config.validate)
+        return self._drive(self._core.explain_flow(call, candidate, timeout_s))
+
     def compare_many(
         self,
         cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
@@ -354,6 +390,7 @@ class Client(_ClientBase):
         on_result: Callable[[CaseResult], None] | None = None,
         concurrency: int | None = None,
         output: str | os.PathLike[str] | SweepFile | None = None,
+        explain: bool = False,
     ) -> list[CaseResult]:
         """Judge many candidates over every replica, several requests at a time, and never stop on a bad one.
 
@@ -376,6 +413,9 @@ class Client(_ClientBase):
                 written as it is known, and a case already in it with the same name and file digest
                 is skipped, its recorded result returned (``output.skipped`` counts them when
                 ``output`` is a :class:`~moegrad.accuracy.SweepFile`).
+            explain: also explain each case whose candidate is not bit-exact, in this process
+                against the emulation of the profile that judged it, and record the label counts in
+                its report (:attr:`~moegrad.ComparisonReport.explained`; docs/accuracy.md, "Sweeps").
 
         Returns:
             One :class:`~moegrad.accuracy.CaseResult` per case, in the order given; each report
@@ -396,6 +436,7 @@ class Client(_ClientBase):
             return cast(list[CompareResult | MoegradError], self.batch(batch_compares(pairs, standards)))
 
         judged = compare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url), order=order)
+        judged = explaining_batch(judged) if explain else judged
         items, orders = list(cases), self._drive(self._core.replica_orders_flow())
         replicas = len(self._core.config.replicas)
         with sweep(items, orders, order, replicas, standards, require_exact, output, concurrency) as options:
@@ -557,6 +598,24 @@ class AsyncClient(_ClientBase):
             self._core.compare_flow(call, candidate, standards, return_grad_x, timeout_s, require_exact)
         )
 
+    async def explain(
+        self,
+        grad_expanded_x: np.ndarray | MoeInitRoutingV2GradCall,
+        expanded_row_idx: np.ndarray | None = None,
+        top_k: int | None = None,
+        drop_pad_mode: int = 0,
+        active_num: int = 0,
+        *,
+        candidate: np.ndarray,
+        order: str | None = None,
+        allow_duplicate_indices: bool = False,
+        timeout_s: float | _UseClientDefault | None = USE_CLIENT_DEFAULT,
+    ) -> ExplainResult:
+        """As :meth:`Client.explain`, awaited."""
+        fields = (grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices)
+        call = compare_call(*fields, validate=self._core.config.validate)
+        return await self._drive(self._core.explain_flow(call, candidate, timeout_s))
+
     async def compare_many(
         self,
         cases: Iterable[str | os.PathLike[str] | tuple[str, Mapping[str, Any], np.ndarray]],
@@ -568,6 +627,7 @@ class AsyncClient(_ClientBase):
         on_result: Callable[[CaseResult], None] | None = None,
         concurrency: int | None = None,
         output: str | os.PathLike[str] | SweepFile | None = None,
+        explain: bool = False,
     ) -> list[CaseResult]:
         """As :meth:`Client.compare_many`, awaited: ``concurrency`` tasks send the batches (the cases
         are read in a thread); cancelled, the cases written to ``output`` are whole."""
@@ -576,6 +636,7 @@ class AsyncClient(_ClientBase):
             return cast(list[CompareResult | MoegradError], await self.batch(batch_compares(pairs, standards)))
 
         judged = acompare_batch_on(send, require_exact=require_exact, server_url=str(self.base_url), order=order)
+        judged = aexplaining_batch(judged) if explain else judged
         items, orders = list(cases), await self._drive(self._core.replica_orders_flow())
         replicas = len(self._core.config.replicas)
         with sweep(items, orders, order, replicas, standards, require_exact, output, concurrency) as options:

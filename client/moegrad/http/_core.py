@@ -33,27 +33,36 @@ import httpx
 
 from moegrad._errors import DeadlineExceeded, DeviceBusy, MoegradError, TransportError
 from moegrad.http._accuracy import rejudge
-from moegrad.http._answers import CompareResult, GradResult
+from moegrad.http._answers import CompareResult, ExplainResult, GradResult
 from moegrad.http._config import ClientConfig
 from moegrad.http._deadline import REMAINING_EXTENSION
-from moegrad.http._documents import Sent, batch_calls, batch_items, call_document, compare_body, grad_body
+from moegrad.http._documents import (
+    Sent,
+    batch_calls,
+    batch_items,
+    call_document,
+    compare_body,
+    explain_document,
+    grad_body,
+)
 from moegrad.http._replicas import Replica, ReplicaSet, Resolve
-from moegrad.http._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_json, parse_reply
+from moegrad.http._replies import REPLICA_EXTENSION, batch_answer, parse_batch, parse_explain, parse_json, parse_reply
 from moegrad.http._reply_bounds import (
     INFO_REPLY_BYTES,
     REPLY_BYTES_EXTENSION,
     batch_reply_bytes,
     compare_reply_bytes,
+    explain_reply_bytes,
     grad_reply_bytes,
 )
 from moegrad.http._requests import JSON, MSGPACK, Body, RequestBuilder
 from moegrad.http._status import error_from_response, error_from_transport
 from moegrad.http._unnamed import Prepared, prepare
 from moegrad.operator._call import MoeInitRoutingV2GradCall
-from moegrad.wire._codec import encode_batch
+from moegrad.wire._codec import encode_batch, encode_body_view
 from moegrad.wire._frames import FRAMES_MEDIA_TYPE, encode_frames
 from moegrad.wire._limits import MAX_BATCH_CALLS
-from moegrad.wire._v1 import BATCH_PATH, COMPARE_PATH, FRAMES_ACCEPT, GRAD_PATH, INFO_PATH
+from moegrad.wire._v1 import BATCH_PATH, COMPARE_PATH, EXPLAIN_PATH, FRAMES_ACCEPT, GRAD_PATH, INFO_PATH
 
 __all__ = ["FRAMES_MIN_BYTES", "ClientCore", "Flow"]
 
@@ -493,6 +502,34 @@ class ClientCore:
             self.replicas.learn(result.server_url, result.order)
         if require_exact:  # the report states exactness either way; requiring it only changes the verdict
             result = dataclasses.replace(result, report=rejudge(result.report, require_exact=True))
+        return result
+
+    def explain_flow(self, call: Any, candidate: Any, timeout_s: Any) -> Flow[ExplainResult]:
+        """One explanation (``POST /v1/moe_init_routing_v2_grad/explain``, docs/accuracy.md): msgpack,
+        or frames when :meth:`frames_for` says so of the call (the reply is msgpack either way)."""
+        timeout_s = self.config.call_timeout_s(timeout_s)
+        ready = (yield from self.prepared_flow([call], raise_refusals=True))[0]
+        assert not isinstance(ready, MoegradError)  # raised above
+        sendable, checked, unnamed = ready
+        document = explain_document(sendable, checked, candidate)
+        frames = isinstance(sendable, MoeInitRoutingV2GradCall) and (yield from self.frames_for(sendable))
+        try:
+            body = encode_frames(document)[0] if frames else encode_body_view(document)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"the explanation's request cannot be packed: {exc}") from None
+        response = yield from self.exchange(
+            "POST",
+            EXPLAIN_PATH,
+            accept=MSGPACK,
+            timeout_s=timeout_s,
+            retries=self.config.retries.count,
+            reply_bytes=explain_reply_bytes(checked if checked is not None else sendable),
+            body=body,
+            content_type=FRAMES_MEDIA_TYPE if frames else MSGPACK,
+        )
+        result = parse_explain(response, sendable, checked)
+        if unnamed:
+            self.replicas.learn(result.server_url, result.order)
         return result
 
     def info_flow(self, replica: Replica | None = None, *, retries: int | None = None) -> Flow[dict[str, Any]]:

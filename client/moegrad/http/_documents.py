@@ -1,9 +1,10 @@
-"""The wire documents and bodies of every endpoint: a call's, a comparison's, a batch's items
-(docs/protocol.md), with no I/O.
+"""The wire documents and bodies of every endpoint: a call's, a comparison's, an explanation's, a
+batch's items (docs/protocol.md), with no I/O.
 
 A call is validated before its document is made when the client's ``validate`` is on
 (:mod:`moegrad.http._unnamed`), so a bad call raises before it is sent; a comparison's candidate and
-standards are checked against the validated call (:func:`moegrad.accuracy.check_compare_arguments`).
+standards are checked against the validated call (:func:`moegrad.accuracy.check_compare_arguments`),
+an explanation's candidate too (:func:`moegrad.accuracy.check_explain_arguments`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from moegrad._errors import MoegradError
-from moegrad.http._accuracy import check_compare_arguments
+from moegrad.http._accuracy import check_compare_arguments, check_explain_arguments
 from moegrad.http._unnamed import Prepared, Unnamed
 from moegrad.operator._call import MoeInitRoutingV2GradCall, names_profile
 from moegrad.wire._codec import encode_body_view, encode_tensor, fields_document
@@ -29,6 +30,7 @@ __all__ = [
     "call_document",
     "compare_body",
     "compare_call",
+    "explain_document",
     "grad_body",
     "grad_call",
 ]
@@ -171,6 +173,21 @@ def compare_body(
         return encode_body_view(document)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"the comparison cannot be packed as msgpack: {exc}") from None
+
+
+def explain_document(
+    call: MoeInitRoutingV2GradCall | Mapping[str, Any], checked: MoeInitRoutingV2GradCall | None, candidate: Any
+) -> dict[str, Any]:
+    """The wire document of an explanation: a prepared call's fields (:func:`prepare`) plus
+    ``candidate``; the candidate of a ``checked`` call checked first
+    (:func:`moegrad.check_explain_arguments`), so a bad one raises InvalidArgument before any I/O;
+    that of a call not checked is sent as given (absent: the wire's null tensor)."""
+    document = call_document(call) if isinstance(call, MoeInitRoutingV2GradCall) else dict(call)
+    if checked is not None:
+        candidate = check_explain_arguments(checked, candidate)
+    if candidate is not None:
+        document["candidate"] = encode_tensor(np.asarray(candidate))
+    return document
 
 
 def _add_comparison(

@@ -1,4 +1,5 @@
-"""Reply parsing, one copy for every endpoint: an answer's document -> GradResult / CompareResult.
+"""Reply parsing, one copy for every endpoint: an answer's document -> GradResult / CompareResult /
+ExplainResult.
 
 A single call's reply, a comparison's and each item of a batch's are read by :func:`answer`: the
 same fields (docs/protocol.md, "The reply"), the same checks against the call that was sent (grad_x
@@ -18,14 +19,14 @@ import numpy as np
 
 from moegrad._dtypes import dtype_name
 from moegrad._errors import MalformedRequest, MoegradError, ServiceError
-from moegrad.http._accuracy import ComparisonReport
-from moegrad.http._answers import CompareResult, GradResult
-from moegrad.http._reply_bounds import REPLY_BYTES_EXTENSION
+from moegrad.http._accuracy import ComparisonReport, Explanation
+from moegrad.http._answers import CompareResult, ExplainResult, GradResult
+from moegrad.http._reply_bounds import REPLY_BYTES_EXTENSION, explain_shape
 from moegrad.http._status import error_from_problem, str_or_none
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 from moegrad.wire._codec import decode_body, decode_tensor
 from moegrad.wire._frames import FRAMES_MEDIA_TYPE, FramesReader
-from moegrad.wire._limits import REPLY_LIMITS, batch_reply_limits
+from moegrad.wire._limits import REPLY_LIMITS, batch_reply_limits, explain_reply_limits
 
 __all__ = [
     "REPLICA_EXTENSION",
@@ -33,6 +34,7 @@ __all__ = [
     "batch_answer",
     "frames_reader",
     "parse_batch",
+    "parse_explain",
     "parse_json",
     "parse_reply",
     "reply_document",
@@ -126,8 +128,18 @@ def answer(
                 f"the server's report is about grad_x {list(report.shape)}, expected {list(want)}",
                 status_code=status_code,
             )
+    fields = _served(document, request_id, server_url)
+    if report is None:
+        assert grad_x is not None  # read above whenever op == "grad"
+        return GradResult(grad_x=grad_x, **fields)
+    return CompareResult(report=report, grad_x=grad_x, **fields)
+
+
+def _served(document: dict[str, Any], request_id: str | None, server_url: str | None) -> dict[str, Any]:
+    """The fields every answer carries about who served it: backend, order, device, timings_ms,
+    and the request's id and replica."""
     timings = document.get("timings_ms")
-    fields: dict[str, Any] = {
+    return {
         "backend": str(document.get("backend", "")),
         "order": str(document.get("order", "")),
         "device": str_or_none(document.get("device")),
@@ -135,10 +147,35 @@ def answer(
         "request_id": request_id,
         "server_url": server_url,
     }
-    if report is None:
-        assert grad_x is not None  # read above whenever op == "grad"
-        return GradResult(grad_x=grad_x, **fields)
-    return CompareResult(report=report, grad_x=grad_x, **fields)
+
+
+def parse_explain(
+    response: httpx.Response, sent: MoeInitRoutingV2GradCall | Mapping[str, Any], call: MoeInitRoutingV2GradCall | None
+) -> ExplainResult:
+    """A 200 reply of the explain endpoint as an ExplainResult; ``sent``: the call or document sent
+    (its N and K bound the reply's structure), ``call``: the validated call (None: not checked).
+
+    Raises:
+        ServiceError: the body is not a valid explanation, or one of grad_x of another shape.
+    """
+    status = response.status_code
+    try:
+        document = decode_body(response.content, explain_reply_limits(*explain_shape(sent)))
+        explanation = Explanation.from_dict(_mapping(document.get("explanation"), "explanation"))
+    except MalformedRequest as exc:
+        raise ServiceError(
+            f"the server's reply is not a valid explanation: {exc.message}", status_code=status
+        ) from None
+    except ValueError as exc:
+        raise ServiceError(f"the server's reply is not a valid explanation: {exc}", status_code=status) from None
+    if call is not None and explanation.shape != (call.num_tokens, call.hidden_size):
+        raise ServiceError(
+            f"the server's explanation is about grad_x {list(explanation.shape)}, expected "
+            f"{[call.num_tokens, call.hidden_size]}",
+            status_code=status,
+        )
+    served = _served(document, response.headers.get("x-request-id"), response.extensions.get(REPLICA_EXTENSION))
+    return ExplainResult(explanation=explanation, **served)
 
 
 def parse_reply(

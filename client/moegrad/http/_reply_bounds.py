@@ -5,9 +5,10 @@ A reply is read through httpx's own streaming (``Response.read`` over ``Response
 
 - a success reply (2xx) may take the bytes the core allows its call (:data:`REPLY_BYTES_EXTENSION`,
   set per endpoint from the call: :func:`grad_reply_bytes`, :func:`compare_reply_bytes`,
-  :func:`batch_reply_bytes`, :data:`INFO_REPLY_BYTES`); one that declares more (Content-Length),
-  or sends more, is refused at once (:class:`ReplyRefused`, a ServiceError to the caller) and its
-  connection closed, so memory never holds more than the call could produce;
+  :func:`explain_reply_bytes`, :func:`batch_reply_bytes`, :data:`INFO_REPLY_BYTES`); one that
+  declares more (Content-Length), or sends more, is refused at once (:class:`ReplyRefused`, a
+  ServiceError to the caller) and its connection closed, so memory never holds more than the call
+  could produce;
 - an error reply's body is read up to :data:`ERROR_BODY_BYTES`, the rest left unread (the status
   still maps to its exception: a 503 is still retried), and its text is cut to
   :data:`MAX_TEXT_CHARS` (:func:`cut`);
@@ -33,6 +34,8 @@ from moegrad.operator._call import MoeInitRoutingV2GradCall
 __all__ = [
     "CUT_EXTENSION",
     "ERROR_BODY_BYTES",
+    "EXPLAIN_ROW_BYTES",
+    "EXPLAIN_SLOT_BYTES",
     "INFO_REPLY_BYTES",
     "ITEM_ALLOWANCE_BYTES",
     "MAX_TEXT_CHARS",
@@ -44,6 +47,8 @@ __all__ = [
     "bound_reply",
     "compare_reply_bytes",
     "cut",
+    "explain_reply_bytes",
+    "explain_shape",
     "grad_reply_bytes",
     "grad_x_nbytes",
 ]
@@ -59,6 +64,11 @@ REPLY_ALLOWANCE_BYTES = 64 << 10
 REPORT_ALLOWANCE_BYTES = 64 << 10
 #: One batch item's bytes besides its grad_x or report: its keys and fields, or its problem document.
 ITEM_ALLOWANCE_BYTES = 8 << 10
+#: One row of an explanation besides its slots: its label, evidence (a sentence, the schedules'
+#: names, up to 16 candidates) and up to 8 listed elements of ten fields (about 2 KiB).
+EXPLAIN_ROW_BYTES = 8 << 10
+#: One slot of an explained row: six fields of at most 9 bytes each and their share of the keys.
+EXPLAIN_SLOT_BYTES = 64
 #: A ``GET /v1/info`` reply (a few hundred bytes of JSON).
 INFO_REPLY_BYTES = 1 << 20
 #: The most bytes of an error reply's body read (a problem document is a few hundred).
@@ -115,6 +125,25 @@ def compare_reply_bytes(call: MoeInitRoutingV2GradCall | Mapping[str, Any] | Non
     """The most bytes a comparison's reply may take: the report's allowance, the grad_x asked for."""
     grad_x = grad_x_nbytes(call) if return_grad_x else 0
     return grad_x + REPORT_ALLOWANCE_BYTES + REPLY_ALLOWANCE_BYTES
+
+
+def explain_shape(call: MoeInitRoutingV2GradCall | Mapping[str, Any] | None) -> tuple[int, int]:
+    """(N, K) of a call, or of a wire document read as the server reads it ((0, 0) when its shapes
+    or top_k are not valid, for the server answers such a call with a problem)."""
+    if isinstance(call, MoeInitRoutingV2GradCall):
+        return call.num_tokens, call.top_k
+    if not isinstance(call, Mapping):
+        return 0, 0
+    idx, top_k = _dims(call.get("expanded_row_idx")), call.get("top_k")
+    if not idx or type(top_k) is not int or top_k <= 0:
+        return 0, 0
+    return idx[0] // top_k, top_k
+
+
+def explain_reply_bytes(call: MoeInitRoutingV2GradCall | Mapping[str, Any] | None) -> int:
+    """The most bytes an explanation's reply may take: every row differing, each with its K slots."""
+    rows, top_k = explain_shape(call)
+    return rows * (EXPLAIN_ROW_BYTES + top_k * EXPLAIN_SLOT_BYTES) + REPORT_ALLOWANCE_BYTES + REPLY_ALLOWANCE_BYTES
 
 
 def batch_reply_bytes(items: Iterable[tuple[str, MoeInitRoutingV2GradCall | Mapping[str, Any] | None, bool]]) -> int:

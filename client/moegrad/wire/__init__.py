@@ -28,6 +28,7 @@ from moegrad.wire._limits import MAX_BATCH_CALLS, MAX_DEPTH, MAX_RANK, REQUEST_L
 from moegrad.wire._v1 import (
     BATCH_PATH,
     COMPARE_PATH,
+    EXPLAIN_PATH,
     FRAMES_ACCEPT,
     GRAD_PATH,
     INFO_PATH,
@@ -39,6 +40,7 @@ from moegrad.wire._v1 import (
 __all__ = [
     "BATCH_PATH",
     "COMPARE_PATH",
+    "EXPLAIN_PATH",
     "FRAMES_ACCEPT",
     "FRAMES_ALIGN",
     "FRAMES_MAGIC",

@@ -17,6 +17,7 @@ __all__ = [
     "REQUEST_LIMITS",
     "StructureLimits",
     "batch_reply_limits",
+    "explain_reply_limits",
 ]
 
 #: The highest rank a wire tensor may have (the operator takes ranks 1 to 3).
@@ -66,5 +67,22 @@ def batch_reply_limits(count: int) -> StructureLimits:
         max_containers=count * REPLY_LIMITS.max_containers + 4,
         max_map_len=REPLY_LIMITS.max_map_len,
         max_array_len=max(count, REPLY_LIMITS.max_array_len),
+        max_str_len=REPLY_LIMITS.max_str_len,
+    )
+
+
+#: The most maps and arrays one row of an explanation holds: the row, its evidence (its schedules,
+#: NaN/Inf columns, candidates and up to 16 of them), its slots (6 lists) and elements (10 lists).
+EXPLAIN_ROW_CONTAINERS = 40
+
+
+def explain_reply_limits(rows: int, top_k: int) -> StructureLimits:
+    """The structure limits of an explanation's reply for a call of ``rows`` tokens and ``top_k``:
+    REPLY_LIMITS' per reply, and per row of the explanation (every row may differ) its maps and
+    lists, a ``rows`` list of ``rows`` and slot lists of ``top_k``."""
+    return StructureLimits(
+        max_containers=REPLY_LIMITS.max_containers + rows * EXPLAIN_ROW_CONTAINERS,
+        max_map_len=REPLY_LIMITS.max_map_len,
+        max_array_len=max(rows, top_k, REPLY_LIMITS.max_array_len),
         max_str_len=REPLY_LIMITS.max_str_len,
     )

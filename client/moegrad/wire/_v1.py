@@ -7,6 +7,7 @@ from moegrad.wire._frames import FRAMES_MEDIA_TYPE
 __all__ = [
     "BATCH_PATH",
     "COMPARE_PATH",
+    "EXPLAIN_PATH",
     "FRAMES_ACCEPT",
     "GRAD_PATH",
     "INFO_PATH",
@@ -21,6 +22,8 @@ GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 BATCH_PATH = "/v1/moe_init_routing_v2_grad/batch"
 #: One call and a candidate grad_x, judged.
 COMPARE_PATH = "/v1/moe_init_routing_v2_grad/compare"
+#: One call and a candidate grad_x, each differing row explained.
+EXPLAIN_PATH = "/v1/moe_init_routing_v2_grad/explain"
 #: The service's version, backend, device profile, wire formats and limits, as JSON.
 INFO_PATH = "/v1/info"
 #: The media type a msgpack body is sent with.

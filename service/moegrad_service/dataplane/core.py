@@ -5,12 +5,12 @@ The protocol endpoints (``api/``: v1 msgpack and compare, v2 over HTTP and gRPC)
 named) to the :class:`DataPlane`, and encode what it answers. The dataplane checks the named order
 against its backend, runs the call through the :class:`~moegrad_service.engine.StreamPool` (a large
 grad_x into the admission's result buffer), answers empty calls without the device, computes the
-compare report, reports health and metadata, and observes the engine's metrics. It speaks
+compare report and the explanation, reports health and metadata, and observes the engine's metrics. It speaks
 :mod:`moegrad`'s arrays, calls and domain errors only, so a new protocol is a new decoder and
 encoder around the same methods::
 
     api/v1 ───┐                          ┌─> StreamPool ─> Backend (reference | ascend)
-    api/v2 ───┼─> DataPlane (this) ──────┼─> JudgePool ─> moegrad.compare (float64 golden, standards)
+    api/v2 ───┼─> DataPlane (this) ──────┼─> JudgePool ─> moegrad.compare, moegrad.explain (float64 golden)
     api/grpc ─┘                          └─> memory.Memory (budget, buffers: the admissions)
 
 Every call and every judging carries its tenant (a bearer token's identity, or None): the pool's
@@ -31,6 +31,7 @@ import numpy as np
 
 from moegrad import (
     MAX_BATCH_CALLS,
+    PROFILES,
     AclnnStatus,
     CallGroup,
     ComparisonReport,
@@ -42,6 +43,7 @@ from moegrad import (
     MoeInitRoutingV2GradCall,
     __version__,
     compare,
+    explain,
     resolve_profile,
 )
 from moegrad_service.dataplane.batching import Part, plan_batch
@@ -51,6 +53,8 @@ from moegrad_service.dataplane.records import (
     ClientDisconnected,
     CompareOutcome,
     Comparison,
+    ExplainOutcome,
+    ExplainRequest,
     GradOutcome,
     GradRequest,
     GroupMember,
@@ -320,6 +324,29 @@ class DataPlane:
             judge, timeout_s=_seconds_until(deadline, loop), tenant=tenant
         )
         return CompareOutcome(grad, report, golden_s, compare_s)
+
+    async def explain(
+        self,
+        request: ExplainRequest,
+        *,
+        timeout_s: float,
+        disconnected: Callable[[], Awaitable[object]] | None = None,
+        admission: Admission | None = None,
+    ) -> ExplainOutcome:
+        """Run the call, then explain the candidate's rows that differ from its result
+        (:func:`moegrad.explain`, on a worker thread: CPU work), against the profile that computed it.
+
+        Raises:
+            The errors of :meth:`infer` (the order check is of ``request.named_order``).
+        """
+        self._check_order(request.named_order)
+        grad = await self.infer(request.call, timeout_s=timeout_s, disconnected=disconnected, admission=admission)
+        profile = grad.order if grad.order in PROFILES else None  # a device moegrad does not know: the call's
+        started = time.perf_counter()
+        explanation = await asyncio.to_thread(
+            explain, request.call, request.candidate, profile=profile, device_result=grad.grad_x
+        )
+        return ExplainOutcome(grad, explanation, time.perf_counter() - started)
 
     async def infer_batch(
         self,

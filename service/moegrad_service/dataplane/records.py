@@ -11,9 +11,11 @@ import numpy as np
 from moegrad import (
     CallGroup,
     ComparisonReport,
+    Explanation,
     MoegradError,
     MoeInitRoutingV2GradCall,
     check_compare_arguments,
+    check_explain_arguments,
 )
 from moegrad_service.engine import Timings
 
@@ -23,6 +25,8 @@ __all__ = [
     "ClientDisconnected",
     "CompareOutcome",
     "Comparison",
+    "ExplainOutcome",
+    "ExplainRequest",
     "GradOutcome",
     "GradRequest",
     "GroupMember",
@@ -94,6 +98,32 @@ class Comparison:
 
 
 @dataclass(frozen=True)
+class ExplainRequest:
+    """A validated explain request: a call and a candidate grad_x of the call's dtype.
+
+    Attributes:
+        call: the validated call.
+        candidate: [N, H], the call's dtype, C-contiguous (:func:`moegrad.check_explain_arguments`).
+        named_order: the order the request named (None: none), checked by the dataplane against its backend.
+    """
+
+    call: MoeInitRoutingV2GradCall
+    candidate: np.ndarray
+    named_order: object = None
+
+    @classmethod
+    def checked(
+        cls, call: MoeInitRoutingV2GradCall, candidate: np.ndarray | None, *, named_order: object = None
+    ) -> ExplainRequest:
+        """An explain request whose candidate is checked before anything runs.
+
+        Raises:
+            InvalidArgument: the candidate is missing (161001), not of the call's dtype or not [N, H] (161002).
+        """
+        return cls(call, check_explain_arguments(call, candidate), named_order)
+
+
+@dataclass(frozen=True)
 class GradOutcome:
     """One call's answer.
 
@@ -145,6 +175,15 @@ class CompareOutcome:
     report: ComparisonReport
     golden_s: float
     compare_s: float
+
+
+@dataclass(frozen=True)
+class ExplainOutcome:
+    """An explain request's answer: the device's result, the explanation, and the seconds explain took."""
+
+    grad: GradOutcome
+    explanation: Explanation
+    explain_s: float
 
 
 #: One item of a batch (``DataPlane.infer_batch``): a validated call (bare: it names no order), a

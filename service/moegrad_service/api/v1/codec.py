@@ -2,7 +2,8 @@
 
 The wire format is docs/protocol.md. A call's document is moegrad's wire form of a call
 (:meth:`moegrad.MoeInitRoutingV2GradCall.from_wire`); a compare document adds ``candidate``,
-``standards`` and ``return_grad_x``; a batch is an array of either, a compare item marked
+``standards`` and ``return_grad_x``; an explain document adds ``candidate``; a batch is an array of
+a call's or a compare document, a compare item marked
 ``op: "compare"``. Each call keeps the order its document named beside it, for the dataplane to
 check against its backend. A failed call of a batch is answered by its problem document: the
 fields of a single call's application/problem+json.
@@ -29,6 +30,8 @@ from moegrad_service.dataplane import (
     CompareOutcome,
     Comparison,
     DataPlane,
+    ExplainOutcome,
+    ExplainRequest,
     GradOutcome,
     GradRequest,
     GroupOutcome,
@@ -38,11 +41,14 @@ from moegrad_service.engine import Timings
 
 __all__ = [
     "COMPARE_FIELDS",
+    "EXPLAIN_FIELDS",
     "batch_reply",
     "compare_reply",
     "decode_batch_items",
     "decode_call",
     "decode_comparison",
+    "decode_explanation",
+    "explain_reply",
     "grad_reply",
     "problem_document",
     "reply_document",
@@ -52,6 +58,8 @@ __all__ = [
 
 #: The fields a compare document has besides a call's.
 COMPARE_FIELDS = frozenset({"candidate", "standards", "return_grad_x"})
+#: The fields an explain document has besides a call's.
+EXPLAIN_FIELDS = frozenset({"candidate"})
 #: The fields a batch item may carry besides a call's: ``op`` ("grad", the default, or "compare").
 _OPS = ("grad", "compare")
 
@@ -102,6 +110,24 @@ def decode_comparison(document: dict[str, Any], *, max_elements: int, default_or
             f"return_grad_x must be a bool, got {type(return_grad_x).__name__}", field="return_grad_x"
         )
     return Comparison.checked(call, candidate, standards, return_grad_x, named_order=document.get("order"))
+
+
+def decode_explanation(document: dict[str, Any], *, max_elements: int, default_order: str) -> ExplainRequest:
+    """The call and the candidate of an explain body, every check done (nothing has run yet; the
+    order it names is the dataplane's to check).
+
+    Raises:
+        MalformedRequest: an unknown key or a broken tensor map (400).
+        PayloadTooLarge: a tensor over ``max_elements`` (413).
+        InvalidArgument: the call breaks a documented constraint, the candidate is missing (161001)
+            or is not of the call's dtype and shape [N, H] (161002) (422).
+    """
+    call = MoeInitRoutingV2GradCall.from_wire(
+        document, max_elements=max_elements, default_order=default_order, extra_fields=EXPLAIN_FIELDS
+    )
+    raw = document.get("candidate")
+    candidate = None if raw is None else decode_tensor(raw, "candidate", max_elements=max_elements)
+    return ExplainRequest.checked(call, candidate, named_order=document.get("order"))
 
 
 def decode_batch_items(
@@ -183,6 +209,22 @@ def compare_reply(comparison: Comparison, outcome: CompareOutcome, started: floa
     if comparison.return_grad_x:
         reply["grad_x"] = encode_tensor(outcome.grad.grad_x)
     return reply
+
+
+def explain_reply(outcome: ExplainOutcome, started: float) -> dict[str, Any]:
+    """An explanation's reply document: explanation, backend, order, device, timings_ms (queue,
+    compute, explain, total)."""
+    measured = timings_ms(started, outcome.grad.timings)
+    return {
+        "explanation": outcome.explanation.to_dict(),
+        **reply_document(outcome.grad),
+        "timings_ms": {
+            "queue": measured["queue"],
+            "compute": measured["compute"],
+            "explain": outcome.explain_s * 1e3,
+            "total": measured["total"],
+        },
+    }
 
 
 def problem_document(exc: BaseException) -> dict[str, Any]:

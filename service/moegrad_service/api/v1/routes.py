@@ -1,13 +1,17 @@
 """Protocol v1's routes: ``POST /v1/moe_init_routing_v2_grad`` (msgpack or frames in, the same out),
 ``POST /v1/moe_init_routing_v2_grad/batch`` (many calls in one msgpack body),
-``POST /v1/moe_init_routing_v2_grad/compare`` (a call and a candidate grad_x, msgpack in and out)
-and ``GET /v1/info``.
+``POST /v1/moe_init_routing_v2_grad/compare`` (a call and a candidate grad_x, msgpack in and out),
+``POST /v1/moe_init_routing_v2_grad/explain`` (a call and a candidate grad_x, msgpack or frames in,
+msgpack out) and ``GET /v1/info``.
 
 Each is read (api/inputs.py: admission and a size-limited body) -> decode (api/v1/codec.py) ->
 dataplane -> encode. A call's reply is frames when the request's Accept names
 ``application/vnd.moegrad.frames``, else msgpack. The compare endpoint judges the candidate with
 :func:`moegrad.compare` against the backend's result and the float64 golden (docs/accuracy.md);
-the candidate and the standards are checked before the backend runs.
+the candidate and the standards are checked before the backend runs. The explain endpoint
+explains each row of the candidate that differs from the backend's result with
+:func:`moegrad.explain` (docs/accuracy.md, "Explaining a mismatch"); the candidate is checked, and
+what explain holds beyond the body reserved (:func:`reserve_explanation`), before the backend runs.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from moegrad import (
     FRAMES_MEDIA_TYPE,
     MAX_BATCH_CALLS,
     REQUEST_LIMITS,
+    MoeInitRoutingV2GradCall,
     decode_frames,
     encode_frames,
+    explain_peak_bytes,
 )
+from moegrad.wire import EXPLAIN_PATH
 from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import answer_for
 from moegrad_service.api.inputs import (
@@ -49,6 +56,8 @@ from moegrad_service.api.v1.codec import (
     decode_batch_items,
     decode_call,
     decode_comparison,
+    decode_explanation,
+    explain_reply,
     grad_reply,
     tensor_bytes,
 )
@@ -60,11 +69,13 @@ from moegrad_service.metrics import Metrics
 __all__ = [
     "BATCH_PATH",
     "COMPARE_PATH",
+    "EXPLAIN_PATH",
     "GRAD_PATH",
     "V1_MEDIA_TYPES",
     "msgpack_response",
     "read_document",
     "reply_response",
+    "reserve_explanation",
     "router",
     "routes",
 ]
@@ -232,6 +243,44 @@ def _batch_peak(items: list[BatchItem], *, body_bytes: int) -> Peak:
     return batch_peak(calls, comparisons, refused=refused, body_bytes=body_bytes)
 
 
+def reserve_explanation(request: Request, call: MoeInitRoutingV2GradCall) -> None:
+    """Reserve what an explanation of ``call`` holds beyond its body and grad_x (which the body's
+    admission counts already): :func:`moegrad.explain_peak_bytes` with the device's result given
+    and the reply (the explanation's dict and its msgpack encoding), from the in-flight budget.
+
+    Raises:
+        PayloadTooLarge: (413) the request could never fit the budget.
+        DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
+    """
+    admission = admission_of(request.scope)
+    if admission is not None:
+        admission.hold(explain_peak_bytes(call, device_result=True, reply=True))
+
+
+async def explain_candidate(request: Request) -> Response:
+    started = request.scope.get("state", {}).get("started", time.perf_counter())
+    document = await read_document(request)
+    dataplane, metrics = dataplane_of(request), metrics_of(request)
+    timeout_s = request_timeout(request)
+    explained = await off_loop(
+        decode_explanation,
+        document,
+        max_elements=settings_of(request).max_elements,
+        default_order=dataplane.default_order,
+    )
+    reserve_explanation(request, explained.call)
+    outcome = await dataplane.explain(
+        explained,
+        timeout_s=timeout_s,
+        disconnected=partial(disconnected, request),
+        admission=admission_of(request.scope),
+    )
+    reply = await off_loop(explain_reply, outcome, started)
+    response = msgpack_response(reply, metrics)
+    metrics.succeeded(EXPLAIN_PATH, started)
+    return response
+
+
 routes = [
     EndpointRoute(
         GRAD_PATH,
@@ -262,6 +311,17 @@ routes = [
             "dtype or float32), optional standards (list of names) and return_grad_x (bool) (docs/protocol.md)",
             "msgpack map with report, backend, order, device, timings_ms and, when asked for, grad_x "
             "(docs/protocol.md, docs/accuracy.md)",
+        ),
+    ),
+    EndpointRoute(
+        EXPLAIN_PATH,
+        explain_candidate,
+        operation=msgpack_operation(
+            "Explain each row of a candidate grad_x that differs from the device's: order, a wrong summand, "
+            "precision, NaN/Inf",
+            "msgpack map (or frames): the fields of POST /v1/moe_init_routing_v2_grad plus candidate (tensor "
+            "[N, H], the call's dtype) (docs/protocol.md)",
+            "msgpack map with explanation, backend, order, device and timings_ms (docs/protocol.md, docs/accuracy.md)",
         ),
     ),
 ]
