@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from moegrad._dtypes import dtype_name
-from moegrad._errors import AclnnStatus, DeadlineExceeded, InvalidArgument
+from moegrad._errors import AclnnStatus, InvalidArgument
 from moegrad.accuracy._fused import fused_metrics
 from moegrad.accuracy._metrics import FLOAT_INPUTS, float_array, metrics
 from moegrad.accuracy._results import (
@@ -38,6 +38,7 @@ from moegrad.accuracy._results import (
     ZeroRowCheck,
 )
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY, STANDARDS, THRESHOLDS, Criterion, Status
+from moegrad.accuracy._stop import check_stop
 from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
 from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
 
@@ -208,8 +209,7 @@ def _zero_rows(candidate: np.ndarray, rows: np.ndarray, stop: threading.Event | 
 
 
 def _check_stop(stop: threading.Event | None) -> None:
-    if stop is not None and stop.is_set():
-        raise DeadlineExceeded("the comparison was stopped: its caller gave up on it")
+    check_stop(stop, "the comparison")
 
 
 def _candidate_dtype(candidate: np.ndarray) -> str:
