@@ -53,11 +53,13 @@ class Metrics:
         self.bytes_out = Counter("moegrad_inference_response_bytes", "Response body bytes sent.", registry=r)
         self.pending = Gauge(
             "moegrad_inference_pending_request_count",
-            "Work admitted and waiting: calls queued for a worker, comparisons queued for a judge.",
+            "Work admitted and waiting: calls queued for a worker, comparisons and explanations queued for a judge.",
             registry=r,
         )
         self.in_flight = Gauge(
-            "moegrad_inference_exec_count", "Work running now: calls on a worker, comparisons being judged.", registry=r
+            "moegrad_inference_exec_count",
+            "Work running now: calls on a worker, comparisons being judged, explanations being worked out.",
+            registry=r,
         )
         self.held_bytes = Gauge(
             "moegrad_inflight_bytes",

@@ -3,7 +3,8 @@ memory limit read from a container's cgroup (v2 and v1).
 
 Oracles: the rules of docs/operations.md ("Memory a request holds"), worked by hand for each case
 below (a comparison holds 3 x 33 float64 per-row statistics, 792 bytes, for every token; a call its
-grad_x N x H x itemsize; a batch item 2 KiB besides its tensors, a compare item a 32 KiB report;
+grad_x N x H x itemsize; an explanation its grad_x and moegrad.explain_peak_bytes with the device's
+result given and the reply; a batch item 2 KiB besides its tensors, a compare item a 32 KiB report;
 tensors of a call up to 64 KiB are copied out of the body, twice in a batch), and for the cgroup
 files, the kernel's documentation of memory.max and memory.limit_in_bytes.
 """
@@ -16,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moegrad import DeviceBusy, MoeInitRoutingV2GradCall, PayloadTooLarge
-from moegrad_service.memory import Memory, Peak, batch_peak, call_peak, compare_peak
+from moegrad import DeviceBusy, MoeInitRoutingV2GradCall, PayloadTooLarge, explain_peak_bytes
+from moegrad_service.memory import Memory, Peak, batch_peak, call_peak, compare_peak, explain_peak
 from moegrad_service.memory.peaks import JUDGE_ROW_BYTES
 from moegrad_service.settings import memory_limit_bytes
 
@@ -46,6 +47,19 @@ def test_a_comparison_with_h_1_holds_792_bytes_a_token():
     peak = compare_peak(call, 400_000, body_bytes=1_200_100)
     assert peak == Peak(body=1_200_100, decoded=0, result=400_000, work=100_000 * 792 + 32768, reply=0)
     assert peak.total > 66 * 1_200_100  # what "two times the body" left out
+
+
+def test_an_explanation_holds_its_grad_x_and_explains_bound_with_the_reply():
+    # 2,000 tokens, H = 1, K = 1, float32: 8,000 B of grad_expanded_x and index and 8,000 B of
+    # candidate, copied out (24,000 B <= 64 KiB); grad_x 8,000 B; explain's bound with the device's
+    # result given, the reply (as much again as the result's rows) apart
+    call = dropless(2_000, 1)
+    work = explain_peak_bytes(call, device_result=True)
+    reply = explain_peak_bytes(call, device_result=True, reply=True) - work
+    peak = explain_peak(call, 8_000, body_bytes=24_200)
+    assert peak == Peak(body=24_200, decoded=24_000, result=8_000, work=work, reply=reply)
+    assert reply > 2_000 * 6_144  # every row may differ: its objects, then its map and encoding
+    assert peak.total > 3_000 * 24_200  # what "two times the body" left out
 
 
 def test_a_call_whose_tokens_are_all_dropped_holds_its_grad_x():

@@ -252,11 +252,11 @@ def comparison() -> Comparison:
 @pytest.fixture
 def blocking_judge(monkeypatch):
     """moegrad.compare as the dataplane calls it, replaced by a judging that waits until released or stopped."""
-    import moegrad_service.dataplane.core as core
+    import moegrad_service.dataplane.judging as judging_module
 
     state = {"started": threading.Semaphore(0), "stopped": threading.Event(), "release": threading.Event(),
              "stops": []}
-    real = core.compare
+    real = judging_module.compare
 
     def judging(call, candidate, *, stop=None, **options):
         state["stops"].append(stop)
@@ -267,7 +267,7 @@ def blocking_judge(monkeypatch):
                 raise DeadlineExceeded("stopped")
         return real(call, candidate, **options)
 
-    monkeypatch.setattr(core, "compare", judging)
+    monkeypatch.setattr(judging_module, "compare", judging)
     yield state
     state["release"].set()
 

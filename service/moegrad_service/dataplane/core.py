@@ -21,7 +21,6 @@ calls.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -34,7 +33,6 @@ from moegrad import (
     PROFILES,
     AclnnStatus,
     CallGroup,
-    ComparisonReport,
     DeadlineExceeded,
     DeviceBusy,
     DeviceFault,
@@ -42,11 +40,10 @@ from moegrad import (
     MoegradError,
     MoeInitRoutingV2GradCall,
     __version__,
-    compare,
-    explain,
     resolve_profile,
 )
 from moegrad_service.dataplane.batching import Part, plan_batch
+from moegrad_service.dataplane.judging import explain_candidate, judge, judge_each
 from moegrad_service.dataplane.records import (
     BatchAnswer,
     BatchItem,
@@ -319,9 +316,9 @@ class DataPlane:
     async def _compare(self, comparison: Comparison, deadline: float, tenant: str | None) -> CompareOutcome:
         loop = asyncio.get_running_loop()
         grad = await self.infer(comparison.call, timeout_s=_seconds_until(deadline, loop), tenant=tenant)
-        judge = partial(_judge, comparison, grad.grad_x, alone=self.judges.alone)
+        judging = partial(judge, comparison, grad.grad_x, alone=self.judges.alone)
         report, golden_s, compare_s = await self.judges.run(
-            judge, timeout_s=_seconds_until(deadline, loop), tenant=tenant
+            judging, timeout_s=_seconds_until(deadline, loop), tenant=tenant
         )
         return CompareOutcome(grad, report, golden_s, compare_s)
 
@@ -331,22 +328,32 @@ class DataPlane:
         *,
         timeout_s: float,
         disconnected: Callable[[], Awaitable[object]] | None = None,
-        admission: Admission | None = None,
+        tenant: str | None = None,
     ) -> ExplainOutcome:
-        """Run the call, then explain the candidate's rows that differ from its result
-        (:func:`moegrad.explain`, on a worker thread: CPU work), against the profile that computed it.
+        """Run the call on the pool, then explain the candidate's rows that differ from its result
+        (:func:`moegrad.explain`, against the profile that computed it) on the judges, in the
+        tenant's turn, both within the one deadline: as :meth:`compare` (a client gone or the
+        deadline passed drops the explanation unrun or stops it within its next few rows).
 
         Raises:
             The errors of :meth:`infer` (the order check is of ``request.named_order``).
         """
         self._check_order(request.named_order)
-        grad = await self.infer(request.call, timeout_s=timeout_s, disconnected=disconnected, admission=admission)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        work = self._explain(request, deadline, tenant)
+        return await (work if disconnected is None else _unless(disconnected, work))
+
+    async def _explain(self, request: ExplainRequest, deadline: float, tenant: str | None) -> ExplainOutcome:
+        loop = asyncio.get_running_loop()
+        grad = await self.infer(request.call, timeout_s=_seconds_until(deadline, loop), tenant=tenant)
         profile = grad.order if grad.order in PROFILES else None  # a device moegrad does not know: the call's
-        started = time.perf_counter()
-        explanation = await asyncio.to_thread(
-            explain, request.call, request.candidate, profile=profile, device_result=grad.grad_x
+        explanation, explain_s = await self.judges.run(
+            partial(explain_candidate, request, grad.grad_x, profile),
+            timeout_s=_seconds_until(deadline, loop),
+            tenant=tenant,
+            verb="explained",
         )
-        return ExplainOutcome(grad, explanation, time.perf_counter() - started)
+        return ExplainOutcome(grad, explanation, explain_s)
 
     async def infer_batch(
         self,
@@ -424,7 +431,7 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         try:
             await self.judges.run(
-                partial(_judge_each, judged, done, alone=self.judges.alone),
+                partial(judge_each, judged, done, alone=self.judges.alone),
                 timeout_s=_seconds_until(deadline, loop),
                 tenant=tenant,
             )
@@ -534,49 +541,6 @@ def _seconds_until(deadline: float, loop: asyncio.AbstractEventLoop) -> float:
     """Seconds from now to ``deadline`` (loop time), at least a microsecond: a deadline already
     past times the work out at once rather than never."""
     return max(deadline - loop.time(), 1e-6)
-
-
-def _judge(
-    comparison: Comparison,
-    device_result: np.ndarray,
-    stop: threading.Event,
-    *,
-    alone: Callable[[], bool] = lambda: True,
-) -> tuple[ComparisonReport, float, float]:
-    """The report, and the seconds it took (on a judging thread): the golden is computed within the
-    comparison (one compiled pass with the metrics), so its own share is 0. Stops with
-    DeadlineExceeded at the next block of rows once ``stop`` is set. Its rows are spread over the
-    reference kernels' shared pool only when ``alone()`` says no other judging waits or runs."""
-    started = time.perf_counter()
-    report = compare(
-        comparison.call,
-        comparison.candidate,
-        device_result=device_result,
-        standards=comparison.standards,
-        stop=stop,
-        parallel=alone(),
-    )
-    return report, 0.0, time.perf_counter() - started
-
-
-def _judge_each(
-    judged: list[tuple[int, Comparison, GradOutcome]],
-    done: dict[int, Any],
-    stop: threading.Event,
-    *,
-    alone: Callable[[], bool] = lambda: True,
-) -> None:
-    """Each comparison whose call succeeded, against its device result, its answer put in ``done``
-    under its place as soon as it has one; none after ``stop`` is set (:func:`_judge`)."""
-    for index, comparison, grad in judged:
-        if stop.is_set():
-            return
-        try:
-            report, golden_s, compare_s = _judge(comparison, grad.grad_x, stop, alone=alone)
-        except MoegradError as exc:
-            done[index] = exc.with_traceback(None)
-        else:
-            done[index] = CompareOutcome(grad, report, golden_s, compare_s)
 
 
 async def _unless(gone: Callable[[], Awaitable[object]], work: Awaitable[T]) -> T:

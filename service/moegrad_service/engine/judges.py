@@ -105,11 +105,19 @@ class JudgePool:
         their tenants' turns, not there, ahead of the calls."""
         return self._queued == 0 and self._running <= 1
 
-    async def run(self, work: Callable[[threading.Event], T], *, timeout_s: float | None, tenant: Hashable = None) -> T:
+    async def run(
+        self,
+        work: Callable[[threading.Event], T],
+        *,
+        timeout_s: float | None,
+        tenant: Hashable = None,
+        verb: str = "judged",
+    ) -> T:
         """``work(stop)`` on the next free thread in ``tenant``'s turn; its result.
 
         Cancelling the awaiting task (its caller has gone) drops the work while it waits, or sets
-        its ``stop`` while it runs; so does the deadline, raising DeadlineExceeded at once.
+        its ``stop`` while it runs; so does the deadline, raising DeadlineExceeded at once (its
+        message says whether the work was ``verb`` yet: "judged", "explained").
 
         Raises:
             DeadlineExceeded: (504) ``timeout_s`` passed first (the work was not run, or was stopped).
@@ -123,7 +131,7 @@ class JudgePool:
             self._queued += 1
             self._waiting.add(job)
         self._queue.put(job, tenant)
-        timer = None if timeout_s is None else loop.call_later(timeout_s, self._expire, job, timeout_s)
+        timer = None if timeout_s is None else loop.call_later(timeout_s, self._expire, job, timeout_s, verb)
         try:
             return await job.future
         except asyncio.CancelledError:
@@ -144,12 +152,12 @@ class JudgePool:
         else:
             job.stop.set()
 
-    def _expire(self, job: _Work[Any], timeout_s: float) -> None:
+    def _expire(self, job: _Work[Any], timeout_s: float, verb: str) -> None:
         if job.future.done():
             return
         ran = job.state != "queued"
         self._give_up(job)
-        where = "while it was judged (stopped)" if ran else "before it was judged (it was not)"
+        where = f"while it was {verb} (stopped)" if ran else f"before it was {verb} (it was not)"
         job.future.set_exception(DeadlineExceeded(f"the deadline of {timeout_s:.3f} s passed {where}"))
 
     def _work(self) -> None:

@@ -156,17 +156,6 @@ class Admission:
             self._budget.top_up(more, whole=peak.total, needs=peak.describe())
             self._reserved += more
 
-    def hold(self, nbytes: int) -> None:
-        """Reserve ``nbytes`` more for what the request computes beyond its body and grad_x (an
-        explanation's working set), known once the body is decoded; given back at :meth:`release`.
-
-        Raises:
-            PayloadTooLarge: (413) the request as a whole could never fit the budget.
-            DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
-        """
-        self._budget.reserve(nbytes, whole=self._reserved + nbytes)
-        self._reserved += nbytes
-
     def body_buffer(self, nbytes: int) -> np.ndarray:
         """A byte buffer (uint8) of at least ``nbytes`` to read the body into: from the receive
         buffers (a kept one, pages resident, or a fresh one) when ``nbytes`` is REUSE_MIN_BYTES or

@@ -13,7 +13,9 @@ without running it.
 The figures are the service's host memory with numba's compiled comparison (a dependency of the
 service): a dropless call's grad_x is computed in bounded chunks, so its work is constant; the
 judge keeps :data:`JUDGE_ROW_BYTES` of per-row sums for every token (three comparisons of 33
-float64 statistics each); a comparison's report, as objects, as a reply map and packed, is about
+float64 statistics each); an explanation holds what :func:`moegrad.explain_peak_bytes` bounds (its
+blocks, the row search's index, and per differing row its result, then as much again for the reply's
+map and its encoding); a comparison's report, as objects, as a reply map and packed, is about
 :data:`REPORT_BYTES`; a batch item's decoded map, its call, its outcome and its reply map about
 :data:`BATCH_ITEM_BYTES`. The constants were measured (peak RSS of a real server against the
 formula, ``python -m bench.tenancy --only memory``; ``tests/e2e/test_tenancy_e2e.py`` holds a server to
@@ -27,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from moegrad import MoeInitRoutingV2GradCall
+from moegrad import MoeInitRoutingV2GradCall, explain_peak_bytes
 
 __all__ = [
     "BATCH_ITEM_BYTES",
@@ -41,6 +43,7 @@ __all__ = [
     "batch_peak",
     "call_peak",
     "compare_peak",
+    "explain_peak",
     "grad_x_bytes",
 ]
 
@@ -162,6 +165,27 @@ def compare_peak(call: MoeInitRoutingV2GradCall, candidate_bytes: int, *, body_b
         result=result,
         work=_judge_work(call),
         reply=result if result <= COPIED_CALL_BYTES else 0,
+    )
+
+
+def explain_peak(call: MoeInitRoutingV2GradCall, candidate_bytes: int, *, body_bytes: int) -> Peak:
+    """One explanation (v1 explain): its body, the device's grad_x, explain's work with the device's
+    result given (:func:`moegrad.explain_peak_bytes`: every row differing, the worst case) and its
+    reply (the explanation's map and its msgpack encoding, as much again as the result's rows).
+
+    Args:
+        call: the validated call.
+        candidate_bytes: the candidate's size, in bytes (its tensors are copied out when small).
+        body_bytes: the request body's size, in bytes.
+    """
+    inputs = _input_bytes(call) + candidate_bytes
+    work = explain_peak_bytes(call, device_result=True)
+    return Peak(
+        body=body_bytes,
+        decoded=inputs if inputs <= COPIED_CALL_BYTES else 0,
+        result=grad_x_bytes(call),
+        work=work,
+        reply=explain_peak_bytes(call, device_result=True, reply=True) - work,
     )
 
 

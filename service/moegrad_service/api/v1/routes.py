@@ -11,7 +11,8 @@ dataplane -> encode. A call's reply is frames when the request's Accept names
 the candidate and the standards are checked before the backend runs. The explain endpoint
 explains each row of the candidate that differs from the backend's result with
 :func:`moegrad.explain` (docs/accuracy.md, "Explaining a mismatch"); the candidate is checked, and
-what explain holds beyond the body reserved (:func:`reserve_explanation`), before the backend runs.
+the request's admission topped up to what the explanation holds (memory.peaks.explain_peak), before
+the backend runs.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ from moegrad import (
     FRAMES_MEDIA_TYPE,
     MAX_BATCH_CALLS,
     REQUEST_LIMITS,
-    MoeInitRoutingV2GradCall,
     decode_frames,
     encode_frames,
-    explain_peak_bytes,
 )
 from moegrad.wire import EXPLAIN_PATH
 from moegrad_service.api.auth import tenant_of
@@ -63,7 +62,7 @@ from moegrad_service.api.v1.codec import (
 )
 from moegrad_service.api.v1.msgpack_view import decode_batch_body, decode_call_body, encode_parts, holds_views
 from moegrad_service.dataplane import BatchItem, Comparison, GradRequest, GroupMember
-from moegrad_service.memory import MemoryBudget, Peak, batch_peak, call_peak, compare_peak
+from moegrad_service.memory import MemoryBudget, Peak, batch_peak, call_peak, compare_peak, explain_peak
 from moegrad_service.metrics import Metrics
 
 __all__ = [
@@ -75,7 +74,6 @@ __all__ = [
     "msgpack_response",
     "read_document",
     "reply_response",
-    "reserve_explanation",
     "router",
     "routes",
 ]
@@ -243,20 +241,6 @@ def _batch_peak(items: list[BatchItem], *, body_bytes: int) -> Peak:
     return batch_peak(calls, comparisons, refused=refused, body_bytes=body_bytes)
 
 
-def reserve_explanation(request: Request, call: MoeInitRoutingV2GradCall) -> None:
-    """Reserve what an explanation of ``call`` holds beyond its body and grad_x (which the body's
-    admission counts already): :func:`moegrad.explain_peak_bytes` with the device's result given
-    and the reply (the explanation's dict and its msgpack encoding), from the in-flight budget.
-
-    Raises:
-        PayloadTooLarge: (413) the request could never fit the budget.
-        DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
-    """
-    admission = admission_of(request.scope)
-    if admission is not None:
-        admission.hold(explain_peak_bytes(call, device_result=True, reply=True))
-
-
 async def explain_candidate(request: Request) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     document = await read_document(request)
@@ -268,12 +252,9 @@ async def explain_candidate(request: Request) -> Response:
         max_elements=settings_of(request).max_elements,
         default_order=dataplane.default_order,
     )
-    reserve_explanation(request, explained.call)
+    cover(request, explain_peak, explained.call, explained.candidate.nbytes)
     outcome = await dataplane.explain(
-        explained,
-        timeout_s=timeout_s,
-        disconnected=partial(disconnected, request),
-        admission=admission_of(request.scope),
+        explained, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
     )
     reply = await off_loop(explain_reply, outcome, started)
     response = msgpack_response(reply, metrics)
