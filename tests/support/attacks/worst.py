@@ -8,7 +8,10 @@ taken from the service (moegrad_service.memory.peaks is what they check):
 - a call holds its grad_x [N, H], which for a drop/pad call whose tokens are all dropped is many
   times its body (the index is N x K, grad_expanded_x one row);
 - a batch item holds its decoded map, call and reply map (2 KiB), a compare item its report (32 KiB);
-- a v2 JSON body holds 24 times its bytes while it is parsed.
+- a v2 JSON body holds 24 times its bytes while it is parsed;
+- an explanation holds the device's grad_x and what ``moegrad.explain_peak_bytes(call,
+  device_result=True, reply=True)`` bounds (docs/accuracy.md gives its formula; its own bound is
+  proven by tests/unit/accuracy/test_explain.py): a few KiB for every row that differs, whatever H.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import json
 import msgpack
 import numpy as np
 
+import moegrad
+
 __all__ = [
     "COMPARE_PATH",
     "JUDGE_ROW_BYTES",
@@ -26,6 +31,7 @@ __all__ = [
     "batch_tiny_compares",
     "compare_all_skipped",
     "compare_small_h",
+    "explain_every_row",
     "grad_all_dropped",
     "v2_json",
 ]
@@ -34,6 +40,7 @@ GRAD_PATH = "/v1/moe_init_routing_v2_grad"
 COMPARE_PATH = "/v1/moe_init_routing_v2_grad/compare"
 BATCH_PATH = "/v1/moe_init_routing_v2_grad/batch"
 INFER_PATH = "/v2/models/moe_init_routing_v2_grad/infer"
+EXPLAIN_PATH = "/v1/moe_init_routing_v2_grad/explain"
 MSGPACK = "application/msgpack"
 #: docs/operations.md: the judge's per-row statistics, 3 comparisons x 33 float64.
 JUDGE_ROW_BYTES = 3 * 33 * 8
@@ -111,6 +118,31 @@ def v2_json(peak_bytes: int) -> Built:
     return INFER_PATH, "application/json", body, len(body) * JSON_HOLD_PER_BYTE
 
 
+def _explained(tokens: int) -> tuple[bytes, int]:
+    """An explain body of ``tokens`` tokens, H = 1, K = 1, the candidate one ULP off every row (each
+    row differs, none is explained by an order), and what it holds by the rules above."""
+    grad = np.random.default_rng(tokens).standard_normal((tokens, 1)).astype(np.float32)
+    index = np.arange(tokens, dtype=np.int32)
+    candidate = (grad.view(np.uint32) ^ 1).view(np.float32)  # dropless, K = 1: grad_x is grad_expanded_x
+    body = _pack({"grad_expanded_x": _tensor(grad), "expanded_row_idx": _tensor(index), "top_k": 1,
+                  "drop_pad_mode": 0, "active_num": 0, "candidate": _tensor(candidate)})
+    call = moegrad.MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=index, top_k=1)
+    inputs = 3 * 4 * tokens  # grad_expanded_x, the index and the candidate, copied out up to 64 KiB
+    copies = inputs if inputs <= 64 << 10 else 0
+    return body, len(body) + copies + 4 * tokens + moegrad.explain_peak_bytes(call, device_result=True, reply=True)
+
+
+def explain_every_row(peak_bytes: int) -> Built:
+    """An explanation of H = 1 whose every row differs: 12 bytes of body a token, each row's result
+    (its slots, its worst elements, then its reply map and encoding) held besides a fixed working
+    set; the fewest tokens (one) where ``peak_bytes`` is below that set."""
+    _, one = _explained(1)
+    _, two = _explained(2)
+    tokens = max(1, 1 + (peak_bytes - one) // (two - one))
+    body, held = _explained(tokens)
+    return EXPLAIN_PATH, MSGPACK, body, held
+
+
 #: name -> builder of a body of the given peak: the worst shapes, each checked against a budget.
 SHAPES = {
     "compare, H = 1": compare_small_h,
@@ -119,4 +151,5 @@ SHAPES = {
     "batch of tiny compares": batch_tiny_compares,
     "batch of 10,000 tiny calls": batch_tiny_calls,
     "v2 JSON, short numbers": v2_json,
+    "explain, every row differing": explain_every_row,
 }
