@@ -16,7 +16,8 @@
   differs; :mod:`moegrad.accuracy` holds the standards and the report writers (docs/accuracy.md);
 - the candidate on the bench (:class:`Candidate`: a callable, ``package.module:function`` or a v2
   URL): :func:`probe_order` reveals its tree of adds, :func:`order_free_inputs` builds calls every
-  order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row.
+  order of adds sums to the golden's bits, :func:`check_determinism` counts its results per row,
+  :func:`shrink` finds the smallest call that keeps a fault and writes a reproducer.
 """
 
 from moegrad._dtypes import DTYPES, brief, dtype_name
@@ -53,8 +54,11 @@ from moegrad.accuracy import (
     InconsistentOrder,
     Metrics,
     MultiTermOrder,
+    NothingToShrink,
     OrderProbe,
     OrderProbeError,
+    ShrinkError,
+    ShrinkResult,
     StandardVerdict,
     WorstElement,
     ZeroRowCheck,
@@ -70,6 +74,7 @@ from moegrad.accuracy import (
     metrics,
     order_free_inputs,
     probe_order,
+    shrink,
     skipped_rows,
     summand_magnitude,
 )
@@ -90,9 +95,8 @@ from moegrad.numerics._routing import (
 from moegrad.numerics._schedules import accumulation_schedule, bin_count
 from moegrad.operator._call import GRAD_DTYPES, ORDERS, CallGroup, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import PROFILES, Profile, resolve_profile
+from moegrad.wire._bodies import decode_batch, decode_body
 from moegrad.wire._codec import (
-    decode_batch,
-    decode_body,
     decode_tensor,
     encode_batch,
     encode_body,
@@ -147,6 +151,7 @@ __all__ = [
     "MoeInitRoutingV2Result",
     "MoegradError",
     "MultiTermOrder",
+    "NothingToShrink",
     "OrderProbe",
     "OrderProbeError",
     "PayloadTooLarge",
@@ -154,6 +159,8 @@ __all__ = [
     "ProfileMatch",
     "ReplicaStats",
     "ServiceError",
+    "ShrinkError",
+    "ShrinkResult",
     "StandardVerdict",
     "StructureLimits",
     "TransportError",
@@ -196,6 +203,7 @@ __all__ = [
     "order_free_inputs",
     "probe_order",
     "resolve_profile",
+    "shrink",
     "skipped_rows",
     "summand_magnitude",
     "warm_up",

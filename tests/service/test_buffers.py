@@ -33,7 +33,7 @@ def test_a_kept_buffer_is_held_in_the_budget_and_taken_back_by_a_body_of_its_siz
     budget = MemoryBudget(64 * MiB)
     buffers = ReceiveBuffers(budget, keep_s=60)
     buffer = kept(8 * MiB)
-    buffers.give(buffer, references=1)
+    buffers.keep(buffer)
     assert budget.held_bytes == 8 * MiB and buffers.kept_bytes == 8 * MiB
     assert buffers.take(9 * MiB) is not buffer  # too small for 9 MiB: a fresh one
     assert buffers.take(3 * MiB) is not buffer  # more than twice 3 MiB: not this one
@@ -45,9 +45,9 @@ def test_a_reservation_gives_up_kept_buffers_oldest_first_before_it_is_refused()
     budget = MemoryBudget(32 * MiB)  # seven eighths: 28 MiB for large reservations
     buffers = ReceiveBuffers(budget, keep_s=60)
     first, second, third = kept(8 * MiB), kept(8 * MiB), kept(8 * MiB)
-    buffers.give(first, references=1)
-    buffers.give(second, references=1)
-    buffers.give(third, references=1)
+    buffers.keep(first)
+    buffers.keep(second)
+    buffers.keep(third)
     assert budget.held_bytes == 24 * MiB
     assert budget.reserve_body(4 * MiB) == 8 * MiB  # 24 + 8 > 28: the oldest kept buffer goes
     assert budget.held_bytes == 24 * MiB and buffers.kept_bytes == 16 * MiB
@@ -66,26 +66,28 @@ def test_a_buffer_is_kept_only_where_the_budget_has_room_and_never_in_the_small_
     budget = MemoryBudget(32 * MiB)
     buffers = ReceiveBuffers(budget, keep_s=60)
     budget.reserve(24 * MiB)
-    buffers.give(kept(8 * MiB), references=1)  # 24 + 8 > 28
+    buffers.keep(kept(8 * MiB))  # 24 + 8 > 28
     assert buffers.kept_bytes == 0 and budget.held_bytes == 24 * MiB
-    buffers.give(kept(4 * MiB), references=1)  # 24 + 4 = 28
+    buffers.keep(kept(4 * MiB))  # 24 + 4 = 28
     assert buffers.kept_bytes == 4 * MiB
 
 
 def test_small_viewed_and_unkept_buffers():
     budget = MemoryBudget(64 * MiB)
     buffers = ReceiveBuffers(budget, keep_s=60, max_kept=2)
-    buffers.give(kept(MiB - 1), references=1)  # under a MiB: never kept
-    buffer = kept(2 * MiB)
-    view = buffer[:10]  # an array of the finished call still views it
-    buffers.give(buffer, references=1)
+    buffers.keep(kept(MiB - 1))  # under a MiB: never kept
+    loan = buffers.body_loan(2 * MiB)  # a body's buffer, lent
+    view = loan.array[:10]  # an array of the finished call still views it
+    loan.forget()  # the answer is sent: the request lets go of its body
     assert buffers.kept_bytes == 0
-    del view
+    del view  # the last view: the buffer comes back, and is kept
+    assert buffers.kept_bytes == 2 * MiB
+    assert buffers.take(2 * MiB).nbytes == 2 * MiB and buffers.kept_bytes == 0
     for size in (2, 3, 4):
-        buffers.give(kept(size * MiB), references=1)
+        buffers.keep(kept(size * MiB))
     assert buffers.kept_bytes == 7 * MiB == budget.held_bytes  # at most two: the oldest went
     never = ReceiveBuffers(MemoryBudget(64 * MiB), keep_s=0)
-    never.give(kept(2 * MiB), references=1)
+    never.keep(kept(2 * MiB))
     assert never.kept_bytes == 0 and never.budget.held_bytes == 0
 
 
@@ -93,9 +95,9 @@ def test_a_buffer_unused_for_keep_s_is_given_up():
     async def main():
         budget = MemoryBudget(64 * MiB)
         buffers = ReceiveBuffers(budget, keep_s=0.1)
-        buffers.give(kept(2 * MiB), references=1)
+        buffers.keep(kept(2 * MiB))
         await asyncio.sleep(0.05)
-        buffers.give(kept(4 * MiB), references=1)
+        buffers.keep(kept(4 * MiB))
         assert buffers.kept_bytes == 6 * MiB
         await asyncio.sleep(0.09)  # the first is 0.14 s old, the second 0.09 s
         assert buffers.kept_bytes == 4 * MiB
@@ -128,7 +130,7 @@ def test_bodies_of_nearly_the_same_size_share_a_buffer():
     buffers = ReceiveBuffers(budget, keep_s=60)
     first = buffers.take(448 * MiB + 100)
     assert 448 * MiB + 100 <= first.nbytes <= (448 + 448 // 8) * MiB
-    buffers.give(first, references=1)
+    buffers.keep(first)
     assert buffers.take(448 * MiB + 5000) is first
     small = buffers.take(3 * MiB + 1)
     assert small.nbytes == 4 * MiB  # 2 MiB granules below 32 MiB

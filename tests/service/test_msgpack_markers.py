@@ -1,4 +1,5 @@
-"""The v1 msgpack reader and reply writer (api/v1/msgpack_view.py) at every marker and length boundary.
+"""The v1 msgpack reader (moegrad.wire.decode_body in place) and reply writer (api/v1/parts.py) at every marker
+and length boundary.
 
 Oracles: the msgpack specification (msgpack/msgpack, spec.md: each format's first byte and the
 bytes that follow it) for the values written by hand here, and msgpack's own ``unpackb`` /
@@ -24,7 +25,9 @@ import numpy as np
 import pytest
 
 from moegrad import REQUEST_LIMITS
-from moegrad_service.api.v1.msgpack_view import decode_batch_body, decode_call_body, encode_parts, holds_views
+from moegrad.wire import VIEW_MIN_BYTES, decode_batch, decode_body, holds_views
+from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES
+from moegrad_service.api.v1.parts import encode_parts
 from support.servicekit import MSGPACK_HEADERS, grad_x_of, pack, post, random_call
 
 routes = importlib.import_module("moegrad_service.api.v1.routes")
@@ -100,7 +103,7 @@ def test_the_data_after_any_value_is_read_in_place(name, value, decoded, where):
     else:
         body = b"\x82" + _key("pad") + b"\x93" + value + value + b"\xc0" + _key("grad_expanded_x") + _tensor()
     buffer = bytearray(body)
-    document = decode_call_body(buffer, REQUEST_LIMITS)
+    document = decode_body(buffer, REQUEST_LIMITS, min_view_bytes=VIEW_MIN_BYTES)
     expected = msgpack.unpackb(body, raw=False, strict_map_key=False)
     assert holds_views(document), f"{name} ({value[:1].hex()}) stepped over by a width other than the spec's"
     view = document["grad_expanded_x"].pop("data").view
@@ -123,14 +126,14 @@ def test_a_call_with_n_times_k_past_65535_is_read_in_place(tokens):
     document, _ = _call(tokens)
     body = bytearray(pack(document))
     assert (b"\xce" + (2 * tokens).to_bytes(4, "big") in body) is (2 * tokens >= 1 << 16)  # the shape, uint 32
-    decoded = decode_call_body(body, REQUEST_LIMITS)
+    decoded = decode_body(body, REQUEST_LIMITS, min_view_bytes=VIEW_MIN_BYTES)
     assert holds_views(decoded)
     for field in ("grad_expanded_x", "expanded_row_idx"):
         view = decoded[field]["data"].view
         assert np.shares_memory(np.frombuffer(view, np.uint8), np.frombuffer(body, np.uint8))
         assert bytes(view) == document[field]["data"]
     batch = bytearray(pack([document, _call(tokens, seed=1)[0]]))
-    items = decode_batch_body(batch, REQUEST_LIMITS)
+    items = decode_batch(batch, REQUEST_LIMITS, min_view_bytes=GROUP_CALL_BYTES + 1)
     assert all(holds_views(item) for item in items)
     assert all(np.shares_memory(np.frombuffer(item["grad_expanded_x"]["data"].view, np.uint8),
                                 np.frombuffer(batch, np.uint8)) for item in items)
@@ -140,11 +143,11 @@ def test_the_endpoint_reads_a_call_with_n_times_k_of_65536_in_place(client, monk
     seen = []
 
     def watched(body, limits, **kwargs):
-        decoded = decode_call_body(body, limits, **kwargs)
+        decoded = decode_body(body, limits, **kwargs)
         seen.append(holds_views(decoded))
         return decoded
 
-    monkeypatch.setattr(routes, "decode_call_body", watched)
+    monkeypatch.setattr(routes, "decode_body", watched)
     document, expected = _call(32768)
     response = post(client, document)
     assert response.status_code == 200 and seen == [True]

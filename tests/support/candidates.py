@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["bins_tree", "chain_tree", "expression_of", "faulty", "float64_sum", "groups_tree", "pairwise_tree",
-           "random_tree", "random_tree_per_call", "reversed_tree", "row_order", "shuffled_rows",
-           "sorted_by_magnitude", "tree_candidate"]
+           "random_tree", "random_tree_per_call", "reversed_tree", "row_order", "shuffled_rows", "slot_values",
+           "sorted_by_magnitude", "tree_candidate", "tree_sum"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def expression_of(tree) -> str:
 # Candidates.
 # --------------------------------------------------------------------------------------------------
 
-def _slot_values(grad, idx, top_k, drop_pad_mode, active_num) -> np.ndarray:
+def slot_values(grad, idx, top_k, drop_pad_mode, active_num) -> np.ndarray:
     """[K, N, H] float32: each slot's row (widened exactly), +0.0 for a skipped slot."""
     rows = grad.reshape(-1, grad.shape[-1]).astype(np.float32)
     limit = active_num if (drop_pad_mode == 0 and active_num > 0) else rows.shape[0]
@@ -118,7 +118,7 @@ def _slot_values(grad, idx, top_k, drop_pad_mode, active_num) -> np.ndarray:
     return values
 
 
-def _sum(tree, values):
+def tree_sum(tree, values):
     """The float32 sum of ``values[t]`` in ``tree``'s order (operands left to right); no recursion, so
     a chain of a thousand slots is fine."""
     stack, results = [(tree, False)], []
@@ -143,8 +143,8 @@ def tree_candidate(tree):
     """A NumPy candidate that sums in ``tree``'s order (float32 adds, one rounding to the dtype)."""
 
     def candidate(grad_expanded_x, expanded_row_idx, top_k, *, drop_pad_mode=0, active_num=0):
-        values = _slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
-        return _sum(tree, values).astype(grad_expanded_x.dtype)
+        values = slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
+        return tree_sum(tree, values).astype(grad_expanded_x.dtype)
 
     return candidate
 
@@ -164,7 +164,7 @@ def shuffled_rows(seed: int = 0):
     rng = np.random.default_rng(seed)
 
     def candidate(grad_expanded_x, expanded_row_idx, top_k, *, drop_pad_mode=0, active_num=0):
-        values = _slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
+        values = slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
         order = rng.permuted(np.tile(np.arange(top_k), (values.shape[1], 1)), axis=1)  # [N, K]
         tokens = np.arange(values.shape[1])
         total = values[order[:, 0], tokens]
@@ -177,14 +177,14 @@ def shuffled_rows(seed: int = 0):
 
 def sorted_by_magnitude(grad_expanded_x, expanded_row_idx, top_k, *, drop_pad_mode=0, active_num=0):
     """Adds each element's slots from the smallest magnitude up: an order that depends on the values."""
-    values = _slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
+    values = slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
     values = np.take_along_axis(values, np.argsort(np.abs(values), axis=0, kind="stable"), axis=0)
-    return _sum(chain_tree(top_k), values).astype(grad_expanded_x.dtype)
+    return tree_sum(chain_tree(top_k), values).astype(grad_expanded_x.dtype)
 
 
 def float64_sum(grad_expanded_x, expanded_row_idx, top_k, *, drop_pad_mode=0, active_num=0):
     """Accumulates in float64 slot after slot, then rounds once to the dtype."""
-    values = _slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num).astype(np.float64)
+    values = slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num).astype(np.float64)
     total = values[0]
     for t in range(1, top_k):
         total = total + values[t]
@@ -212,14 +212,14 @@ def faulty(kind: str, token: int, slot: int, tree=None):
     assert kind in ("drop", "duplicate", "neighbour")
 
     def candidate(grad_expanded_x, expanded_row_idx, top_k, *, drop_pad_mode=0, active_num=0):
-        values = _slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
+        values = slot_values(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num)
         if kind == "drop":
             values[slot, token] = 0.0
         elif kind == "neighbour":
             rows = grad_expanded_x.reshape(-1, grad_expanded_x.shape[-1])
             row = int(expanded_row_idx[token * top_k + slot])
             values[slot, token] = rows[row + 1 if row + 1 < rows.shape[0] else row - 1].astype(np.float32)
-        total = _sum(tree if tree is not None else chain_tree(top_k), values)
+        total = tree_sum(tree if tree is not None else chain_tree(top_k), values)
         if kind == "duplicate":
             total[token] = np.add(total[token], values[slot, token], dtype=np.float32)
         return total.astype(grad_expanded_x.dtype)

@@ -34,7 +34,8 @@ standard, with the thresholds per dtype and their sources.
   :func:`probe_order` (its tree of adds, FPRev; :class:`OrderProbe`, :class:`InconsistentOrder`,
   :class:`MultiTermOrder`, :data:`PROBE_LIMITS`, :func:`probe_scale`), :func:`order_free_inputs`
   (:data:`ORDER_FREE_LIMITS`), :func:`check_determinism` (:class:`DeterminismCheck`,
-  :func:`any_order_bound`).
+  :func:`any_order_bound`), :func:`shrink` (the smallest call that keeps a fault, and its
+  reproducer: :class:`ShrinkResult`, :class:`NothingToShrink`, :class:`ShrinkError`).
 """
 
 from moegrad.accuracy._batches import ProfilesDiffer, context_call, fields_with_order, refuse_mixed_profiles
@@ -122,11 +123,13 @@ from moegrad.accuracy._results import (
     WorstElement,
     ZeroRowCheck,
 )
+from moegrad.accuracy._shrink import DEFAULT_MAX_TESTS, NothingToShrink, ShrinkError, ShrinkResult, ShrinkStep, shrink
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
 from moegrad.accuracy._sweep import SWEEP_THREAD, compare_cases, compare_in_process
 
 __all__ = [
     "CSV_CONTEXT_COLUMNS",
+    "DEFAULT_MAX_TESTS",
     "DEFAULT_STANDARDS",
     "DTYPE_LIMITS",
     "LABELS",
@@ -157,11 +160,15 @@ __all__ = [
     "MergedSweep",
     "Metrics",
     "MultiTermOrder",
+    "NothingToShrink",
     "OrderProbe",
     "OrderProbeError",
     "ProfilesDiffer",
     "ReportContext",
     "RowExplanation",
+    "ShrinkError",
+    "ShrinkResult",
+    "ShrinkStep",
     "SlotTable",
     "StandardVerdict",
     "SweepFile",
@@ -208,6 +215,7 @@ __all__ = [
     "report_context",
     "save_case",
     "shard_of",
+    "shrink",
     "skipped_rows",
     "statuses",
     "summand_magnitude",

@@ -145,6 +145,7 @@ class Candidate:
         self.calls = 0
         self._v2: _V2Candidate | None = None
         self._fn: Any = None
+        self._spec: str | None = None
         if isinstance(target, str) and target.startswith(("http://", "https://")):
             self._v2 = _V2Candidate(target, model, token, dict(parameters or {}), timeout_s, http_client)
             self.name, self.accepts, self.device = self._v2.url, "v2", None
@@ -180,7 +181,7 @@ class Candidate:
         if not callable(target):
             raise ValueError(f"candidate {spec!r} is a {type(target).__name__}, not a callable")
         candidate = cls(target, **options)
-        candidate.name = spec
+        candidate.name = candidate._spec = spec
         return candidate
 
     def __call__(self, call: MoeInitRoutingV2GradCall) -> np.ndarray:
@@ -204,6 +205,27 @@ class Candidate:
             raise CandidateError(f"candidate {self.name} raised {type(error).__name__}: {error}") from error
         return _check_result(result, call, self.name)
 
+    @property
+    def spec(self) -> str | None:
+        """``"package.module:function"`` that imports this candidate's callable back: the spec it was
+        loaded from, or the module and qualified name of a function defined at a module's top level
+        (or a class's); None for a v2 URL, a lambda, a closure, an object, or anything in ``__main__``."""
+        if self._fn is None:
+            return None
+        if self._spec is not None:
+            return self._spec
+        return _importable_name(self._fn)
+
+    @property
+    def url(self) -> str | None:
+        """The v2 infer URL this candidate posts to (None for a callable)."""
+        return None if self._v2 is None else self._v2.url
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The extra v2 request parameters (empty for a callable)."""
+        return {} if self._v2 is None else dict(self._v2.parameters)
+
     def close(self) -> None:
         """Close the v2 client this candidate opened (nothing for a callable)."""
         if self._v2 is not None:
@@ -217,6 +239,19 @@ class Candidate:
 
     def __repr__(self) -> str:
         return f"Candidate({self.name!r}, accepts={self.accepts!r})"
+
+
+def _importable_name(fn: Any) -> str | None:
+    """``"module:qualname"`` when importing it gives ``fn`` itself, else None."""
+    module_name, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module_name, str) or not isinstance(qualname, str):
+        return None
+    if module_name == "__main__" or "<" in qualname:  # a script's own, a lambda, a closure
+        return None
+    target: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return f"{module_name}:{qualname}" if target is fn else None
 
 
 def as_candidate(candidate: Any) -> Candidate:

@@ -47,6 +47,7 @@ from moegrad.accuracy import (
     write_json_report,
     write_markdown_report,
 )
+from moegrad.cli._candidate_commands import run_determinism, run_order_free, run_probe_order, run_shrink
 from moegrad.cli._explain import cmd_explain, explain_compared, explanation_text, write_explanation
 from moegrad.cli._inputs import (
     TENSOR_FIELDS,
@@ -160,6 +161,8 @@ def _refuse_sweep_flags_out_of_place(args: argparse.Namespace) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.order_free or args.candidate_url:  # the candidate's code on order-free inputs, in-process
+        return run_order_free(args)
     _refuse_sweep_flags_out_of_place(args)
     if args.merge:
         return run_merge(args)
@@ -402,6 +405,18 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if any("error" in info for info in infos.values()) else EXIT_OK
 
 
+def _cmd_probe_order(args: argparse.Namespace) -> int:
+    return run_probe_order(args)
+
+
+def _cmd_shrink(args: argparse.Namespace) -> int:
+    return run_shrink(args, read_npy)
+
+
+def _cmd_determinism(args: argparse.Namespace) -> int:
+    return run_determinism(args, read_npy)
+
+
 _COMMANDS = {
     "grad": _cmd_grad,
     "local": _cmd_local,
@@ -410,6 +425,9 @@ _COMMANDS = {
     "example": _cmd_example,
     "info": _cmd_info,
     "identify": _cmd_identify,
+    "probe-order": _cmd_probe_order,
+    "shrink": _cmd_shrink,
+    "determinism": _cmd_determinism,
 }
 
 

@@ -1,5 +1,6 @@
 """The ``moegrad`` command's arguments: the parser of its subcommands (grad, local, compare, explain,
-example, info, identify).
+example, info, identify; probe-order, shrink, determinism and compare --order-free come from
+:mod:`moegrad.cli._candidate_parser`).
 
 What each subcommand does is :mod:`moegrad.cli._main`'s; this module only says what it takes, with the
 help text, the exit statuses and the environment it reads for defaults (MOEGRAD_URL, MOEGRAD_TOKEN).
@@ -18,6 +19,7 @@ import numpy as np
 
 from moegrad import ORDERS, __version__
 from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
+from moegrad.cli._candidate_parser import add_candidate_commands, add_order_free_options
 from moegrad.operator import ALIASES, DEFAULT_PROFILE, PROFILES
 
 __all__ = [
@@ -50,8 +52,8 @@ computed by a moegrad service (the NPU, or its bit-exact emulation) or in-proces
 _EXIT_HEAD = "exit status:\n"
 _EXIT_OK = "  0  success\n"
 _EXIT_COMPARE = """\
-  0  the candidate passed (a warning passes)
-  1  a standard failed (or, with --require-exact, the candidate is not bit-exact)
+  0  the candidate passed (a warning passes); --order-free: clean
+  1  a standard failed (or, with --require-exact, the candidate is not bit-exact); --order-free: a fault
 """
 _EXIT_EXAMPLE = "  1  the result differs from the documentation's bit for bit\n"
 _EXIT_EXPLAIN = """\
@@ -93,7 +95,9 @@ _EPILOG = (
     _EXIT_HEAD
     + "  0  success (`compare`: the candidate passed; a warning passes)\n"
     + "  1  `example`: the result differs from the documentation's bit for bit; `compare`: a standard failed\n"
-    + "     (or, with --require-exact, the candidate is not bit-exact); `explain`: rows differ from the device's\n"
+    + "     (or, with --require-exact, the candidate is not bit-exact); `explain`: rows differ from the device's;\n"
+    + "     `compare --order-free`: a fault; `probe-order`: no single tree of adds; `shrink`: a fault shrunk;\n"
+    + "     `determinism`: rows vary\n"
     + _EXIT_USAGE_FILES
     + _EXIT_REJECTED
     + _EXIT_SERVER
@@ -359,7 +363,8 @@ def _add_call_arguments(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``moegrad`` argument parser (commands grad, local, compare, explain, example, info, identify)."""
+    """The ``moegrad`` argument parser (commands grad, local, compare, explain, example, info, identify,
+    probe-order, shrink, determinism)."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="moegrad", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"moegrad {__version__}")
@@ -411,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_arguments(info)
     _add_identify_parser(commands, formatter)
+    add_candidate_commands(commands, formatter, _add_call_arguments)
     return parser
 
 
@@ -439,10 +445,12 @@ def _add_compare_parser(commands: Any, formatter: type[argparse.HelpFormatter]) 
     group.add_argument(
         "--candidate",
         metavar="PATH",
-        help="the candidate grad_x .npy: [N, H], the dtype of grad_expanded_x or float32 (required unless --cases)",
+        help="the candidate grad_x .npy: [N, H], the dtype of grad_expanded_x or float32 (required unless --cases); "
+        "with --order-free, the candidate's code instead: package.module:function",
     )
     _add_comparison_options(comparison)
     _add_bulk_options(comparison)
+    add_order_free_options(comparison)
     _add_server_arguments(comparison)
 
 

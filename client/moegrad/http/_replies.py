@@ -24,7 +24,8 @@ from moegrad.http._answers import CompareResult, ExplainResult, GradResult
 from moegrad.http._reply_bounds import REPLY_BYTES_EXTENSION, explain_shape
 from moegrad.http._status import error_from_problem, str_or_none
 from moegrad.operator._call import MoeInitRoutingV2GradCall
-from moegrad.wire._codec import decode_body, decode_tensor
+from moegrad.wire._bodies import decode_body
+from moegrad.wire._codec import decode_tensor
 from moegrad.wire._frames import FRAMES_MEDIA_TYPE, FramesReader
 from moegrad.wire._limits import REPLY_LIMITS, batch_reply_limits, explain_reply_limits
 

@@ -23,7 +23,8 @@ import numpy as np
 from moegrad._errors import InvalidArgument
 from moegrad.operator._call import MoeInitRoutingV2GradCall, names_profile
 from moegrad.operator._profiles import PROFILE_NAMES, PROFILES
-from moegrad.wire._codec import decode_body, encode_body_view, fields_document
+from moegrad.wire._bodies import decode_body
+from moegrad.wire._codec import encode_body_view, fields_document
 
 __all__ = ["RULE_SETS", "Prepared", "Unnamed", "prepare"]
 

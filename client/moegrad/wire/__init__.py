@@ -1,14 +1,13 @@
-"""The wire: the v1 msgpack codec, the frames body, the bounds on a body's structure, and protocol
-v1's paths and media types (docs/protocol.md).
+"""The wire: the v1 msgpack codec (tensors; bodies read in place or copied), the frames body, the
+bounds on a body's structure, and protocol v1's paths and media types (docs/protocol.md).
 
 The public face of :mod:`moegrad.wire`; the service and the benchmarks import these names from here.
 """
 
+from moegrad.wire._bodies import VIEW_MIN_BYTES, decode_batch, decode_body, holds_views
 from moegrad.wire._codec import (
     TENSOR_KEYS,
     Segment,
-    decode_batch,
-    decode_body,
     decode_tensor,
     encode_batch,
     encode_body,
@@ -55,6 +54,7 @@ __all__ = [
     "MSGPACK_MEDIA_TYPES",
     "REQUEST_LIMITS",
     "TENSOR_KEYS",
+    "VIEW_MIN_BYTES",
     "FramesReader",
     "Segment",
     "StructureLimits",
@@ -68,4 +68,5 @@ __all__ = [
     "encode_frames",
     "encode_tensor",
     "fields_document",
+    "holds_views",
 ]

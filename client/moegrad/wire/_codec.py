@@ -3,8 +3,8 @@
 A tensor travels as the map ``{"dtype": str, "shape": [int, ...], "data": bin}`` where ``data`` is
 the C-order, little-endian bytes of the array. bfloat16 travels as raw 2-byte words
 (``ml_dtypes.bfloat16``). No msgpack ext types are sent or accepted, and nothing is ever unpickled.
-A body is one msgpack map (one call or reply), or an array of them (a batch). The bounds on a
-body's structure are :mod:`moegrad.wire._limits`'; the frames form of a body is :mod:`moegrad.wire._frames`.
+A body is one msgpack map (one call or reply), or an array of them (a batch): packed here, read by
+:mod:`moegrad.wire._bodies`; the frames form of a body is :mod:`moegrad.wire._frames`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import numpy as np
 
 from moegrad._dtypes import DTYPES, brief, dtype_name
 from moegrad._errors import AclnnStatus, InvalidArgument, MalformedRequest, PayloadTooLarge
-from moegrad.wire._limits import MAX_BATCH_CALLS, MAX_DEPTH, MAX_RANK, StructureLimits
+from moegrad.wire._limits import MAX_RANK
 
 __all__ = [
     "TENSOR_KEYS",
     "Segment",
-    "decode_batch",
-    "decode_body",
     "decode_tensor",
     "encode_batch",
     "encode_body",
@@ -194,208 +192,6 @@ def encode_body_view(document: Mapping[str, Any]) -> memoryview:
     return packer.getbuffer()
 
 
-def _reject_ext(code: int, data: bytes) -> Any:
-    raise MalformedRequest(f"msgpack ext type {code} is not allowed")
-
-
-def decode_body(body: bytes | bytearray | memoryview, limits: StructureLimits | None = None) -> dict[str, Any]:
-    """Unpack a msgpack body into a map with string keys (nested maps are checked where they are
-    read: a tensor map's keys by :func:`decode_tensor`).
-
-    Args:
-        body: the msgpack bytes.
-        limits: bounds on the document's structure (a server passes :data:`REQUEST_LIMITS`); None
-            sizes every container and string limit to the body itself (never msgpack's 100 MiB
-            default), for documents from a trusted peer (a client reading its server's reply).
-
-    Ext types (timestamps included) are rejected, and nothing is executed.
-
-    Raises:
-        MalformedRequest: not valid msgpack, trailing bytes, an ext type, nesting too deep, a
-            structure over ``limits``, or a top-level value that is not a map with string keys.
-    """
-    size = len(body)
-    bounds = {"max_str_len": size, "max_array_len": size, "max_map_len": size // 2}
-    hooks: dict[str, Any] = {}
-    if limits is not None:
-        bounds = {
-            "max_str_len": min(size, limits.max_str_len),
-            "max_array_len": min(size, limits.max_array_len),
-            "max_map_len": min(size // 2, limits.max_map_len),
-        }
-        seen = [0]
-
-        def count(container: Any) -> Any:  # called as each map or array is completed
-            seen[0] += 1
-            if seen[0] > limits.max_containers:
-                raise MalformedRequest(
-                    f"body has more than {limits.max_containers} maps and arrays; a request "
-                    "holds a handful (docs/protocol.md)"
-                )
-            return container
-
-        hooks = {"object_hook": count, "list_hook": count}
-    try:
-        document = msgpack.unpackb(
-            body,
-            raw=False,
-            use_list=True,
-            strict_map_key=False,  # a key that is not a string is refused below, as a batch item's is
-            max_bin_len=size,
-            max_ext_len=0,
-            ext_hook=_reject_ext,
-            **bounds,
-            **hooks,
-        )
-    except MalformedRequest:
-        raise
-    except Exception as exc:  # msgpack raises ValueError, ExtraData, FormatError, StackError, UnicodeDecodeError ...
-        reason = str(exc) or "truncated or invalid data"
-        if isinstance(exc, msgpack.ExtraData):
-            reason = "trailing bytes after the document"
-        elif isinstance(exc, msgpack.StackError):
-            reason = "nested too deeply"
-        elif "max_ext_len" in reason:  # max_ext_len=0 refuses every ext type before ext_hook runs
-            reason = "a msgpack ext type (timestamps included); none is allowed"
-        raise MalformedRequest(f"body is not a valid msgpack document ({type(exc).__name__}: {reason})") from None
-    if not isinstance(document, dict):
-        raise MalformedRequest(f"body must be a msgpack map, got {type(document).__name__}")
-    if not all(isinstance(key, str) for key in document):
-        raise MalformedRequest("body has a key that is not a string")
-    if _deeper_than(document, MAX_DEPTH):
-        raise MalformedRequest(f"body is nested more than {MAX_DEPTH} containers deep")
-    return document
-
-
-def _deeper_than(document: dict[str, Any], limit: int) -> bool:
-    """True when containers nest more than ``limit`` deep (the top-level map is depth 1); iterative,
-    one level of containers at a time (msgpack decodes to exactly dict and list)."""
-    level: list[Any] = [document]
-    depth = 1
-    while level:
-        if depth > limit:
-            return True
-        below = []
-        for value in level:
-            for child in value.values() if type(value) is dict else value:
-                if type(child) is dict or type(child) is list:
-                    below.append(child)
-        level = below
-        depth += 1
-    return False
-
-
-# --------------------------------------------------------------------------------------------------
-# Batches: one body of many independent calls
-# --------------------------------------------------------------------------------------------------
-
-
 def encode_batch(items: list[Mapping[str, Any]]) -> memoryview:
     """Pack a batch body: a msgpack array of call documents (tensors already encoded), unpadded."""
     return encode_body_view(list(items))  # type: ignore[arg-type]
-
-
-def decode_batch(
-    body: bytes | bytearray | memoryview, limits: StructureLimits | None = None, *, max_calls: int = MAX_BATCH_CALLS
-) -> list[dict[str, Any] | MalformedRequest]:
-    """Unpack a batch body (a msgpack array of call maps) into its items, in order.
-
-    ``limits`` bound each item as one request's body (a server passes :data:`REQUEST_LIMITS`), so a
-    batch of n calls is bounded by n times what one call may hold: the container count restarts at
-    every item, and the array itself may hold ``max_calls`` items.
-
-    Args:
-        body: the msgpack bytes.
-        limits: per-item structure bounds; None sizes them to the body (a trusted peer's reply).
-        max_calls: the most items the array may hold.
-
-    Returns:
-        One entry per item: its map (string keys), or the MalformedRequest that item alone earns
-        (an item that is not a map, or a map with non-string keys).
-
-    Raises:
-        MalformedRequest: the body is not one msgpack array, holds more than ``max_calls`` items, is
-            truncated or has trailing bytes, an ext type, nesting too deep, or an item over ``limits``
-            (the body cannot be read past such an item, so the whole batch is refused).
-    """
-    size = len(body)
-    per = limits or StructureLimits(
-        max_containers=size + 1, max_map_len=size // 2 + 1, max_array_len=size + 1, max_str_len=size
-    )
-    seen = [0]
-
-    def count(container: Any) -> Any:
-        seen[0] += 1
-        if seen[0] > per.max_containers:
-            raise MalformedRequest(
-                f"batch item {index} has more than {per.max_containers} maps and arrays; a call "
-                "holds a handful (docs/protocol.md)"
-            )
-        # the unpacker's own array bound must let the batch's array through, so an item's are checked here
-        if type(container) is list and len(container) > per.max_array_len:
-            raise MalformedRequest(
-                f"batch item {index} has an array of {len(container)} items, over the limit of {per.max_array_len} "
-                "(docs/protocol.md)"
-            )
-        return container
-
-    unpacker = msgpack.Unpacker(
-        raw=False,
-        use_list=True,
-        strict_map_key=False,
-        max_buffer_size=max(size, 1),
-        max_bin_len=size,
-        max_str_len=min(size, per.max_str_len),
-        max_array_len=max(min(size, per.max_array_len), min(size, max_calls)),
-        max_map_len=min(size // 2, per.max_map_len),
-        max_ext_len=0,
-        ext_hook=_reject_ext,
-        object_hook=count,
-        list_hook=count,
-    )
-    index = -1
-    try:
-        unpacker.feed(body)
-        count_items = unpacker.read_array_header()
-        if count_items > max_calls:
-            raise MalformedRequest(
-                f"the batch holds {count_items} calls, over the limit of {max_calls}; split it into several batches"
-            )
-        items: list[dict[str, Any] | MalformedRequest] = []
-        for index in range(count_items):
-            seen[0] = 0
-            items.append(_batch_item(unpacker.unpack(), index, seen[0]))
-        if unpacker.tell() != size:
-            raise MalformedRequest("the batch body has trailing bytes after its array")
-    except MalformedRequest:
-        raise
-    except Exception as exc:  # msgpack's OutOfData, FormatError, StackError, ValueError ...
-        raise _batch_error(exc, index) from None
-    return items
-
-
-def _batch_item(item: Any, index: int, containers: int) -> dict[str, Any] | MalformedRequest:
-    """Batch item ``index`` as decoded (holding ``containers`` maps and arrays): its map, or the
-    MalformedRequest that item alone earns."""
-    if not isinstance(item, dict):
-        return MalformedRequest(f"batch item {index} must be a msgpack map (one call), got {type(item).__name__}")
-    if not all(isinstance(key, str) for key in item):
-        return MalformedRequest(f"batch item {index} has a key that is not a string")
-    if containers > MAX_DEPTH and _deeper_than(item, MAX_DEPTH):  # fewer containers cannot nest deeper
-        return MalformedRequest(f"batch item {index} is nested more than {MAX_DEPTH} containers deep")
-    return item
-
-
-def _batch_error(exc: Exception, index: int) -> MalformedRequest:
-    """msgpack's error reading a batch body (at item ``index``; -1: before the first) as the client's."""
-    reason = str(exc) or "truncated or invalid data"
-    if isinstance(exc, msgpack.OutOfData):
-        reason = "truncated"
-    elif isinstance(exc, msgpack.StackError):
-        reason = "nested too deeply"
-    elif "max_ext_len" in reason:
-        reason = "a msgpack ext type (timestamps included); none is allowed"
-    elif isinstance(exc, (ValueError, msgpack.UnpackValueError)) and index < 0:
-        reason = f"not a msgpack array of call maps ({reason})"
-    where = f" at item {index}" if index >= 0 else ""
-    return MalformedRequest(f"batch body is not a valid msgpack array{where} ({type(exc).__name__}: {reason})")

@@ -19,7 +19,8 @@ import numpy as np
 
 from moegrad._dtypes import DTYPES, brief
 from moegrad._errors import MalformedRequest
-from moegrad.wire._codec import TENSOR_KEYS, Segment, decode_body
+from moegrad.wire._bodies import decode_body
+from moegrad.wire._codec import TENSOR_KEYS, Segment
 from moegrad.wire._limits import StructureLimits
 
 __all__ = [

@@ -119,7 +119,7 @@ class Admission:
         self.body_complete = False
         self.read_in_place = 0
         self._reserved = 0
-        self._body: np.ndarray | None = None
+        self._body: Loan | None = None
         self._loan: Loan | None = None
         self._result_written = False
 
@@ -159,21 +159,22 @@ class Admission:
     def body_buffer(self, nbytes: int) -> np.ndarray:
         """A byte buffer (uint8) of at least ``nbytes`` to read the body into: from the receive
         buffers (a kept one, pages resident, or a fresh one) when ``nbytes`` is REUSE_MIN_BYTES or
-        more, held until :meth:`release_body` or :meth:`release`; else a fresh ``numpy.empty``.
+        more, lent until :meth:`release_body` or :meth:`release`; else a fresh ``numpy.empty``.
         The reservation already covers it."""
         if nbytes < REUSE_MIN_BYTES:
             return np.empty(nbytes, dtype=np.uint8)
         self.release_body()
-        self._body = self._buffers.take(nbytes)
-        return self._body
+        self._body = self._buffers.body_loan(nbytes)
+        assert self._body.array is not None
+        return self._body.array
 
     def release_body(self) -> None:
-        """The body's bytes are no longer needed (its tensors were copied out): its buffer may serve
-        the next body now, if nothing views it any more (ReceiveBuffers.give)."""
-        buffer, self._body = self._body, None
-        if buffer is not None:
-            self._buffers.give(buffer, references=1)
-        del buffer
+        """The request lets go of its body's buffer (its tensors were copied out, or its answer is
+        sent): the buffer serves the next body once nothing views it any more
+        (:meth:`ReceiveBuffers.body_loan`)."""
+        loan, self._body = self._body, None
+        if loan is not None:
+            loan.forget()
 
     def result_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         """Where grad_x ([N, H] = ``shape``, ``dtype`` in native byte order) is written: when it has

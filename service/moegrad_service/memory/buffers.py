@@ -1,13 +1,14 @@
 """Receive buffers: request bodies are read, and large results written, into buffers that finished calls leave behind.
 
 A buffer over glibc's mmap threshold is a fresh mapping: every 4 KiB page of it faults, and is
-zeroed, as the body arrives. A DeepSeek-V3 body (448 MiB) costs about as much in page faults as
-the loopback copy of its bytes (measured in bench/RESULTS.md). :class:`ReceiveBuffers` keeps the
-buffers of answered calls, pages resident, for the next body of their size, and lends them for
-grad_x (:meth:`ReceiveBuffers.loan`): a loan comes back when its borrower gives it back, done with
-it (:meth:`Loan.give_back`: the request's admission, once the reply is sent and the worker has
-written it), or else once the lent array and every view of it are gone (a worker still writing
-after its call was given up on lets go of it when it is done).
+zeroed, as the body arrives (the cost is measured in bench/RESULTS.md). :class:`ReceiveBuffers` keeps
+the buffers of answered calls, pages resident, and lends them (a :class:`Loan`) for the next body of
+their size (:meth:`ReceiveBuffers.body_loan`) and for grad_x (:meth:`ReceiveBuffers.loan`). A loan
+comes back when its borrower gives it back, done with it (:meth:`Loan.give_back`: a result the worker
+has written and the reply has sent), or else, once the borrower lets go of it (:meth:`Loan.forget`),
+when the lent array and every view of it are gone: a body whose decoded tensors view it, a worker
+still writing a result after its call was given up on. Ownership, not a count of references, says
+when a buffer is free.
 
 What is kept is part of the in-flight budget (:class:`~moegrad_service.memory.budget.MemoryBudget`),
 held as a request's bytes are: a buffer is kept only while the budget has room for it beside what
@@ -21,7 +22,6 @@ import asyncio
 import collections
 import math
 import mmap
-import sys
 import threading
 import time
 import weakref
@@ -150,6 +150,14 @@ class ReceiveBuffers:
         back only when the worker is done writing."""
         return Loan(self, self.take(math.prod(shape) * dtype.itemsize), shape, dtype)
 
+    def body_loan(self, nbytes: int) -> Loan:
+        """A buffer of at least ``nbytes`` to read a body into (``loan.array``, uint8, the whole
+        buffer from :meth:`take`). The body's decoded tensors may view it, so its borrower lets go
+        of it with :meth:`Loan.forget` once the answer is sent: it comes back once that array and
+        every view of it (the call's tensors, a worker still reading them) are gone."""
+        buffer = self.take(nbytes)
+        return Loan(self, buffer, (buffer.nbytes,), buffer.dtype)
+
     def lend(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """``loan(shape, dtype).array``, forgotten at once: the buffer comes back once that array
         and every view of it are gone."""
@@ -177,14 +185,6 @@ class ReceiveBuffers:
                 return
             self.keep(buffer)
             del buffer
-
-    def give(self, buffer: np.ndarray, references: int) -> None:
-        """Keep ``buffer`` (:meth:`keep`) if nothing but the caller's ``references`` holds it: no
-        array of the finished call still views it (a body whose call's arrays view it)."""
-        # getrefcount counts its own argument and this parameter besides the caller's references
-        if sys.getrefcount(buffer) - 2 > references:
-            return
-        self.keep(buffer)
 
     def keep(self, buffer: np.ndarray) -> bool:
         """Keep ``buffer``, which the caller owns outright (nothing writes or reads it any more), for

@@ -30,7 +30,7 @@ from moegrad import (
     decode_frames,
     encode_frames,
 )
-from moegrad.wire import EXPLAIN_PATH
+from moegrad.wire import EXPLAIN_PATH, VIEW_MIN_BYTES, decode_batch, decode_body, holds_views
 from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import answer_for
 from moegrad_service.api.inputs import (
@@ -60,7 +60,8 @@ from moegrad_service.api.v1.codec import (
     grad_reply,
     tensor_bytes,
 )
-from moegrad_service.api.v1.msgpack_view import decode_batch_body, decode_call_body, encode_parts, holds_views
+from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES
+from moegrad_service.api.v1.parts import encode_parts
 from moegrad_service.dataplane import BatchItem, Comparison, GradRequest, GroupMember
 from moegrad_service.memory import MemoryBudget, Peak, batch_peak, call_peak, compare_peak, explain_peak
 from moegrad_service.metrics import Metrics
@@ -95,7 +96,7 @@ INLINE_BATCH_ITEMS = 16
 
 def msgpack_response(document: dict[str, Any], metrics: Metrics) -> Response:
     """A reply document as msgpack, its large bins sent from their own buffers (grad_x from the
-    buffer it was computed into: :func:`~moegrad_service.api.v1.msgpack_view.encode_parts`), its
+    buffer it was computed into: :func:`~moegrad_service.api.v1.parts.encode_parts`), its
     bytes counted."""
     parts, length = encode_parts(document)
     metrics.bytes_out.inc(length)
@@ -116,7 +117,7 @@ def reply_response(request: Request, document: dict[str, Any], metrics: Metrics)
 
 async def read_document(request: Request) -> dict[str, Any]:
     """The v1 body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`), its
-    bytes counted: msgpack (:func:`~moegrad_service.api.v1.msgpack_view.decode_call_body`: a large
+    bytes counted: msgpack (:func:`moegrad.wire.decode_body` with ``min_view_bytes``: a large
     tensor's data views the body, no copy) or frames (:func:`moegrad.decode_frames`: every
     tensor's data views the body); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
     body = await read_body(request, settings_of(request).max_body_bytes, V1_MEDIA_TYPES)
@@ -126,9 +127,9 @@ async def read_document(request: Request) -> dict[str, Any]:
             return await off_loop(decode_frames, body, REQUEST_LIMITS)
         return decode_frames(body, REQUEST_LIMITS)
     if len(body) > INLINE_DECODE_BYTES:
-        document = await off_loop(decode_call_body, body, REQUEST_LIMITS)
+        document = await off_loop(decode_body, body, REQUEST_LIMITS, min_view_bytes=VIEW_MIN_BYTES)
     else:
-        document = decode_call_body(body, REQUEST_LIMITS)
+        document = decode_body(body, REQUEST_LIMITS, min_view_bytes=VIEW_MIN_BYTES)
     if holds_views(document):  # the tensors view the body: it goes back once the reply is sent
         return document
     # msgpack copied every bin out of the body: let the body go now, not after the reply
@@ -183,7 +184,7 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
     metrics.bytes_in.inc(len(body))
 
     def decode() -> list[BatchItem]:
-        items = decode_batch_body(body, REQUEST_LIMITS, max_calls=MAX_BATCH_CALLS)
+        items = decode_batch(body, REQUEST_LIMITS, max_calls=MAX_BATCH_CALLS, min_view_bytes=GROUP_CALL_BYTES + 1)
         return decode_batch_items(items, dataplane, max_elements=settings.max_elements)
 
     items = await off_loop(decode) if len(body) > INLINE_BATCH_BYTES else decode()

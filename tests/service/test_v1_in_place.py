@@ -1,6 +1,7 @@
-"""v1 msgpack bodies read in place (api/v1/msgpack_view.py) against the old decoder, and the buffers they view.
+"""v1 msgpack bodies read in place (``moegrad.wire.decode_body`` with ``min_view_bytes``) against msgpack's own
+decoding, the buffers they view, and replies written in parts (api/v1/parts.py).
 
-The oracle is the decoder before (``moegrad.decode_body`` / ``decode_batch``: every bin copied)
+The oracle is msgpack alone (``decode_body`` / ``decode_batch`` without ``min_view_bytes``: every bin copied)
 and ``msgpack.packb`` (support.msgpack_oracle). What is checked:
 
 - every body of this module and of the fuzz and field tests (tests/service/conftest.py's
@@ -28,7 +29,9 @@ import numpy as np
 import pytest
 
 from moegrad import REQUEST_LIMITS, MoeInitRoutingV2GradCall, decode_batch, decode_body
-from moegrad_service.api.v1.msgpack_view import decode_batch_body, decode_call_body, encode_parts
+from moegrad.wire import VIEW_MIN_BYTES
+from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES
+from moegrad_service.api.v1.parts import encode_parts
 from support.msgpack_oracle import outcome
 from support.servicekit import gauge, grad_x_of, pack, post, random_call
 
@@ -97,8 +100,8 @@ def hostile_bodies() -> list[bytes]:
 @pytest.mark.parametrize("body", hostile_bodies())
 def test_a_hostile_call_body_decodes_as_the_old_decoder_decodes_it(body):
     expected = outcome(decode_body, body, REQUEST_LIMITS)
-    assert outcome(decode_call_body, bytearray(body), REQUEST_LIMITS, min_view_bytes=0) == expected
-    assert outcome(decode_call_body, bytearray(body), REQUEST_LIMITS) == expected
+    assert outcome(decode_body, bytearray(body), REQUEST_LIMITS, min_view_bytes=0) == expected
+    assert outcome(decode_body, bytearray(body), REQUEST_LIMITS, min_view_bytes=VIEW_MIN_BYTES) == expected
 
 
 def batch_bodies() -> list[bytes]:
@@ -115,15 +118,18 @@ def batch_bodies() -> list[bytes]:
 def test_a_hostile_batch_body_decodes_as_the_old_decoder_decodes_it(body):
     for calls in (2, 10_000):
         expected = outcome(decode_batch, body, REQUEST_LIMITS, max_calls=calls)
-        forced = outcome(decode_batch_body, bytearray(body), REQUEST_LIMITS, max_calls=calls, min_view_bytes=0)
+        forced = outcome(decode_batch, bytearray(body), REQUEST_LIMITS, max_calls=calls, min_view_bytes=0)
         assert forced == expected
-        assert outcome(decode_batch_body, bytearray(body), REQUEST_LIMITS, max_calls=calls) == expected
+        own = outcome(decode_batch, bytearray(body), REQUEST_LIMITS, max_calls=calls,
+                      min_view_bytes=GROUP_CALL_BYTES + 1)
+        assert own == expected
 
 
 def test_a_large_tensor_is_a_read_only_view_of_the_body_bitwise_equal_to_the_old_path():
     call = document(n=4096, h=16)  # 512 KiB of grad
     body = bytearray(pack(call))
-    viewed = MoeInitRoutingV2GradCall.from_wire(decode_call_body(body, REQUEST_LIMITS), default_order="sequential")
+    viewed = MoeInitRoutingV2GradCall.from_wire(decode_body(body, REQUEST_LIMITS, min_view_bytes=VIEW_MIN_BYTES),
+                                                default_order="sequential")
     copied = MoeInitRoutingV2GradCall.from_wire(decode_body(bytes(body), REQUEST_LIMITS), default_order="sequential")
     grad = viewed.grad_expanded_x
     assert np.shares_memory(grad, np.frombuffer(body, np.uint8)) and not grad.flags.writeable
@@ -131,13 +137,18 @@ def test_a_large_tensor_is_a_read_only_view_of_the_body_bitwise_equal_to_the_old
     assert viewed.expanded_row_idx.tobytes() == copied.expanded_row_idx.tobytes()
 
 
+def with_views(min_view_bytes, body, limits, **_):
+    """``decode_body`` as the route calls it, with ``min_view_bytes`` of the test's choosing."""
+    return decode_body(body, limits, min_view_bytes=min_view_bytes)
+
+
 @pytest.mark.parametrize("body", [*hostile_bodies()[::3], pack(document(n=4096, h=16))])
 def test_the_endpoint_answers_the_same_status_and_problem_with_the_walk_on_every_body_and_off(serve, monkeypatch,
                                                                                              body):
     answers = []
     with serve() as client:
-        for decode in (functools.partial(decode_call_body, min_view_bytes=0), decode_body):
-            monkeypatch.setattr(routes, "decode_call_body", decode)
+        for views in (0, None):  # every data bin viewed; none
+            monkeypatch.setattr(routes, "decode_body", functools.partial(with_views, views))
             response = post(client, body)
             content = response.json() if response.status_code != 200 else grad_x_of(response).tobytes()
             if isinstance(content, dict):
@@ -158,12 +169,12 @@ def test_a_buffer_viewed_by_an_array_is_not_kept_for_the_next_body_until_the_arr
     holding = [True]
 
     def keeping(body, limits, **kwargs):  # what the route decodes; its grad kept alive here while holding
-        decoded = decode_call_body(body, limits, **kwargs)
+        decoded = decode_body(body, limits, **kwargs)
         if holding[0]:
             views.append(np.frombuffer(decoded["grad_expanded_x"]["data"].view, np.uint8))
         return decoded
 
-    monkeypatch.setattr(routes, "decode_call_body", keeping)
+    monkeypatch.setattr(routes, "decode_body", keeping)
     first, second = document(n=8192, h=64, seed=1), document(n=8192, h=64, seed=2)  # 4 MiB of grad each
     grad_x_bytes = 8192 * 64 * 4  # the result buffer, kept once its reply is sent
     with serve(receive_keep_s=30) as client:
