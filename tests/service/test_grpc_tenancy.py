@@ -205,8 +205,9 @@ def test_grpc_calls_take_their_tokens_turns():
             recorder.release.set()
         for call in calls:
             call.result(60)
-    # alpha's call running and three queued, then beta's: beta's runs in the turn after alpha's next
-    assert recorder.order == [1, 2, 10, 3, 4]
+    # alpha's call running and three queued (its lane had its turn: the old list), then beta's, a
+    # new lane: beta's runs next, then alpha's in order
+    assert recorder.order == [1, 10, 2, 3, 4]
 
 
 def test_an_http_call_and_a_grpc_call_of_one_token_share_its_lane():
@@ -239,5 +240,6 @@ def test_an_http_call_and_a_grpc_call_of_one_token_share_its_lane():
         assert first.result(60) == 200
         assert [call.result(60) for call in queued[::2]] == [200, 200]
         queued[1].result(60)
-    # alpha's lane holds its HTTP call (2) and then its gRPC call (3); beta's call runs between them
-    assert recorder.order == [1, 2, 10, 3]
+    # alpha's lane holds its HTTP call (2) and then its gRPC call (3), behind beta's new lane (10);
+    # had the gRPC call a lane of its own, a new one, it would have run before beta's
+    assert recorder.order == [1, 10, 2, 3]

@@ -2,8 +2,9 @@
 counted, dropped or stopped when its caller goes. Every ordering is checked by the order of events
 (a gated worker, recorded calls), never by a time.
 
-The expected orders are round robin written out by hand: lanes in the order their tenants first
-had work waiting, one item a turn.
+The expected orders are written out by hand from RFC 8290's two lists with a quantum of one item:
+a tenant with no lane gets one in the new list, served before the old; a lane that had its turn goes
+to the back of the old list, even empty; an empty old lane leaves when its turn comes round.
 """
 
 from __future__ import annotations
@@ -40,14 +41,38 @@ def test_the_queue_takes_each_tenant_in_turn():
     assert drain(queue) == ["a1", "b1", "c1", "a2", "a3", "a4"]
 
 
-def test_a_tenant_whose_lane_emptied_joins_at_the_back():
+def test_a_tenant_whose_lane_emptied_keeps_its_turn_behind_new_ones():
     queue = FairQueue()
     queue.put("a1", "A")
     queue.put("b1", "B")
-    assert queue.get() == "a1"  # A's lane is empty: A leaves the ring
-    queue.put("a2", "A")  # ... and joins behind B
+    assert queue.get() == "a1"  # A's lane, empty, goes to the old list
+    queue.put("a2", "A")  # ... where a2 waits, behind B's new lane
     queue.put("b2", "B")
     assert drain(queue) == ["b1", "a2", "b2"]
+
+
+def test_a_new_tenant_goes_ahead_of_a_backlog_once_a_round():
+    queue = FairQueue()
+    for item in ("a1", "a2", "a3", "a4"):
+        queue.put(item, "A")
+    assert queue.get() == "a1"  # A's backlog is in the old list now
+    queue.put("b1", "B")
+    assert queue.get() == "b1"  # B had no lane: new, ahead of A's backlog
+    queue.put("b2", "B")  # B's lane, empty, went to the back of the old list: b2 waits its turn there
+    assert drain(queue) == ["a2", "b2", "a3", "a4"]
+
+
+def test_an_empty_lane_leaves_when_its_turn_comes_round():
+    queue = FairQueue()
+    queue.put("a1", "A")
+    queue.put("b1", "B")
+    queue.put("b2", "B")
+    assert [queue.get(), queue.get()] == ["a1", "b1"]  # both lanes in the old list, A's empty
+    assert queue.tenants() == 1
+    assert queue.get() == "b2"  # A's turn came round empty: A left, B's next is taken
+    queue.put("a2", "A")  # A has no lane: a new one, ahead of B's (empty, old)
+    queue.put("b3", "B")
+    assert drain(queue) == ["a2", "b3"]
 
 
 def test_one_tenant_alone_is_first_in_first_out():
@@ -80,7 +105,7 @@ def call_of(hidden: int):
 
 
 @pytest.mark.asyncio
-async def test_the_pool_runs_a_small_tenant_between_a_floods_calls():
+async def test_the_pool_runs_a_new_tenants_call_before_a_floods_backlog():
     recorder = Recorder()
     pool = StreamPool(ReferenceBackend(warm_up=False, fault_hook=recorder), streams=1, max_queue=8)
     await pool.start()
@@ -97,8 +122,8 @@ async def test_the_pool_runs_a_small_tenant_between_a_floods_calls():
     finally:
         recorder.release.set()
         await pool.close(grace_s=5)
-    # A's call running, A's three queued, then B's: B runs in the turn after A's next one
-    assert recorder.order == [1, 2, 10, 3, 4]
+    # A's call running (its lane had its turn), A's three queued, then B's new lane: B runs next
+    assert recorder.order == [1, 10, 2, 3, 4]
 
 
 @pytest.mark.asyncio
@@ -160,7 +185,7 @@ async def test_judging_takes_the_tenants_in_turn():
     finally:
         release.set()
         await judges.close()
-    assert log == ["a1", "a2", "b1", "a3"]
+    assert log == ["a1", "b1", "a2", "a3"]  # B's new lane before A's backlog
 
 
 @pytest.mark.asyncio

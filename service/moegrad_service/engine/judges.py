@@ -1,4 +1,5 @@
-"""JudgePool: the threads that judge comparisons, behind a queue shared out fairly between tenants.
+"""JudgePool: the threads that judge comparisons and explain candidates, behind a queue shared out
+fairly between tenants.
 
 A comparison runs its call on the :class:`~moegrad_service.engine.StreamPool` (the device), then is
 judged on the host: the float64 golden and three comparisons' statistics (moegrad.compare). That
@@ -11,7 +12,8 @@ gauges, and work whose caller has gone is dropped unrun or stopped::
       └─(caller gone, or deadline passed)─> dropped, never run
 
 The work is ``work(stop)``: a function of a :class:`threading.Event` that it looks at as it goes
-(moegrad.compare's ``stop``) and that is set once its result is no longer wanted.
+(moegrad.compare's and moegrad.explain's ``stop``) and that is set once its result is no longer wanted.
+An explanation (moegrad_service.dataplane.judging) waits and stops the same way.
 """
 
 from __future__ import annotations
