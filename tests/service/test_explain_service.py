@@ -1,5 +1,6 @@
 """``POST /v1/moe_init_routing_v2_grad/explain`` in-process: msgpack and frames bodies, checks before
-the backend runs, the reservation.
+the backend runs, the reservation (docs/operations.md's rules, 413 and 503), and an explanation
+nobody waits for any more (its client hung up, its deadline passed: 504) stopped within its search.
 
 Bodies are packed here by hand (msgpack, and frames by ``support.servicekit.frames_body``, written
 from docs/protocol.md). Transport only: the expected explanation is :func:`moegrad.explain` of the
