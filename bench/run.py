@@ -43,6 +43,8 @@ PRINTED: dict[str, tuple[str, str, list[str], list[str]]] = {
                 ["--repeats", "3"], ["--repeats", "7"]),
     "explain": ("moegrad.explain beside compare and the grad call (targets: 1.5x compare, 15x the grad call)",
                 "bench.explain_speed", ["--repeats", "3"], ["--repeats", "7"]),
+    "reports": ("A compare report's row errors and its HTML page beside the compare", "bench.report_cost",
+                ["--repeats", "1"], ["--repeats", "3"]),
     "explain-service": ("moegrad.explain of a DeepSeek-size call on the service", "bench.explain_service",
                         ["--tokens", "1024", "--repeats", "1"], ["--repeats", "3"]),
     "explain-matrix": ("moegrad.explain on the planted-fault matrix", "bench.explain_matrix",

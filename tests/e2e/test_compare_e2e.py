@@ -233,8 +233,10 @@ def test_cli_json_is_the_report(server_url, tmp_path, capsys, mode, where):
     context = printed.pop("context")  # the command records the call; compare() alone does not
     assert context["top_k"] == 3 and context["shapes"]["candidate"] == list(candidate.shape)
     assert printed.pop("profiles_matching") == list(moegrad.identify(call, candidate).matching)  # the command asks
+    # where the error lives: against the device result the server sent back (the emulation, on this backend)
+    assert printed.pop("row_errors") == moegrad.accuracy.row_errors(call, candidate).to_dict()
     expected = moegrad.compare(call, candidate, standards=["bitwise", "threshold"]).to_dict()
-    assert printed == {k: v for k, v in expected.items() if k not in ("context", "profiles_matching")}
+    assert printed == {k: v for k, v in expected.items() if k not in ("context", "profiles_matching", "row_errors")}
 
 
 @pytest.mark.parametrize("case", ["one_ulp_noise", "scaled_up"])

@@ -23,6 +23,12 @@ standard, with the thresholds per dtype and their sources.
   :func:`with_explanation` (the label counts in the report), :func:`explaining_one`,
   :func:`explaining_batch`, :func:`aexplaining_batch` (a sweep's), :func:`explanation_markdown`,
   :func:`labels_line`;
+- where the error lives: :func:`row_errors`, :func:`with_row_errors` (:class:`RowErrors`,
+  :class:`RowPercentiles`, :class:`NonfiniteRow`; the CSV's :data:`ROW_ERROR_COLUMNS`); which
+  factor makes a sweep's cases fail: :func:`analyse_factors` (:class:`FactorAnalysis`,
+  :class:`Factor`, :func:`fisher_tail`, :data:`FAMILY_ALPHA`) over the :class:`CallTraits` each
+  report context records (:func:`call_traits`); one HTML page: :func:`write_html_report`,
+  :func:`write_html_sweep`;
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
   :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
@@ -90,11 +96,13 @@ from moegrad.accuracy._export import (
     write_csv_report,
     write_json_report,
 )
+from moegrad.accuracy._factors import FAMILY_ALPHA, Factor, FactorAnalysis, analyse_factors, fisher_tail
 from moegrad.accuracy._fused import warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
 from moegrad.accuracy._order_free import ORDER_FREE_LIMITS, order_free_inputs
+from moegrad.accuracy._pages import write_html_report, write_html_sweep
 from moegrad.accuracy._probe import (
     PROBE_LIMITS,
     InconsistentOrder,
@@ -114,11 +122,15 @@ from moegrad.accuracy._report import (
     write_markdown_report,
 )
 from moegrad.accuracy._results import (
+    CallTraits,
     ComparisonReport,
     CriterionResult,
     ExactMatch,
     Metrics,
+    NonfiniteRow,
     ReportContext,
+    RowErrors,
+    RowPercentiles,
     StandardVerdict,
     WorstElement,
     ZeroRowCheck,
@@ -126,22 +138,28 @@ from moegrad.accuracy._results import (
 from moegrad.accuracy._shrink import DEFAULT_MAX_TESTS, NothingToShrink, ShrinkError, ShrinkResult, ShrinkStep, shrink
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
 from moegrad.accuracy._sweep import SWEEP_THREAD, compare_cases, compare_in_process
+from moegrad.accuracy._traits import call_traits
+from moegrad.accuracy._where import PERCENTILES, ROW_ERROR_COLUMNS, row_errors, with_row_errors
 
 __all__ = [
     "CSV_CONTEXT_COLUMNS",
     "DEFAULT_MAX_TESTS",
     "DEFAULT_STANDARDS",
     "DTYPE_LIMITS",
+    "FAMILY_ALPHA",
     "LABELS",
     "MSPROBE_DETAIL_COLUMNS",
     "MSPROBE_STATUS",
     "ORDER_FREE_LIMITS",
+    "PERCENTILES",
     "PLOT_MISSING",
     "PROBE_LIMITS",
+    "ROW_ERROR_COLUMNS",
     "STANDARDS",
     "SUMMARY_COLUMNS",
     "SWEEP_THREAD",
     "THRESHOLDS",
+    "CallTraits",
     "Candidate",
     "CandidateError",
     "CaseResult",
@@ -154,18 +172,23 @@ __all__ = [
     "Evidence",
     "ExactMatch",
     "Explanation",
+    "Factor",
+    "FactorAnalysis",
     "Hypothesis",
     "InconsistentOrder",
     "MergeError",
     "MergedSweep",
     "Metrics",
     "MultiTermOrder",
+    "NonfiniteRow",
     "NothingToShrink",
     "OrderProbe",
     "OrderProbeError",
     "ProfilesDiffer",
     "ReportContext",
+    "RowErrors",
     "RowExplanation",
+    "RowPercentiles",
     "ShrinkError",
     "ShrinkResult",
     "ShrinkStep",
@@ -178,8 +201,10 @@ __all__ = [
     "WorstElement",
     "ZeroRowCheck",
     "aexplaining_batch",
+    "analyse_factors",
     "any_order_bound",
     "as_candidate",
+    "call_traits",
     "check_compare_arguments",
     "check_determinism",
     "check_explain_arguments",
@@ -199,6 +224,7 @@ __all__ = [
     "explanation_markdown",
     "fields_with_order",
     "find_cases",
+    "fisher_tail",
     "format_report",
     "labels_line",
     "load_case",
@@ -213,6 +239,7 @@ __all__ = [
     "rejudge",
     "relative_errors",
     "report_context",
+    "row_errors",
     "save_case",
     "shard_of",
     "shrink",
@@ -223,9 +250,12 @@ __all__ = [
     "with_context",
     "with_explanation",
     "with_profiles",
+    "with_row_errors",
     "worst_first",
     "write_csv_report",
     "write_histogram",
+    "write_html_report",
+    "write_html_sweep",
     "write_json_report",
     "write_markdown_report",
     "write_summary",

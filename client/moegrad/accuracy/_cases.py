@@ -37,6 +37,7 @@ from moegrad.accuracy._case_archive import archive_names, read_arrays, read_case
 from moegrad.accuracy._escape import csv_row, markdown_text
 from moegrad.accuracy._explanation import labels_line
 from moegrad.accuracy._export import MSPROBE_STATUS
+from moegrad.accuracy._factors import analyse_factors
 from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
 
@@ -351,7 +352,9 @@ def write_summary(
         csv_path: the summary CSV (:data:`SUMMARY_COLUMNS`; UTF-8 with a byte-order mark), a
             text cell that a spreadsheet would read as a formula written with a leading ``'``
             (:func:`~moegrad.accuracy._escape.csv_cell`).
-        markdown_path: the same table as markdown, with the counts per status; None: not written.
+        markdown_path: the same table as markdown, with the counts per status, then which
+            conditions separate the failing cases from the passing ones
+            (:func:`~moegrad.accuracy.analyse_factors`); None: not written.
             Every cell is escaped (:func:`~moegrad.accuracy._escape.markdown_text`): a case's name
             or message never ends its cell or row.
 
@@ -388,5 +391,6 @@ def write_summary(
             )
             shown = [markdown_text(cell) or "-" for cell in cells] + [markdown_text(row["Message"])]
             lines.append("| " + " | ".join(shown) + " |")
+        lines += ["", *analyse_factors(ordered).markdown()]  # which factor makes cases fail
         Path(markdown_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return ordered

@@ -428,7 +428,8 @@ def rejudge(
     """Judge a report's stored metrics again (a report read back from JSON, or with other standards).
 
     The verdicts are a pure function of the three comparisons and the zero rows, so a saved report
-    reproduces its verdict without the tensors (its context, profiles_matching and explained are kept).
+    reproduces its verdict without the tensors (its context, profiles_matching, explained and row_errors
+    are kept).
 
     Args:
         report: a :class:`ComparisonReport` (for example :func:`read_json_report`'s).
@@ -461,7 +462,7 @@ def rejudge(
         report.context,
         report.profiles_matching,
     )
-    return judged if report.explained is None else dataclasses.replace(judged, explained=report.explained)
+    return dataclasses.replace(judged, explained=report.explained, row_errors=report.row_errors)
 
 
 def summand_magnitude(call: MoeInitRoutingV2GradCall) -> np.ndarray:

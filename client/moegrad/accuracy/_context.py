@@ -13,6 +13,7 @@ import numpy as np
 from moegrad._dtypes import dtype_name
 from moegrad._version import __version__
 from moegrad.accuracy._results import ComparisonReport, ReportContext
+from moegrad.accuracy._traits import call_traits
 from moegrad.numerics._identify import profiles_matching
 from moegrad.operator._call import ORDERS, MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import resolve_profile
@@ -59,7 +60,8 @@ def report_context(
         created: ISO 8601 time; default now, in UTC.
 
     Returns:
-        A :class:`ReportContext` (attach it with :func:`with_context`).
+        A :class:`ReportContext` (attach it with :func:`with_context`), with the call's
+        :class:`~moegrad.accuracy.CallTraits` (a sweep's factor analysis reads them).
     """
     tensors = {
         "grad_expanded_x": call.grad_expanded_x,
@@ -83,6 +85,7 @@ def report_context(
         server_url=server_url,
         case=case,
         created=created or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        traits=call_traits(call),
     )
 
 

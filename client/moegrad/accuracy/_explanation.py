@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from moegrad.accuracy._results import Bool, Int, Str, WireFloat, _Serializable
+from moegrad.accuracy._results import Bool, Int, SlotTable, Str, WireFloat, _Serializable
 
 __all__ = [
     "LABELS",
@@ -48,28 +48,6 @@ LABELS: tuple[str, ...] = (
 SUMMAND_FAULTS: tuple[str, ...] = ("missing", "duplicated", "replaced", "extra")
 #: How many of a row's differing elements :attr:`ElementTable` lists (the worst), at most.
 WORST_ELEMENTS = 8
-
-
-@dataclass(frozen=True, slots=True)
-class SlotTable(_Serializable):
-    """A row's K slots, one list per field, in slot order (t = 0..K-1).
-
-    Attributes:
-        t: the slot position, 0..K-1.
-        index: ``expanded_row_idx[i*K + t]``.
-        row: the row of grad_expanded_x (flat [rows, H]; drop/pad: ``e*C + c``) it reads, or None
-            when the slot is skipped.
-        skipped: whether the device skips the slot (docs/semantics.md section 2).
-        expert: drop/pad mode: ``index // C`` (None for a skipped slot and in the other modes).
-        capacity_row: drop/pad mode: ``index % C``, the slot's row within its expert's capacity.
-    """
-
-    t: tuple[Int, ...]
-    index: tuple[Int, ...]
-    row: tuple[Int | None, ...]
-    skipped: tuple[Bool, ...]
-    expert: tuple[Int | None, ...]
-    capacity_row: tuple[Int | None, ...]
 
 
 @dataclass(frozen=True, slots=True)

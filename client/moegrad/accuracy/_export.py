@@ -3,8 +3,9 @@
 JSON is ``report.to_dict()`` (read back with :func:`read_json_report`). CSV uses the column names of
 msprobe's accuracy-checking details table (docs/accuracy.md, "CSV columns"), then moegrad's own,
 then the call and its inputs' SHA-256 (:data:`CSV_CONTEXT_COLUMNS`, from the report's
-:class:`~moegrad.accuracy.ReportContext`). The terminal, markdown and plot renderings are
-:mod:`moegrad.accuracy._report`'s.
+:class:`~moegrad.accuracy.ReportContext`), then where the error lives and the label counts
+(:data:`~moegrad.accuracy.ROW_ERROR_COLUMNS`, :mod:`moegrad.accuracy._where`). The terminal,
+markdown and plot renderings are :mod:`moegrad.accuracy._report`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from moegrad.accuracy._escape import csv_row
 from moegrad.accuracy._results import ComparisonReport
 from moegrad.accuracy._standards import SEVERITY
+from moegrad.accuracy._where import ROW_ERROR_COLUMNS, row_error_cells
 
 __all__ = [
     "CSV_CONTEXT_COLUMNS",
@@ -110,7 +112,8 @@ def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
     float32 (msprobe counts errors above 32 ULP there, moegrad above 1).
 
     Returns:
-        Two dicts keyed by :data:`MSPROBE_DETAIL_COLUMNS` and moegrad's columns.
+        Two dicts keyed by :data:`MSPROBE_DETAIL_COLUMNS`, moegrad's columns, the call's and, last,
+        the row errors' and label counts' (:data:`~moegrad.accuracy.ROW_ERROR_COLUMNS`: empty without them).
     """
     context = report.context
     name = context.case if context is not None and context.case else "aclnnMoeInitRoutingV2Grad"
@@ -173,6 +176,7 @@ def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
                 "standards": "+".join(v.standard for v in report.verdicts),
                 "profiles_matching": profiles if is_candidate else "",
                 **call,
+                **row_error_cells(report, role),
             }
         )
     return rows
@@ -186,7 +190,13 @@ def write_csv_report(path: str | os.PathLike[str], report: ComparisonReport) -> 
         OSError: the file cannot be written.
     """
     with open(os.fspath(path), "w", encoding="utf-8-sig", newline="") as file:
-        columns = [*MSPROBE_DETAIL_COLUMNS, *_MOEGRAD_COLUMNS, "profiles_matching", *CSV_CONTEXT_COLUMNS]
+        columns = [
+            *MSPROBE_DETAIL_COLUMNS,
+            *_MOEGRAD_COLUMNS,
+            "profiles_matching",
+            *CSV_CONTEXT_COLUMNS,
+            *ROW_ERROR_COLUMNS,
+        ]
         writer = csv.DictWriter(file, fieldnames=columns)
         writer.writeheader()
         writer.writerows(map(csv_row, csv_rows(report)))

@@ -31,6 +31,7 @@ from moegrad.accuracy._compare import summand_magnitude
 from moegrad.accuracy._escape import console_text, markdown_text
 from moegrad.accuracy._results import ComparisonReport, CriterionResult, Metrics, ReportContext
 from moegrad.accuracy._standards import DTYPE_LIMITS, THRESHOLDS
+from moegrad.accuracy._where import row_error_lines, row_error_table
 from moegrad.numerics._reference import moe_init_routing_v2_grad_golden
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 
@@ -122,11 +123,13 @@ def _sections(report: ComparisonReport) -> list[_Table]:
     tables: list[_Table] = []
     if report.context is not None:
         tables.append(("call", ("field", "value"), _context_rows(report.context)))
+    spread = row_error_table(report)
     return [
         *tables,
         ("standards", ("standard", "status", "device", "deciding numbers (device's own figure beside)"), standards),
         ("metrics", ("metric", *_COMPARISONS), metrics),
         ("worst elements", ("comparison", "row", "column", "actual", "expected", "golden", "abs error"), worst),
+        *([] if spread is None else [spread]),
     ]
 
 
@@ -217,7 +220,7 @@ def format_report(report: ComparisonReport, *, source: str | None = None) -> str
     lines = [console_text(line) for line in _summary(report, source)]
     for title, headers, rows in _sections(report):
         lines += ["", f"{title}:", *_text_table(headers, rows)]
-    lines += ["", _zero_rows_line(report)]
+    lines += ["", *(console_text(line) for line in row_error_lines(report)), _zero_rows_line(report)]
     return "\n".join(lines) + "\n"
 
 
@@ -247,6 +250,7 @@ def markdown_report(
     for title, headers, rows in _sections(report):
         lines += ["", f"## {title.capitalize()}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(_md_cell(cell) for cell in row) + " |" for row in rows]
+    lines += ["", *(f"- {markdown_text(line)}" for line in row_error_lines(report))]
     lines += ["", "## Zero rows", "", _zero_rows_line(report), "", "## Relative errors of the candidate", ""]
     if histogram is not None:
         lines.append(f"![relative errors of the candidate against the float64 golden]({urllib.parse.quote(histogram)})")

@@ -22,11 +22,16 @@ from pydantic import BeforeValidator, PlainSerializer, Strict, TypeAdapter
 from moegrad.accuracy._standards import Op, Status
 
 __all__ = [
+    "CallTraits",
     "ComparisonReport",
     "CriterionResult",
     "ExactMatch",
     "Metrics",
+    "NonfiniteRow",
     "ReportContext",
+    "RowErrors",
+    "RowPercentiles",
+    "SlotTable",
     "StandardVerdict",
     "WorstElement",
     "ZeroRowCheck",
@@ -281,6 +286,138 @@ class ExactMatch(_Serializable):
     required: Bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class SlotTable(_Serializable):
+    """A row's K slots, one list per field, in slot order (t = 0..K-1).
+
+    Attributes:
+        t: the slot position, 0..K-1.
+        index: ``expanded_row_idx[i*K + t]``.
+        row: the row of grad_expanded_x (flat [rows, H]; drop/pad: ``e*C + c``) it reads, or None
+            when the slot is skipped.
+        skipped: whether the device skips the slot (docs/semantics.md section 2).
+        expert: drop/pad mode: ``index // C`` (None for a skipped slot and in the other modes).
+        capacity_row: drop/pad mode: ``index % C``, the slot's row within its expert's capacity.
+    """
+
+    t: tuple[Int, ...]
+    index: tuple[Int, ...]
+    row: tuple[Int | None, ...]
+    skipped: tuple[Bool, ...]
+    expert: tuple[Int | None, ...]
+    capacity_row: tuple[Int | None, ...]
+
+
+@dataclass(frozen=True)
+class RowPercentiles(_Serializable):
+    """One figure over the rows of grad_x, each row's figure the largest over its elements.
+
+    Attributes:
+        rows: the rows where the figure is defined (a finite element; for a relative error, a
+            finite element whose scale is at least ``small_value``).
+        p50, p90, p99, max: nearest-rank percentiles over those rows: the value of rank
+            ``ceil(p * rows / 100)`` in ascending order (a row's own figure, never an interpolation);
+            NaN when ``rows`` is 0.
+        max_row: the lowest row with the largest figure; None when ``rows`` is 0.
+    """
+
+    rows: Int
+    p50: WireFloat
+    p90: WireFloat
+    p99: WireFloat
+    max: WireFloat
+    max_row: Int | None
+
+
+@dataclass(frozen=True)
+class NonfiniteRow(_Serializable):
+    """The first row of the candidate that holds a NaN or an Inf, and where it came from.
+
+    Attributes:
+        row: the token index i.
+        count: the row's NaN/Inf elements in the candidate.
+        columns: the first 8 of those columns.
+        device_count, golden_count: the same row's NaN/Inf elements in the device's result and in
+            the float64 golden (an input that carries a NaN/Inf gives them to every implementation).
+        slots: the row's K slots (:class:`SlotTable`): index, the row read, skipped or not.
+        carriers: the slots t (not skipped) whose row of grad_expanded_x holds a NaN/Inf in a column
+            where the candidate has one; empty when no input carries it.
+    """
+
+    row: Int
+    count: Int
+    columns: tuple[Int, ...]
+    device_count: Int
+    golden_count: Int
+    slots: SlotTable
+    carriers: tuple[Int, ...]
+
+
+@dataclass(frozen=True)
+class RowErrors(_Serializable):
+    """Where the error lives: the candidate's error row by row, beside the device's (docs/accuracy.md,
+    "Where the error lives"; :func:`~moegrad.accuracy.with_row_errors`).
+
+    Attributes:
+        rows: N, the rows of grad_x.
+        differing: rows whose values differ from the device's somewhere (the sign of zero
+            included; any NaN matches any NaN).
+        failing, device_failing: rows with an element past an element's limit (a NaN/Inf unlike
+            the golden's, a relative error at or above the ``threshold`` standard's maximum, an
+            error past the ``accumulative`` bound, or a value other than +0.0 in a row that must
+            be +0.0): the candidate's, the device's.
+        outside_bound: rows of the candidate with a finite element farther from the golden than
+            any order of float32 adds can land (:func:`~moegrad.any_order_bound`): not rounding.
+        nonfinite, device_nonfinite: rows holding a NaN or an Inf: the candidate's, the device's.
+        relative_error, device_relative_error: each row's largest relative error (against the
+            summands' magnitude, elements at or above ``small_value``), over the rows.
+        ulp_error, device_ulp_error: each row's largest ``|value - golden|`` in ULPs of the golden in
+            the value's dtype, over the rows.
+        first_nonfinite: :class:`NonfiniteRow` of the lowest candidate row holding a NaN/Inf, or None.
+    """
+
+    rows: Int
+    differing: Int
+    failing: Int
+    device_failing: Int
+    outside_bound: Int
+    nonfinite: Int
+    device_nonfinite: Int
+    relative_error: RowPercentiles
+    device_relative_error: RowPercentiles
+    ulp_error: RowPercentiles
+    device_ulp_error: RowPercentiles
+    first_nonfinite: NonfiniteRow | None
+
+
+@dataclass(frozen=True)
+class CallTraits(_Serializable):
+    """The conditions of a call that a sweep's factor analysis splits its cases by
+    (docs/accuracy.md, "Which factor makes cases fail").
+
+    Attributes:
+        tokens, hidden: N and H.
+        mode: ``"dropless"``, ``"active"`` (active_num > 0) or ``"drop_pad"`` (drop_pad_mode 1).
+        skipped_slots: slots the device skips (-1 in drop/pad mode, an index >= active_num, an
+            index past the rows on a profile that skips it).
+        repeated_slots: slots (not skipped) whose index another slot of the call reads too.
+        active_edge: active mode with active_num at an end of its range: 1, or N*K (no slot skipped).
+        capacity_edge: drop/pad mode with an expert filled to its capacity: a slot reads capacity
+            row C - 1.
+        experts, capacity: drop/pad mode: E and C; None in the other modes.
+    """
+
+    tokens: Int
+    hidden: Int
+    mode: Str
+    skipped_slots: Int
+    repeated_slots: Int
+    active_edge: Bool
+    capacity_edge: Bool
+    experts: Int | None = None
+    capacity: Int | None = None
+
+
 @dataclass(frozen=True)
 class ReportContext(_Serializable):
     """What a saved report needs to be reproduced: the call, its inputs' digests, who answered, when.
@@ -301,6 +438,8 @@ class ReportContext(_Serializable):
         server_url: the service's URL, or None in-process.
         created: the time the report was made, ISO 8601 in UTC.
         case: the case's name (a bulk run's file stem), or None.
+        traits: the call's conditions a sweep's factor analysis reads (:class:`CallTraits`), or None
+            in a report written before they were recorded.
     """
 
     operator: Str
@@ -318,6 +457,7 @@ class ReportContext(_Serializable):
     server_url: Str | None
     created: Str
     case: Str | None = None
+    traits: CallTraits | None = None
 
 
 @dataclass(frozen=True)
@@ -343,6 +483,8 @@ class ComparisonReport(_Serializable):
         explained: when the candidate was explained (:func:`moegrad.explain`; ``moegrad compare
             --explain``): every label of :data:`~moegrad.accuracy.LABELS` -> the rows that got it
             (all 0 when every row is bit-identical to the device's); None otherwise.
+        row_errors: where the error lives, row by row (:class:`RowErrors`), when asked for
+            (:func:`~moegrad.accuracy.with_row_errors`; ``moegrad compare`` asks); None otherwise.
     """
 
     dtype: Str
@@ -359,6 +501,7 @@ class ComparisonReport(_Serializable):
     context: ReportContext | None = None
     profiles_matching: tuple[Str, ...] | None = None
     explained: dict[Str, Int] | None = None
+    row_errors: RowErrors | None = None
 
     @property
     def passed(self) -> bool:

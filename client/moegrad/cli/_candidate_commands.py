@@ -246,6 +246,7 @@ _NOT_WITH_ORDER_FREE = (
     ("--report", "report"),
     ("--report-json", "report_json"),
     ("--report-csv", "report_csv"),
+    ("--html", "html"),
     ("--allow-duplicate-indices", "allow_duplicate_indices"),
 )
 

@@ -43,12 +43,14 @@ from moegrad.accuracy import (
     with_context,
     with_explanation,
     with_profiles,
+    with_row_errors,
     write_csv_report,
     write_json_report,
     write_markdown_report,
 )
 from moegrad.cli._candidate_commands import run_determinism, run_order_free, run_probe_order, run_shrink
 from moegrad.cli._explain import cmd_explain, explain_compared, explanation_text, write_explanation
+from moegrad.cli._html import check_html, write_case_page, write_sweep_page
 from moegrad.cli._inputs import (
     TENSOR_FIELDS,
     call_fields,
@@ -164,8 +166,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.order_free or args.candidate_url:  # the candidate's code on order-free inputs, in-process
         return run_order_free(args)
     _refuse_sweep_flags_out_of_place(args)
+    check_html(args)
     if args.merge:
-        return run_merge(args)
+        return run_merge(args, on_results=write_sweep_page(args))
     if args.cases:
         return _cmd_compare_cases(args)
     missing = [
@@ -182,14 +185,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"compare needs {', '.join(missing)} (or --cases DIR)")
     fields = call_fields(args)
     candidate = read_npy(args.candidate, "--candidate")
+    args.explain = args.explain or bool(args.html)  # the page shows the labels
     report, call, source, device_result = _judged(args, fields, candidate)
     explanation = explain_compared(call, candidate, device_result) if args.explain else None
     if explanation is not None:
         report = with_explanation(report, explanation)
+    report = with_row_errors(report, call, candidate, device_result=device_result)  # where the error lives
     if args.profiles:
         report = with_profiles(report, call, candidate)
     paths = (args.report, args.report_json, args.report_csv)
     png = _write_reports(*paths, report, call, candidate, source, device_result, explanation)
+    if args.html:
+        write_case_page(args.html, report, call, candidate, device_result, explanation)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
     else:
@@ -199,6 +206,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if args.report:
             drawn = f" and {png}" if png is not None else f" (histogram skipped: {PLOT_MISSING})"
             print(f"\nwrote {args.report}{drawn}")
+        if args.html:
+            print(f"wrote {args.html}")
     return EXIT_OK if report.passed else EXIT_MISMATCH
 
 
@@ -207,7 +216,7 @@ def _judged(
 ) -> tuple[ComparisonReport, MoeInitRoutingV2GradCall, str, np.ndarray | None]:
     """One call's comparison, in-process or on the service: the report with its context, the call
     on the profile that judged it, where the device result came from, and the service's device
-    result (asked for when a markdown report or an explanation needs it; None in-process)."""
+    result (for the report's row errors, the markdown's plot and the explanation; None in-process)."""
     if args.local:
         call = MoeInitRoutingV2GradCall(**fields)
         report: ComparisonReport = compare(call, candidate, standards=args.standards, require_exact=args.require_exact)
@@ -223,7 +232,7 @@ def _judged(
             candidate=candidate,
             standards=args.standards,
             require_exact=args.require_exact,
-            return_grad_x=bool(args.report) or args.explain,
+            return_grad_x=True,  # the report's row errors, the markdown's plot and the explanation read it
         )
     call = context_call(fields, result.order)  # the Client checked it already, on the profile that answered
     context = report_context(
@@ -299,11 +308,13 @@ def _cmd_compare_cases(args: argparse.Namespace) -> int:
         base = os.path.join(args.reports, result.name)
         device = moe_init_routing_v2_grad(call) if args.local else None
         explanation = explain_case(result.report, fields, candidate)[1] if args.explain else None
+        report = with_row_errors(result.report, call, candidate, device_result=device)
         paths = (base + ".md", base + ".json", base + ".csv")
-        _write_reports(*paths, result.report, call, candidate, None, device, explanation)
+        _write_reports(*paths, report, call, candidate, None, device, explanation)
 
     where = "in-process emulation" if args.local else ", ".join(args.url)
-    return run_cases(args, open_client=lambda: open_client(args), on_result=save, where=where)
+    pages = write_sweep_page(args)
+    return run_cases(args, open_client=lambda: open_client(args), on_result=save, where=where, on_results=pages)
 
 
 def _format(array: np.ndarray) -> str:

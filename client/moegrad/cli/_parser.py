@@ -533,6 +533,15 @@ def _add_comparison_options(comparison: argparse.ArgumentParser) -> None:
         help="also write the report as CSV to PATH (msprobe's accuracy-checking column names)",
     )
     choose.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write one self-contained HTML page to FILE (no script, nothing fetched; plots need "
+        "matplotlib, extra 'plot'): where the error lives, an error map, the error by slot, the label "
+        "counts, the worst rows with their slots (one call: explained, as --explain). With --cases or "
+        "--merge: which factor makes cases fail, every case worst first, each of the 100 worst that "
+        "differ linking to its section",
+    )
+    choose.add_argument(
         "--local",
         action="store_true",
         help="compare in-process with the NumPy emulation of the device; no server (--url is ignored)",

@@ -54,6 +54,7 @@ from moegrad.accuracy import (
     SweepFileBusy,
     SweepFileError,
     SweepHeader,
+    analyse_factors,
     compare_cases,
     compare_in_process,
     console_text,
@@ -158,6 +159,9 @@ def _print_results(
         raise UsageError(f"cannot write --summary {prefix}: {exc}") from None
     counts = statuses(ordered)
     print(f"{len(ordered)} cases against {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    factors = analyse_factors(ordered)  # which conditions separate the failing cases from the passing ones
+    if factors.failing and factors.passing:
+        print("\n".join(console_text(line) for line in factors.lines()))
     unreachable = {id(r) for r in ordered if r.status == "error" and (r.error or "").startswith(_UNREACHABLE)}
     for result in ordered:
         if result.status in ("pass", "warning") and not verbose:
@@ -190,8 +194,10 @@ def run_cases(
     open_client: Callable[[], Client],
     on_result: Callable[[CaseResult], None] | None,
     where: str,
+    on_results: Callable[[Sequence[CaseResult]], None] | None = None,
 ) -> int:
-    """``compare --cases DIR`` (with ``--shard``, ``--output``, ``--max-concurrency``): judge, write, report.
+    """``compare --cases DIR`` (with ``--shard``, ``--output``, ``--max-concurrency``): judge, write, report;
+    ``on_results`` is called with every case's result (``--html``) once the summary is written.
 
     Raises:
         UsageError: a folder or file that cannot be read or written, FILE written for another sweep.
@@ -230,7 +236,10 @@ def run_cases(
             if ledger is not None:
                 ledger.close()
         try:
-            return _report(args, results, ledger, len(files), prefix, where)
+            status = _report(args, results, ledger, len(files), prefix, where)
+            if on_results is not None:
+                on_results(results)
+            return status
         except (KeyboardInterrupt, _Terminated) as exc:  # every case is judged (and written): only the summary is left
             kept = f"; every case is written to {args.output}" if ledger else ""
             print(f"\nmoegrad: interrupted while reporting{kept}; run again to report", file=sys.stderr)
@@ -329,8 +338,9 @@ def _judge(
     return results
 
 
-def run_merge(args: argparse.Namespace) -> int:
-    """``compare --merge PATH...`` (with ``--cases DIR`` to check coverage): one summary of a sweep's shards.
+def run_merge(args: argparse.Namespace, on_results: Callable[[Sequence[CaseResult]], None] | None = None) -> int:
+    """``compare --merge PATH...`` (with ``--cases DIR`` to check coverage): one summary of a sweep's
+    shards; ``on_results`` is called with the merged results (``--html``) once it is written.
 
     Raises:
         UsageError: files that do not make one sweep, or that cannot be read; a summary that cannot be written.
@@ -352,4 +362,6 @@ def run_merge(args: argparse.Namespace) -> int:
     for what in merged.missing:
         print(f"moegrad: missing: {what}", file=sys.stderr)
     print(f"wrote {prefix}.csv and {prefix}.md")
+    if on_results is not None:
+        on_results(merged.results)
     return sweep_status(merged.results, missing=bool(merged.missing))
