@@ -18,7 +18,12 @@ moegrad it ran. The attacks, at the size of the original finding:
   and 60 bytes of body);
 - ``zip-bomb`` / ``sparse``: ``moegrad compare --local --cases DIR`` (the sweep, in the child) over
   one case file whose ``candidate`` member is not an .npy array and inflates to ``--bomb-gib`` GiB
-  of zeros (about a thousandth of that on disk), or one extended to ``--sparse-gib`` GiB by a hole.
+  of zeros (about a thousandth of that on disk), or one extended to ``--sparse-gib`` GiB by a hole;
+- ``names``: the same sweep (``--summary``, ``--verbose``) over cases named as spreadsheet formulas
+  (``=``, ``+``, ``-``, ``@`` first), a name holding a newline and a markdown row saying "pass", and
+  one of terminal escapes that erase the line above: the outcome counts the summary CSV's name
+  cells a spreadsheet reads as formulas, the summary markdown's table rows beyond one per case, and
+  the escape bytes the console was sent.
 """
 
 from __future__ import annotations
@@ -122,11 +127,36 @@ def sparse_case(folder: Path, gib: float) -> None:
     os.truncate(folder / "sparse.npz", int(gib * GIB))
 
 
+#: Case names that are spreadsheet formulas, forge a markdown row, or erase a console line.
+HOSTILE_NAMES = ['=HYPERLINK("x","pass")', "+SUM(1,1)", "-2+3", "@SUM(A1)", "quiet\n| all_good | pass |",
+                 "\x1b[2K\x1b[1Aall cases pass"]
+
+
+def names_case(folder: Path, gib: float) -> None:
+    """One good case file under each of HOSTILE_NAMES (``gib`` unused)."""
+    for name in HOSTILE_NAMES:
+        np.savez(folder / f"{name}.npz", **_case_members())
+
+
 #: case attack -> (its description with the size, the builder of its folder).
 CASE_ATTACKS = {
     "zip-bomb": ("a .npz whose non-.npy member inflates to {gib} GiB, swept", zip_bomb_case),
     "sparse": ("a {gib} GiB sparse .npz, swept", sparse_case),
+    "names": ("6 cases named as formulas, a forged markdown row, terminal escapes, swept", names_case),
 }
+
+
+def _inert(folder: str, console: str) -> str:
+    """What the sweep's outputs let through of HOSTILE_NAMES: formula cells, forged rows, escape bytes."""
+    import csv
+
+    with open(f"{folder}/s.csv", encoding="utf-8-sig", newline="") as file:
+        rows = list(csv.DictReader(file))
+    formulas = sum(1 for row in rows for key in ("API Name", "file") if (row.get(key) or "")[:1] in "=+-@\t\r"
+                   and row.get(key))
+    table = [line for line in Path(f"{folder}/s.md").read_text().splitlines() if line.startswith("|")]
+    forged = len(table) - 2 - len(HOSTILE_NAMES)
+    return f"formula cells {formulas}, forged markdown rows {forged}, escape bytes on the console {console.count(chr(27))}"
 
 
 def cases_child(folder: str) -> None:
@@ -138,11 +168,17 @@ def cases_child(folder: str) -> None:
     except ImportError:  # a checkout from before the client's wings (--client): its CLI is moegrad._cli
         main = importlib.import_module("moegrad._cli").main
 
+    import contextlib
+
+    named = (Path(folder) / f"{HOSTILE_NAMES[0]}.npz").exists()
+    console = io.StringIO()
     before = _memory()["VmRSS"]
     began = time.monotonic()
     try:
-        status = main(["compare", "--local", "--cases", folder, "--no-progress", "--summary", f"{folder}/s"])
-        outcome = f"exit {status}"
+        with contextlib.redirect_stdout(console):
+            status = main(["compare", "--local", "--cases", folder, "--no-progress", "--summary", f"{folder}/s",
+                           *(["--verbose"] if named else [])])
+        outcome = f"exit {status}" + (f": {_inert(folder, console.getvalue())}" if named else "")
     except BaseException as exc:  # what the sweep ends with is the measurement
         outcome = f"{type(exc).__name__}: {str(exc)[:90]}"
     took = time.monotonic() - began
@@ -210,7 +246,7 @@ def _child(arguments: list[str], client_dir: str | None) -> dict[str, object]:
 def run(name: str, client_dir: str | None, sizes: dict[str, float]) -> dict[str, object]:
     if name in CASE_ATTACKS:
         description, build = CASE_ATTACKS[name]
-        gib = sizes[name]
+        gib = sizes.get(name, 0.0)
         with tempfile.TemporaryDirectory() as folder:
             build(Path(folder), gib)
             return {

@@ -10,8 +10,9 @@ element (no correct float32 sum rounds so: every row is searched for a wrong sum
 ``unexplained``, the most work and memory a row can take). For each, after a
 warm-up on a small call: the wall time of ``Client.explain`` and ``Client.compare`` of the same
 inputs, side by side, the server's timings, and the server's peak RSS growth (VmHWM, reset just
-before the call) against what the request reserves (its body twice and
-``moegrad.explain_peak_bytes(call, device_result=True, reply=True)``). Prints Markdown; the exit
+before the call) against what the request reserves (docs/operations.md, "Memory a request holds":
+its body, the device's grad_x and ``moegrad.explain_peak_bytes(call, device_result=True,
+reply=True)``). Prints Markdown; the exit
 status is 1 when a peak is over its reservation. ``--write`` puts it into bench/RESULTS.md
 (section ``explain-service``).
 
@@ -94,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         client.explain(**_arguments(small), candidate=moegrad.moe_init_routing_v2_grad(small))  # warm
         for name, candidate in made.items():
             measured = _measure(server, client, call, candidate, args.repeats)
-            reserved = 2 * _body_bytes(call, candidate) + moegrad.explain_peak_bytes(call, device_result=True,
-                                                                                      reply=True)
+            grad_x = call.num_tokens * call.hidden_size * call.grad_expanded_x.dtype.itemsize
+            reserved = _body_bytes(call, candidate) + grad_x + moegrad.explain_peak_bytes(
+                call, device_result=True, reply=True)
             within = measured["peak"] <= reserved
             within_all &= within
             result = measured["result"]

@@ -7,8 +7,8 @@ Sections, in this order (each one is skipped with a note when its module is not 
    module writes its ``service`` and ``memory`` sections;
 3. soak    -- ``bench.soak.main(duration_s=...)``: 60 s in full mode, shortened in quick mode;
 4. the stand-alone benchmarks of :data:`PRINTED` (the torch op, the orders' differences, gRPC
-   beside HTTP, the attacks, the gRPC attacks, the order probe, the shrinker), each run as ``python -m <module>`` whose printed tables become its
-   section, with the command and the machine.
+   beside HTTP, the attacks, the gRPC attacks, the tenants, the order probe, the shrinker), each run as
+   ``python -m <module>`` whose printed tables become its section, with the command and the machine.
 
 Quick mode (the default) is sized to finish in under 5 minutes on the 2-core machine, the kernel
 section included, as long as the PyTriton peer's venv exists (bench/_out/pytriton-venv, built once;
@@ -59,6 +59,8 @@ PRINTED: dict[str, tuple[str, str, list[str], list[str]]] = {
     "grpc": ("gRPC beside HTTP (tritonclient)", "bench.grpc_bench", ["--quick"], []),
     "attack": ("Attacks: what each costs the server now", "bench.attack", ["--quick"], []),
     "grpc_attack": ("gRPC attacks: admission before a message is read", "bench.grpc_attack", ["--quick"], []),
+    "tenancy": ("Tenants: memory per worst shape, stalled uploads, abandoned comparisons, a small call under a flood",
+                "bench.tenancy", ["--quick"], []),
 }
 
 

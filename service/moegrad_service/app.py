@@ -58,11 +58,12 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
     The lifespan opens the backend and a :class:`StreamPool` of ``settings.streams`` workers,
     builds the service's :class:`~moegrad_service.memory.Memory` (the in-flight budget of
     ``max_inflight_bytes``, the receive buffers kept ``receive_keep_s``, the heap trimmer) and the
-    :class:`DataPlane` over both, starts compiling the accuracy comparison in the background
-    (:func:`moegrad.accuracy.warm_up_compare`, unless ``settings.warm_up`` or the backend's
-    ``warm_up`` is False) so that the first comparison does not, yields them as request state
-    (``settings``, ``dataplane``, ``metrics``) and, on shutdown, stops admitting, lets admitted
-    calls finish (``shutdown_grace_s``) and closes the backend.
+    :class:`DataPlane` over both (with its judges: ``judge_workers`` threads), starts compiling the
+    accuracy comparison in the background (:func:`moegrad.accuracy.warm_up_compare`, unless
+    ``settings.warm_up`` or the backend's ``warm_up`` is False) so that the first comparison does
+    not, yields them as request state (``settings``, ``dataplane``, ``metrics``) and, on shutdown,
+    stops admitting, lets admitted calls finish (``shutdown_grace_s``), closes the backend and
+    stops the judges.
     ``app.state.drain()`` stops admitting at once (new calls get 503, readiness turns 503) while
     admitted calls finish; ``moegrad-service serve`` calls it when SIGTERM arrives. With
     ``settings.grpc_port`` set, the lifespan also serves protocol v2 over gRPC on the same dataplane
@@ -105,7 +106,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
                 raise
             app.state.grpc_port = grpc_server.port
         app.state.drain = partial(_drain, pool, grpc_server)  # called on SIGTERM, before uvicorn stops serving
-        metrics.bind(lambda: pool.queue_depth, lambda: pool.in_flight)
+        metrics.bind(lambda: dataplane.queue_depth, lambda: dataplane.in_flight)
         metrics.bind_memory(lambda: memory.budget.held_bytes, lambda: memory.buffers.kept_bytes)
         log.info(
             "moegrad %s ready: backend=%s device=%s profile=%s streams=%d",
@@ -122,6 +123,7 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
             if grpc_server is not None:  # gRPC calls in flight finish on the pool before it closes
                 await grpc_server.stop(grace_s=settings.shutdown_grace_s)
             await pool.close(grace_s=settings.shutdown_grace_s)
+            await dataplane.close()
             log.info("moegrad stopped")
 
     app = FastAPI(

@@ -51,8 +51,16 @@ class Metrics:
         )
         self.bytes_in = Counter("moegrad_inference_request_bytes", "Request body bytes read.", registry=r)
         self.bytes_out = Counter("moegrad_inference_response_bytes", "Response body bytes sent.", registry=r)
-        self.pending = Gauge("moegrad_inference_pending_request_count", "Calls queued for a worker.", registry=r)
-        self.in_flight = Gauge("moegrad_inference_exec_count", "Calls running on a worker now.", registry=r)
+        self.pending = Gauge(
+            "moegrad_inference_pending_request_count",
+            "Work admitted and waiting: calls queued for a worker, comparisons and explanations queued for a judge.",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "moegrad_inference_exec_count",
+            "Work running now: calls on a worker, comparisons being judged, explanations being worked out.",
+            registry=r,
+        )
         self.held_bytes = Gauge(
             "moegrad_inflight_bytes",
             "Bytes of the in-flight budget (max_inflight_bytes) held now: admitted requests and kept receive buffers.",
@@ -73,7 +81,7 @@ class Metrics:
         self.request_duration.labels(endpoint=endpoint).observe(time.perf_counter() - started)
 
     def bind(self, queue_depth: Callable[[], float], in_flight: Callable[[], float]) -> None:
-        """Read the pool's two gauges from the live pool at scrape time."""
+        """Read the two queue gauges from the live dataplane (its pool and its judges) at scrape time."""
         self.pending.set_function(queue_depth)
         self.in_flight.set_function(in_flight)
 

@@ -8,7 +8,7 @@ startup, not at the first request. Each field's description (below) is also its 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
@@ -39,7 +39,19 @@ class Settings(BaseSettings):
     )
     device_id: int = Field(0, ge=0, description="the NPU to use, an index among ASCEND_RT_VISIBLE_DEVICES")
     streams: int = Field(2, ge=1, le=64, description="worker threads, each owning one device stream (or CPU slot)")
-    max_queue: int = Field(64, ge=1, description="calls waiting for a worker beyond which new calls get 503")
+    max_queue: int = Field(
+        64,
+        ge=1,
+        description="calls waiting for a worker beyond which new calls get 503; with bearer tokens, each "
+        "token's own calls (the queue is shared out fairly between tokens)",
+    )
+    judge_workers: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="threads that judge comparisons (compare, batch compare items): the judging waits "
+        "for one in a queue of its own, shared out fairly between tokens",
+    )
     max_body_bytes: int = Field(
         2 << 30, ge=1024, description="largest request body in bytes, checked before it is read"
     )
@@ -55,11 +67,11 @@ class Settings(BaseSettings):
     max_inflight_bytes: int = Field(
         default_factory=lambda: memory_limit_bytes() // 4,
         ge=1024,
-        description="bytes that admitted requests may hold at once (being read, queued, running or answered), "
-        "twice each body's size: the body and its answer (five times a batch's); a body that does not fit now "
-        "is answered "
-        "503 + Retry-After before it is read "
-        "(default: a quarter of the memory limit, the cgroup's or the machine's)",
+        description="bytes that admitted requests may hold at once (being read, queued, running or answered): "
+        "twice each body's size before it is read (five times a batch's), then what its decoded shapes hold "
+        "(a comparison's per-row sums, every grad_x, a batch's items); a request that does not fit now is "
+        "answered 503 + Retry-After "
+        "(default: a quarter of the memory limit, the container's (cgroup v2 or v1) or the machine's)",
     )
     receive_keep_s: float = Field(
         10.0,
@@ -91,6 +103,18 @@ class Settings(BaseSettings):
     )
     body_timeout_s: float = Field(
         60.0, gt=0, description="longest a request body may take to arrive, in seconds; then 408"
+    )
+    body_min_bytes_per_s: int = Field(
+        128 << 10,
+        ge=0,
+        description="slowest pace a request body may arrive at, in bytes per second, once body_grace_s has "
+        "passed: a body further behind than that is answered 408 and its reserved bytes given back, so a "
+        "stalled upload cannot hold the in-flight budget until body_timeout_s (0: no floor)",
+    )
+    body_grace_s: float = Field(
+        5.0,
+        ge=0,
+        description="how long a request body may take before body_min_bytes_per_s applies, in seconds",
     )
     request_timeout_s: float = Field(
         60.0, gt=0, description="longest a call may wait and run, in seconds; X-Request-Timeout may only shorten it"
@@ -173,12 +197,59 @@ class Settings(BaseSettings):
         return self
 
 
-def memory_limit_bytes() -> int:
-    """The memory this process may use: the cgroup v2 limit (a container's) when one is set, else
-    the machine's physical memory (``os.sysconf``), in bytes."""
+#: Where the kernel mounts the cgroup hierarchies (v2: one, unified; v1: one per controller).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: This process's cgroup in each hierarchy (``hierarchy-ID:controllers:path`` lines).
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def memory_limit_bytes(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
+    """The memory this process may use, in bytes: the smallest memory limit of its cgroup and the
+    cgroups above it, on cgroup v2 (``memory.max``) or v1 (``memory/memory.limit_in_bytes``),
+    else the machine's physical memory (``os.sysconf``).
+
+    A container sees its own cgroup at the root of the mount (a cgroup namespace, or Docker's
+    bind-mount on v1); a process without one finds its cgroup's path in ``proc_cgroup`` and its
+    limits below the mount, each ancestor's included. "max" (v2) and v1's "unlimited" (a huge
+    number, 2^63 rounded down to a page) are no limit. Linux's cgroup-v2.rst and cgroup-v1/memory.rst
+    (torvalds/linux, Documentation/admin-guide/cgroup-v2.rst, Documentation/admin-guide/cgroup-v1/memory.rst).
+
+    Args:
+        cgroup_root: where the hierarchies are mounted (a test passes a fake one).
+        proc_cgroup: the file that lists this process's cgroups.
+    """
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [physical]
+    for hierarchy, file_name, path in _cgroup_memory_files(proc_cgroup):
+        mount = cgroup_root / hierarchy if hierarchy else cgroup_root
+        paths = [PurePosixPath("/")] if path is None else [*reversed(PurePosixPath(path).parents), PurePosixPath(path)]
+        for each in paths:
+            try:
+                text = (mount / each.relative_to("/") / file_name).read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if text.isdigit():
+                limits.append(int(text))
+    return min(limits)
+
+
+def _cgroup_memory_files(proc_cgroup: Path) -> list[tuple[str, str, str | None]]:
+    """(hierarchy below the mount, limit file, this process's cgroup path or None) for v2 and v1:
+    the mount's root always (a container's own cgroup), and the process's path where it names one."""
+    paths: dict[str, str] = {}
     try:
-        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        return physical
-    return min(physical, int(text)) if text.isdigit() else physical
+        lines = []
+    for line in lines:
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if controllers == "":
+            paths["v2"] = path
+        elif "memory" in controllers.split(","):
+            paths["v1"] = path
+    files: list[tuple[str, str, str | None]] = [("", "memory.max", None), ("memory", "memory.limit_in_bytes", None)]
+    if paths.get("v2", "/") != "/":
+        files.append(("", "memory.max", paths["v2"]))
+    if paths.get("v1", "/") != "/":
+        files.append(("memory", "memory.limit_in_bytes", paths["v1"]))
+    return files

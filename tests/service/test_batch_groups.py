@@ -239,7 +239,7 @@ def test_a_share_is_cut_into_parts_and_a_batch_alone_always_fits_the_queue(serve
     shares = []
     run_parts = StreamPool.run_parts
 
-    async def watching(self, parts, *, timeout_s):
+    async def watching(self, parts, *, timeout_s, tenant=None):
         shares.append(
             [
                 (
@@ -251,7 +251,7 @@ def test_a_share_is_cut_into_parts_and_a_batch_alone_always_fits_the_queue(serve
                 for part in parts
             ]
         )
-        return await run_parts(self, parts, timeout_s=timeout_s)
+        return await run_parts(self, parts, timeout_s=timeout_s, tenant=tenant)
 
     monkeypatch.setattr(StreamPool, "run_parts", watching)
     rows = np.ones((16, 1024), np.float32)  # 64 KiB: a group of them is cut every 64 members

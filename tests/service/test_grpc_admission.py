@@ -3,8 +3,8 @@ parsed (api/grpc/wire.py), the reply written with one copy of grad_x, and typed 
 chunk at a time (api/grpc/codec.py).
 
 Oracles: the reservation rule and limits as docs/protocol.md states them (4 times the largest
-message before the read, 4 times the message after; 4 MiB of typed contents; 4,096 fields a level;
-a sixteenth of seven eighths of the budget by default), protobuf's own serializer for the sizes of
+message before the read, 4 times the message after, its call's peak once decoded; 4 MiB of typed
+contents; 4,096 fields a level; a sixteenth of seven eighths of the budget by default), protobuf's own serializer for the sizes of
 typed contents and for the reply's bytes, and Python lists for the values of typed contents.
 """
 
@@ -29,7 +29,7 @@ from moegrad_service.api.grpc.wire import check_typed_contents
 from moegrad_service.app import create_app
 from moegrad_service.dataplane import GradOutcome
 from moegrad_service.engine import Timings
-from moegrad_service.memory import MemoryBudget
+from moegrad_service.memory import MemoryBudget, Peak
 from moegrad_service.settings import Settings
 from support.grpckit import MODEL
 
@@ -88,6 +88,26 @@ async def test_the_largest_message_is_reserved_before_the_read_and_the_message_a
     no_message = FakeContext(budget, grpc.aio.EOF)
     raw, reservation = await gate.receive(no_message, time.perf_counter())
     assert raw == b"" and budget.held_bytes == 0
+
+
+@pytest.mark.asyncio
+async def test_once_decoded_the_reservation_becomes_the_calls_peak():
+    budget = MemoryBudget(64 * MIB)  # one request may take 56 MiB
+    gate = gate_for(budget)
+    _, reservation = await gate.receive(FakeContext(budget, b"x" * 1000), time.perf_counter())
+    reservation.cover(Peak(body=1000, result=300))  # less than the read's 4 x 1000: the rest given back
+    assert budget.held_bytes == reservation.nbytes == 1300
+    reservation.cover(Peak(body=1000, result=20 * MIB, reply=20 * MIB))  # more: reserved
+    assert budget.held_bytes == reservation.nbytes == 1000 + 40 * MIB
+    with pytest.raises(PayloadTooLarge, match=r"holds 60818408 bytes .*result 30408704, reply 30408704, body 1000"):
+        reservation.cover(Peak(body=1000, result=29 * MIB, reply=29 * MIB))  # over 56 MiB: never fits
+    budget.reserve(10 * MIB)  # what others hold now
+    with pytest.raises(DeviceBusy):
+        reservation.cover(Peak(body=1000, result=24 * MIB, reply=24 * MIB))  # 48 MiB beside 10: not now
+    assert reservation.nbytes == 1000 + 40 * MIB  # a refusal changes nothing held
+    reservation.release()
+    budget.release(10 * MIB)
+    assert budget.held_bytes == 0
 
 
 @pytest.mark.asyncio

@@ -91,6 +91,9 @@ def hostile_bodies() -> list[bytes]:
     bodies.append(pack({**document(), "order": {str(i): i for i in range(40)}}))
     bodies.append(pack({**document(), "order": [[1]] * 40}))
     bodies.append(pack({**document(), "order": "P"}).replace(pack("P"), b"\x91" * 30 + b"\x01"))
+    # NaN and -0.0 values: read alike both ways (a NaN equals no other NaN, so compared by their bits)
+    bodies.append(pack({**document(), "top_k": float("nan")}))
+    bodies.append(pack({**document(), "order": [float("nan"), -0.0, 0.0]}))
     return bodies
 
 

@@ -35,10 +35,12 @@ async def open_dataplane(backend: Backend, **settings) -> AsyncIterator[DataPlan
     pool = StreamPool(backend, streams=configured.streams, max_queue=configured.max_queue,
                       retry_after_s=configured.retry_after_s)
     await pool.start()
+    dataplane = DataPlane(configured, pool, Metrics())
     try:
-        yield DataPlane(configured, pool, Metrics())
+        yield dataplane
     finally:
         await pool.close(grace_s=5)
+        await dataplane.close()
 
 
 async def infer_gives_the_documented_example(backend: Backend) -> None:

@@ -27,7 +27,10 @@ __all__ = ["checking", "outcome"]
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with every view as the bytes it views, and every error as what its answer is made of."""
+    """``value`` with every view as the bytes it views, every float as its bits (a NaN equals no
+    other NaN, and -0.0 equals 0.0) and every error as what its answer is made of."""
+    if isinstance(value, float):
+        return ("float", struct.pack("<d", value))
     if isinstance(value, Segment):
         return ("view", bytes(value.view))
     if isinstance(value, bytes):

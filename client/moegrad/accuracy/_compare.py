@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from moegrad.accuracy._results import (
     ZeroRowCheck,
 )
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY, STANDARDS, THRESHOLDS, Criterion, Status
+from moegrad.accuracy._stop import check_stop
 from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
 from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
 
@@ -49,6 +51,7 @@ __all__ = [
     "summand_magnitude",
 ]
 
+_ZERO_ROW_BLOCK = 1 << 16  # elements of a block of the zero-row check
 _FUSED = "auto"  # compare()'s path: "auto" (the compiled pass when numba imports) or "numpy"
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
 _NULLPTR = AclnnStatus.ACLNN_ERR_PARAM_NULLPTR
@@ -181,17 +184,32 @@ def skipped_rows(call: MoeInitRoutingV2GradCall) -> np.ndarray:
     return ((index < 0) | (index >= rows)).all(axis=1)
 
 
-def _zero_rows(candidate: np.ndarray, rows: np.ndarray) -> ZeroRowCheck:
-    block = candidate[rows].astype(np.float64)
-    bad = ~((block == 0) & ~np.signbit(block))
-    bad_rows = np.flatnonzero(bad.any(axis=1))
-    first = int(np.flatnonzero(rows)[bad_rows[0]]) if bad_rows.size else None
+def _zero_rows(candidate: np.ndarray, rows: np.ndarray, stop: threading.Event | None = None) -> ZeroRowCheck:
+    """The rows that must be +0.0, checked a block of about _ZERO_ROW_BLOCK elements at a time (so
+    that the check's float64 copy stays small whatever the call), ``stop`` looked at before each."""
+    where = np.flatnonzero(rows)
+    step = max(1, _ZERO_ROW_BLOCK // max(candidate.shape[1], 1))
+    mismatched_rows = mismatched = 0
+    first = None
+    for start in range(0, where.size, step):
+        _check_stop(stop)
+        block = candidate[where[start : start + step]].astype(np.float64)
+        bad = ~((block == 0) & ~np.signbit(block))
+        bad_rows = np.flatnonzero(bad.any(axis=1))
+        if bad_rows.size and first is None:
+            first = int(where[start + bad_rows[0]])
+        mismatched_rows += int(bad_rows.size)
+        mismatched += int(np.count_nonzero(bad))
     return ZeroRowCheck(
-        rows=int(np.count_nonzero(rows)),
-        mismatched_rows=int(bad_rows.size),
-        mismatched_elements=int(np.count_nonzero(bad)),
+        rows=int(where.size),
+        mismatched_rows=mismatched_rows,
+        mismatched_elements=mismatched,
         first_mismatched_row=first,
     )
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    check_stop(stop, "the comparison")
 
 
 def _candidate_dtype(candidate: np.ndarray) -> str:
@@ -460,6 +478,17 @@ def summand_magnitude(call: MoeInitRoutingV2GradCall) -> np.ndarray:
     return moe_init_routing_v2_grad_golden(absolute)
 
 
+def _check_shapes(call: MoeInitRoutingV2GradCall, device_result: Any, golden: Any) -> tuple[int, int]:
+    """grad_x's shape, [N, H]; a given ``device_result`` or ``golden`` of another shape is a ValueError."""
+    shape = (call.num_tokens, call.hidden_size)
+    for name, given in (("device_result", device_result), ("golden", golden)):
+        if given is not None and getattr(given, "shape", None) != shape:
+            raise ValueError(
+                f"{name} has shape {list(getattr(given, 'shape', ()))}; grad_x of this call is {list(shape)}"
+            )
+    return shape
+
+
 def compare(
     call: MoeInitRoutingV2GradCall,
     candidate: np.ndarray,
@@ -468,6 +497,8 @@ def compare(
     golden: np.ndarray | None = None,
     standards: Iterable[str] | str | None = None,
     require_exact: bool = False,
+    stop: threading.Event | None = None,
+    parallel: bool = True,
 ) -> ComparisonReport:
     """Judge a candidate implementation's gradX for one validated operator call.
 
@@ -485,6 +516,12 @@ def compare(
         standards: names from :data:`STANDARDS`; default :data:`DEFAULT_STANDARDS`.
         require_exact: the verdict fails unless the candidate is bit-exact to the device's result
             (:attr:`ComparisonReport.exact` states exactness either way).
+        stop: set it (from another thread) to stop the comparison at its next block of rows (a
+            service whose caller has gone); None: it runs to the end.
+        parallel: spread the rows over the shared thread pool of the reference kernels (the
+            default); False: compute them on the calling thread alone (a service judging many
+            comparisons at once on threads of its own, which should not queue behind each other
+            there, nor hold up the calls it runs on that pool).
 
     Returns:
         A :class:`ComparisonReport`.
@@ -492,23 +529,19 @@ def compare(
     Raises:
         InvalidArgument: as :func:`check_compare_arguments` (a missing candidate 161001, a bad
             candidate or an unknown standard 161002); checked before anything is computed.
+        DeadlineExceeded: ``stop`` was set before the comparison ended.
         TypeError: ``call`` is not a :class:`~moegrad.MoeInitRoutingV2GradCall`.
         ValueError: ``device_result`` or ``golden`` has the wrong shape or dtype.
     """
     check_compare_arguments(call, candidate, standards)
-    shape = (call.num_tokens, call.hidden_size)
-    for name, given in (("device_result", device_result), ("golden", golden)):
-        if given is not None and getattr(given, "shape", None) != shape:
-            raise ValueError(
-                f"{name} has shape {list(getattr(given, 'shape', ()))}; grad_x of this call is {list(shape)}"
-            )
+    shape = _check_shapes(call, device_result, golden)
     if device_result is None:
         device_result = moe_init_routing_v2_grad(call)
     if _FUSED != "numpy" and isinstance(require_exact, bool):
         device_result = float_array(device_result, "device_result", GRAD_DTYPES)
         if dtype_name(device_result.dtype) != call.dtype_name:
             raise TypeError(f"device_result.dtype={device_result.dtype} is not the operator's dtype {call.dtype_name}")
-        fused = fused_metrics(call, candidate, device_result, golden)
+        fused = fused_metrics(call, candidate, device_result, golden, stop, parallel)
         if fused is not None:
             rows = skipped_rows(call)
             return _report(
@@ -518,11 +551,13 @@ def compare(
                 _check_standards(standards),
                 require_exact,
                 *fused,
-                _zero_rows(candidate, rows),
-                _zero_rows(device_result, rows),
+                _zero_rows(candidate, rows, stop),
+                _zero_rows(device_result, rows, stop),
             )
+    _check_stop(stop)
     if golden is None:
         golden = moe_init_routing_v2_grad_golden(call)
+    _check_stop(stop)
     return compare_arrays(
         candidate,
         device_result,

@@ -11,6 +11,7 @@ docs/accuracy.md, "Explaining a mismatch", gives the method, the labels and work
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from moegrad.accuracy._fingerprint import WINDOW, Block, RowIndex, take_rows
 from moegrad.accuracy._matching import same_rows
 from moegrad.accuracy._replay import known_schedules
 from moegrad.accuracy._rows import Searches, explain_rows
+from moegrad.accuracy._stop import check_stop
 from moegrad.numerics import _reference
 from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden
 from moegrad.operator._call import GRAD_DTYPES, MoeInitRoutingV2GradCall
@@ -36,6 +38,7 @@ _SCAN_ELEMENTS = 1 << 20  # elements of grad_x per step of the scan for differin
 _F64 = np.dtype(np.float64)
 _UINT = {2: np.uint16, 4: np.uint32}
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
+_WORK = "the explanation"
 
 
 def explain(
@@ -44,6 +47,7 @@ def explain(
     *,
     profile: str | None = None,
     device_result: np.ndarray | None = None,
+    stop: threading.Event | None = None,
 ) -> Explanation:
     """Explain every row of ``candidate`` whose bits differ from the device's: one label and its evidence.
 
@@ -63,6 +67,9 @@ def explain(
         device_result: [N, H] in the call's dtype: the device's grad_x when it is not the emulation
             (a service that ran the NPU); default :func:`moegrad.moe_init_routing_v2_grad` of the
             call on the profile.
+        stop: set it (from another thread) to stop the explanation at its next block of rows, or
+            within a block between the searches of a few rows (a service whose caller has gone, or
+            whose deadline passed); None: it runs to the end.
 
     Returns:
         An :class:`~moegrad.accuracy.Explanation`; rows that agree with the device are not listed.
@@ -72,6 +79,7 @@ def explain(
             shape (161002, field ``candidate``); an unknown profile (161002, field ``profile``); the
             profile refuses the call (its own status and field); an empty call of a dtype that is
             not floating (161002, field ``grad_expanded_x``).
+        DeadlineExceeded: ``stop`` was set before the explanation ended.
         TypeError: ``call`` is not a call; ``device_result`` is not an ndarray of the call's dtype.
         ValueError: ``device_result`` has another shape than [N, H].
     """
@@ -94,9 +102,10 @@ def explain(
                 cache["index"] = RowIndex(rows) if rows.shape[0] else None
             return cache["index"]
 
-        searches = Searches(schedules, own, row_index, capacity)
+        searches = Searches(schedules, own, row_index, capacity, stop)
         golden = _Golden(call, rows)
         for block_rows in _blocks(differing, _row_elements(call)):
+            check_stop(stop, _WORK)
             explained += explain_rows(_block(call, rows, candidate, device, golden, block_rows), searches)
     labels = dict.fromkeys(LABELS, 0)
     for row in explained:

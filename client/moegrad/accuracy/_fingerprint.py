@@ -21,7 +21,7 @@ from no fault at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -341,18 +341,26 @@ def _targets(block: Block, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return at, slot, target, tolerance
 
 
-def row_search_fits(block: Block, w: np.ndarray, index: RowIndex) -> tuple[list[Fit], set[int]]:
+def row_search_fits(
+    block: Block, w: np.ndarray, index: RowIndex, checkpoint: Callable[[], None] = lambda: None
+) -> tuple[list[Fit], set[int]]:
     """Replaced and extra summands of block rows ``w`` that fit, their rows found in ``index``; and
-    the block rows whose search was cut (a target with every key window too wide)."""
+    the block rows whose search was cut (a target with every key window too wide).
+
+    ``checkpoint()`` is called before each few rows' targets and each batch of pairs checked: it
+    raises to stop the search (an explanation whose caller has gone).
+    """
     fits: list[Fit] = []
     cut_rows: set[int] = set()
     for part in _chunks(w.size, (block.index.shape[1] + 1) * block.rows.shape[1]):
+        checkpoint()
         at, slot, target, tolerance = _targets(block, w[part])
         if at.size == 0:
             continue
         cut, batches = index.near(target, tolerance)
         cut_rows.update(int(a) for a in at[cut])
         for pair_target, pair_row in batches:
+            checkpoint()
             for piece in _chunks(pair_target.size, block.rows.shape[1]):
                 fits += _check_pairs(block, at[pair_target[piece]], slot[pair_target[piece]], pair_row[piece])
     return fits, cut_rows

@@ -12,12 +12,14 @@ exact sum rounded once to float64).
 from __future__ import annotations
 
 import math
+import threading
 from types import ModuleType
 
 import ml_dtypes
 import numpy as np
 
 from moegrad._dtypes import dtype_name
+from moegrad._errors import DeadlineExceeded
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS
 from moegrad.numerics._fast import CompiledModule, KernelCache
@@ -33,6 +35,7 @@ _VIEWS: dict[np.dtype, np.dtype] = {
 # |x| at or above which a finite float64 rounds to inf in the format (half the top ULP above the maximum).
 _OVERFLOW_AT = {"float32": 2.0**128 - 2.0**103, "float16": 65520.0, "bfloat16": 2.0**128 - 2.0**119}
 _CHUNK_ELEMENTS = 1 << 16  # output elements per task of the pool
+_CHUNK_ROWS = 4096  # and at most this many rows (each row costs microseconds, however short): a stop waits one
 
 _KERNELS = CompiledModule("moegrad.accuracy._fused_jit")
 
@@ -105,12 +108,23 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 
 def fused_metrics(
-    call: MoeInitRoutingV2GradCall, candidate: np.ndarray, device_result: np.ndarray, golden: np.ndarray | None = None
+    call: MoeInitRoutingV2GradCall,
+    candidate: np.ndarray,
+    device_result: np.ndarray,
+    golden: np.ndarray | None = None,
+    stop: threading.Event | None = None,
+    parallel: bool = True,
 ) -> tuple[Metrics, Metrics, Metrics] | None:
     """candidate vs golden, device vs golden, candidate vs device, relative to the summands' magnitude.
 
+    The blocks of rows are spread over the reference module's shared thread pool, or computed on
+    the calling thread alone when ``parallel`` is False.
+
     Returns None when this path cannot take the inputs (numba missing, a byte-swapped or strided
     array, an empty grad_x): the caller runs the NumPy path.
+
+    Raises:
+        DeadlineExceeded: ``stop`` was set (checked before each block of rows).
     """
     jit = _load()
     tokens, hidden = call.num_tokens, call.hidden_size
@@ -136,7 +150,9 @@ def fused_metrics(
     has_golden = golden is not None
     golden_in = _read_only(golden if golden is not None else np.zeros((1, 1), dtype=np.float64))
 
-    def run(start: int, stop: int) -> None:
+    def run(start: int, end: int) -> None:
+        if stop is not None and stop.is_set():
+            raise DeadlineExceeded("the comparison was stopped: its caller gave up on it")
         jit.compare_rows(
             rows,
             index,
@@ -147,7 +163,7 @@ def fused_metrics(
             golden_in,
             has_golden,
             start,
-            stop,
+            end,
             p_cand,
             p_dev,
             acc,
@@ -155,7 +171,12 @@ def fused_metrics(
 
     from moegrad.numerics import _reference  # the shared pool of the reference kernels
 
-    _reference._map_chunks(run, tokens, max(1, _CHUNK_ELEMENTS // hidden))
+    step = max(1, min(_CHUNK_ROWS, _CHUNK_ELEMENTS // hidden))
+    if parallel:
+        _reference._map_chunks(run, tokens, step)
+    else:
+        for start in range(0, tokens, step):
+            run(start, min(start + step, tokens))
     totals = acc.sum(axis=0)
     maxima = acc.max(axis=0)
     actual = (candidate_dtype, dtype, candidate_dtype)

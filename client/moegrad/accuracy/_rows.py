@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from moegrad.accuracy._explanation import ElementTable, Evidence, Hypothesis, Ro
 from moegrad.accuracy._fingerprint import Block, Fit, RowIndex, Window, own_slot_fits, row_search_fits
 from moegrad.accuracy._matching import match_fits, match_schedules
 from moegrad.accuracy._replay import Schedule
+from moegrad.accuracy._stop import check_stop
 
 __all__ = ["Searches", "explain_rows"]
 
@@ -65,12 +67,19 @@ class Searches:
             result is the emulation, which differs from the row by definition).
         row_index: the sorted key columns of grad_expanded_x, built on first use (None: no rows).
         capacity: drop/pad mode: C; else None.
+        stop: set once the explanation's result is no longer wanted (looked at between the
+            searches, and within the search of other rows); None: never.
     """
 
     schedules: tuple[Schedule, ...]
     other_schedules: tuple[Schedule, ...]
     row_index: Callable[[], RowIndex | None]
     capacity: int | None
+    stop: threading.Event | None = None
+
+    def check_stop(self) -> None:
+        """Raise DeadlineExceeded when :attr:`stop` is set."""
+        check_stop(self.stop, "the explanation")
 
     @property
     def precision_schedules(self) -> tuple[Schedule, ...]:
@@ -97,7 +106,11 @@ def _mismatches(block: Block) -> dict[int, np.ndarray]:
 
 
 def explain_rows(block: Block, searches: Searches) -> list[RowExplanation]:
-    """Every row of ``block`` explained, in block order."""
+    """Every row of ``block`` explained, in block order.
+
+    Raises:
+        DeadlineExceeded: ``searches.stop`` was set (looked at between the searches).
+    """
     count = block.row.size
     mismatch = _mismatches(block)
     rest = np.array([w for w in range(count) if w not in mismatch], dtype=np.intp)
@@ -105,17 +118,21 @@ def explain_rows(block: Block, searches: Searches) -> list[RowExplanation]:
     quiet, faulty = rest[outside[rest] == 0], rest[outside[rest] >= 1]
     window = Window(block, rest)
     matched = dict(zip(quiet.tolist(), match_schedules(block, quiet, searches.other_schedules, window), strict=True))
+    searches.check_stop()
     hypotheses: dict[int, list[Hypothesis]] = {}
     own = own_slot_fits(block, rest, window)
     _replayed(block, own + _extras_of_own_rows(block, own), searches.schedules, hypotheses)
+    searches.check_stop()
     # the rest of grad_expanded_x is searched for rows none of their own slots fits (docs/accuracy.md)
     alone = np.array([w for w in faulty if int(w) not in hypotheses], dtype=np.intp)
     index = searches.row_index() if alone.size else None
     cut: set[int] = set()
     if index is not None:
-        found, cut = row_search_fits(block, alone, index)
+        found, cut = row_search_fits(block, alone, index, searches.check_stop)
         _replayed(block, found, searches.schedules, hypotheses)
+        searches.check_stop()
     precision = _precision(block, faulty, searches.precision_schedules, window)
+    searches.check_stop()
     tables = _element_tables(block)
     slot_tables = _slot_tables(block, searches.capacity)
     explained = []

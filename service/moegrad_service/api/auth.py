@@ -6,6 +6,11 @@ and :func:`hmac.compare_digest`, so the time taken depends on neither the token'
 length. Health, readiness and the OpenAPI document stay open; ``/metrics`` is open only when
 ``metrics_public`` is set.
 
+Each accepted token is a *tenant*: the service shares its queues out fairly between tenants
+(moegrad_service.engine.fair). A request's tenant is the token's identity, ``token-<n>`` (its place
+among the accepted tokens, from 1), kept in the request's state under :data:`TENANT`; the token
+itself is never kept, logged or counted.
+
 :class:`AuthMiddleware` checks every HTTP request before the router sees it, so every route of
 every protocol has the same one hook, and a request without a token learns nothing about the
 routes (an unknown path, a wrong method or a trailing-slash redirect is a 401 like any other).
@@ -23,7 +28,10 @@ from moegrad import Unauthorized
 from moegrad_service.api.errors import error_response
 from moegrad_service.settings import Settings
 
-__all__ = ["OPEN_PATHS", "AuthMiddleware", "Authenticator", "load_tokens"]
+__all__ = ["OPEN_PATHS", "TENANT", "AuthMiddleware", "Authenticator", "load_tokens", "tenant_of"]
+
+#: The request state's key of the caller's tenant: its token's identity (``token-<n>``), never the token.
+TENANT = "tenant"
 
 #: Paths that never require a token (probes and the API description).
 OPEN_PATHS = frozenset(
@@ -76,27 +84,38 @@ class Authenticator:
         """True when at least one token is configured."""
         return bool(self._digests)
 
-    def check(self, path: str, authorization: str) -> None:
+    def check(self, path: str, authorization: str) -> str | None:
         """Return when a request may proceed: auth is off, its path is open, or its token is accepted.
 
         Args:
             path: the path the app routes on (less any ``root_path``).
             authorization: the request's ``Authorization`` header ("" when absent).
 
+        Returns:
+            The caller's tenant: ``token-<n>`` for the n-th accepted token (from 1: ``auth_tokens`` in
+            order, then the file's lines); None when auth is off or the path is open.
+
         Raises:
             Unauthorized: (HTTP 401 with ``WWW-Authenticate: Bearer``) a token is required and missing or wrong.
         """
         if not self._digests or path in self._open:
-            return
+            return None
         scheme, _, presented = authorization.partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise Unauthorized("this service requires an Authorization: Bearer <token> header", status_code=401)
         digest = hashlib.sha256(presented.strip().encode()).digest()
-        accepted = False
-        for known in self._digests:  # no early exit: every token is compared every time
-            accepted |= hmac.compare_digest(digest, known)
-        if not accepted:
+        matched = 0
+        for place, known in enumerate(self._digests, 1):  # no early exit: every token is compared every time
+            same = hmac.compare_digest(digest, known)
+            matched = place if same and not matched else matched
+        if not matched:
             raise Unauthorized("the bearer token is not accepted", status_code=401)
+        return f"token-{matched}"
+
+
+def tenant_of(scope: Scope) -> str | None:
+    """The request's tenant (:data:`TENANT`, set by :class:`AuthMiddleware`), or None: no token."""
+    return scope.get("state", {}).get(TENANT)
 
 
 def _route_path(scope: Scope) -> str:
@@ -118,8 +137,10 @@ class AuthMiddleware:
         if scope["type"] == "http" and self.authenticator.enabled:
             authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
             try:
-                self.authenticator.check(_route_path(scope), authorization)
+                tenant = self.authenticator.check(_route_path(scope), authorization)
             except Unauthorized as exc:
                 await error_response(Request(scope, receive), exc)(scope, receive, send)
                 return
+            if tenant is not None:
+                scope.setdefault("state", {})[TENANT] = tenant
         await self.app(scope, receive, send)

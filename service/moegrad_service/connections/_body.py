@@ -14,16 +14,31 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-__all__ = ["BODY_INTO", "BodySink"]
+__all__ = ["BODY_INTO", "BodySink", "Received"]
 
 #: The scope extension (``scope["extensions"][BODY_INTO]``) of a plain-TCP request with a body:
-#: ``await body_into(scope, view)`` reads the whole body, whose Content-Length is ``len(view)``,
-#: into ``view``. It returns False, having read nothing, when the body is not this connection's
+#: ``await body_into(scope, view, received)`` reads the whole body, whose Content-Length is
+#: ``len(view)``, into ``view``, counting the bytes in ``received`` (a :class:`Received`, or None)
+#: as they arrive. It returns False, having read nothing, when the body is not this connection's
 #: to give (the handler already received part of it, or it is not the request being parsed):
 #: read it with ``receive()`` then. Raises starlette's ClientDisconnect when the client goes.
 BODY_INTO = "moegrad.body_into"
 #: Bytes discarded at a time by a body sink whose handler stopped waiting.
 _SCRATCH_BYTES = 256 << 10
+
+
+class Received:
+    """A body's bytes received so far, counted by whoever reads it (the body sink, or the handler
+    from ``receive()``): what a watcher of the body's pace reads.
+
+    Attributes:
+        nbytes: the bytes received so far.
+    """
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self) -> None:
+        self.nbytes = 0
 
 
 class BodySink(asyncio.BufferedProtocol):
@@ -43,6 +58,7 @@ class BodySink(asyncio.BufferedProtocol):
             the HTTP protocol.
         on_discarded: called with the bytes read and thrown away after :meth:`abandon` (the HTTP
             protocol counts them when the connection lingers).
+        received: counts the body's bytes in ``view`` as they arrive (``filled`` among them), or None.
     """
 
     def __init__(
@@ -54,8 +70,12 @@ class BodySink(asyncio.BufferedProtocol):
         loop: asyncio.AbstractEventLoop,
         on_complete: Callable[[], None],
         on_discarded: Callable[[int], None],
+        received: Received | None = None,
     ) -> None:
         self._delegate = delegate
+        self._received = received
+        if received is not None:
+            received.nbytes = filled
         self._on_complete = on_complete
         self._on_discarded = on_discarded
         self._view: memoryview | None = view
@@ -76,6 +96,8 @@ class BodySink(asyncio.BufferedProtocol):
         self._left -= nbytes
         if self._view is not None:
             self._filled += nbytes
+            if self._received is not None:
+                self._received.nbytes = self._filled
         else:
             self._on_discarded(nbytes)
         if self._left == 0:

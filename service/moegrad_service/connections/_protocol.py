@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
 import moegrad_service.connections._uvicorn_private as uv
-from moegrad_service.connections._body import BODY_INTO, BodySink
+from moegrad_service.connections._body import BODY_INTO, BodySink, Received
 
 __all__ = ["LINGER_BYTES", "LINGER_S", "SHUTDOWN_IDLE_S", "GuardedProtocol", "guarded_protocol"]
 
@@ -181,7 +181,7 @@ class GuardedProtocol(uv.HttpToolsProtocol):
             extensions: dict[str, Any] = scope.setdefault("extensions", {})
             extensions[BODY_INTO] = self._body_into
 
-    async def _body_into(self, scope: Scope, view: memoryview) -> bool:
+    async def _body_into(self, scope: Scope, view: memoryview, received: Received | None = None) -> bool:
         """See :data:`BODY_INTO`."""
         cycle = uv.current_cycle(self)
         if (
@@ -208,6 +208,7 @@ class GuardedProtocol(uv.HttpToolsProtocol):
             loop=uv.event_loop(self),
             on_complete=self._body_read,
             on_discarded=self._sink_discarded,
+            received=received,
         )
         self._raw_transport.set_protocol(sink)
         uv.resume_reading(self)

@@ -10,8 +10,12 @@ compare report and the explanation, reports health and metadata, and observes th
 encoder around the same methods::
 
     api/v1 ───┐                          ┌─> StreamPool ─> Backend (reference | ascend)
-    api/v2 ───┼─> DataPlane (this) ──────┼─> moegrad.compare, moegrad.explain (float64 golden)
+    api/v2 ───┼─> DataPlane (this) ──────┼─> JudgePool ─> moegrad.compare, moegrad.explain (float64 golden)
     api/grpc ─┘                          └─> memory.Memory (budget, buffers: the admissions)
+
+Every call and every judging carries its tenant (a bearer token's identity, or None): the pool's
+and the judges' queues take the tenants' work in turn, and each tenant may queue ``max_queue``
+calls.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -28,18 +33,17 @@ from moegrad import (
     PROFILES,
     AclnnStatus,
     CallGroup,
-    ComparisonReport,
+    DeadlineExceeded,
     DeviceBusy,
     DeviceFault,
     InvalidArgument,
     MoegradError,
     MoeInitRoutingV2GradCall,
     __version__,
-    compare,
-    explain,
     resolve_profile,
 )
 from moegrad_service.dataplane.batching import Part, plan_batch
+from moegrad_service.dataplane.judging import explain_candidate, judge, judge_each
 from moegrad_service.dataplane.records import (
     BatchAnswer,
     BatchItem,
@@ -55,7 +59,7 @@ from moegrad_service.dataplane.records import (
     MemberOutcome,
 )
 from moegrad_service.dataplane.statistics import InferenceStatistics
-from moegrad_service.engine import StreamPool, Timings
+from moegrad_service.engine import JudgePool, StreamPool, Timings
 from moegrad_service.memory import Admission, Memory
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -76,12 +80,17 @@ class DataPlane:
         metrics: the app's metrics; queue and compute durations are observed here.
         memory: the service's memory (built by the app); None: one of ``settings``' sizes, with
             heap trims when made on the event loop.
+
+    Attributes:
+        judges: the threads that judge comparisons (``judge_workers``), started at the first
+            judging; the app closes them (:meth:`close`).
     """
 
     def __init__(self, settings: Settings, pool: StreamPool, metrics: Metrics, memory: Memory | None = None) -> None:
         self.settings = settings
         self.pool = pool
         self.metrics = metrics
+        self.judges = JudgePool(settings.judge_workers)
         self.statistics = InferenceStatistics()
         if memory is None:
             try:
@@ -96,23 +105,54 @@ class DataPlane:
             )
         self.memory = memory
 
-    def admit(self, body_bytes: int | None = None, *, per_byte: int | None = None) -> Admission:
+    def admit(
+        self,
+        body_bytes: int | None = None,
+        *,
+        per_byte: int | None = None,
+        extra_bytes: int = 0,
+        tenant: str | None = None,
+    ) -> Admission:
         """Admit a request before its body is read: refused now when the pool could not take its
         call anyway, else what its body holds is reserved of the in-flight budget
-        (:meth:`moegrad_service.memory.Memory.admit`: ``per_byte`` times ``body_bytes``, or as the
-        body arrives when None). Release the admission once the answer is sent.
+        (:meth:`moegrad_service.memory.Memory.admit`: ``per_byte`` times ``body_bytes`` and
+        ``extra_bytes``, or as the body arrives when None). Once decoded, the request is topped up
+        to what its shapes hold (:meth:`Admission.cover`). Release the admission once the answer is
+        sent.
+
+        Args:
+            tenant: whose request it is (a bearer token's identity; None without authentication):
+                its share of the queue is checked, and its calls wait in its lane.
 
         Raises:
             DeviceBusy: (503 + Retry-After) not admitting (starting, draining), no worker can run
-                calls, the queue is full, or the body does not fit the in-flight budget now.
+                calls, the tenant's queue is full, or the body does not fit the in-flight budget now.
             PayloadTooLarge: (413) the body could never fit the in-flight budget.
         """
         pool = self.pool
         if not pool.ready:
             raise DeviceBusy(pool.not_ready_reason or "the service is not ready", retry_after_s=pool.retry_after_s)
-        if pool.queue_depth >= pool.max_queue:
-            raise DeviceBusy(f"the queue is full ({pool.max_queue} calls waiting)", retry_after_s=pool.retry_after_s)
-        return self.memory.admit(body_bytes, per_byte=per_byte)
+        if pool.queued_by(tenant) >= pool.max_queue:
+            mine = "" if tenant is None else " for this token"
+            raise DeviceBusy(
+                f"the queue is full ({pool.max_queue} calls waiting{mine})", retry_after_s=pool.retry_after_s
+            )
+        return self.memory.admit(body_bytes, per_byte=per_byte, extra_bytes=extra_bytes, tenant=tenant)
+
+    async def close(self) -> None:
+        """Stop the judges (the app calls this after the pool has closed)."""
+        await self.judges.close()
+
+    @property
+    def queue_depth(self) -> int:
+        """Work admitted and waiting: calls for a worker, comparisons for a judge (the gauge
+        ``moegrad_inference_pending_request_count``)."""
+        return self.pool.queue_depth + self.judges.queue_depth
+
+    @property
+    def in_flight(self) -> int:
+        """Work running: calls on a worker, comparisons being judged (``moegrad_inference_exec_count``)."""
+        return self.pool.in_flight + self.judges.in_flight
 
     @property
     def backend_name(self) -> str:
@@ -192,6 +232,7 @@ class DataPlane:
         disconnected: Callable[[], Awaitable[object]] | None = None,
         received_s: float | None = None,
         admission: Admission | None = None,
+        tenant: str | None = None,
     ) -> GradOutcome:
         """grad_x for a validated call: an empty one (N = 0 or H = 0) is answered at once, the rest
         run on the pool. Every call that passes the order check is counted in :attr:`statistics`.
@@ -209,6 +250,7 @@ class DataPlane:
             admission: the request's admission: a grad_x of REUSE_MIN_BYTES or more is written into
                 its result buffer (:meth:`Admission.result_buffer`), given back when it is released;
                 None: the backend allocates grad_x.
+            tenant: whose call it is (its lane of the pool's fair queue); None: no authentication.
 
         Raises:
             InvalidArgument: (161002, field ``order``) ``named_order`` is not one its device computes.
@@ -230,7 +272,7 @@ class DataPlane:
                 if admission is not None:
                     dtype = call.grad_expanded_x.dtype.newbyteorder("=")
                     out = admission.result_buffer((call.num_tokens, call.hidden_size), dtype)
-                run = self.pool.run(call, timeout_s=timeout_s, out=out)
+                run = self.pool.run(call, timeout_s=timeout_s, out=out, tenant=tenant)
                 grad_x, timings = await (run if disconnected is None else _unless(disconnected, run))
                 if admission is not None:
                     admission.result_written()
@@ -248,17 +290,36 @@ class DataPlane:
         return GradOutcome(grad_x, timings, self.backend_name, self.answer_order or call.order, self.device)
 
     async def compare(
-        self, comparison: Comparison, *, timeout_s: float, disconnected: Callable[[], Awaitable[object]] | None = None
+        self,
+        comparison: Comparison,
+        *,
+        timeout_s: float,
+        disconnected: Callable[[], Awaitable[object]] | None = None,
+        tenant: str | None = None,
     ) -> CompareOutcome:
-        """Run the call, then judge the candidate against its result and the float64 golden (on a
-        worker thread: CPU work in float64).
+        """Run the call on the pool, then judge the candidate against its result and the float64
+        golden on the judges (:class:`~moegrad_service.engine.JudgePool`: CPU work in float64, in
+        the tenant's turn), both within the one deadline.
+
+        Once ``disconnected`` returns, a call or a judging still queued is dropped unrun and a
+        running judging stopped at its next block of rows (its memory freed), then
+        ClientDisconnected is raised; at the deadline the same, with DeadlineExceeded.
 
         Raises:
             The errors of :meth:`infer` (the order check is of ``comparison.named_order``).
         """
         self._check_order(comparison.named_order)
-        grad = await self.infer(comparison.call, timeout_s=timeout_s, disconnected=disconnected)
-        report, golden_s, compare_s = await asyncio.to_thread(_judge, comparison, grad.grad_x)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        work = self._compare(comparison, deadline, tenant)
+        return await (work if disconnected is None else _unless(disconnected, work))
+
+    async def _compare(self, comparison: Comparison, deadline: float, tenant: str | None) -> CompareOutcome:
+        loop = asyncio.get_running_loop()
+        grad = await self.infer(comparison.call, timeout_s=_seconds_until(deadline, loop), tenant=tenant)
+        judging = partial(judge, comparison, grad.grad_x, alone=self.judges.alone)
+        report, golden_s, compare_s = await self.judges.run(
+            judging, timeout_s=_seconds_until(deadline, loop), tenant=tenant
+        )
         return CompareOutcome(grad, report, golden_s, compare_s)
 
     async def explain(
@@ -267,22 +328,32 @@ class DataPlane:
         *,
         timeout_s: float,
         disconnected: Callable[[], Awaitable[object]] | None = None,
-        admission: Admission | None = None,
+        tenant: str | None = None,
     ) -> ExplainOutcome:
-        """Run the call, then explain the candidate's rows that differ from its result
-        (:func:`moegrad.explain`, on a worker thread: CPU work), against the profile that computed it.
+        """Run the call on the pool, then explain the candidate's rows that differ from its result
+        (:func:`moegrad.explain`, against the profile that computed it) on the judges, in the
+        tenant's turn, both within the one deadline: as :meth:`compare` (a client gone or the
+        deadline passed drops the explanation unrun or stops it within its next few rows).
 
         Raises:
             The errors of :meth:`infer` (the order check is of ``request.named_order``).
         """
         self._check_order(request.named_order)
-        grad = await self.infer(request.call, timeout_s=timeout_s, disconnected=disconnected, admission=admission)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        work = self._explain(request, deadline, tenant)
+        return await (work if disconnected is None else _unless(disconnected, work))
+
+    async def _explain(self, request: ExplainRequest, deadline: float, tenant: str | None) -> ExplainOutcome:
+        loop = asyncio.get_running_loop()
+        grad = await self.infer(request.call, timeout_s=_seconds_until(deadline, loop), tenant=tenant)
         profile = grad.order if grad.order in PROFILES else None  # a device moegrad does not know: the call's
-        started = time.perf_counter()
-        explanation = await asyncio.to_thread(
-            explain, request.call, request.candidate, profile=profile, device_result=grad.grad_x
+        explanation, explain_s = await self.judges.run(
+            partial(explain_candidate, request, grad.grad_x, profile),
+            timeout_s=_seconds_until(deadline, loop),
+            tenant=tenant,
+            verb="explained",
         )
-        return ExplainOutcome(grad, explanation, time.perf_counter() - started)
+        return ExplainOutcome(grad, explanation, explain_s)
 
     async def infer_batch(
         self,
@@ -290,6 +361,7 @@ class DataPlane:
         *,
         timeout_s: float,
         disconnected: Callable[[], Awaitable[object]] | None = None,
+        tenant: str | None = None,
     ) -> list[BatchAnswer]:
         """Run a batch of independent calls and comparisons; answer each in order, alone.
 
@@ -299,9 +371,11 @@ class DataPlane:
         per worker (:meth:`StreamPool.run_parts`: one queue entry and one hand-off each, however
         many calls and groups, and never more shares than the queue holds, so a batch alone is never
         refused for its own size; a group's chunk in one computation where the backend can), all
-        under the batch's one deadline; then the comparisons are judged, one after another on one
-        thread. A call that fails gets its own error in its place; its neighbours are unaffected (a
-        share the pool refuses or that runs out of time answers that error for each of its calls).
+        under the batch's one deadline; then the comparisons are judged, one after another, as one
+        judging of the judges' queue (each comparison the deadline leaves unjudged answers
+        DeadlineExceeded). A call that fails gets its own error in its place; its neighbours are
+        unaffected (a share the pool refuses or that runs out of time answers that error for each
+        of its calls).
 
         Args:
             items: validated calls (:meth:`infer`; a :class:`GradRequest` for one that names an
@@ -309,7 +383,9 @@ class DataPlane:
                 the error an item already earned while it was decoded (passed through in place).
             timeout_s: seconds from now until the batch's deadline.
             disconnected: as for :meth:`infer`: once it returns, the shares still queued are
-                dropped unrun, the running ones' results discarded, and ClientDisconnected raised.
+                dropped unrun, the running ones' results discarded, the judging dropped or stopped,
+                and ClientDisconnected raised.
+            tenant: whose batch it is: its shares and its judging wait in its lanes.
 
         Returns:
             One entry per item, in order: a GradOutcome, a MemberOutcome (a group member's), a
@@ -331,16 +407,42 @@ class DataPlane:
             answers[index] = self._outcome(
                 call, np.zeros((call.num_tokens, call.hidden_size), dtype=call.grad_expanded_x.dtype), Timings(0.0, 0.0)
             )
-        running = asyncio.gather(*(self._run_share(share, answers, deadline) for share in plan.shares))
-        await (running if disconnected is None else _unless(disconnected, running))
+        work = self._run_batch(plan.shares, plan.comparisons, answers, deadline, tenant)
+        await (work if disconnected is None else _unless(disconnected, work))
+        return answers
+
+    async def _run_batch(
+        self,
+        shares: list[list[Part]],
+        comparisons: list[tuple[int, Comparison]],
+        answers: list[Any],
+        deadline: float,
+        tenant: str | None,
+    ) -> None:
+        await asyncio.gather(*(self._run_share(share, answers, deadline, tenant) for share in shares))
         judged = [
             (index, comparison, answers[index])
-            for index, comparison in plan.comparisons
+            for index, comparison in comparisons
             if type(answers[index]) is GradOutcome
         ]
-        if judged:
-            await asyncio.to_thread(_judge_each, judged, answers)
-        return answers
+        if not judged:
+            return
+        done: dict[int, Any] = {}  # written by the judging thread, one answer at a time
+        loop = asyncio.get_running_loop()
+        try:
+            await self.judges.run(
+                partial(judge_each, judged, done, alone=self.judges.alone),
+                timeout_s=_seconds_until(deadline, loop),
+                tenant=tenant,
+            )
+        except DeadlineExceeded as exc:
+            exc.with_traceback(None)  # kept as an answer: see infer_batch's Returns
+            finished = dict(done)  # what was judged before the deadline
+            for index, _, _ in judged:
+                answers[index] = finished.get(index, exc)
+            return
+        for index, answer in done.items():
+            answers[index] = answer
 
     def _order_refusal(self, item: BatchItem) -> InvalidArgument | None:
         """The refusal of a batch item whose named order its device does not compute, else None."""
@@ -351,14 +453,14 @@ class DataPlane:
             return exc.with_traceback(None)  # kept as an answer: see infer_batch's Returns
         return None
 
-    async def _run_share(self, share: list[Part], answers: list[Any], deadline: float) -> None:
+    async def _run_share(self, share: list[Part], answers: list[Any], deadline: float, tenant: str | None) -> None:
         """One worker's share of a batch: runs of calls and chunks of groups, one queue entry; each
         call's answer goes to its place in ``answers``."""
         loop = asyncio.get_running_loop()
         entered = time.perf_counter()
         try:
             outcomes, timings = await self.pool.run_parts(
-                [part.work for part in share], timeout_s=max(deadline - loop.time(), 1e-6)
+                [part.work for part in share], timeout_s=max(deadline - loop.time(), 1e-6), tenant=tenant
             )
         except MoegradError as exc:  # the whole share was refused or timed out: each of its calls says so
             exc.with_traceback(None)  # kept as an answer: see infer_batch's Returns
@@ -435,23 +537,10 @@ class DataPlane:
         }
 
 
-def _judge(comparison: Comparison, device_result: np.ndarray) -> tuple[ComparisonReport, float, float]:
-    """The report, and the seconds it took: the golden is computed within the comparison (one
-    compiled pass with the metrics), so its own share is 0."""
-    started = time.perf_counter()
-    report = compare(comparison.call, comparison.candidate, device_result=device_result, standards=comparison.standards)
-    return report, 0.0, time.perf_counter() - started
-
-
-def _judge_each(judged: list[tuple[int, Comparison, GradOutcome]], answers: list[Any]) -> None:
-    """Each comparison whose call succeeded, against its device result (on a worker thread)."""
-    for index, comparison, grad in judged:
-        try:
-            report, golden_s, compare_s = _judge(comparison, grad.grad_x)
-        except MoegradError as exc:
-            answers[index] = exc.with_traceback(None)
-        else:
-            answers[index] = CompareOutcome(grad, report, golden_s, compare_s)
+def _seconds_until(deadline: float, loop: asyncio.AbstractEventLoop) -> float:
+    """Seconds from now to ``deadline`` (loop time), at least a microsecond: a deadline already
+    past times the work out at once rather than never."""
+    return max(deadline - loop.time(), 1e-6)
 
 
 async def _unless(gone: Callable[[], Awaitable[object]], work: Awaitable[T]) -> T:

@@ -1,14 +1,26 @@
-"""The engine: backends and the stream pool. No FastAPI here; arrays in, arrays and domain errors out."""
+"""The engine: backends, the stream pool and the judges, each behind a queue shared out fairly
+between tenants. No FastAPI here; arrays in, arrays and domain errors out."""
 
 from __future__ import annotations
 
 from moegrad import DeviceFault
 from moegrad_service.engine.base import Backend, BackendWorker
+from moegrad_service.engine.fair import FairQueue
+from moegrad_service.engine.judges import JudgePool
 from moegrad_service.engine.pool import StreamPool, Timings
 from moegrad_service.engine.reference import ReferenceBackend
 from moegrad_service.settings import Settings
 
-__all__ = ["Backend", "BackendWorker", "ReferenceBackend", "StreamPool", "Timings", "open_backend"]
+__all__ = [
+    "Backend",
+    "BackendWorker",
+    "FairQueue",
+    "JudgePool",
+    "ReferenceBackend",
+    "StreamPool",
+    "Timings",
+    "open_backend",
+]
 
 
 #: The most the ascend backend's close waits for kernels still running, in seconds (shutdown_grace_s when smaller).

@@ -1,4 +1,4 @@
-"""StreamPool: worker threads that each own one backend slot, behind a bounded admission queue.
+"""StreamPool: worker threads that each own one backend slot, behind a bounded queue shared out fairly.
 
 Each of ``streams`` threads makes its :class:`~moegrad_service.engine.base.BackendWorker` on its own
 thread (a device stream, or a CPU slot) and runs one call at a time. The event loop only enqueues
@@ -12,6 +12,9 @@ Life of a call::
         │          └─(caller cancelled)─> dropped, never run (a disconnected client costs nothing)
         └─(queue full, not ready, closing, no worker can run calls)─> DeviceBusy (503 + Retry-After)
 
+The queue is a :class:`~moegrad_service.engine.fair.FairQueue`: each tenant (a bearer token) has
+its own lane and up to ``max_queue`` calls in it, and the workers take the lanes' calls in turn.
+
 Capacity: a worker counts while it can run calls. One whose backend slot says it cannot
 (:meth:`BackendWorker.accepts_calls` False: the ascend worker with too many kernels still running past their
 deadline) stops taking calls and asks again every CAPACITY_POLL_S seconds; an abandoned worker
@@ -22,11 +25,11 @@ calls (503) instead of letting them fail one by one.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -42,6 +45,7 @@ from moegrad import (
     MoeInitRoutingV2GradCall,
 )
 from moegrad_service.engine.base import Backend, BackendWorker
+from moegrad_service.engine.fair import FairQueue
 
 __all__ = ["PartOutcome", "StreamPool", "Timings"]
 
@@ -88,6 +92,7 @@ class _Job:
     started: float | None = None
     finished: float | None = None
     worker: int = -1
+    tenant: Hashable = None  # whose call it is: its lane of the fair queue
     state: str = "queued"  # queued -> running -> done | abandoned; queued -> cancelled
     lock: threading.Lock = field(default_factory=threading.Lock)
     unwanted: bool = False  # its caller went away while it ran: the parts not yet started are skipped
@@ -121,7 +126,7 @@ class StreamPool:
     Args:
         backend: the device (or emulation); the pool closes it in :meth:`close`.
         streams: worker threads, each owning one backend slot made on its own thread.
-        max_queue: calls admitted but not yet started beyond which new calls get DeviceBusy.
+        max_queue: calls admitted but not yet started, a tenant's, beyond which its new calls get DeviceBusy.
         retry_after_s: the retry hint, in seconds, that DeviceBusy carries.
     """
 
@@ -132,9 +137,10 @@ class StreamPool:
         self.streams = streams
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: FairQueue[Any] = FairQueue()
         self._lock = threading.Lock()
         self._queued = 0
+        self._queued_by: collections.Counter[Hashable] = collections.Counter()
         self._running = 0
         self._threads: set[threading.Thread] = set()
         self._serial = 0
@@ -196,7 +202,7 @@ class StreamPool:
         with self._lock:
             threads = list(self._threads)
         for _ in threads:
-            self._queue.put(_STOP)
+            self._queue.put(_STOP, _STOP)
         await asyncio.to_thread(self._join, threads, max(grace_s, 1.0))
         for job in list(self._pending):  # anything that never got to run
             if job.transition("queued", "cancelled"):
@@ -238,6 +244,10 @@ class StreamPool:
         """Calls admitted and waiting for a worker."""
         return self._queued
 
+    def queued_by(self, tenant: Hashable) -> int:
+        """Calls of ``tenant`` admitted and waiting for a worker."""
+        return self._queued_by[tenant]
+
     @property
     def in_flight(self) -> int:
         """Calls running on a worker now."""
@@ -246,13 +256,20 @@ class StreamPool:
     # --- the call path -----------------------------------------------------------------------------
 
     async def run(
-        self, call: MoeInitRoutingV2GradCall, *, timeout_s: float | None, out: np.ndarray | None = None
+        self,
+        call: MoeInitRoutingV2GradCall,
+        *,
+        timeout_s: float | None,
+        out: np.ndarray | None = None,
+        tenant: Hashable = None,
     ) -> tuple[np.ndarray, Timings]:
-        """Run a validated, non-empty call on the next free worker.
+        """Run a validated, non-empty call on the next free worker, in ``tenant``'s turn.
 
         Args:
             call: the validated call.
             timeout_s: seconds from now until the call's deadline (None: no deadline).
+            tenant: whose call it is (a token's identity; None: no authentication): its lane of the
+                fair queue, holding up to ``max_queue`` of its calls.
             out: a writeable C-contiguous [N, H] array of the call's dtype for the worker to write
                 grad_x into (:meth:`BackendWorker.run`), or None. A call that times out may still
                 be writing into it after this returns: the worker holds it until its job ends.
@@ -261,14 +278,14 @@ class StreamPool:
             (grad_x [N, H] in the call's dtype (``out`` when given), where the time went).
 
         Raises:
-            DeviceBusy: not admitting, or ``max_queue`` calls already wait.
+            DeviceBusy: not admitting, or ``max_queue`` calls of ``tenant`` already wait.
             DeadlineExceeded: the deadline passed while queued (the call never ran) or while running.
             InvalidArgument: the device's phase one rejected the call.
             DeviceFault: the backend failed; an unexpected exception is wrapped into one.
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        job = _Job(call=call, deadline=deadline, out=out, loop=loop, future=loop.create_future())
+        job = _Job(call=call, deadline=deadline, out=out, loop=loop, future=loop.create_future(), tenant=tenant)
         with self._lock:
             if not self._admitting:
                 raise DeviceBusy("the service is not ready or is shutting down", retry_after_s=self.retry_after_s)
@@ -277,14 +294,16 @@ class StreamPool:
                     self.not_ready_reason or "the service has no worker that can run calls",
                     retry_after_s=self.retry_after_s,
                 )
-            if self._queued >= self.max_queue:
+            if self._queued_by[tenant] >= self.max_queue:
                 raise DeviceBusy(
-                    f"the queue is full ({self.max_queue} calls waiting)", retry_after_s=self.retry_after_s
+                    f"the queue is full ({self.max_queue} calls waiting{'' if tenant is None else ' for this token'})",
+                    retry_after_s=self.retry_after_s,
                 )
             self._queued += 1
+            self._queued_by[tenant] += 1
             self._pending.add(job)
             self._idle.clear()
-        self._queue.put(job)
+        self._queue.put(job, tenant)
         # The deadline is a timer on the loop that settles the job's future itself (cheaper per call
         # than wait_for + shield, which wrap the future in two more).
         timer = None if timeout_s is None else loop.call_at(loop.time() + timeout_s, self._expire, job, timeout_s)
@@ -315,6 +334,7 @@ class StreamPool:
         calls: Sequence[MoeInitRoutingV2GradCall],
         *,
         timeout_s: float | None,
+        tenant: Hashable = None,
     ) -> tuple[list[tuple[np.ndarray | None, BaseException | None]], Timings]:
         """Run validated, non-empty calls one after another on the next free worker, as one queue entry.
 
@@ -328,11 +348,15 @@ class StreamPool:
             The errors of :meth:`run` that concern the whole run: DeviceBusy (not admitting, queue
             full) and DeadlineExceeded (the deadline passed before the run finished).
         """
-        (outcomes,), timings = await self.run_parts([tuple(calls)], timeout_s=timeout_s)
+        (outcomes,), timings = await self.run_parts([tuple(calls)], timeout_s=timeout_s, tenant=tenant)
         return cast(list[tuple[np.ndarray | None, BaseException | None]], outcomes), timings
 
     async def run_parts(
-        self, parts: Sequence[Sequence[MoeInitRoutingV2GradCall] | CallGroup], *, timeout_s: float | None
+        self,
+        parts: Sequence[Sequence[MoeInitRoutingV2GradCall] | CallGroup],
+        *,
+        timeout_s: float | None,
+        tenant: Hashable = None,
     ) -> tuple[list[PartOutcome], Timings]:
         """Run a batch's share as one queue entry: each part a run of validated, non-empty calls (as
         :meth:`run_many` runs them) or a :class:`moegrad.CallGroup` (through the worker's
@@ -348,7 +372,7 @@ class StreamPool:
             The errors of :meth:`run_many`.
         """
         work = _Parts(tuple(part if isinstance(part, CallGroup) else tuple(part) for part in parts))
-        outcomes, timings = await self.run(work, timeout_s=timeout_s)  # type: ignore[arg-type]
+        outcomes, timings = await self.run(work, timeout_s=timeout_s, tenant=tenant)  # type: ignore[arg-type]
         return cast(list[PartOutcome], outcomes), timings
 
     def _expire(self, job: _Job, timeout_s: float) -> None:
@@ -369,9 +393,15 @@ class StreamPool:
 
     def _dequeued(self, job: _Job) -> None:
         with self._lock:
-            self._queued -= 1
+            self._count_out(job)
             self._pending.discard(job)
             self._check_idle()
+
+    def _count_out(self, job: _Job) -> None:  # with self._lock held: ``job`` leaves the queue
+        self._queued -= 1
+        self._queued_by[job.tenant] -= 1
+        if not self._queued_by[job.tenant]:
+            del self._queued_by[job.tenant]
 
     def _check_idle(self) -> None:  # with self._lock held
         if self._queued == 0 and self._running == 0:
@@ -421,7 +451,7 @@ class StreamPool:
                     continue
                 job.started, job.worker = time.monotonic(), index
                 with self._lock:
-                    self._queued -= 1
+                    self._count_out(job)
                     self._running += 1
                 result, error = self._execute(worker, job)
                 if job.transition("running", "done"):

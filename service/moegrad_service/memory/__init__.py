@@ -5,6 +5,9 @@
   their size and lent for large results (:class:`ReceiveBuffers`).
 - :mod:`~moegrad_service.memory.heap`: trimming the C heap once the service is quiet (:class:`HeapTrimmer`).
 - :mod:`~moegrad_service.memory.allocator`: the C library's allocator settings (``mallopt``).
+- :mod:`~moegrad_service.memory.peaks`: what answering one request holds at its peak, from its
+  decoded shapes (:class:`Peak`, :func:`call_peak`, :func:`compare_peak`,
+  :func:`explain_peak`, :func:`batch_peak`).
 - :mod:`~moegrad_service.memory.admission`: the three together (:class:`Memory`, which the app builds
   and hands to the dataplane) and what one admitted request holds of them (:class:`Admission`).
 """
@@ -14,8 +17,17 @@ from moegrad_service.memory.allocator import MMAP_THRESHOLD_BYTES, map_large_all
 from moegrad_service.memory.budget import MemoryBudget
 from moegrad_service.memory.buffers import REUSE_MIN_BYTES, Loan, ReceiveBuffers
 from moegrad_service.memory.heap import HeapTrimmer, trim_heap
+from moegrad_service.memory.peaks import (
+    JSON_HOLD_PER_BODY_BYTE,
+    Peak,
+    batch_peak,
+    call_peak,
+    compare_peak,
+    explain_peak,
+)
 
 __all__ = [
+    "JSON_HOLD_PER_BODY_BYTE",
     "MMAP_THRESHOLD_BYTES",
     "REUSE_MIN_BYTES",
     "Admission",
@@ -23,7 +35,12 @@ __all__ = [
     "Loan",
     "Memory",
     "MemoryBudget",
+    "Peak",
     "ReceiveBuffers",
+    "batch_peak",
+    "call_peak",
+    "compare_peak",
+    "explain_peak",
     "map_large_allocations",
     "trim_heap",
 ]

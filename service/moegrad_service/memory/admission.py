@@ -3,8 +3,10 @@
 Every request that carries tensors, on every protocol, is admitted the same way::
 
     admission = dataplane.admit(body_bytes)   # the pool's queue, then Memory.admit: the budget
-    ... read the body into admission.body_buffer(n), run the call (the dataplane writes a large
-        grad_x into admission.result_buffer(...)), send the reply ...
+    ... read the body into admission.body_buffer(n), decode it ...
+    admission.cover(call_peak(call, ...))     # topped up to what its shapes hold (memory.peaks)
+    ... run the call (the dataplane writes a large grad_x into admission.result_buffer(...)),
+        send the reply ...
     admission.release()                       # once the reply is sent: bytes and buffers back
 
 :class:`Memory` is built once by the app (``create_app``) and handed to the dataplane; it owns the
@@ -22,6 +24,7 @@ import numpy as np
 from moegrad_service.memory.budget import MemoryBudget
 from moegrad_service.memory.buffers import REUSE_MIN_BYTES, Loan, ReceiveBuffers
 from moegrad_service.memory.heap import HeapTrimmer
+from moegrad_service.memory.peaks import Peak
 
 __all__ = ["Admission", "Memory"]
 
@@ -60,19 +63,30 @@ class Memory:
         )
         self.buffers = ReceiveBuffers(self.budget, keep_s=keep_s)
 
-    def admit(self, body_bytes: int | None = None, *, per_byte: int | None = None) -> Admission:
+    def admit(
+        self,
+        body_bytes: int | None = None,
+        *,
+        per_byte: int | None = None,
+        extra_bytes: int = 0,
+        tenant: str | None = None,
+    ) -> Admission:
         """An admission for a request whose body holds ``per_byte`` times its bytes while it is
         answered (default MemoryBudget.HOLD_PER_BODY_BYTE; a batch's BATCH_HOLD_PER_BODY_BYTE),
         ``body_bytes`` of them reserved now (None: a body of unknown size, reserved as it arrives
-        with :meth:`Admission.reserve`).
+        with :meth:`Admission.reserve`), with ``extra_bytes`` besides (a v2 body's JSON part as it
+        is parsed; only with ``body_bytes``). ``tenant``: whose request it is (the caller's token,
+        by its identity; None without authentication).
 
         Raises:
             PayloadTooLarge: (413) the body could never fit the budget.
             DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
         """
-        admission = Admission(self.budget, self.buffers, per_byte=per_byte or MemoryBudget.HOLD_PER_BODY_BYTE)
+        admission = Admission(
+            self.budget, self.buffers, per_byte=per_byte or MemoryBudget.HOLD_PER_BODY_BYTE, tenant=tenant
+        )
         if body_bytes is not None:
-            admission.reserve(body_bytes)
+            admission.reserve(body_bytes, extra=extra_bytes)
         return admission
 
 
@@ -86,16 +100,22 @@ class Admission:
     handler uses it on the event loop; it is not thread-safe.
 
     Attributes:
-        per_byte: what the request holds per byte of its body.
+        per_byte: what the request holds per byte of its body until it is decoded.
+        tenant: whose request it is (a token's identity), or None.
+        body_bytes: the body's bytes reserved so far.
         body_complete: the whole body has arrived (nothing of it is left unread on the connection).
         read_in_place: body bytes the server wrote straight into :meth:`body_buffer`, past the
             ASGI receive channel (the access log counts them).
     """
 
-    def __init__(self, budget: MemoryBudget, buffers: ReceiveBuffers, *, per_byte: int) -> None:
+    def __init__(
+        self, budget: MemoryBudget, buffers: ReceiveBuffers, *, per_byte: int, tenant: str | None = None
+    ) -> None:
         self._budget = budget
         self._buffers = buffers
         self.per_byte = per_byte
+        self.tenant = tenant
+        self.body_bytes = 0
         self.body_complete = False
         self.read_in_place = 0
         self._reserved = 0
@@ -108,27 +128,33 @@ class Admission:
         """The bytes of the in-flight budget this request holds now."""
         return self._reserved
 
-    def reserve(self, body_bytes: int) -> None:
-        """Reserve what ``body_bytes`` more of the body hold (``per_byte`` times them); the limits
-        apply to the whole body so far (MemoryBudget.reserve_body).
+    def reserve(self, body_bytes: int, *, extra: int = 0) -> None:
+        """Reserve what ``body_bytes`` more of the body hold (``per_byte`` times them), and
+        ``extra`` bytes besides; the limits apply to the whole body so far
+        (MemoryBudget.reserve_body).
 
         Raises:
             PayloadTooLarge: (413) the body so far could never fit the budget.
             DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
         """
-        so_far = self._reserved // self.per_byte
-        self._reserved += self._budget.reserve_body(body_bytes, so_far=so_far, per_byte=self.per_byte)
+        self._reserved += self._budget.reserve_body(
+            body_bytes, so_far=self.body_bytes, per_byte=self.per_byte, extra=extra
+        )
+        self.body_bytes += body_bytes
 
-    def hold(self, nbytes: int) -> None:
-        """Reserve ``nbytes`` more for what the request computes beyond its body and grad_x (an
-        explanation's working set), known once the body is decoded; given back at :meth:`release`.
+    def cover(self, peak: Peak) -> None:
+        """Hold at least ``peak.total`` bytes from now until the answer is sent: what the decoded
+        request's shapes say answering it holds (moegrad_service.memory.peaks). Reserves the
+        difference when it is more than the request holds; never gives any back.
 
         Raises:
-            PayloadTooLarge: (413) the request as a whole could never fit the budget.
-            DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
+            PayloadTooLarge: (413) the request could never fit the budget; the message names its parts.
+            DeviceBusy: (503 + Retry-After) the difference does not fit now, beside what others hold.
         """
-        self._budget.reserve(nbytes, whole=self._reserved + nbytes)
-        self._reserved += nbytes
+        more = peak.total - self._reserved
+        if more > 0:
+            self._budget.top_up(more, whole=peak.total, needs=peak.describe())
+            self._reserved += more
 
     def body_buffer(self, nbytes: int) -> np.ndarray:
         """A byte buffer (uint8) of at least ``nbytes`` to read the body into: from the receive

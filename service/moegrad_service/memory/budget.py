@@ -13,10 +13,13 @@ __all__ = ["MemoryBudget"]
 class MemoryBudget:
     """The bytes that admitted requests may hold at once, in bytes.
 
-    A request's body holds twice its bytes (:meth:`reserve_body`): the body itself, and as much
-    again for its answer (grad_x and grad_x's encoding, each N x H elements: together the body's
-    size for a dropless call with top_k 2, less for a larger top_k). It is reserved before the body
-    is read (Content-Length) or as it arrives (chunked), and given back once the answer is sent.
+    Before its body is read, a request reserves twice its bytes (:meth:`reserve_body`): the body
+    itself, and as much again for its answer (grad_x, N x H elements: the body's size for a dropless
+    call with top_k 2, less for a larger top_k). It is reserved from Content-Length or as the body
+    arrives (chunked). Once the body is decoded, the request is topped up to what its shapes say it
+    holds (:meth:`top_up`, moegrad_service.memory.peaks: a comparison's per-row sums, the grad_x of a
+    call whose tokens are all dropped, a batch's items), and everything is given back once the
+    answer is sent.
     The last eighth of the budget is kept for small reservations (up to SMALL_BYTES each): clients
     holding large bodies, even slow or stalled ones, cannot keep a small call out. Spare room may
     hold buffers kept for reuse (:meth:`hold_spare`, moegrad_service.memory.buffers), each held
@@ -60,10 +63,11 @@ class MemoryBudget:
         a small one, seven eighths for a larger one."""
         return self.limit_bytes if nbytes <= self.SMALL_BYTES else self._large_limit
 
-    def reserve_body(self, body_bytes: int, *, so_far: int = 0, per_byte: int | None = None) -> int:
+    def reserve_body(self, body_bytes: int, *, so_far: int = 0, per_byte: int | None = None, extra: int = 0) -> int:
         """Reserve what a body of ``body_bytes`` holds until its answer is sent (``per_byte`` times
-        its size, default HOLD_PER_BODY_BYTE; a batch's BATCH_HOLD_PER_BODY_BYTE); returns the
-        bytes reserved, to give back with :meth:`release`.
+        its size, default HOLD_PER_BODY_BYTE; a batch's BATCH_HOLD_PER_BODY_BYTE) and ``extra``
+        bytes besides (a v2 body's JSON part as it is parsed, given with the whole declared body);
+        returns the bytes reserved, to give back with :meth:`release`.
 
         ``so_far``: the bytes of the same body already reserved (a body without Content-Length is
         reserved chunk by chunk as it arrives); the limits apply to the whole body so far, so a
@@ -74,24 +78,47 @@ class MemoryBudget:
             DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
         """
         per_byte = per_byte or self.HOLD_PER_BODY_BYTE
-        held = body_bytes * per_byte
-        whole = (so_far + body_bytes) * per_byte
+        held = body_bytes * per_byte + extra
+        whole = (so_far + body_bytes) * per_byte + extra
         ceiling = self.ceiling(whole)
         if whole > ceiling:
-            share = "all" if ceiling == self.limit_bytes else "seven eighths"
             what = (
                 "the body, and as much again for grad_x"
                 if per_byte == self.HOLD_PER_BODY_BYTE
                 else f"{per_byte} times the body: its calls decoded, their results and the reply"
             )
+            if extra:
+                what += f", and {extra} bytes for its JSON as it is parsed"
             raise PayloadTooLarge(
                 f"a body of {so_far + body_bytes} bytes holds {whole} bytes while it is answered ({what}), over "
-                f"the {ceiling} bytes ({share} of the service's in-flight budget of {self.limit_bytes} bytes, "
-                "max_inflight_bytes) that one request may take; send smaller calls or batches, "
-                "or raise max_inflight_bytes"
+                f"{self._share(ceiling)}; send smaller calls or batches, or raise max_inflight_bytes"
             )
         self.reserve(held, whole=whole)
         return held
+
+    def top_up(self, nbytes: int, *, whole: int, needs: str) -> None:
+        """Reserve ``nbytes`` more for a request that then holds ``whole`` bytes: what its decoded
+        shapes say answering it holds (moegrad_service.memory.peaks), ``needs`` in words.
+
+        Raises:
+            PayloadTooLarge: (413) ``whole`` could never fit, even with nothing else held.
+            DeviceBusy: (503 + Retry-After) ``nbytes`` more do not fit now, beside what others hold.
+        """
+        ceiling = self.ceiling(whole)
+        if whole > ceiling:
+            raise PayloadTooLarge(
+                f"this request holds {whole} bytes while it is answered ({needs}), over {self._share(ceiling)}; "
+                "send smaller calls (fewer tokens; a comparison holds 792 bytes a token whatever H is) or "
+                "smaller batches, or raise max_inflight_bytes"
+            )
+        self.reserve(nbytes, whole=whole)
+
+    def _share(self, ceiling: int) -> str:
+        share = "all" if ceiling == self.limit_bytes else "seven eighths"
+        return (
+            f"the {ceiling} bytes ({share} of the service's in-flight budget of {self.limit_bytes} bytes, "
+            "max_inflight_bytes) that one request may take"
+        )
 
     def reserve(self, nbytes: int, *, whole: int | None = None) -> None:
         """Take ``nbytes`` from the budget; ``whole``: what the request holds with them (the share of

@@ -115,12 +115,27 @@ def exchange(port: int, head: bytes, body: bytes | memoryview = b"", *, chunk: i
 def _read_some(sock: socket.socket, received: bytearray, started: float) -> Answer | None:
     """Read what a readable socket has into ``received``: the answer once it is whole (or the close
     that ended it), else None."""
-    data = sock.recv(1 << 16)
+    data = sock.recv(1 << 20)
     if not data:
         return _finish(received, started, "closed")
     received += data
+    if not _whole(received):  # not parsed (copied) again for every piece of a large answer
+        return None
     parsed = _parse(bytes(received))
     return Answer(*parsed, elapsed_s=time.monotonic() - started) if parsed else None
+
+
+def _whole(received: bytearray) -> bool:
+    """Whether ``received`` holds a whole answer: its head, and as many bytes after it as it declares."""
+    end = received.find(b"\r\n\r\n")
+    if end < 0:
+        return False
+    length = 0
+    for line in bytes(received[:end]).split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            length = int(value)
+    return len(received) >= end + 4 + length
 
 
 def _finish(received: bytearray, started: float, error: str) -> Answer:

@@ -774,3 +774,39 @@ def test_warm_up_compiles_the_comparison_when_numba_is_there():
     from moegrad.accuracy import _fused
 
     assert accuracy.warm_up_compare() is _fused.available()
+
+
+def test_the_zero_row_check_over_many_blocks_counts_every_wrong_element():
+    # 3 x 65536 dropped tokens with H = 2: the check runs in blocks of 65536 elements (32768 rows).
+    # Planted by hand: -0.0 in dropped row 40000 (block 2) and 1.0 in dropped rows 70000 and 131071.
+    tokens, hidden = 3 * 65536, 2
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=np.ones((1, 1, hidden), F32),
+                                    expanded_row_idx=np.full(tokens, -1, np.int32), top_k=1, drop_pad_mode=1)
+    candidate = np.zeros((tokens, hidden), F32)
+    candidate[40000, 1] = -0.0
+    candidate[70000, :] = 1.0
+    candidate[131071, 0] = 1.0
+    z = compare(call, candidate).zero_rows
+    assert (z.rows, z.mismatched_rows, z.mismatched_elements, z.first_mismatched_row) == (tokens, 3, 4, 40000)
+
+
+def test_a_set_stop_event_stops_the_comparison():
+    import threading
+
+    call = make_call("drop_pad", "float32")
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(moegrad.DeadlineExceeded, match="stopped"):
+        compare(call, moe_init_routing_v2_grad(call), stop=stop)
+    assert compare(call, moe_init_routing_v2_grad(call), stop=threading.Event()).verdict == "pass"
+
+
+@pytest.mark.parametrize("mode", ["dropless", "drop_pad"])
+def test_a_comparison_on_the_calling_thread_alone_gives_the_same_report(mode):
+    call = make_call(mode, "bfloat16", tokens=6000, top_k=2)  # 5 blocks of at most 1365 rows of 48
+    device = moe_init_routing_v2_grad(call)
+    candidate = device.copy()
+    candidate.reshape(-1)[::97] = 1.0
+    together = compare(call, candidate, device_result=device)
+    alone = compare(call, candidate, device_result=device, parallel=False)
+    assert json.dumps(alone.to_dict(), sort_keys=True) == json.dumps(together.to_dict(), sort_keys=True)

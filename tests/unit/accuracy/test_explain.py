@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import tracemalloc
 
 import ml_dtypes
@@ -387,3 +388,51 @@ def test_the_peak_stays_within_explain_peak_bytes(tokens, top_k, hidden):
         tracemalloc.stop()
     assert result.differing_rows == tokens
     assert peak <= accuracy.explain_peak_bytes(call)
+
+
+# --------------------------------------------------------------------------------------------------
+# stop: a caller that has gone (a service's client, its deadline) stops the explanation
+# --------------------------------------------------------------------------------------------------
+
+
+class CountingStop(threading.Event):
+    """A stop event that counts how often it is looked at, and reads as set from look ``at`` on."""
+
+    def __init__(self, at=None):
+        super().__init__()
+        self.looks, self.at = 0, at
+
+    def is_set(self):
+        self.looks += 1
+        return self.at is not None and self.looks >= self.at
+
+
+def every_row_searched():
+    """48 tokens, K = 4, H = 4096 bf16 (one block of rows), the candidate one ULP off everywhere: no
+    order or single summand fits, so every row is searched for a wrong summand among the others."""
+    rng = np.random.default_rng(11)
+    call = call_of(rng.standard_normal((48 * 4, 4096)).astype(ml_dtypes.bfloat16), rng.permutation(48 * 4), 4)
+    candidate = moegrad.moe_init_routing_v2_grad(call)
+    candidate.view(np.uint16)[...] ^= 1
+    return call, candidate
+
+
+def test_a_set_stop_event_stops_the_explanation():
+    call, candidate = every_row_searched()
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(moegrad.DeadlineExceeded, match="explanation was stopped"):
+        explain(call, candidate, stop=stop)
+    assert explain(call, candidate, stop=threading.Event()).labels["unexplained"] == 48
+
+
+def test_the_stop_is_looked_at_within_a_block_while_its_rows_are_searched():
+    """One block of rows: once before it and four times between its searches; every other look is
+    within the search of other rows, a few rows at a time (the slow part of an unexplained row)."""
+    call, candidate = every_row_searched()
+    counted = CountingStop()
+    assert explain(call, candidate, stop=counted).labels["unexplained"] == 48
+    assert counted.looks > 1 + 4
+    for at in (2, counted.looks // 2, counted.looks):
+        with pytest.raises(moegrad.DeadlineExceeded):
+            explain(call, candidate, stop=CountingStop(at))

@@ -12,6 +12,9 @@ bandwidth probe, which would widen that window, is off), and grpc refuses a mess
 limit from its 5-byte length prefix, before reading it. RPCs wait for room in arrival order, each
 until ``body_timeout_s`` after it began (as many as ``max_connections`` lets in: a waiting RPC
 holds no more than its stream's window), then have ``body_timeout_s`` for their message to arrive.
+Once a ModelInfer's message is decoded, its reservation becomes what its call holds from then on
+(:meth:`Reservation.cover`, moegrad_service.memory.peaks), as an HTTP body's admission is topped
+up to its call's peak.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import grpc
 
 from moegrad import DeviceBusy
 from moegrad_service.api.errors import RequestTimeout
-from moegrad_service.memory import MemoryBudget
+from moegrad_service.memory import MemoryBudget, Peak
 from moegrad_service.settings import Settings
 
 __all__ = [
@@ -94,6 +97,26 @@ class Reservation:
 
     def release(self) -> None:
         self.keep(0)
+
+    def cover(self, peak: Peak) -> None:
+        """Hold ``peak.total`` bytes from now until the reply is sent: what the decoded call's shapes
+        say answering it holds (moegrad_service.memory.peaks). More than is held is reserved
+        (MemoryBudget.top_up); what the read held beyond it (HOLD_PER_MESSAGE_BYTE times the
+        message: the message, its parsed copy and the tensors copied out, the first two gone once
+        it is decoded) is given back.
+
+        Raises:
+            PayloadTooLarge: (RESOURCE_EXHAUSTED) the call could never fit the budget; the message
+                names its parts. What is held is unchanged.
+            DeviceBusy: (UNAVAILABLE + retry-after) the difference does not fit now, beside what
+                others hold. What is held is unchanged.
+        """
+        more = peak.total - self.nbytes
+        if more > 0:
+            self._budget.top_up(more, whole=peak.total, needs=peak.describe())
+            self.nbytes = peak.total
+        else:
+            self.keep(peak.total)
 
 
 class MessageGate:

@@ -4,10 +4,11 @@
 standard health service ``grpc.health.v1.Health`` (grpcio-health-checking), with the HTTP side's
 settings: the same bearer tokens (metadata ``authorization: Bearer <token>``, one interceptor before
 every RPC, checked by the same :class:`~moegrad_service.api.auth.Authenticator` from the metadata,
-before a byte of the message is read), the same TLS certificate and key, and the same in-flight
-budget: every request message is read only once the budget holds room for the largest message
-gRPC lets through (api/grpc/admission.py), and ``max_connections`` RPCs are served at once (beyond
-it: RESOURCE_EXHAUSTED, before the message is read). The app's lifespan starts it after the pool
+before a byte of the message is read; a ModelInfer then runs in its token's turn, as an HTTP call
+does), the same TLS certificate and key, and the same in-flight budget: every request message is
+read only once the budget holds room for the largest message gRPC lets through, and a decoded
+ModelInfer then holds what its call does (api/grpc/admission.py), and ``max_connections`` RPCs are
+served at once (beyond it: RESOURCE_EXHAUSTED, before the message is read). The app's lifespan starts it after the pool
 and stops it before the pool closes; :meth:`GrpcServer.drain` (on SIGTERM, with the HTTP side)
 turns the health service NOT_SERVING while admitted calls finish.
 """
@@ -26,7 +27,14 @@ from grpc_health.v1 import health, health_pb2
 from moegrad import DeviceBusy, MoegradError, Unauthorized
 from moegrad_service.api.auth import Authenticator
 from moegrad_service.api.grpc.admission import GRPC_MAX_MESSAGE_BYTES, LOOKAHEAD_BYTES, MessageGate, max_message_bytes
-from moegrad_service.api.grpc.servicer import SERVICE, InferenceServicer, grpc_status, method_handlers, parse_request
+from moegrad_service.api.grpc.servicer import (
+    SERVICE,
+    InferenceServicer,
+    authorization_of,
+    grpc_status,
+    method_handlers,
+    parse_request,
+)
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -78,14 +86,7 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], details: grpc.HandlerCallDetails
     ) -> Any:
-        authorization = next(
-            (
-                value
-                for key, value in details.invocation_metadata or ()
-                if key == "authorization" and isinstance(value, str)
-            ),
-            "",
-        )
+        authorization = authorization_of(details.invocation_metadata)
         try:
             self._authenticator.check(OPEN_METHODS.get(details.method, details.method), authorization)
         except Unauthorized as exc:
@@ -192,7 +193,7 @@ class GrpcServer:
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
             ],
         )
-        server.add_generic_rpc_handlers((method_handlers(InferenceServicer(dataplane, metrics, gate)),))
+        server.add_generic_rpc_handlers((method_handlers(InferenceServicer(dataplane, metrics, gate, authenticator)),))
         health_servicer = _ReadinessHealth(dataplane)
         server.add_generic_rpc_handlers((_health_handlers(health_servicer, gate),))
         address = _address(settings.host, settings.grpc_port)

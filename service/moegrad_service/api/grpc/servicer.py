@@ -3,6 +3,8 @@
 Each RPC is admit and read (api/grpc/admission.py) -> decode (api/grpc/codec.py) -> dataplane ->
 encode, like the HTTP routes; every method is registered request-streaming, so that nothing of
 its message is read before it is admitted (a unary call is one message on the wire either way).
+A ModelInfer, once decoded, holds what its call's shapes say (moegrad_service.memory.peaks, as an
+HTTP call does) and runs in its tenant's turn: its caller's token, from the metadata.
 An error is a gRPC status: its code from the one error table (api/errors.py, the ``grpc_code``
 column), its details the same message the HTTP answer carries (for an operator constraint: the
 field, the rule and the aclnn code), and the HTTP answer's shared headers as trailing metadata
@@ -18,7 +20,8 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -27,8 +30,9 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from moegrad import DeadlineExceeded, DeviceBusy, MalformedRequest, MoegradError
+from moegrad_service.api.auth import Authenticator
 from moegrad_service.api.errors import NotFound, answer_for, message_of, shared_headers
-from moegrad_service.api.grpc.admission import MessageGate
+from moegrad_service.api.grpc.admission import MessageGate, Reservation
 from moegrad_service.api.grpc.codec import decode_infer_request, encode_infer_response
 from moegrad_service.api.grpc.wire import check_typed_contents
 from moegrad_service.api.inputs import INLINE_DECODE_BYTES, off_loop
@@ -42,9 +46,10 @@ from moegrad_service.api.v2.model import (
     server_metadata,
 )
 from moegrad_service.dataplane import DataPlane
+from moegrad_service.memory import call_peak
 from moegrad_service.metrics import Metrics
 
-__all__ = ["SERVICE", "InferenceServicer", "grpc_status", "method_handlers", "parse_request"]
+__all__ = ["SERVICE", "InferenceServicer", "Rpc", "authorization_of", "grpc_status", "method_handlers", "parse_request"]
 
 log = logging.getLogger("moegrad_service.api")
 #: The full name of the service (the prefix of every method path).
@@ -71,7 +76,29 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[s
     return grpc.StatusCode[answer.grpc_code], message_of(exc), trailers
 
 
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext, float], Awaitable[Any]]
+def authorization_of(metadata: Iterable[tuple[str, Any]] | None) -> str:
+    """The ``authorization`` entry of an RPC's metadata ("" when absent), as HTTP's header."""
+    return next((value for key, value in metadata or () if key == "authorization" and isinstance(value, str)), "")
+
+
+@dataclass
+class Rpc:
+    """One RPC as its method sees it besides the request.
+
+    Attributes:
+        started: when it began (``time.perf_counter()``).
+        tenant: whose it is: its token's identity (api/auth.py), None without tokens.
+        received: its request message's size, in bytes.
+        reservation: what it holds of the in-flight budget since its message was read, or None.
+    """
+
+    started: float
+    tenant: str | None = None
+    received: int = 0
+    reservation: Reservation | None = None
+
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext, Rpc], Awaitable[Any]]
 #: RPCs whose request messages have no fields: they are answered without reading them.
 _UNREAD = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
 
@@ -105,29 +132,29 @@ def _rpc(method: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
 
     @functools.wraps(method)
     async def handler(self: InferenceServicer, requests: Any, context: grpc.aio.ServicerContext) -> bytes:
-        started = time.perf_counter()
-        reservation = None
+        rpc = Rpc(started=time.perf_counter())
         try:
-            if infer:  # refused before the message is read when the pool could not take the call
-                self.dataplane.admit().release()
+            if infer:  # refused before the message is read when the pool could not take the tenant's call
+                rpc.tenant = self.tenant(context)
+                self.dataplane.admit(tenant=rpc.tenant).release()
             raw = b""
             if reads:
-                raw, reservation = await self.gate.receive(context, started)
-            received = len(raw)
+                raw, rpc.reservation = await self.gate.receive(context, rpc.started)
+            rpc.received = len(raw)
             if infer:
                 check_typed_contents(raw)
             request = await parse_request(request_type, raw)
             del raw  # the parsed message holds what the call needs
-            if reservation is not None and not infer:  # the parsed message is all such an RPC holds
-                reservation.release()
-            running = method(self, request, context, started)
+            if rpc.reservation is not None and not infer:  # the parsed message is all such an RPC holds
+                rpc.reservation.release()
+            running = method(self, request, context, rpc)
             del request  # the method alone holds it now, and lets it go once decoded
             reply = await running
             data = reply if isinstance(reply, bytes) else reply.SerializeToString()
             if infer:
-                self.metrics.bytes_in.inc(received)
+                self.metrics.bytes_in.inc(rpc.received)
                 self.metrics.bytes_out.inc(len(data))
-                self.metrics.succeeded(endpoint, started)
+                self.metrics.succeeded(endpoint, rpc.started)
             return data
         except Exception as exc:  # every error, expected or not, is answered with a status
             code, details, trailers = grpc_status(exc)
@@ -141,8 +168,8 @@ def _rpc(method: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
             await context.abort(code, details)
             raise AssertionError("context.abort raises") from None
         finally:
-            if reservation is not None:
-                reservation.release()
+            if rpc.reservation is not None:
+                rpc.reservation.release()
 
     return handler
 
@@ -160,12 +187,27 @@ class InferenceServicer:
         dataplane: the dataplane every protocol shares.
         metrics: the app's metrics (successes, failures and bytes, labelled with the method path).
         gate: the admission of request messages before they are read.
+        authenticator: the bearer tokens (a call's tenant is its token's identity); None: no tokens.
     """
 
-    def __init__(self, dataplane: DataPlane, metrics: Metrics, gate: MessageGate) -> None:
+    def __init__(
+        self, dataplane: DataPlane, metrics: Metrics, gate: MessageGate, authenticator: Authenticator | None = None
+    ) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
         self.gate = gate
+        self.authenticator = authenticator
+
+    def tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's tenant: its token's identity (``token-<n>``, api/auth.py), from the metadata
+        the server's interceptor has already checked; None without tokens.
+
+        Raises:
+            Unauthorized: (UNAUTHENTICATED) no accepted token (the interceptor refuses such an RPC first).
+        """
+        if self.authenticator is None:
+            return None
+        return self.authenticator.check(f"/{SERVICE}/ModelInfer", authorization_of(context.invocation_metadata()))
 
     async def _ready(self) -> bool:
         try:
@@ -175,15 +217,15 @@ class InferenceServicer:
         return True
 
     @_rpc
-    async def ServerLive(self, request, context, started) -> service_pb2.ServerLiveResponse:
+    async def ServerLive(self, request, context, rpc) -> service_pb2.ServerLiveResponse:
         return service_pb2.ServerLiveResponse(live=True)
 
     @_rpc
-    async def ServerReady(self, request, context, started) -> service_pb2.ServerReadyResponse:
+    async def ServerReady(self, request, context, rpc) -> service_pb2.ServerReadyResponse:
         return service_pb2.ServerReadyResponse(ready=await self._ready())
 
     @_rpc
-    async def ModelReady(self, request, context, started) -> service_pb2.ModelReadyResponse:
+    async def ModelReady(self, request, context, rpc) -> service_pb2.ModelReadyResponse:
         try:
             check_model(request.name, request.version)
         except NotFound:
@@ -191,34 +233,34 @@ class InferenceServicer:
         return service_pb2.ModelReadyResponse(ready=await self._ready())
 
     @_rpc
-    async def ServerMetadata(self, request, context, started) -> service_pb2.ServerMetadataResponse:
+    async def ServerMetadata(self, request, context, rpc) -> service_pb2.ServerMetadataResponse:
         return json_format.ParseDict(server_metadata(binary_tensor_data=False), service_pb2.ServerMetadataResponse())
 
     @_rpc
-    async def ModelMetadata(self, request, context, started) -> service_pb2.ModelMetadataResponse:
+    async def ModelMetadata(self, request, context, rpc) -> service_pb2.ModelMetadataResponse:
         check_model(request.name, request.version)
         document = model_metadata(self.dataplane)
         del document["parameters"]  # the message has no such field: ModelConfig carries them
         return json_format.ParseDict(document, service_pb2.ModelMetadataResponse())
 
     @_rpc
-    async def ModelConfig(self, request, context, started) -> service_pb2.ModelConfigResponse:
+    async def ModelConfig(self, request, context, rpc) -> service_pb2.ModelConfigResponse:
         check_model(request.name, request.version)
         config = json_format.ParseDict(model_config(self.dataplane), model_config_pb2.ModelConfig())
         return service_pb2.ModelConfigResponse(config=config)
 
     @_rpc
-    async def ModelStatistics(self, request, context, started) -> service_pb2.ModelStatisticsResponse:
+    async def ModelStatistics(self, request, context, rpc) -> service_pb2.ModelStatisticsResponse:
         if request.name:  # "": every model
             check_model(request.name, request.version)
         return json_format.ParseDict(model_statistics(self.dataplane), service_pb2.ModelStatisticsResponse())
 
     @_rpc
-    async def RepositoryIndex(self, request, context, started) -> service_pb2.RepositoryIndexResponse:
+    async def RepositoryIndex(self, request, context, rpc) -> service_pb2.RepositoryIndexResponse:
         return json_format.ParseDict({"models": repository_index(request.ready)}, service_pb2.RepositoryIndexResponse())
 
     @_rpc
-    async def ModelInfer(self, request, context, started) -> bytes:
+    async def ModelInfer(self, request, context, rpc) -> bytes:
         check_model(request.model_name, request.model_version)
         dataplane, settings = self.dataplane, self.dataplane.settings
         timeout_s = settings.request_timeout_s
@@ -236,8 +278,12 @@ class InferenceServicer:
             timeout_s = min(timeout_s, decoded.timeout_s)
         call, request_id, named_order = decoded.call, decoded.id, decoded.named_order
         del decoded  # the call alone holds the tensors, and the dataplane lets go of it once it has run
+        if rpc.reservation is not None:  # from the read's reservation to what the call holds from now on
+            rpc.reservation.cover(call_peak(call, body_bytes=rpc.received, reply="serialized"))
         # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).
-        outcome = await dataplane.infer(call, named_order=named_order, timeout_s=timeout_s, received_s=started)
+        outcome = await dataplane.infer(
+            call, named_order=named_order, timeout_s=timeout_s, received_s=rpc.started, tenant=rpc.tenant
+        )
         del call
         if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS:
             return await off_loop(encode_infer_response, outcome, request_id)

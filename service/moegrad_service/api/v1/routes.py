@@ -11,7 +11,8 @@ dataplane -> encode. A call's reply is frames when the request's Accept names
 the candidate and the standards are checked before the backend runs. The explain endpoint
 explains each row of the candidate that differs from the backend's result with
 :func:`moegrad.explain` (docs/accuracy.md, "Explaining a mismatch"); the candidate is checked, and
-what explain holds beyond the body reserved (:func:`reserve_explanation`), before the backend runs.
+the request's admission topped up to what the explanation holds (memory.peaks.explain_peak), before
+the backend runs.
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ from moegrad import (
     FRAMES_MEDIA_TYPE,
     MAX_BATCH_CALLS,
     REQUEST_LIMITS,
-    MoeInitRoutingV2GradCall,
     decode_frames,
     encode_frames,
-    explain_peak_bytes,
 )
 from moegrad.wire import EXPLAIN_PATH, VIEW_MIN_BYTES, decode_batch, decode_body, holds_views
+from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import answer_for
 from moegrad_service.api.inputs import (
     INLINE_DECODE_BYTES,
     MSGPACK_MEDIA_TYPES,
     admission_of,
+    cover,
     dataplane_of,
     disconnected,
     media_type_of,
@@ -61,8 +62,8 @@ from moegrad_service.api.v1.codec import (
 )
 from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES
 from moegrad_service.api.v1.parts import encode_parts
-from moegrad_service.dataplane import BatchItem, GradRequest
-from moegrad_service.memory import MemoryBudget
+from moegrad_service.dataplane import BatchItem, Comparison, GradRequest, GroupMember
+from moegrad_service.memory import MemoryBudget, Peak, batch_peak, call_peak, compare_peak, explain_peak
 from moegrad_service.metrics import Metrics
 
 __all__ = [
@@ -74,7 +75,6 @@ __all__ = [
     "msgpack_response",
     "read_document",
     "reply_response",
-    "reserve_explanation",
     "router",
     "routes",
 ]
@@ -86,6 +86,12 @@ COMPARE_PATH = "/v1/moe_init_routing_v2_grad/compare"
 MSGPACK = "application/msgpack"
 #: What a v1 call's body may be: msgpack, or frames (a msgpack header, then the tensors' bytes).
 V1_MEDIA_TYPES = MSGPACK_MEDIA_TYPES | {FRAMES_MEDIA_TYPE}
+#: Batch bodies larger than this are decoded on a worker thread: a batch's cost is its items (up to
+#: MAX_BATCH_CALLS), which a few KiB already hold many of.
+INLINE_BATCH_BYTES = 64 << 10
+#: Batches of more items than this have their reply built on a worker thread (a comparison's
+#: report alone costs about half a millisecond to write out).
+INLINE_BATCH_ITEMS = 16
 
 
 def msgpack_response(document: dict[str, Any], metrics: Metrics) -> Response:
@@ -152,6 +158,7 @@ async def read_call(request: Request) -> GradRequest:
 async def moe_init_routing_v2_grad(request: Request) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     call, named_order = await read_call(request)
+    cover(request, call_peak, call)
     outcome = await dataplane_of(request).infer(
         call,
         named_order=named_order,
@@ -159,6 +166,7 @@ async def moe_init_routing_v2_grad(request: Request) -> Response:
         disconnected=partial(disconnected, request),
         received_s=started,
         admission=admission_of(request.scope),
+        tenant=tenant_of(request.scope),
     )
     metrics = metrics_of(request)
     response = reply_response(request, grad_reply(outcome, started), metrics)
@@ -179,10 +187,17 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
         items = decode_batch(body, REQUEST_LIMITS, max_calls=MAX_BATCH_CALLS, min_view_bytes=GROUP_CALL_BYTES + 1)
         return decode_batch_items(items, dataplane, max_elements=settings.max_elements)
 
-    items = await off_loop(decode) if len(body) > INLINE_DECODE_BYTES else decode()
-    answers = await dataplane.infer_batch(items, timeout_s=timeout_s, disconnected=partial(disconnected, request))
-    reply = {"results": batch_reply(items, answers), "timings_ms": {"total": (time.perf_counter() - started) * 1e3}}
-    response = msgpack_response(reply, metrics)
+    items = await off_loop(decode) if len(body) > INLINE_BATCH_BYTES else decode()
+    cover(request, _batch_peak, items)
+    answers = await dataplane.infer_batch(
+        items, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
+    )
+
+    def encode() -> Response:
+        reply = {"results": batch_reply(items, answers), "timings_ms": {"total": (time.perf_counter() - started) * 1e3}}
+        return msgpack_response(reply, metrics)
+
+    response = await off_loop(encode) if len(answers) > INLINE_BATCH_ITEMS else encode()
     failed = [answer for answer in answers if isinstance(answer, BaseException)]
     for answer in failed:  # each call of a batch is counted, as a single call would be
         metrics.failure.labels(endpoint=BATCH_PATH, reason=answer_for(answer).reason).inc()
@@ -201,24 +216,30 @@ async def compare_candidate(request: Request) -> Response:
         max_elements=settings_of(request).max_elements,
         default_order=dataplane.default_order,
     )
-    outcome = await dataplane.compare(comparison, timeout_s=timeout_s, disconnected=partial(disconnected, request))
+    cover(request, compare_peak, comparison.call, comparison.candidate.nbytes)
+    outcome = await dataplane.compare(
+        comparison, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
+    )
     response = msgpack_response(compare_reply(comparison, outcome, started), metrics)
     metrics.succeeded(COMPARE_PATH, started)
     return response
 
 
-def reserve_explanation(request: Request, call: MoeInitRoutingV2GradCall) -> None:
-    """Reserve what an explanation of ``call`` holds beyond its body and grad_x (which the body's
-    admission counts already): :func:`moegrad.explain_peak_bytes` with the device's result given
-    and the reply (the explanation's dict and its msgpack encoding), from the in-flight budget.
-
-    Raises:
-        PayloadTooLarge: (413) the request could never fit the budget.
-        DeviceBusy: (503 + Retry-After) it does not fit now, beside what others hold.
-    """
-    admission = admission_of(request.scope)
-    if admission is not None:
-        admission.hold(explain_peak_bytes(call, device_result=True, reply=True))
+def _batch_peak(items: list[BatchItem], *, body_bytes: int) -> Peak:
+    """What a decoded batch holds (moegrad_service.memory.batch_peak): its calls, comparisons and refused items."""
+    calls, comparisons, refused = [], [], 0
+    for item in items:
+        if isinstance(item, Comparison):
+            comparisons.append((item.call, item.candidate.nbytes))
+        elif isinstance(item, GroupMember):
+            calls.append(item.group.like)  # every member has the shape of the group's first
+        elif isinstance(item, GradRequest):
+            calls.append(item.call)
+        elif isinstance(item, BaseException):
+            refused += 1
+        else:
+            calls.append(item)
+    return batch_peak(calls, comparisons, refused=refused, body_bytes=body_bytes)
 
 
 async def explain_candidate(request: Request) -> Response:
@@ -232,12 +253,9 @@ async def explain_candidate(request: Request) -> Response:
         max_elements=settings_of(request).max_elements,
         default_order=dataplane.default_order,
     )
-    reserve_explanation(request, explained.call)
+    cover(request, explain_peak, explained.call, explained.candidate.nbytes)
     outcome = await dataplane.explain(
-        explained,
-        timeout_s=timeout_s,
-        disconnected=partial(disconnected, request),
-        admission=admission_of(request.scope),
+        explained, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
     )
     reply = await off_loop(explain_reply, outcome, started)
     response = msgpack_response(reply, metrics)

@@ -25,9 +25,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from moegrad import MalformedRequest
+from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.inputs import (
     admission_of,
+    byte_count,
+    cover,
     dataplane_of,
     disconnected,
     metrics_of,
@@ -57,6 +60,7 @@ from moegrad_service.api.v2.model import (
     server_metadata,
 )
 from moegrad_service.dataplane import GradOutcome
+from moegrad_service.memory import JSON_HOLD_PER_BODY_BYTE, MemoryBudget, call_peak
 
 __all__ = ["INFER_PATHS", "router", "routes"]
 
@@ -192,8 +196,20 @@ async def infer(request: Request) -> Response:
             f"Content-Encoding {coding!r} is not supported; send the body uncompressed", field="Content-Encoding"
         )
     header_length = request.headers.get(HEADER_LENGTH)
-    # tritonclient sends no Content-Type; the binary tensor data is read in place 16-byte aligned (no copy)
-    body = await read_body(request, settings.max_body_bytes, media_types=None, lead=binary_lead(header_length))
+    # tritonclient sends no Content-Type; the binary tensor data is read in place 16-byte aligned (no copy).
+    # The JSON part holds many times its bytes while it is parsed: all of a JSON-only body, else the header.
+    json_bytes = None if header_length is None else byte_count(header_length)
+    if json_bytes is not None:  # a header larger than the body is refused once read (400): count the body
+        json_bytes = min(json_bytes, byte_count(request.headers.get("content-length", "")) or 0)
+    json_extra = JSON_HOLD_PER_BODY_BYTE - MemoryBudget.HOLD_PER_BODY_BYTE
+    body = await read_body(
+        request,
+        settings.max_body_bytes,
+        media_types=None,
+        lead=binary_lead(header_length),
+        hold_per_byte=JSON_HOLD_PER_BODY_BYTE if json_bytes is None else None,
+        extra_bytes=0 if json_bytes is None else json_bytes * json_extra,
+    )
     metrics.bytes_in.inc(len(body))
     decode = partial(
         decode_infer_request,
@@ -205,6 +221,7 @@ async def infer(request: Request) -> Response:
     decoded = await off_loop(decode) if len(body) > INLINE_JSON_BYTES else decode()
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
+    cover(request, call_peak, decoded.call, reply="buffers" if decoded.binary_output else "json")
     outcome = await dataplane.infer(
         decoded.call,
         named_order=decoded.named_order,
@@ -212,6 +229,7 @@ async def infer(request: Request) -> Response:
         disconnected=partial(disconnected, request),
         received_s=started,
         admission=admission_of(request.scope),
+        tenant=tenant_of(request.scope),
     )
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
     response = await off_loop(encode) if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS else encode()

@@ -1,0 +1,82 @@
+"""A queue shared out fairly between tenants: each tenant's work in turn, a tenant that had nothing
+waiting first; each tenant's own work in order.
+
+With bearer tokens, each token is a tenant (moegrad_service.api.auth); without, every request is
+one tenant's and the queue is first in, first out. Each tenant with work waiting has a lane; the
+lanes are taken in turn, one job a turn (deficit round robin with a quantum of one job: Shreedhar
+and Varghese, "Efficient Fair Queuing Using Deficit Round-Robin", SIGCOMM 1995), with FlowQueue's
+two lists (RFC 8290, "The Flow Queue CoDel Packet Scheduler and Active Queue Management
+Algorithm", sections 1.3 and 4.2):
+
+- a tenant that has no lane (nothing waiting, and its last turn has come round) gets one in the
+  *new* list, which is served before the *old* one: its next job waits only for the jobs running
+  now and for other new lanes' first jobs, never behind a flooding tenant's backlog;
+- a lane that had its turn goes to the back of the *old* list, even when it is empty (so a tenant
+  cannot be new again before every old lane has had a turn); an empty lane leaves when its turn
+  comes round in the old list.
+
+So a flood of a thousand calls from one tenant lets another tenant's one call wait for the next
+free worker, and two floods share the workers call for call.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+__all__ = ["FairQueue"]
+
+T = TypeVar("T")
+
+
+class FairQueue(Generic[T]):
+    """Work waiting for a worker, taken in turn across tenants, new tenants first. Thread-safe;
+    :meth:`get` blocks.
+
+    Work given up on while it waits is not taken out (its worker skips it when its turn comes);
+    ``len()`` counts it until then.
+    """
+
+    def __init__(self) -> None:
+        self._new: collections.OrderedDict[Hashable, collections.deque[T]] = collections.OrderedDict()
+        self._old: collections.OrderedDict[Hashable, collections.deque[T]] = collections.OrderedDict()
+        self._ready = threading.Condition(threading.Lock())
+        self._count = 0
+
+    def put(self, item: T, tenant: Hashable = None) -> None:
+        """Add ``item`` at the end of ``tenant``'s lane: in the new list when the tenant has none."""
+        with self._ready:
+            lane = self._new.get(tenant)
+            if lane is None:
+                lane = self._old.get(tenant)
+            if lane is None:
+                lane = self._new[tenant] = collections.deque()
+            lane.append(item)
+            self._count += 1
+            self._ready.notify()
+
+    def get(self) -> T:
+        """The next item in turn: the first of the first new lane, else of the first old lane with
+        work (empty old lanes met on the way leave); the lane then goes to the back of the old
+        list. Blocks until there is one."""
+        with self._ready:
+            while not self._count:
+                self._ready.wait()
+            lanes = self._new if self._new else self._old
+            tenant, lane = lanes.popitem(last=False)
+            while not lane:  # an old lane whose turn came round empty: it leaves
+                tenant, lane = self._old.popitem(last=False)
+            item = lane.popleft()
+            self._old[tenant] = lane
+            self._count -= 1
+            return item
+
+    def __len__(self) -> int:
+        return self._count
+
+    def tenants(self) -> int:
+        """The tenants with work waiting now."""
+        with self._ready:
+            return sum(1 for lanes in (self._new, self._old) for lane in lanes.values() if lane)
