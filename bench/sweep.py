@@ -1,9 +1,11 @@
-"""Sweep rate: ``Client.compare_many`` over a folder of small cases against one, two and three servers.
+"""Sweep rate: ``Client.compare_many`` over a folder of small cases against one, two and three servers;
+and what ``--reports`` costs the command.
 
 Usage::
 
     .venv/bin/python -m bench.sweep                       # 600 cases, 1/2/3 servers, best of 3
     .venv/bin/python -m bench.sweep --cases 300 --repeat 1 --servers 1 3
+    .venv/bin/python -m bench.sweep --cases 300 --servers 3 --repeat 5 --reports --failing 10
 
 It starts the largest number of reference-backend servers asked for (``moegrad-service serve
 --backend reference``, each on a free 127.0.0.1 port, started together by
@@ -14,11 +16,22 @@ them ``--repeat`` times with ``Client(urls[:N]).compare_many(files, concurrency=
 command's default) and prints a markdown table of the best rate (cases/s, the files read and
 hashed, the batches sent, every verdict checked to be ``pass``). The servers share this machine's
 cores with the client: the table says how far a sweep spreads here, not what N hosts would give.
+
+With ``--reports``, the command itself (``moegrad compare --cases DIR --url ...``, run in this process
+through :func:`moegrad.cli.main`, over every server) is timed without ``--reports``, with it (``--plots
+none``, the default), with ``--plots failing`` and, with ``--plots-all``, with ``--plots all``, the
+variants alternating, ``--repeat`` times each, the median kept; then the same over a second folder
+where ``--failing`` cases of the ``--cases`` fail (their candidate scaled by 1 + 2^-12). Each row
+says the plots drawn and its time over the sweep's without ``--reports``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -30,21 +43,62 @@ import numpy as np
 import moegrad
 from bench._results import machine
 from moegrad import accuracy
+from moegrad.cli import main as moegrad_command
 from support.launch import moegrad_server, stop_on_sigterm
 
-__all__ = ["main", "sweep_rate", "write_cases"]
+__all__ = ["main", "reports_cost", "sweep_rate", "write_cases"]
 
 
-def write_cases(folder: Path, count: int, tokens: int, hidden: int) -> list[Path]:
-    """``count`` case files: a float32 dropless call with K=2 and its device result as the candidate."""
+def write_cases(folder: Path, count: int, tokens: int, hidden: int, failing: int = 0) -> list[Path]:
+    """``count`` case files: a float32 dropless call with K=2 and its device result as the candidate
+    (the first ``failing`` of them scaled by 1 + 2^-12: they fail)."""
     rng = np.random.default_rng(0)
     for i in range(count):
         grad = rng.uniform(-1.0, 1.0, (2 * tokens, hidden)).astype(np.float32)
         idx = rng.permutation(2 * tokens).astype(np.int32)
         candidate = moegrad.moe_init_routing_v2_grad(grad, idx, 2)
+        if i < failing:
+            candidate = (candidate.astype(np.float64) * (1 + 2.0**-12)).astype(np.float32)
         accuracy.save_case(folder / f"case{i:05d}.npz", grad_expanded_x=grad, expanded_row_idx=idx, top_k=2,
                            candidate=candidate)
     return accuracy.find_cases(folder)
+
+
+def _command_s(argv: list[str], expected: int) -> float:
+    """Seconds of one ``moegrad`` command run in this process (its output dropped)."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        started = time.perf_counter()
+        status = moegrad_command(argv)
+        elapsed = time.perf_counter() - started
+    if status != expected:
+        raise SystemExit(f"{' '.join(argv)}: exit {status}, not {expected}: {err.getvalue()}")
+    return elapsed
+
+
+def reports_cost(
+    urls: list[str], folder: Path, repeat: int, plots_all: bool, failing: int
+) -> list[tuple[str, int, float]]:
+    """The command over ``folder``'s cases (``failing`` of them fail) without ``--reports``, with it,
+    and (``plots_all``) with ``--plots all``, alternating ``repeat`` times: (variant, plots drawn,
+    median seconds) each."""
+    base = ["compare", "--cases", str(folder), "--no-progress", "--summary", str(folder.parent / "summary"),
+            *(arg for url in urls for arg in ("--url", url))]
+    expected = 1 if failing else 0
+    variants = [
+        ("without --reports", [], 0),
+        ("--reports OUT (--plots none, the default)", ["--reports"], 0),
+        ("--reports OUT --plots failing", ["--reports", "--plots", "failing"], failing),
+    ]
+    if plots_all:
+        variants.append(("--reports OUT --plots all", ["--reports", "--plots", "all"], len(list(folder.iterdir()))))
+    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    for _ in range(repeat):
+        for name, flags, _ in variants:
+            out = folder.parent / "reports"
+            shutil.rmtree(out, ignore_errors=True)
+            argv = [*base, *flags[:1], str(out), *flags[1:]] if flags else base
+            times[name].append(_command_s(argv, expected))
+    return [(name, plots, statistics.median(times[name])) for name, _, plots in variants]
 
 
 def sweep_rate(urls: list[str], files: list[Path], repeat: int) -> tuple[float, list[int]]:
@@ -71,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256, help="H of each case (default: %(default)s)")
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 2, 3], help="server counts (default: 1 2 3)")
     parser.add_argument("--repeat", type=int, default=3, help="sweeps per server count, best kept (default: 3)")
+    parser.add_argument("--reports", action="store_true", help="also time the command with and without --reports")
+    parser.add_argument("--plots-all", action="store_true", help="with --reports: also time --plots all (slow)")
+    parser.add_argument("--failing", type=int, default=30,
+                        help="with --reports: a second folder where this many cases fail (default: %(default)s)")
     args = parser.parse_args(argv)
     stop_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="moegrad-bench-sweep-") as tmp:
@@ -87,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             for count in args.servers:
                 rate, served = sweep_rate(urls[:count], files, args.repeat)
                 rows.append((count, rate, served))
+            costs = []
+            if args.reports:
+                (folder / "failing" / "cases").mkdir(parents=True)
+                write_cases(folder / "failing" / "cases", args.cases, args.tokens, args.hidden, args.failing)
+                for cases, failing in ((folder / "cases", 0), (folder / "failing" / "cases", args.failing)):
+                    costs.append((failing, reports_cost(urls, cases, args.repeat, args.plots_all, failing)))
         finally:
             for server in started:
                 server.stop()
@@ -99,6 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     for count, rate, served in rows:
         ratio = f"{rate / one:.2f}x" if one else "-"
         print(f"| {count} | {max(4, 2 * count)} | {rate:.0f} | {ratio} | {' / '.join(map(str, served))} |")
+    if costs:
+        print()
+        print(f"`moegrad compare --cases DIR` over {len(urls)} servers, {args.cases} cases; median of {args.repeat}, "
+              "the variants alternating")
+        print()
+        print("| cases failing | command | plots drawn | seconds | vs without --reports |")
+        print("|---|---|---|---|---|")
+        for failing, measured in costs:
+            plain = measured[0][2]
+            for name, plots, seconds in measured:
+                print(f"| {failing} | {name} | {plots} | {seconds:.2f} | {seconds / plain:.2f}x |")
     return 0
 
 

@@ -4,7 +4,9 @@
 
 - :class:`Client` / :class:`AsyncClient` call a moegrad service (the NPU, or its bit-exact emulation),
   or several replicas of it (``client.stats``: a :class:`ReplicaStats` per replica);
-- :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order;
+- :func:`moe_init_routing_v2_grad` computes the same result in-process, in the device's order
+  (:func:`warm_up` compiles its kernel now, or loads it from numba's cache: :func:`kernel_cache`
+  says which);
 - :class:`MoeInitRoutingV2GradCall` validates a call exactly as the operator's phase one does;
 - :data:`PROFILES` names every device profile (a chip at one CANN release, :class:`Profile`) whose
   bits and rules a call's ``order`` selects; :func:`resolve_profile` reads a name or an alias;
@@ -30,6 +32,7 @@ from moegrad._errors import (
     MalformedRequest,
     MoegradError,
     PayloadTooLarge,
+    ReplicaWarning,
     ServiceError,
     TransportError,
     Unauthorized,
@@ -79,10 +82,12 @@ from moegrad.accuracy import (
     summand_magnitude,
 )
 from moegrad.http._answers import CompareResult, ExplainResult, GradResult
-from moegrad.http._client import AsyncClient, Client
+from moegrad.http._async_client import AsyncClient
+from moegrad.http._client import Client
 from moegrad.http._documents import BatchCompare
 from moegrad.http._replicas import ReplicaStats
 from moegrad.numerics._ascend950 import Ascend950Tiling, ascend950_tiling
+from moegrad.numerics._fast import KernelCache, kernel_cache
 from moegrad.numerics._identify import Identification, ProfileMatch, identify
 from moegrad.numerics._reference import moe_init_routing_v2_grad, moe_init_routing_v2_grad_golden, warm_up
 from moegrad.numerics._reference_many import moe_init_routing_v2_grad_group, moe_init_routing_v2_grad_many
@@ -145,6 +150,7 @@ __all__ = [
     "Identification",
     "InconsistentOrder",
     "InvalidArgument",
+    "KernelCache",
     "MalformedRequest",
     "Metrics",
     "MoeInitRoutingV2GradCall",
@@ -158,6 +164,7 @@ __all__ = [
     "Profile",
     "ProfileMatch",
     "ReplicaStats",
+    "ReplicaWarning",
     "ServiceError",
     "ShrinkError",
     "ShrinkResult",
@@ -194,6 +201,7 @@ __all__ = [
     "explain_peak_bytes",
     "identify",
     "invert_expanded_row_idx",
+    "kernel_cache",
     "metrics",
     "moe_init_routing_v2",
     "moe_init_routing_v2_grad",

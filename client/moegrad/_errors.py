@@ -13,6 +13,9 @@ Every error moegrad raises, on the client or in the service, is one of these::
         ├── TransportError     the server could not be reached, or the connection broke
         └── Unauthorized       the server requires a bearer token and none or a wrong one was sent
 
+One warning: :class:`ReplicaWarning`, a client named in a way that leaves replicas unused (a plain
+``http://`` name that resolves to several addresses).
+
 The first five are domain errors: the engine raises them, ``moegrad_service.api`` maps each to an
 HTTP status through one table, and the client raises the same class again from the server's answer.
 None of them carries HTTP in its definition.
@@ -33,6 +36,7 @@ __all__ = [
     "MalformedRequest",
     "MoegradError",
     "PayloadTooLarge",
+    "ReplicaWarning",
     "ServiceError",
     "TransportError",
     "Unauthorized",
@@ -171,3 +175,10 @@ class TransportError(ServiceError):
 
 class Unauthorized(ServiceError):
     """The server requires a bearer token and none, or a wrong one, was sent (HTTP 401)."""
+
+
+class ReplicaWarning(UserWarning):
+    """A client whose URL leaves replicas unused: a plain ``http(s)://`` name that resolves to several
+    addresses of one family is one replica to the client, every call going to the address the
+    resolver gives first (no spreading, no failover); a ``dns+`` URL makes each address a replica
+    (docs/accuracy.md, "Sweeps"). Issued once per client and host, at its first connection."""

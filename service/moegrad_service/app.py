@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from moegrad import __version__
-from moegrad.accuracy import warm_up_compare
+from moegrad.accuracy import compare_cache, warm_up_compare
 from moegrad_service.api import health, v1, v2
 from moegrad_service.api.auth import Authenticator, AuthMiddleware
 from moegrad_service.api.errors import install_error_handlers
@@ -22,6 +21,7 @@ from moegrad_service.api.middleware import RequestLogMiddleware
 from moegrad_service.api.routing import openapi_with_endpoints
 from moegrad_service.dataplane import DataPlane
 from moegrad_service.engine import Backend, StreamPool, open_backend
+from moegrad_service.engine.compiling import warm_up_logged
 from moegrad_service.memory import Memory
 from moegrad_service.metrics import Metrics
 from moegrad_service.settings import Settings
@@ -41,13 +41,10 @@ def _drain(pool: StreamPool, grpc_server: GrpcServer | None) -> None:
 
 
 def _warm_up_compare() -> None:
-    """Compile the accuracy comparison, saying when it starts and when it is done."""
-    started = time.perf_counter()
-    log.info("compiling the accuracy comparison in the background (a cold numba cache: up to 2 minutes)")
-    warm_up_compare()
-    log.info(
-        "the accuracy comparison is compiled (%.1f s); comparisons run at full speed", time.perf_counter() - started
-    )
+    """Compile the accuracy comparison (or load it from numba's cache), saying when it starts and
+    what numba's cache gave it."""
+    waiting = "in the background: compiling takes up to 2 minutes, comparisons meanwhile wait for it"
+    warm_up_logged(log, "the accuracy comparison", warm_up_compare, compare_cache, waiting=waiting)
 
 
 def create_app(settings: Settings | None = None, *, backend: Backend | None = None) -> FastAPI:

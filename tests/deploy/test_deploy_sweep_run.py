@@ -2,7 +2,8 @@
 
 This module plays the cluster: the headless Service's name resolves to three ready pods (three
 reference servers on 127.0.0.1, 127.0.0.2 and 127.0.0.3, one port: on Linux all of 127.0.0.0/8 is
-loopback); each index runs the rendered sweep Job's ``moegrad`` arguments with
+loopback) and a fourth that died and is still listed (127.0.0.4, where nothing listens: each run
+names it lost); each index runs the rendered sweep Job's ``moegrad`` arguments with
 ``$(JOB_COMPLETION_INDEX)`` expanded as the kubelet expands it, then the merge Job's, in this
 process (``moegrad.cli._main.main``). Only what a cluster changes is changed: the mounts' paths become
 folders here and the URL's port the servers' (the scheme and the Service's name are the Job's).
@@ -13,11 +14,13 @@ address resolved as before.
 Oracles: each case's status from tests/support/oracle.py (a K=2 float32 call's device result is one
 float32 add); what each server judged from its own ``/metrics`` (its calls answered, by endpoint);
 the exit statuses as README.md lists them (the sweep Job's pods 0 once every case is judged,
-issue 38; the merge 1 when a case failed).
+issue 38; the merge 4 while a shard has no file, then 1 when a case failed); each case's dtype,
+shape, K and mode as the test wrote it.
 """
 
 from __future__ import annotations
 
+import csv
 import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +38,10 @@ from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP = REPO / "deploy" / "sweep"
-#: The three ready pods of the headless Service.
+#: The three ready pods of the headless Service ...
 PODS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+#: ... and one that died, still in its answer.
+DEAD = "127.0.0.4"
 CASES = 200
 ANSWERED = re.compile(r'^moegrad_inference_request_success_total\{endpoint="([^"]*)"\} (\S+)$', re.M)
 FAILED = re.compile(r'^moegrad_inference_request_failure_total\{[^}]*\} (\S+)$', re.M)
@@ -138,9 +143,10 @@ def test_the_sweep_job_reaches_every_ready_pod_and_completes_with_findings(pods,
     service = urlsplit(option(sweep["args"], "--url")).hostname
     resolve = socket.getaddrinfo
 
-    def headless(host, port_, *args, **kwargs):  # the cluster DNS's answer: one A record per ready pod
+    def headless(host, port_, *args, **kwargs):  # the cluster DNS's answer: one A record per pod listed
         if host == service:
-            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (pod, int(port_))) for pod in PODS]
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (pod, int(port_)))
+                    for pod in (*PODS, DEAD)]
         return resolve(host, port_, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", headless)
@@ -154,6 +160,17 @@ def test_the_sweep_job_reaches_every_ready_pod_and_completes_with_findings(pods,
     for index in range(completions):
         args = [expand(arg, {"JOB_COMPLETION_INDEX": str(index)}) for arg in sweep["args"]]
         assert main(_here(args, sweep, folders, port)) == 0, f"index {index}: {capsys.readouterr()}"
+        # the dead pod, named once by each index's run, on its console and in its summary beside its results
+        err = capsys.readouterr().err
+        assert f"moegrad: replica http://{DEAD}:{port} lost (no answer since it failed): " in err, err
+        assert f"- replica http://{DEAD}:{port} lost" in (folders["results"] / f"shard-{index}.summary.md").read_text()
+        if index == completions - 2:  # one shard left: the merge says first what is missing, and exits 4
+            assert main(_here(merge["args"], merge, folders, port)) == 4
+            summary = Path(_here([option(merge["args"], "--summary")], merge, folders, port)[0])
+            lines = summary.with_suffix(".md").read_text().splitlines()
+            assert lines[2].startswith("**Not complete: ") and lines[4].startswith(f"- shard {index + 1} (no file)")
+            capsys.readouterr()
+    assert not list(folders["cases"].glob("summary*"))  # the pods write nothing where the cases are (read-only)
     after = [_answered(pod, port) for pod in PODS]
     served = [now[0] - then[0] for now, then in zip(after, before, strict=True)]
     assert all(count > 0 for count in served), f"calls per pod {dict(zip(PODS, served, strict=True))}"
@@ -166,3 +183,12 @@ def test_the_sweep_job_reaches_every_ready_pod_and_completes_with_findings(pods,
     assert sorted(line.split()[1] for line in out.splitlines() if line.startswith("  fail ")) == failing
     summary = Path(_here([option(merge["args"], "--summary")], merge, folders, port)[0])
     assert summary.with_suffix(".csv").is_file() and summary.with_suffix(".md").is_file()
+    # the triage columns: what each case is, the device's own status beside the candidate's
+    with open(summary.with_suffix(".csv"), encoding="utf-8-sig", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert sorted(row["API Name"] for row in rows[:len(failing)]) == failing  # the failures first
+    assert {(row["DEVICE Dtype"], row["Shape"], row["top_k"], row["mode"], row["active_num"]) for row in rows} == {
+        ("float32", "(8, 16)", "2", "dropless", "0")}
+    assert {row["device_status"] for row in rows} == {"pass"}
+    policy = "Policy: standards dual_thousandth, threshold, benchmark, accumulative;"
+    assert policy in summary.with_suffix(".md").read_text()

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ import pytest
 
 import moegrad
 from moegrad import accuracy
+from moegrad.cli._console import replica_notes
 from moegrad.cli._main import main
 from moegrad.cli._sweep import sweep_status
 from support.launch import moegrad_server
@@ -180,6 +182,33 @@ def test_shards_are_disjoint_cover_the_cases_and_merge_into_a_single_runs_summar
     assert "digest conflict: case " + other["case"] in capsys.readouterr().err
 
 
+def test_the_command_names_a_lost_replica_once_on_the_console_and_in_the_summary(servers, tmp_path, capsys):
+    """Two of the module's servers and a third URL where nothing listens (a replica that died): every
+    case is judged by the two, and the dead one is named once, lost, with its failed attempts and the
+    calls moved off it (none when it was set aside for the whole sweep after its /v1/info failed;
+    the SIGKILL test below catches calls moving)."""
+    expected = write_cases(tmp_path / "cases", 40)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens once the socket is closed
+    urls = [servers[0].url, servers[1].url, dead]
+    argv = ["compare", "--cases", str(tmp_path / "cases"), "--no-progress", "--verbose",
+            "--output", str(tmp_path / "out" / "run.jsonl"), *(arg for url in urls for arg in ("--url", url))]
+    assert main(argv) == 1  # every case judged; some fail
+    captured = capsys.readouterr()
+    notes = [line for line in captured.err.splitlines() if line.startswith("moegrad: replica ")]
+    assert len(notes) == 1 and notes[0].startswith(f"moegrad: replica {dead} lost (no answer since it failed): ")
+    failed, moved = map(int, re.search(r": (\d+) failed attempts?, (\d+) calls? moved to other replicas$",
+                                       notes[0]).groups())
+    assert failed >= 1  # its /v1/info, asked before anything is sent, at least
+    summary = (tmp_path / "out" / "run.summary.md").read_text()
+    assert f"- replica {dead} lost (no answer since it failed): " in summary
+    assert {line["case"]: line["status"] for line in case_lines(tmp_path / "out" / "run.jsonl")} == expected
+    listed = captured.out[captured.out.index("replicas:"):].splitlines()[1:]  # --verbose: every replica's counters
+    assert [line.split()[0] for line in listed] == urls
+    assert re.search(rf"^  {re.escape(dead)} .*served 0, failures {failed}, moved {moved}$", "\n".join(listed), re.M)
+
+
 def test_a_sweep_interrupted_by_sigint_resumes_and_judges_every_case_once(servers, tmp_path):
     expected = write_cases(tmp_path / "cases", 400, tokens=64, hidden=64)
     output = tmp_path / "out" / "sweep.jsonl"
@@ -247,6 +276,10 @@ def test_a_sweep_that_loses_a_replica_to_sigkill_judges_every_case_exactly_once(
     assert all(stats[url].served > 0 for url in urls[:2]), stats  # both survivors served
     if busy_at_kill[0]:  # killed with a batch in hand (killed idle at 130, every batch left may be in flight elsewhere)
         assert stats[victim.url].failures >= 1, stats  # its loss was seen, and its calls went elsewhere
+        assert stats[victim.url].moved >= 1 and stats[victim.url].failures_in_a_row >= 1, stats
+        # the note the command prints once, and writes in the summary
+        [note] = replica_notes(list(stats.values()))
+        assert note.startswith(f"replica {victim.url} lost (no answer since it failed): ")
     assert {line["server"] for line in lines} <= set(urls)
 
 

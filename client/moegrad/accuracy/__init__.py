@@ -8,7 +8,8 @@ standard, with the thresholds per dtype and their sources.
 - tables: :data:`STANDARDS`, :data:`THRESHOLDS` (standard, dtype) -> criteria, :data:`DTYPE_LIMITS`;
 - judging: :func:`compare` (one operator call), :func:`compare_arrays` (given arrays),
   :func:`metrics` (one pair), :func:`check_compare_arguments`, :func:`skipped_rows`,
-  :func:`summand_magnitude`;
+  :func:`summand_magnitude`; :func:`warm_up_compare` (compile the comparison now, or load it from
+  numba's cache: :func:`compare_cache` says which);
 - results: :class:`ComparisonReport` and its parts, each with ``to_dict`` / ``from_dict``;
 - reports: :func:`format_report` (terminal), :func:`markdown_report` / :func:`write_markdown_report`
   (with the plot, :func:`write_histogram`), :func:`write_json_report` / :func:`read_json_report`,
@@ -30,7 +31,8 @@ standard, with the thresholds per dtype and their sources.
   report context records (:func:`call_traits`); one HTML page: :func:`write_html_report`,
   :func:`write_html_sweep`;
 - bulk: :func:`load_case` / :func:`save_case` (one ``.npz`` per case), :func:`compare_cases`,
-  :func:`write_summary`; sweeps: :class:`SweepFile` (the results file a run writes as it goes and
+  :func:`write_summary` (a sweep's summary to triage: :class:`SummaryNotes`, :func:`triage`,
+  :class:`Finding`); sweeps: :class:`SweepFile` (the results file a run writes as it goes and
   resumes from), :func:`shard_of`, :func:`merge_sweeps` (shard files -> one run's results),
   :class:`ProfilesDiffer` (cases that name no profile over replicas of different profiles) and
   :func:`refuse_mixed_profiles`, :func:`worst_first`, :func:`statuses`; a sweep's pieces as the
@@ -47,16 +49,7 @@ standard, with the thresholds per dtype and their sources.
 from moegrad.accuracy._batches import ProfilesDiffer, context_call, fields_with_order, refuse_mixed_profiles
 from moegrad.accuracy._bound import any_order_bound
 from moegrad.accuracy._candidate import Candidate, CandidateError, as_candidate
-from moegrad.accuracy._cases import (
-    SUMMARY_COLUMNS,
-    CaseResult,
-    find_cases,
-    load_case,
-    save_case,
-    shard_of,
-    worst_first,
-    write_summary,
-)
+from moegrad.accuracy._cases import CaseResult, find_cases, load_case, save_case, shard_of
 from moegrad.accuracy._compare import (
     check_compare_arguments,
     compare,
@@ -97,7 +90,7 @@ from moegrad.accuracy._export import (
     write_json_report,
 )
 from moegrad.accuracy._factors import FAMILY_ALPHA, Factor, FactorAnalysis, analyse_factors, fisher_tail
-from moegrad.accuracy._fused import warm_up_compare
+from moegrad.accuracy._fused import compare_cache, warm_up_compare
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
@@ -137,6 +130,7 @@ from moegrad.accuracy._results import (
 )
 from moegrad.accuracy._shrink import DEFAULT_MAX_TESTS, NothingToShrink, ShrinkError, ShrinkResult, ShrinkStep, shrink
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDARDS, THRESHOLDS, Criterion, DtypeLimits
+from moegrad.accuracy._summary import SUMMARY_COLUMNS, Finding, SummaryNotes, triage, worst_first, write_summary
 from moegrad.accuracy._sweep import SWEEP_THREAD, compare_cases, compare_in_process
 from moegrad.accuracy._traits import call_traits
 from moegrad.accuracy._where import PERCENTILES, ROW_ERROR_COLUMNS, row_errors, with_row_errors
@@ -174,6 +168,7 @@ __all__ = [
     "Explanation",
     "Factor",
     "FactorAnalysis",
+    "Finding",
     "Hypothesis",
     "InconsistentOrder",
     "MergeError",
@@ -194,6 +189,7 @@ __all__ = [
     "ShrinkStep",
     "SlotTable",
     "StandardVerdict",
+    "SummaryNotes",
     "SweepFile",
     "SweepFileBusy",
     "SweepFileError",
@@ -210,6 +206,7 @@ __all__ = [
     "check_explain_arguments",
     "compare",
     "compare_arrays",
+    "compare_cache",
     "compare_cases",
     "compare_in_process",
     "console_text",
@@ -246,6 +243,7 @@ __all__ = [
     "skipped_rows",
     "statuses",
     "summand_magnitude",
+    "triage",
     "warm_up_compare",
     "with_context",
     "with_explanation",

@@ -1,6 +1,7 @@
-"""Bulk checking's files: one ``.npz`` file per case, each case's result, one summary worst first.
+"""Bulk checking's files: one ``.npz`` file per case, and each case's result.
 
-The run over the cases (it never stops on a bad one) is :mod:`moegrad.accuracy._sweep`'s.
+The run over the cases (it never stops on a bad one) is :mod:`moegrad.accuracy._sweep`'s; the
+summary of their results, :mod:`moegrad.accuracy._summary`'s.
 
 A case file (:func:`save_case`, :func:`load_case`; docs/accuracy.md, "Bulk checking") is a NumPy
 ``.npz`` archive holding the call and the candidate:
@@ -21,11 +22,9 @@ of a few MiB can otherwise inflate to gigabytes.
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -34,17 +33,11 @@ import ml_dtypes
 import numpy as np
 
 from moegrad.accuracy._case_archive import archive_names, read_arrays, read_case_file
-from moegrad.accuracy._escape import csv_row, markdown_text
-from moegrad.accuracy._explanation import labels_line
-from moegrad.accuracy._export import MSPROBE_STATUS
-from moegrad.accuracy._factors import analyse_factors
 from moegrad.accuracy._results import ComparisonReport
-from moegrad.accuracy._standards import SEVERITY
 
 __all__ = [
     "MAX_CASE_BYTES",
     "MAX_CASE_BYTES_ENV",
-    "SUMMARY_COLUMNS",
     "CaseResult",
     "CaseStatus",
     "case_digest",
@@ -57,12 +50,9 @@ __all__ = [
     "read_case_bytes",
     "save_case",
     "shard_of",
-    "worst_first",
-    "write_summary",
 ]
 
 CaseStatus = Literal["pass", "warning", "fail", "invalid", "error"]
-_CASE_SEVERITY = {**SEVERITY, "invalid": 3, "error": 4}
 _TENSORS = ("grad_expanded_x", "expanded_row_idx", "candidate")
 _INTEGERS = ("top_k", "drop_pad_mode", "active_num")
 _KNOWN = frozenset({*_TENSORS, *_INTEGERS, "order", "allow_duplicate_indices"})
@@ -258,139 +248,3 @@ def find_cases(directory: str | os.PathLike[str]) -> list[Path]:
     if not folder.is_dir():
         raise NotADirectoryError(f"{folder} is not a folder of .npz cases")
     return sorted(p for p in folder.iterdir() if p.suffix == ".npz" and p.is_file())
-
-
-def _ratio(report: ComparisonReport, measure: str) -> float:
-    for verdict in report.verdicts:
-        for criterion in verdict.criteria:
-            if criterion.measure == measure:
-                return criterion.value
-    return math.nan
-
-
-def _badness(result: CaseResult) -> tuple[int, float]:
-    rmse = math.nan if result.report is None else _ratio(result.report, "rmse_ratio")
-    return _CASE_SEVERITY[result.status], -math.inf if math.isnan(rmse) else rmse
-
-
-#: Columns of the summary CSV: msprobe's result-comparison names first, then moegrad's own.
-SUMMARY_COLUMNS: tuple[str, ...] = (
-    "API Name",
-    "DEVICE Dtype",
-    "Shape",
-    "比对结果",
-    "比对算法",
-    "均方根误差比值",
-    "相对误差最大值比值",
-    "相对误差平均值比值",
-    "小值域错误比值",
-    "二进制一致错误率",
-    "Message",
-    "moegrad_status",
-    "bit_exact",
-    "bitwise_mismatches",
-    "worst_row",
-    "explained",
-    "order",
-    "file",
-)
-
-
-def _cell(value: float) -> str:
-    return "nan" if math.isnan(value) else repr(value)
-
-
-def _summary_row(result: CaseResult) -> dict[str, str]:
-    r = result.report
-    row = dict.fromkeys(SUMMARY_COLUMNS, "")
-    row.update(
-        {
-            "API Name": result.name,
-            "比对结果": MSPROBE_STATUS[result.status],
-            "moegrad_status": result.status,
-            "file": result.path or "",
-        }
-    )
-    if r is None:
-        row["Message"] = result.error or ""
-        return row
-    exact = r.exact
-    row.update(
-        {
-            "DEVICE Dtype": r.candidate_dtype,
-            "Shape": str(tuple(r.shape)),
-            "比对算法": "+".join(v.standard for v in r.verdicts),
-            "均方根误差比值": _cell(_ratio(r, "rmse_ratio")),
-            "相对误差最大值比值": _cell(_ratio(r, "max_relative_error_ratio")),
-            "相对误差平均值比值": _cell(_ratio(r, "mean_relative_error_ratio")),
-            "小值域错误比值": _cell(_ratio(r, "small_value_error_ratio")),
-            "二进制一致错误率": "" if exact is None else _cell(exact.share),
-            "Message": "; ".join(c.describe() for v in r.verdicts for c in v.criteria if c.status != "pass"),
-            "bit_exact": "" if exact is None else str(exact.bit_exact).lower(),
-            "bitwise_mismatches": "" if exact is None else str(exact.mismatched),
-            "worst_row": "" if r.candidate_vs_golden.worst is None else str(r.candidate_vs_golden.worst.row),
-            "explained": labels_line(r.explained),
-            "order": "" if r.context is None else r.context.order,
-        }
-    )
-    return row
-
-
-def worst_first(results: Iterable[CaseResult]) -> list[CaseResult]:
-    """The results worst first: invalid/error, fail, warning, pass; then the larger RMSE ratio
-    first; cases that tie keep their order."""
-    return sorted(results, key=_badness, reverse=True)
-
-
-def write_summary(
-    results: Iterable[CaseResult], csv_path: str | os.PathLike[str], markdown_path: str | os.PathLike[str] | None = None
-) -> list[CaseResult]:
-    """Write one row per case, the worst first: invalid/error, fail, warning, pass; then by RMSE ratio.
-
-    Args:
-        results: :func:`compare_cases`'s.
-        csv_path: the summary CSV (:data:`SUMMARY_COLUMNS`; UTF-8 with a byte-order mark), a
-            text cell that a spreadsheet would read as a formula written with a leading ``'``
-            (:func:`~moegrad.accuracy._escape.csv_cell`).
-        markdown_path: the same table as markdown, with the counts per status, then which
-            conditions separate the failing cases from the passing ones
-            (:func:`~moegrad.accuracy.analyse_factors`); None: not written.
-            Every cell is escaped (:func:`~moegrad.accuracy._escape.markdown_text`): a case's name
-            or message never ends its cell or row.
-
-    Returns:
-        The results in the order written.
-
-    Raises:
-        OSError: a file cannot be written.
-    """
-    ordered = worst_first(results)
-    rows = [_summary_row(result) for result in ordered]
-    with open(os.fspath(csv_path), "w", encoding="utf-8-sig", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(SUMMARY_COLUMNS))
-        writer.writeheader()
-        writer.writerows(map(csv_row, rows))
-    if markdown_path is not None:
-        counts = {status: sum(1 for r in ordered if r.status == status) for status in _CASE_SEVERITY}
-        lines = [
-            "# moegrad accuracy summary",
-            "",
-            f"{len(ordered)} cases: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n),
-            "",
-            "| case | status | bit-exact | rmse ratio | worst row | explained | message |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for row in rows:
-            cells = (
-                row["API Name"],
-                row["moegrad_status"],
-                row["bit_exact"],
-                row["均方根误差比值"],
-                row["worst_row"],
-                row["explained"],
-            )
-            shown = [markdown_text(cell) or "-" for cell in cells] + [markdown_text(row["Message"])]
-            lines.append("| " + " | ".join(shown) + " |")
-        lines += ["", *analyse_factors(ordered).markdown()]  # which factor makes cases fail
-        Path(markdown_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return ordered

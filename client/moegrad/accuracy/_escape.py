@@ -30,6 +30,7 @@ __all__ = ["FORMULA_TRIGGERS", "console_text", "csv_cell", "csv_row", "markdown_
 FORMULA_TRIGGERS = frozenset("=+-@\t\r")
 _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 _MARKDOWN = frozenset("\\`|<>[]&")
+_MARKDOWN_ESCAPES = str.maketrans({char: "\\" + char for char in _MARKDOWN})
 
 
 def _number(text: str) -> bool:
@@ -68,4 +69,4 @@ def console_text(text: str) -> str:
 def markdown_text(text: str) -> str:
     """``text`` as markdown shows it, on one line and inert: :func:`console_text`, then ``\\``,
     `````, ``|``, ``<``, ``>``, ``[``, ``]`` and ``&`` backslash-escaped."""
-    return "".join("\\" + char if char in _MARKDOWN else char for char in console_text(text))
+    return console_text(text).translate(_MARKDOWN_ESCAPES)

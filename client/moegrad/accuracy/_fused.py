@@ -22,7 +22,7 @@ from moegrad._dtypes import dtype_name
 from moegrad._errors import DeadlineExceeded
 from moegrad.accuracy._results import Metrics, WorstElement
 from moegrad.accuracy._standards import DTYPE_LIMITS
-from moegrad.numerics._fast import CompiledModule
+from moegrad.numerics._fast import CompiledModule, KernelCache
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 
 __all__ = ["available", "fused_metrics", "warm_up_compare"]
@@ -48,6 +48,12 @@ def _load() -> ModuleType | None:
 def available() -> bool:
     """Whether the compiled comparison can run here (numba imports)."""
     return _load() is not None
+
+
+def compare_cache() -> KernelCache:
+    """What numba's on-disk cache gave the compiled comparison in this process so far
+    (:class:`moegrad.KernelCache`: loaded from a warm cache, or compiled)."""
+    return _KERNELS.cache()
 
 
 def warm_up_compare() -> bool:

@@ -47,6 +47,10 @@ class MergedSweep:
             then case names or, without the case files, ``"shard I (K of M cases)"``.
         stale: lines left out (their case is gone or has other bytes now).
         files: the shard files read.
+        missing_cases: with the case files, each case not judged -> why (its shard has no file,
+            or its shard's file has no line for it as its file is now); empty without them.
+        missing_count: how many cases are not judged; None when a shard has no file and there
+            are no case files to count its cases by.
     """
 
     results: list[CaseResult]
@@ -54,6 +58,8 @@ class MergedSweep:
     missing: list[str]
     stale: int
     files: list[Path]
+    missing_cases: dict[str, str] = dataclasses.field(default_factory=dict)
+    missing_count: int | None = 0
 
 
 def shard_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
@@ -159,28 +165,45 @@ def merge_sweeps(
             chosen.setdefault(name, (file, line))
     count = header.shard[1]
     absent = [index for index in range(count) if index not in by_index]
-    missing: list[str] = []
-    stale = 0
     if cases is not None:
-        expected = {Path(path).stem: _digest(path) for path in cases}
-        unfiled = {index: 0 for index in absent}
-        results = []
-        late: list[str] = []
-        for name, digest in expected.items():
-            found = chosen.get(name)
-            if found is not None and found[1].digest == digest:
-                results.append(found[1].result)
-            elif (index := shard_of(name, count)) in unfiled:
-                unfiled[index] += 1
-            else:
-                late.append(name)
-        missing = [_no_file(index, paths, number) for index, number in unfiled.items()] + late
-        stale = sum(1 for name, (_, line) in chosen.items() if expected.get(name) != line.digest)
-    else:
-        results = [line.result for _, line in chosen.values()]
-        missing = [_no_file(index, paths, None) for index in absent]
-        for index in sorted(by_index):
-            _, last, lines = by_index[index]
-            if len(lines) < last.cases:
-                missing.append(f"shard {index} ({len(lines)} of {last.cases} cases)")
-    return MergedSweep(sorted(results, key=_order), header, missing, stale, files)
+        return _against_cases(chosen, cases, paths, absent, count, header, files)
+    results = [line.result for _, line in chosen.values()]
+    missing = [_no_file(index, paths, None) for index in absent]
+    short = 0
+    for index in sorted(by_index):
+        _, last, lines = by_index[index]
+        if len(lines) < last.cases:
+            missing.append(f"shard {index} ({len(lines)} of {last.cases} cases)")
+            short += last.cases - len(lines)
+    return MergedSweep(sorted(results, key=_order), header, missing, 0, files, {}, None if absent else short)
+
+
+def _against_cases(
+    chosen: dict[str, tuple[Path, CaseLine]],
+    cases: Sequence[str | os.PathLike[str]],
+    paths: Sequence[str | os.PathLike[str]],
+    absent: list[int],
+    count: int,
+    header: SweepHeader,
+    files: list[Path],
+) -> MergedSweep:
+    """The merge checked against the sweep's case files: each with a line of its current digest
+    is judged; the others are missing, a shard without a file counted as one line."""
+    expected = {Path(path).stem: _digest(path) for path in cases}
+    unfiled = {index: 0 for index in absent}
+    results = []
+    late: list[str] = []
+    why: dict[str, str] = {}
+    for name, digest in expected.items():
+        found = chosen.get(name)
+        if found is not None and found[1].digest == digest:
+            results.append(found[1].result)
+        elif (index := shard_of(name, count)) in unfiled:
+            unfiled[index] += 1
+            why[name] = f"not judged: shard {index} has no file"
+        else:
+            late.append(name)
+            why[name] = f"not judged: shard {index}'s file has no line for it as it is now"
+    missing = [_no_file(index, paths, number) for index, number in unfiled.items()] + late
+    stale = sum(1 for name, (_, line) in chosen.items() if expected.get(name) != line.digest)
+    return MergedSweep(sorted(results, key=_order), header, missing, stale, files, why, len(why))

@@ -17,12 +17,13 @@ import numpy as np
 
 from moegrad._errors import InvalidArgument
 from moegrad.accuracy._batches import context_call
-from moegrad.accuracy._cases import CaseResult, load_case, worst_first
+from moegrad.accuracy._cases import CaseResult, load_case
 from moegrad.accuracy._explained import explain_case
 from moegrad.accuracy._explanation import Explanation
 from moegrad.accuracy._html import SWEEP_SECTIONS, HtmlCase, case_page, sweep_page
 from moegrad.accuracy._html_data import case_view
 from moegrad.accuracy._results import ComparisonReport
+from moegrad.accuracy._summary import worst_first
 from moegrad.accuracy._where import with_row_errors
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 from moegrad.operator._profiles import PROFILES

@@ -10,8 +10,10 @@ The batches are judged by ``concurrency`` worker threads (daemon threads: an int
 waits for a request in flight) or asyncio tasks; the loading stays one case ahead of them at most
 ``concurrency`` batches, so memory is bounded. Each result is recorded under one lock: its line in
 the results file (:class:`~moegrad.accuracy.SweepFile`) written whole, the progress line,
-``on_result``. Once the sweep is stopped (Ctrl-C: KeyboardInterrupt in the main thread, or a
-cancelled task), nothing more is recorded, so a case is written whole or not at all.
+``on_result`` (and ``on_judged``, with the inputs as read: for work that needs them again without
+reading the case file twice, such as each case's report). Once the sweep is stopped (Ctrl-C:
+KeyboardInterrupt in the main thread, or a cancelled task), nothing more is recorded, so a case is
+written whole or not at all.
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ class _Progress:
         self.started = self.drawn = time.monotonic()
 
     def show(self, done: int, judged: int, failed: int, invalid: int, errors: int, *, final: bool = False) -> None:
-        """``done`` of total (skipped ones too), ``judged`` by this run, ``failed`` (a standard
-        failed), ``invalid`` (unreadable or refused), ``errors`` (not judged); drawn at most every
+        """``done`` of total, ``judged`` by this run (the rate), ``failed`` (a standard failed),
+        ``invalid`` (unreadable or refused), ``errors`` (not judged), each counting the cases a
+        resumed run skips as their recorded status (as the summary does); drawn at most every
         0.1 s, and at the end."""
         now = time.monotonic()
         if not self.enabled or not self.total or (not final and now - self.drawn < _DRAW_EVERY_S):
@@ -116,6 +119,10 @@ class _Pending:
         return sum(int(np.asarray(a).nbytes) for a in arrays)
 
 
+#: ``on_judged(result, fields, candidate)``: a judged case's result with its inputs as read.
+OnJudged = Callable[[CaseResult, Mapping[str, Any], np.ndarray], None]
+
+
 class _Sweep:
     """What both drivers share: loading the cases into batches, and recording each result once."""
 
@@ -129,11 +136,12 @@ class _Sweep:
         progress_stream: TextIO | None,
         on_result: Callable[[CaseResult], None] | None,
         output: SweepFile | None,
+        on_judged: OnJudged | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency={concurrency!r} must be an int >= 1")
         self.items = list(cases)
-        self.concurrency, self.output, self.on_result = concurrency, output, on_result
+        self.concurrency, self.output, self.on_result, self.on_judged = concurrency, output, on_result, on_judged
         wanted = math.ceil(len(self.items) / (2 * concurrency))
         self.batch_cases = batch_cases or min(BATCH_CASES, max(BATCH_MIN_CASES, wanted))
         self.results: list[CaseResult | None] = [None] * len(self.items)
@@ -179,30 +187,42 @@ class _Sweep:
         if pending:
             yield pending
 
-    def record(self, position: int, result: CaseResult, digest: str | None, *, skipped: bool = False) -> None:
-        """Record one case's result, once: the results file's line, the progress line, ``on_result``."""
+    def record(
+        self,
+        position: int,
+        result: CaseResult,
+        digest: str | None,
+        *,
+        skipped: bool = False,
+        inputs: tuple[Mapping[str, Any], np.ndarray] | None = None,
+    ) -> None:
+        """Record one case's result, once: the results file's line, the progress line, ``on_result``
+        (and ``on_judged`` with ``inputs``, the case as read)."""
         with self._lock:
             if self._stopped:
                 return
             self.results[position] = result
             self.done += 1
+            self.failed += result.status == "fail"  # a skipped case's recorded status too: as the summary counts
+            self.invalid += result.status == "invalid"
+            self.errors += result.status == "error"
             if skipped:
                 assert self.output is not None
                 self.output.skipped += 1
             else:
                 self.judged += 1
-                self.failed += result.status == "fail"
-                self.invalid += result.status == "invalid"
-                self.errors += result.status == "error"
                 if self.output is not None:
                     self.output.append(result, digest)
                 if self.on_result is not None:
                     self.on_result(result)
+                if self.on_judged is not None and inputs is not None:
+                    self.on_judged(result, *inputs)
             self.bar.show(self.done, self.judged, self.failed, self.invalid, self.errors)
 
     def record_batch(self, batch: list[_Pending], outcomes: Sequence[ComparisonReport | Exception]) -> None:
         for case, outcome in zip(batch, outcomes, strict=True):
-            self.record(case.position, _classified(case.name, case.path, outcome), case.digest)
+            result = _classified(case.name, case.path, outcome)
+            self.record(case.position, result, case.digest, inputs=(case.fields, case.candidate))
 
     def stop(self) -> None:
         """Record nothing more (a result being recorded now is finished first)."""
@@ -336,6 +356,7 @@ def compare_cases(
     on_result: Callable[[CaseResult], None] | None = None,
     concurrency: int = 1,
     output: SweepFile | None = None,
+    on_judged: OnJudged | None = None,
 ) -> list[CaseResult]:
     """Judge every case, and never stop on a bad one.
 
@@ -354,6 +375,10 @@ def compare_cases(
         concurrency: batches (or cases, with ``compare_one``) judged at once, each on a thread.
         output: the results file: each judged case's line is written as it is known, and a case
             that it records with its file's digest is skipped (its recorded result returned).
+        on_judged: called as ``on_judged(result, fields, candidate)`` right after ``on_result``, for
+            each case judged (not an unreadable one), with its inputs as read: work that needs them
+            again (each case's report) then reads no file twice. It must not keep them longer than
+            it needs them: a sweep's memory is bounded by what it holds.
 
     Returns:
         One :class:`CaseResult` per case, in the order given. A file that cannot be read or a call
@@ -374,6 +399,7 @@ def compare_cases(
         progress_stream=progress_stream,
         on_result=on_result,
         output=output,
+        on_judged=on_judged,
     )
     if compare_one is not None:
         _run_threads(sweep, lambda batch: _judge_one(compare_one, batch))
@@ -392,6 +418,7 @@ async def acompare_cases(
     on_result: Callable[[CaseResult], None] | None = None,
     concurrency: int = 1,
     output: SweepFile | None = None,
+    on_judged: OnJudged | None = None,
 ) -> list[CaseResult]:
     """:func:`compare_cases` with an awaited ``compare_batch``, its batches judged by ``concurrency``
     tasks (``AsyncClient.compare_many``). Raises CancelledError when cancelled, with every case
@@ -404,6 +431,7 @@ async def acompare_cases(
         progress_stream=progress_stream,
         on_result=on_result,
         output=output,
+        on_judged=on_judged,
     )
     await _run_tasks(sweep, compare_batch)
     return sweep.finish()

@@ -248,6 +248,14 @@ _NOT_WITH_ORDER_FREE = (
     ("--report-csv", "report_csv"),
     ("--html", "html"),
     ("--allow-duplicate-indices", "allow_duplicate_indices"),
+    ("--explain", "explain"),
+    ("--summary", "summary"),
+    ("--reports", "reports"),
+    ("--plots", "plots"),
+    ("--shard", "shard"),
+    ("--output", "output"),
+    ("--max-concurrency", "max_concurrency"),
+    ("--exit-zero-on-findings", "exit_zero_on_findings"),
 )
 
 

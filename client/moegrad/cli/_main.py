@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,13 +31,10 @@ from moegrad import (
 )
 from moegrad.accuracy import (
     PLOT_MISSING,
-    CaseResult,
     ComparisonReport,
     compare,
     console_text,
     context_call,
-    explain_case,
-    fields_with_order,
     format_report,
     load_case,
     report_context,
@@ -143,7 +141,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _refuse_sweep_flags_out_of_place(args: argparse.Namespace) -> None:
-    """UsageError: a sweep's flags without ``--cases DIR``, or ``--exit-zero-on-findings`` with ``--merge``."""
+    """UsageError: a sweep's flags without ``--cases DIR``, ``--plots`` without ``--reports``, or
+    ``--exit-zero-on-findings`` with ``--merge``."""
     sweep_only = [
         flag
         for flag, value in (
@@ -156,6 +155,8 @@ def _refuse_sweep_flags_out_of_place(args: argparse.Namespace) -> None:
     ]
     if sweep_only and not args.cases:
         raise UsageError(f"{', '.join(sweep_only)} need --cases DIR")
+    if args.plots and not args.reports:
+        raise UsageError(f"--plots {args.plots} needs --reports OUT (the folder each case's report and plot go to)")
     if args.merge and args.exit_zero_on_findings:
         raise UsageError(
             "--exit-zero-on-findings is for a sweep's runs, not --merge: its exit status is the sweep's verdict"
@@ -287,34 +288,10 @@ def _write_reports(
 
 
 def _cmd_compare_cases(args: argparse.Namespace) -> int:
-    """``compare --cases DIR``: the sweep is :func:`moegrad.cli._sweep.run_cases`'s; here, each case's reports."""
-    if args.reports:
-        try:
-            os.makedirs(args.reports, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"cannot create --reports {args.reports}: {exc}") from None
-
-    def save(result: CaseResult) -> None:
-        if not args.reports or result.report is None or result.path is None:
-            return
-        fields, candidate = load_case(result.path)
-        context = result.report.context
-        judged = context.order if context is not None else None  # the profile that judged it
-        call = (
-            context_call(fields, judged)
-            if judged
-            else MoeInitRoutingV2GradCall(**fields_with_order(fields, args.order))
-        )
-        base = os.path.join(args.reports, result.name)
-        device = moe_init_routing_v2_grad(call) if args.local else None
-        explanation = explain_case(result.report, fields, candidate)[1] if args.explain else None
-        report = with_row_errors(result.report, call, candidate, device_result=device)
-        paths = (base + ".md", base + ".json", base + ".csv")
-        _write_reports(*paths, report, call, candidate, None, device, explanation)
-
+    """``compare --cases DIR``: the sweep, its summary, its reports (:func:`moegrad.cli._sweep.run_cases`) and,
+    with ``--html``, its page."""
     where = "in-process emulation" if args.local else ", ".join(args.url)
-    pages = write_sweep_page(args)
-    return run_cases(args, open_client=lambda: open_client(args), on_result=save, where=where, on_results=pages)
+    return run_cases(args, open_client=lambda: open_client(args), where=where, on_results=write_sweep_page(args))
 
 
 def _format(array: np.ndarray) -> str:
@@ -453,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``moegrad`` command; returns the exit status (argparse exits with 2 on usage errors).
 
     A reader that leaves early (``moegrad ... | head``) does not change the status: what is left to
-    print goes to ``os.devnull`` (:class:`_Stdout`). Ctrl-C is 130 without a traceback; an exception
+    print goes to ``os.devnull`` (:class:`_Stdout`). A warning (:class:`moegrad.ReplicaWarning`) is
+    one line on stderr. Ctrl-C is 130 without a traceback; an exception
     that is not one of moegrad's is a bug: one line saying so, and :data:`EXIT_INTERNAL` (70).
     """
     args = build_parser().parse_args(argv)
@@ -462,10 +440,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout = sys.stdout
     sys.stdout = _Stdout(stdout)
     try:
-        return _run(args)
+        with warnings.catch_warnings():  # put back as it was when the command ends
+            warnings.showwarning = _show_warning
+            return _run(args)
     finally:
         sys.stdout.flush()  # here, not at exit: a closed pipe then costs nothing (exit 120 otherwise)
         sys.stdout = stdout
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """A warning as the command's other lines read (``moegrad: warning: ...`` on stderr), not as
+    Python shows one (its file, line and source); which warnings show is Python's filters' choice."""
+    print(f"moegrad: warning: {console_text(str(message))}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 
 from moegrad import ORDERS, __version__
 from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
+from moegrad.cli._bulk import MAX_SHARDS, add_bulk_options, shard
 from moegrad.cli._candidate_parser import add_candidate_commands, add_order_free_options
 from moegrad.operator import ALIASES, DEFAULT_PROFILE, PROFILES
 
@@ -150,9 +151,6 @@ _EPILOGS = {
     "info": _EXIT_HEAD + _EXIT_OK + _EXIT_USAGE_ARGS + _EXIT_SERVER + _EXIT_INTERNAL + _EXIT_SIGNALS + _ENVIRONMENT,
 }
 
-#: The most shards ``--shard I/N`` may name (more than any sweep has cases).
-MAX_SHARDS = 1_000_000
-
 #: The call's fields (and the client's settings) the command takes as flags: its messages name the
 #: flag the user typed, then the field.
 _FLAGS = {
@@ -188,25 +186,6 @@ def default_urls() -> list[str]:
     return urls or [_DEFAULT_URL]
 
 
-def shard(text: str) -> tuple[int, int]:
-    """``--shard I/N``: shard I of N, counted from 0 (0 <= I < N, 1 <= N <= :data:`MAX_SHARDS`).
-
-    Raises:
-        argparse.ArgumentTypeError: not I/N, or out of range (argparse's usage error, exit 2).
-    """
-    match = re.fullmatch(r"\s*([+-]?\d+)\s*/\s*([+-]?\d+)\s*", text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not I/N (e.g. 2/8: shard 2 of 8, counted from 0)")
-    index, count = int(match.group(1)), int(match.group(2))
-    if not 1 <= count <= MAX_SHARDS:
-        raise argparse.ArgumentTypeError(f"{text!r}: N={count} must be between 1 and {MAX_SHARDS}")
-    if not 0 <= index < count:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: I={index} must be between 0 and N-1={count - 1} (shards are counted from 0)"
-        )
-    return index, count
-
-
 def with_flags(message: str) -> str:
     """A message about the call's fields as the command line's user reads it: a field the command
     takes as a flag is named by the flag, then the field (``top_k=0`` -> ``--top-k 0 (top_k)``,
@@ -238,16 +217,6 @@ class _Parser(argparse.ArgumentParser):
             if words[position - 1] == "--shard" and re.match(r"-\d", words[position]):
                 words[position - 1 : position + 1] = [f"--shard={words[position]}"]
         return super().parse_known_args(words, namespace)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def _positive_seconds(text: str) -> float | None:
@@ -449,7 +418,7 @@ def _add_compare_parser(commands: Any, formatter: type[argparse.HelpFormatter]) 
         "with --order-free, the candidate's code instead: package.module:function",
     )
     _add_comparison_options(comparison)
-    _add_bulk_options(comparison)
+    add_bulk_options(comparison)
     add_order_free_options(comparison)
     _add_server_arguments(comparison)
 
@@ -545,72 +514,6 @@ def _add_comparison_options(comparison: argparse.ArgumentParser) -> None:
         "--local",
         action="store_true",
         help="compare in-process with the NumPy emulation of the device; no server (--url is ignored)",
-    )
-
-
-def _add_bulk_options(comparison: argparse.ArgumentParser) -> None:
-    """``moegrad compare``'s bulk checking options (``--cases`` and what goes with it)."""
-    bulk = comparison.add_argument_group("bulk checking")
-    bulk.add_argument("--cases", metavar="DIR", help="judge every *.npz case file in DIR instead of one call")
-    bulk.add_argument(
-        "--summary",
-        metavar="PREFIX",
-        help="write the summary to PREFIX.csv and PREFIX.md, worst first (default: DIR/summary)",
-    )
-    bulk.add_argument(
-        "--reports",
-        metavar="DIR",
-        help="also write each case's report to DIR/<case>.md (with its plot), .json and .csv",
-    )
-    bulk.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="a progress line on stderr: cases done/total, cases/s, failed, invalid, errors (default: when "
-        "stderr is a terminal)",
-    )
-    bulk.add_argument(
-        "--verbose",
-        "-v",
-        action="store_true",
-        help="list every case after a sweep (default: the failed, invalid and not judged ones, and a count "
-        "of the rest)",
-    )
-    bulk.add_argument(
-        "--shard",
-        type=shard,
-        metavar="I/N",
-        help=f"judge only shard I of N, I counted from 0 (0 <= I < N; N at most {MAX_SHARDS}): the cases whose "
-        "name's SHA-256 (its first 8 bytes, big-endian) modulo N is I",
-    )
-    bulk.add_argument(
-        "--output",
-        metavar="FILE",
-        help="write each judged case to FILE as a JSON line as it is judged; run again with the same "
-        "FILE to skip the cases it records (same name and file digest). With it, no summary is "
-        "written unless --summary is given",
-    )
-    bulk.add_argument(
-        "--max-concurrency",
-        "--concurrency",
-        type=_positive_int,
-        dest="max_concurrency",
-        metavar="K",
-        help="requests in flight at once over all replicas, each a batch of cases (default: 2 per --url, at least 4)",
-    )
-    bulk.add_argument(
-        "--exit-zero-on-findings",
-        action="store_true",
-        help="exit 0 when every case was judged, even if some are invalid (3) or failed (1): for a batch "
-        "system that counts a run with findings as done, as deploy/sweep's Job does; 4, 2, 70, 130 and "
-        "143 are unchanged, and --merge (which refuses this flag) reports the findings with 3 or 1",
-    )
-    bulk.add_argument(
-        "--merge",
-        nargs="+",
-        metavar="PATH",
-        help="no calls: join shard files (or folders of shard-*.jsonl) into one summary (--summary, "
-        "default: the first PATH's folder/summary); with --cases DIR, check that every case is in them",
     )
 
 

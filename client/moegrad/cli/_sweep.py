@@ -23,9 +23,11 @@ status  over all the cases of the run (its shard; for ``--merge``, the sweep), t
         judged, while the summary is written, each summary file is the old one or the new, whole
 ======  ==================================================================================
 
-The console lists the cases that did not pass, worst first (``--verbose``: every case), and says
-in one line that no replica was reachable rather than once per case; a case's name and message
-are shown with their control characters made visible (:func:`~moegrad.accuracy._escape.console_text`).
+Every sweep writes a summary (:mod:`moegrad.accuracy._summary`): ``--summary PREFIX``, else
+``DIR/summary``, else with ``--output FILE`` FILE without its extension + ``.summary`` (beside the
+results file: the cases' folder may be read-only, or shared by the shards); a merge's, the first
+PATH's folder's ``summary``. Every file a sweep writes has its folder created. What the console
+says is :mod:`moegrad.cli._console`'s; each case's reports (``--reports``), :mod:`moegrad.cli._reports`'s.
 
 Before it sends anything, a sweep asks every ``--url`` its device profile (``/v1/info``'s
 ``order``): the results file's header records them, and a sweep whose replicas differ is refused
@@ -44,29 +46,27 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from moegrad import Client, InvalidArgument, MoegradError
+from moegrad import Client, InvalidArgument, MoegradError, ReplicaStats
 from moegrad.accuracy import (
     SWEEP_THREAD,
     CaseResult,
     MergeError,
     ProfilesDiffer,
+    SummaryNotes,
     SweepFile,
     SweepFileBusy,
     SweepFileError,
     SweepHeader,
-    analyse_factors,
     compare_cases,
     compare_in_process,
-    console_text,
     explaining_one,
     find_cases,
     merge_sweeps,
     refuse_mixed_profiles,
     shard_of,
     statuses,
-    worst_first,
-    write_summary,
 )
+from moegrad.cli._console import counted, make_folder, print_replicas, print_results, replica_notes
 from moegrad.cli._parser import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -76,6 +76,7 @@ from moegrad.cli._parser import (
     EXIT_TERMINATED,
     UsageError,
 )
+from moegrad.cli._reports import CaseReports
 
 __all__ = ["run_cases", "run_merge", "sweep_status"]
 
@@ -122,82 +123,27 @@ def sweep_status(results: Sequence[CaseResult], *, missing: bool = False) -> int
     return EXIT_MISMATCH if counts["fail"] else EXIT_OK
 
 
-def _check_writable(path: str, flag: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"cannot write {flag} {path}: the folder {folder} does not exist")
-
-
-#: How a case that no replica answered reads (:func:`moegrad.http._status.error_from_transport`'s message).
-_UNREACHABLE = "TransportError: cannot reach "
-
-
-def _write_summary(results: Sequence[CaseResult], prefix: str) -> list[CaseResult]:
-    """PREFIX.csv and PREFIX.md, each written beside its place and then moved there: a run stopped
-    while writing them leaves each file whole, the old one or the new."""
-    paths = (prefix + ".csv", prefix + ".md")
-    partial = [f"{path}.{os.getpid()}.partial" for path in paths]
-    try:
-        ordered = write_summary(results, *partial)
-        for written, path in zip(partial, paths, strict=True):
-            os.replace(written, path)
-    finally:
-        for written in partial:
-            with contextlib.suppress(OSError):
-                os.unlink(written)
-    return ordered
-
-
-def _print_results(
-    results: Sequence[CaseResult], where: str, prefix: str | None, *, verbose: bool, urls: Sequence[str] = ()
-) -> list[CaseResult]:
-    """The console lines of a sweep (and its summary files): the counts, then each case that did not
-    pass, worst first (every case with ``verbose``), and one line for the cases no replica answered."""
-    try:
-        ordered = worst_first(results) if prefix is None else _write_summary(results, prefix)
-    except OSError as exc:
-        raise UsageError(f"cannot write --summary {prefix}: {exc}") from None
-    counts = statuses(ordered)
-    print(f"{len(ordered)} cases against {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
-    factors = analyse_factors(ordered)  # which conditions separate the failing cases from the passing ones
-    if factors.failing and factors.passing:
-        print("\n".join(console_text(line) for line in factors.lines()))
-    unreachable = {id(r) for r in ordered if r.status == "error" and (r.error or "").startswith(_UNREACHABLE)}
-    for result in ordered:
-        if result.status in ("pass", "warning") and not verbose:
-            continue
-        if id(result) in unreachable and not verbose:
-            continue
-        worst = None if result.report is None else result.report.candidate_vs_golden.worst  # None: error says why
-        detail = result.error or (worst and f"worst row {worst.row}") or ""
-        print(f"  {result.status:<8} {console_text(result.name)}  {console_text(detail)}")
-    if unreachable and not verbose:
-        print(f"  error    {len(unreachable)} cases not judged: no replica reachable")
-    passing = counts["pass"] + counts["warning"]
-    if passing and not verbose:
-        print(f"  ({passing} passing cases not listed; --verbose lists every case)")
-    for result in ordered:
-        if result.status == "error" and id(result) not in unreachable:
-            error = console_text(result.error or "")
-            print(f"moegrad: not judged: {console_text(result.name)}: {error}", file=sys.stderr)
-    if unreachable:
-        print(
-            f"moegrad: no replica reachable: {', '.join(urls) or where}; start a server or check --url",
-            file=sys.stderr,
-        )
-    return ordered
+def summary_prefix(args: argparse.Namespace) -> str:
+    """Where a sweep's summary goes (the module's docstring): ``--summary``, else beside ``--output``
+    FILE (its extension replaced by ``.summary``), else ``DIR/summary``."""
+    if args.summary:
+        return str(args.summary)
+    if args.output:
+        output = Path(args.output)
+        return str(output.with_name(output.stem + ".summary"))
+    return os.path.join(args.cases, "summary")
 
 
 def run_cases(
     args: argparse.Namespace,
     *,
     open_client: Callable[[], Client],
-    on_result: Callable[[CaseResult], None] | None,
     where: str,
     on_results: Callable[[Sequence[CaseResult]], None] | None = None,
 ) -> int:
-    """``compare --cases DIR`` (with ``--shard``, ``--output``, ``--max-concurrency``): judge, write, report;
-    ``on_results`` is called with every case's result (``--html``) once the summary is written.
+    """``compare --cases DIR`` (with ``--shard``, ``--output``, ``--max-concurrency``, ``--reports``):
+    judge, write, report; ``on_results`` is called with every case's result (``--html``) once the
+    summary is written.
 
     Raises:
         UsageError: a folder or file that cannot be read or written, FILE written for another sweep.
@@ -208,24 +154,32 @@ def run_cases(
         raise UsageError(f"cannot read --cases {args.cases}: {exc}") from None
     index, count = args.shard or (0, 1)
     files = [file for file in files if shard_of(file.stem, count) == index]
-    prefix = args.summary or (None if args.output else os.path.join(args.cases, "summary"))
-    if prefix is not None:
-        _check_writable(prefix, "--summary")
+    prefix = summary_prefix(args)
+    make_folder(prefix, "--summary")
+    reports = None
+    if args.reports:
+        reports = CaseReports(args.reports, args.plots or "none", args.order, explain=args.explain)
     client = None if args.local else open_client()
     try:
-        ledger = _open_output(args, files, (index, count), client)
+        header, ledger = _open_output(args, files, (index, count), client)
     except BaseException as exc:  # nothing judged: the client is closed
         if client is not None:
             client.close()
+        if reports is not None:
+            reports.abandon()
         if not isinstance(exc, SweepFileBusy):
             raise
         print(f"moegrad: failed: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     with _sigterm_raises():
         try:
-            results = _judge(args, files, ledger, client, on_result)
-        except (KeyboardInterrupt, _Terminated) as exc:
-            written = f"; {ledger.written} cases written to {args.output}, run again to resume" if ledger else ""
+            results, stats = _judge(args, files, ledger, client, reports)
+        except BaseException as exc:
+            if reports is not None:
+                reports.abandon()
+            if not isinstance(exc, (KeyboardInterrupt, _Terminated)):
+                raise
+            written = f"; {counted(ledger.written)} written to {args.output}, run again to resume" if ledger else ""
             print(f"\nmoegrad: interrupted{written}", file=sys.stderr)
             status = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
             if ledger is not None:
@@ -235,12 +189,17 @@ def run_cases(
         finally:
             if ledger is not None:
                 ledger.close()
+        notes = SummaryNotes(header.standards, header.require_exact, replicas=replica_notes(stats))
         try:
-            status = _report(args, results, ledger, len(files), prefix, where)
+            if reports is not None:
+                reports.close()
+            status = _report(args, results, ledger, len(files), prefix, notes, where, stats)
             if on_results is not None:
                 on_results(results)
             return status
         except (KeyboardInterrupt, _Terminated) as exc:  # every case is judged (and written): only the summary is left
+            if reports is not None:
+                reports.abandon()
             kept = f"; every case is written to {args.output}" if ledger else ""
             print(f"\nmoegrad: interrupted while reporting{kept}; run again to report", file=sys.stderr)
             return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_TERMINATED
@@ -251,17 +210,20 @@ def _report(
     results: list[CaseResult],
     ledger: SweepFile | None,
     cases: int,
-    prefix: str | None,
+    prefix: str,
+    notes: SummaryNotes,
     where: str,
+    stats: Sequence[ReplicaStats],
 ) -> int:
     """What a sweep that ran to its end prints and writes; its exit status."""
     if ledger is not None and ledger.skipped:
-        print(f"skipped {ledger.skipped} of {cases} cases already judged in {args.output}")
-    _print_results(results, where, prefix, verbose=args.verbose, urls=() if args.local else args.url)
-    if prefix is not None:
-        print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
+        print(f"skipped {ledger.skipped} of {counted(cases)} already judged in {args.output}")
+    print_results(results, where, prefix, notes, verbose=args.verbose, urls=() if args.local else args.url)
+    print(f"wrote {prefix}.csv and {prefix}.md" + (f"; reports in {args.reports}" if args.reports else ""))
     if ledger is not None:
-        print(f"{ledger.written} cases written to {args.output}")
+        print(f"{counted(ledger.written)} written to {args.output}")
+    if args.verbose and stats:
+        print_replicas(stats)
     status = sweep_status(results)
     if args.exit_zero_on_findings and status in (EXIT_MISMATCH, EXIT_REJECTED):
         print(f"moegrad: every case judged: exit 0, not {status} (--exit-zero-on-findings)", file=sys.stderr)
@@ -271,8 +233,8 @@ def _report(
 
 def _open_output(
     args: argparse.Namespace, files: list[Path], shard: tuple[int, int], client: Client | None
-) -> SweepFile | None:
-    """The results file of ``--output`` (None without it), its header holding each replica's profile.
+) -> tuple[SweepHeader, SweepFile | None]:
+    """The run's header (its policy, each replica's profile) and its results file (None without ``--output``).
 
     Raises:
         UsageError: replicas of different profiles for cases that name none (without ``--order``),
@@ -288,9 +250,9 @@ def _open_output(
     except (InvalidArgument, ProfilesDiffer) as exc:
         raise UsageError(str(exc)) from None
     if not args.output:
-        return None
+        return header, None
     try:
-        return SweepFile(args.output, header)
+        return header, SweepFile(args.output, header)
     except SweepFileError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
@@ -313,12 +275,14 @@ def _judge(
     files: list[Path],
     ledger: SweepFile | None,
     client: Client | None,
-    on_result: Callable[[CaseResult], None] | None,
-) -> list[CaseResult]:
+    reports: CaseReports | None,
+) -> tuple[list[CaseResult], tuple[ReplicaStats, ...]]:
+    """Every case's result, and each replica's counters (none in-process)."""
+    on_judged = None if reports is None else reports.add
     if client is None:
         judge_one = compare_in_process(args.standards, args.require_exact, args.order)
         judge_one = explaining_one(judge_one) if args.explain else judge_one
-        return compare_cases(files, judge_one, progress=args.progress, on_result=on_result, output=ledger)
+        return compare_cases(files, judge_one, progress=args.progress, on_judged=on_judged, output=ledger), ()
     try:
         results = client.compare_many(  # interrupted, the client is left open: closing it could wait on a request
             files,
@@ -326,7 +290,7 @@ def _judge(
             require_exact=args.require_exact,
             order=args.order,
             progress=args.progress,
-            on_result=on_result,
+            on_judged=on_judged,
             concurrency=args.max_concurrency,
             output=ledger,
             explain=args.explain,
@@ -335,19 +299,20 @@ def _judge(
         client.close()
         raise UsageError(str(exc)) from None
     client.close()
-    return results
+    return results, client.stats
 
 
 def run_merge(args: argparse.Namespace, on_results: Callable[[Sequence[CaseResult]], None] | None = None) -> int:
     """``compare --merge PATH...`` (with ``--cases DIR`` to check coverage): one summary of a sweep's
-    shards; ``on_results`` is called with the merged results (``--html``) once it is written.
+    shards, what is missing said first; ``on_results`` is called with the merged results (``--html``)
+    once it is written.
 
     Raises:
         UsageError: files that do not make one sweep, or that cannot be read; a summary that cannot be written.
     """
     first = Path(args.merge[0])
     prefix = args.summary or os.path.join(first if first.is_dir() else first.parent, "summary")
-    _check_writable(prefix, "--summary")
+    make_folder(prefix, "--summary")
     try:
         cases = find_cases(args.cases) if args.cases else None
         merged = merge_sweeps(args.merge, cases)
@@ -356,9 +321,17 @@ def run_merge(args: argparse.Namespace, on_results: Callable[[Sequence[CaseResul
     except OSError as exc:
         raise UsageError(f"cannot read the shard files or cases: {exc}") from None
     count = merged.header.shard[1]
-    _print_results(merged.results, f"{len(merged.files)} shard files of {count}", prefix, verbose=args.verbose)
+    notes = SummaryNotes(
+        merged.header.standards,
+        merged.header.require_exact,
+        missing=tuple(merged.missing),
+        missing_cases=merged.missing_cases,
+        missing_count=merged.missing_count,
+    )
+    where = f"{counted(len(merged.files), 'shard file')} of {count}"
+    print_results(merged.results, where, prefix, notes, verbose=args.verbose)
     if merged.stale:
-        print(f"left out {merged.stale} lines of cases that are gone or changed since")
+        print(f"left out {counted(merged.stale, 'line')} of cases that are gone or changed since")
     for what in merged.missing:
         print(f"moegrad: missing: {what}", file=sys.stderr)
     print(f"wrote {prefix}.csv and {prefix}.md")

@@ -5,7 +5,8 @@ The public face of :mod:`moegrad.http` (``moegrad`` re-exports each of these nam
 """
 
 from moegrad.http._answers import CompareResult, ExplainResult, GradResult
-from moegrad.http._client import AsyncClient, Client
+from moegrad.http._async_client import AsyncClient
+from moegrad.http._client import Client
 from moegrad.http._documents import BatchCompare
 from moegrad.http._replicas import ReplicaStats
 

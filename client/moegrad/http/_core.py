@@ -16,8 +16,9 @@ decides every retry; it does no I/O. It also keeps what it learns of
 each replica's server, one record each (:class:`~moegrad.http._replicas.ServerInfo`: the profile
 of its ``/v1/info`` and of its answers to calls that name none, by which such calls are checked
 before they are sent (:func:`moegrad.http._unnamed.prepare`); its wire formats; its limits).
-``Client`` and ``AsyncClient`` (:mod:`moegrad.http._client`) only drive flows, the same dozen lines in
-each, differing by ``await``. A new endpoint is one flow here plus one short method in each client.
+``Client`` and ``AsyncClient`` (:mod:`moegrad.http._client`, :mod:`moegrad.http._async_client`) only
+drive flows, the same dozen lines in each, differing by ``await``. A new endpoint is one flow here plus
+one short method in each client.
 """
 
 from __future__ import annotations

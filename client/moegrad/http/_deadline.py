@@ -1,13 +1,14 @@
 """A call's deadline down at the network: every wait of an attempt ends by it, not only each one read.
 
-httpx's timeouts bound each network operation (one connect, one read, one write), so a server that
-sends a byte a little faster than the read timeout keeps a call going for ever. The drivers
-(:mod:`moegrad.http._client`) run each attempt inside :func:`attempt_deadline`, which sets the attempt's
-deadline (the seconds the core left the call, :data:`REMAINING_EXTENSION`, from now) in a context
-variable; the network streams of the client's own transport (:mod:`moegrad.http._transport`) take
-:func:`time_left` as each operation's timeout, and the reply readers (:mod:`moegrad.http._reply_bounds`)
-check it between chunks. A context variable is per thread and per asyncio task, so one code path
-serves the sync and the async client, and concurrent calls never see each other's deadline.
+httpx's timeouts bound each network operation (one connect, one read, one write), so a server that sends
+a byte a little faster than the read timeout keeps a call going for ever. The drivers
+(:mod:`moegrad.http._client`, :mod:`moegrad.http._async_client`) run each attempt inside
+:func:`attempt_deadline`, which sets the attempt's deadline (the seconds the core left the call,
+:data:`REMAINING_EXTENSION`, from now) in a context variable; the network streams of the client's own
+transport (:mod:`moegrad.http._transport`) take :func:`time_left` as each operation's timeout, and the
+reply readers (:mod:`moegrad.http._reply_bounds`) check it between chunks. A context variable is per
+thread and per asyncio task, so one code path serves the sync and the async client, and concurrent calls
+never see each other's deadline.
 """
 
 from __future__ import annotations

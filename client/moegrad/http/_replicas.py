@@ -54,6 +54,7 @@ __all__ = [
     "ReplicaStats",
     "Resolve",
     "ServerInfo",
+    "is_address",
     "parse_replicas",
 ]
 
@@ -79,6 +80,12 @@ class ReplicaStats:
         in_flight: attempts on it now.
         set_aside_until: ``time.monotonic()`` seconds until which it is not picked, or None when
             it is not set aside.
+        moved: calls that failed on it and were sent to another replica next (a batch's items
+            answered 503 or 504 count as one).
+        failures_in_a_row: its failures since its last answer: more than 0 when its last attempt
+            failed (a replica that is down: lost, unless it answers again).
+        gone: for a ``dns+`` URL, its address is no longer among the name's (a pod that left the
+            headless Service); its counters are kept.
     """
 
     url: str
@@ -86,6 +93,9 @@ class ReplicaStats:
     failures: int
     in_flight: int
     set_aside_until: float | None
+    moved: int = 0
+    failures_in_a_row: int = 0
+    gone: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +156,7 @@ class Replica:
         "failures",
         "host_header",
         "in_flight",
+        "moved",
         "served",
         "server",
         "set_aside_until",
@@ -155,7 +166,7 @@ class Replica:
 
     def __init__(self, url: httpx.URL, *, host_header: str | None = None, sni: str | None = None) -> None:
         self.url, self.host_header, self.sni = url, host_header, sni
-        self.served = self.failures = self.in_flight = self.consecutive = 0
+        self.served = self.failures = self.in_flight = self.consecutive = self.moved = 0
         self.set_aside_until = 0.0
         self.server = ServerInfo()  # what it is, as far as the client knows
 
@@ -184,7 +195,7 @@ def parse_replicas(value: Any, check_url: Callable[[Any], httpx.URL]) -> tuple[t
         if not text.lower().startswith(_DNS_PREFIX):
             return (check_url(value),), False
         url = check_url(text[len(_DNS_PREFIX) :])
-        if _is_address(url.host):
+        if is_address(url.host):
             raise ValueError(f"base_url={text!r}: a dns+ URL names a host to resolve, not an address")
         return (url,), True
     if not isinstance(value, (list, tuple)):
@@ -204,7 +215,8 @@ def parse_replicas(value: Any, check_url: Callable[[Any], httpx.URL]) -> tuple[t
     return tuple(urls), False
 
 
-def _is_address(host: str) -> bool:
+def is_address(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (not a name to resolve)."""
     try:
         socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
     except OSError:
@@ -240,6 +252,7 @@ class ReplicaSet:
         self._lock = threading.Lock()
         self._name = urls[0] if dns else None
         self._replicas: list[Replica] = [] if dns else [Replica(url) for url in urls]
+        self._gone: dict[str, Replica] = {}  # a name's addresses that left it, by address, with their counters
         self._next_resolve = 0.0  # clock reading after which the name is resolved again
         self._resolving = False
 
@@ -255,9 +268,11 @@ class ReplicaSet:
         return self._name
 
     def stats(self) -> tuple[ReplicaStats, ...]:
-        """Each replica's counters, in the order given (a name's addresses: sorted)."""
+        """Each replica's counters, in the order given (a name's addresses: sorted), then those of
+        the addresses that left the name (``gone``)."""
         now = self._clock()
         with self._lock:
+            listed = [(r, False) for r in self._replicas] + [(r, True) for r in self._gone.values()]
             return tuple(
                 ReplicaStats(
                     url=str(r.url),
@@ -265,8 +280,11 @@ class ReplicaSet:
                     failures=r.failures,
                     in_flight=r.in_flight,
                     set_aside_until=r.set_aside_until if r.set_aside_until > now else None,
+                    moved=r.moved,
+                    failures_in_a_row=r.consecutive,
+                    gone=gone,
                 )
-                for r in self._replicas
+                for r, gone in listed
             )
 
     # ---- the name's resolution ------------------------------------------------------------------
@@ -296,7 +314,7 @@ class ReplicaSet:
             self._resolving = False
             self._next_resolve = self._clock() + self._refresh_s
             if addresses:
-                known = {r.url.host: r for r in self._replicas}
+                known = {**self._gone, **{r.url.host: r for r in self._replicas}}
                 port = self._name.port
                 host_header = self._name.host if port is None else f"{self._name.host}:{port}"
                 self._replicas = [
@@ -304,6 +322,7 @@ class ReplicaSet:
                     or Replica(self._name.copy_with(host=address), host_header=host_header, sni=self._name.host)
                     for address in addresses
                 ]
+                self._gone = {host: r for host, r in known.items() if host not in addresses}
             if self._replicas:
                 return
         why = f"{type(answer).__name__}: {answer}" if isinstance(answer, BaseException) else "no address"
@@ -311,12 +330,13 @@ class ReplicaSet:
 
     # ---- an attempt ---------------------------------------------------------------------------
 
-    def pick(self, tried: Collection[Replica] = ()) -> Replica:
+    def pick(self, tried: Sequence[Replica] = ()) -> Replica:
         """The replica for an attempt (its in-flight count taken; give it back with :meth:`done`).
 
         Of the replicas neither set aside nor in ``tried`` (or, when none is left, of those not set
         aside; or, when all are, the one back soonest), two are drawn at random and the one with
-        fewer calls in flight is picked (the first drawn on a tie).
+        fewer calls in flight is picked (the first drawn on a tie). When the last of ``tried`` failed
+        and another replica is picked, the call counts as moved off it (:attr:`ReplicaStats.moved`).
 
         Raises:
             TransportError: there is no replica (a name that resolved to none).
@@ -334,6 +354,8 @@ class ReplicaSet:
                 first, second = self._rng.sample(pool, 2)
                 choice = second if second.in_flight < first.in_flight else first
             choice.in_flight += 1
+            if tried and tried[-1] is not choice and tried[-1].consecutive:  # it failed this call: moved here
+                tried[-1].moved += 1
             return choice
 
     def take(self, replica: Replica) -> Replica:

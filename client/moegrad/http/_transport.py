@@ -16,6 +16,13 @@ so the pool is put in place through the transport's private ``_pool``: the one p
 httpx or httpcore the client touches, set in one function (:func:`_install_pool`) and listed in
 :data:`PRIVATE_MEMBERS`.
 
+**A name with several addresses.** A plain ``http(s)://`` URL is one replica: httpx connects to the
+first address its name resolves to. At each backend's first connection to a host name (once per
+client and origin: :class:`PerReplica` makes a backend each), the name is resolved (the connection
+resolves it again, as it always did) and, when it has several addresses of one family (a dual-stack
+host's one IPv4 and one IPv6 are one machine), :class:`~moegrad.ReplicaWarning` says so once and
+how to use them all (``dns+``). An address, or a ``dns+`` URL's replica (an address), is never looked up.
+
 :func:`read_frames` and :func:`aread_frames` stream a frames reply into its
 :class:`~moegrad.wire._frames.FramesReader`; the sync one receives the rest of a large reply (1 MiB or
 more left) from the plain TCP socket straight into the result's arrays, past h11's copies.
@@ -27,12 +34,15 @@ import socket
 import ssl
 import threading
 import typing
+import warnings
 
+import anyio
 import httpcore
 import httpx
 
-from moegrad._errors import MalformedRequest
+from moegrad._errors import MalformedRequest, ReplicaWarning
 from moegrad.http._deadline import time_left
+from moegrad.http._replicas import is_address
 from moegrad.wire._frames import FramesReader
 
 __all__ = [
@@ -117,6 +127,42 @@ def _within(timeout: float | None, error: type[httpcore.TimeoutException]) -> fl
     return left
 
 
+class _NameCheck:
+    """Which host names a backend has looked up (each once), and the warning for one with several addresses."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def due(self, host: str, port: int) -> bool:
+        """Whether ``host`` is a name this backend has not looked up yet (it is marked looked up now)."""
+        if is_address(host):
+            return False
+        with self._lock:
+            if (host, port) in self._seen:
+                return False
+            self._seen.add((host, port))
+            return True
+
+    @staticmethod
+    def note(host: str, port: int, answer: typing.Iterable[typing.Any]) -> None:
+        """Warn when ``getaddrinfo``'s ``answer`` for ``host`` holds several addresses of one family."""
+        families: dict[int, set[str]] = {}
+        for family, *_, sockaddr in answer:
+            families.setdefault(int(family), set()).add(str(sockaddr[0]))
+        if all(len(addresses) < 2 for addresses in families.values()):
+            return
+        addresses = sorted(set().union(*families.values()))
+        shown = ", ".join(addresses[:4]) + (", ..." if len(addresses) > 4 else "")
+        warnings.warn(
+            f"{host}:{port} resolves to {len(addresses)} addresses ({shown}), and a plain http(s):// URL is one "
+            f"replica: every call goes to the address the resolver gives first, with no spreading and no "
+            f"failover. To make each address a replica, put dns+ before the URL's scheme (dns+http://{host}:{port})",
+            ReplicaWarning,
+            stacklevel=2,
+        )
+
+
 class _Stream(httpcore.NetworkStream):
     def __init__(self, stream: httpcore.NetworkStream) -> None:
         self._stream = stream
@@ -156,6 +202,7 @@ class _Stream(httpcore.NetworkStream):
 class _Backend(httpcore.NetworkBackend):
     def __init__(self) -> None:
         self._backend = httpcore.SyncBackend()
+        self._names = _NameCheck()
 
     def connect_tcp(
         self,
@@ -166,6 +213,11 @@ class _Backend(httpcore.NetworkBackend):
         socket_options: typing.Iterable[typing.Any] | None = None,
     ) -> httpcore.NetworkStream:
         timeout = _within(timeout, httpcore.ConnectTimeout)
+        if self._names.due(host, port):
+            try:
+                self._names.note(host, port, socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+            except OSError:  # the connection says why
+                pass
         return _Stream(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
 
     def connect_unix_socket(
@@ -205,6 +257,7 @@ class _AsyncStream(httpcore.AsyncNetworkStream):
 class _AsyncBackend(httpcore.AsyncNetworkBackend):
     def __init__(self) -> None:
         self._backend = httpcore.AnyIOBackend()
+        self._names = _NameCheck()
 
     async def connect_tcp(
         self,
@@ -215,6 +268,11 @@ class _AsyncBackend(httpcore.AsyncNetworkBackend):
         socket_options: typing.Iterable[typing.Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
         timeout = _within(timeout, httpcore.ConnectTimeout)
+        if self._names.due(host, port):
+            try:
+                self._names.note(host, port, await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+            except OSError:  # the connection says why
+                pass
         return _AsyncStream(await self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
 
     async def connect_unix_socket(

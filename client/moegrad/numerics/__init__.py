@@ -6,6 +6,7 @@ The public face of :mod:`moegrad.numerics`; the service and the benchmarks impor
 """
 
 from moegrad.numerics._ascend950 import UB_SIZE_BYTES, VECTOR_CORE_COUNT, Ascend950Tiling, ascend950_tiling
+from moegrad.numerics._fast import KernelCache, kernel_cache
 from moegrad.numerics._fast import available as compiled_kernel_available
 from moegrad.numerics._identify import Identification, ProfileMatch, identify, profiles_matching
 from moegrad.numerics._reference import (
@@ -29,6 +30,7 @@ __all__ = [
     "VECTOR_CORE_COUNT",
     "Ascend950Tiling",
     "Identification",
+    "KernelCache",
     "MoeInitRoutingV2Result",
     "ProfileMatch",
     "accumulate",
@@ -39,6 +41,7 @@ __all__ = [
     "expanded_row_idx_layout",
     "identify",
     "invert_expanded_row_idx",
+    "kernel_cache",
     "kernel_threads",
     "moe_init_routing_v2",
     "moe_init_routing_v2_grad",

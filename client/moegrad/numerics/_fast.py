@@ -37,6 +37,7 @@ layer aborts when two threads launch at once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -47,7 +48,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["CompiledModule", "accumulate", "accumulate_950", "available", "warm_up"]
+__all__ = [
+    "PRIVATE_MEMBERS",
+    "CompiledModule",
+    "KernelCache",
+    "accumulate",
+    "accumulate_950",
+    "available",
+    "kernel_cache",
+    "warm_up",
+]
 
 _CHUNK_INPUT_BYTES = 4 << 20  # gathered input per chunk: enough to hide the call, small enough to balance
 _BIN_BYTES = 128 << 10  # float32 bins of one tile: they stay in the core's L2
@@ -58,6 +68,37 @@ _BIT_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {  # the dtype the kernel sees:
     np.dtype(np.float16): np.dtype(np.int16),
     np.dtype(ml_dtypes.bfloat16): np.dtype(np.uint16),
 }
+
+
+#: numba's members beyond its documented API that :meth:`CompiledModule.cache` reads (owner, name):
+#: each dispatcher's cache counters. pyproject.toml bounds numba to the releases
+#: tests/contract/test_numba_members.py passed on.
+PRIVATE_MEMBERS: tuple[tuple[str, str], ...] = (("numba.core.dispatcher.Dispatcher", "stats"),)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCache:
+    """What numba's on-disk cache gave a module of compiled kernels in this process so far.
+
+    Counted per kernel and signature (one per dtype a kernel was called with), from each numba
+    dispatcher's cache counters (``Dispatcher.stats``: a lookup that found the compiled code on disk
+    is a hit, one that had to compile is a miss).
+
+    Attributes:
+        loaded: signatures loaded from the cache (a warm cache: well under a second each).
+        compiled: signatures compiled in this process, then saved to the cache (a cold cache:
+            seconds each).
+        folder: where numba keeps the module's cache (beside the module, or under
+            ``NUMBA_CACHE_DIR``); None before the module is imported or without numba.
+    """
+
+    loaded: int = 0
+    compiled: int = 0
+    folder: str | None = None
+
+    def since(self, before: KernelCache) -> KernelCache:
+        """The signatures loaded and compiled after ``before`` was taken."""
+        return KernelCache(self.loaded - before.loaded, self.compiled - before.compiled, self.folder)
 
 
 class CompiledModule:
@@ -79,6 +120,22 @@ class CompiledModule:
                 self.missing = True
         return self.module
 
+    def cache(self) -> KernelCache:
+        """What numba's cache gave this module's kernels so far (all 0 before it is imported)."""
+        if self.module is None:
+            return KernelCache()
+        from numba.extending import is_jitted  # numba imports: the module did
+
+        loaded = compiled = 0
+        folder = None
+        for kernel in vars(self.module).values():
+            if is_jitted(kernel) and getattr(kernel, "__module__", None) == self.name:
+                stats = kernel.stats  # numba's undocumented Dispatcher.stats (tests/contract)
+                loaded += sum(stats.cache_hits.values())
+                compiled += sum(stats.cache_misses.values())
+                folder = folder or stats.cache_path
+        return KernelCache(loaded, compiled, folder)
+
 
 _KERNELS = CompiledModule("moegrad.numerics._fast_jit")
 
@@ -91,6 +148,11 @@ def _load_jit() -> ModuleType | None:
 def available() -> bool:
     """Whether the compiled path can run here (numba imports)."""
     return _load_jit() is not None
+
+
+def kernel_cache() -> KernelCache:
+    """What numba's on-disk cache gave the reference kernel in this process so far (:class:`KernelCache`)."""
+    return _KERNELS.cache()
 
 
 def warm_up() -> bool:

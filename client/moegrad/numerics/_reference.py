@@ -169,15 +169,15 @@ def accumulate(
     Raises:
         ValueError: another ``kernel``. RuntimeError: ``kernel="numba"`` where numba does not import.
     """
-    prepared = _rows_of(call, out)
-    if prepared is None:
-        return out
-    rows, flat_index, skipped = prepared
     kernel = _KERNEL if kernel is None else kernel
     if kernel not in ("auto", "numba", "numpy"):
         raise ValueError(f"kernel={kernel!r} is not one of 'auto', 'numba', 'numpy'")
     if kernel == "numba" and not _fast.available():
         raise RuntimeError("kernel='numba' needs numba: pip install 'moegrad[fast]'")
+    prepared = _rows_of(call, out)
+    if prepared is None:
+        return out
+    rows, flat_index, skipped = prepared
     accumulator = np.dtype(accumulator)
     if kernel != "numpy" and accumulator == _F32:
         if chunking is not None:
@@ -342,6 +342,7 @@ def moe_init_routing_v2_grad(
     ub_size_bytes: int = UB_SIZE_BYTES,
     vector_core_count: int = VECTOR_CORE_COUNT,
     out: np.ndarray | None = None,
+    kernel: str | None = None,
 ) -> np.ndarray:
     """gradX of aclnnMoeInitRoutingV2Grad, computed on the CPU in the order the device uses.
 
@@ -366,6 +367,9 @@ def moe_init_routing_v2_grad(
             writeable C-contiguous [N, H] array of grad_expanded_x's dtype in native byte order,
             sharing no memory with the inputs. Default: a new array. Every element is written; the
             bits are the same either way.
+        kernel: the float32 accumulation's path, ``"auto"`` (the compiled kernel where numba imports),
+            ``"numba"`` or ``"numpy"`` (no numba import, nothing compiled: cheaper for a few small
+            calls in a fresh process); None: ``"auto"``. The bits are the same on every path.
 
     Returns:
         grad_x, [N, H] C-contiguous, the dtype of grad_expanded_x (``out`` itself when given). A
@@ -379,7 +383,8 @@ def moe_init_routing_v2_grad(
         TypeError: ``out`` is not a numpy.ndarray.
         ValueError: ``out`` is not C-contiguous, is read-only or overlaps an input; or
             ``ub_size_bytes`` / ``vector_core_count`` is not a positive integer (TypeError when
-            it is not an integer at all).
+            it is not an integer at all); or ``kernel`` is none of the three.
+        RuntimeError: ``kernel="numba"`` where numba does not import.
     """
     call = _validated(
         grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode, active_num, order, allow_duplicate_indices
@@ -387,7 +392,7 @@ def moe_init_routing_v2_grad(
     out = _result_buffer(call, out)
     profile = call.profile
     if profile.chip != ASCEND950:
-        return accumulate(call, schedule_steps(call.top_k, profile.schedule), out)
+        return accumulate(call, schedule_steps(call.top_k, profile.schedule), out, kernel=kernel)
     # checked even when the result is empty, so a bad setting never passes unnoticed (an empty
     # grad_x of another dtype, which 9.1 lets through, has no tiling: only the settings are checked)
     tiling = ascend950_tiling(
@@ -399,9 +404,10 @@ def moe_init_routing_v2_grad(
         vector_core_count=vector_core_count,
     )
     if profile.schedule == CHAIN:  # CANN 8.5: a chain from +0.0, whatever the chunks
-        return accumulate(call, schedule_steps(call.top_k, CHAIN), out)
+        return accumulate(call, schedule_steps(call.top_k, CHAIN), out, kernel=kernel)
     assert profile.schedule == GROUPS_OF_FOUR
-    return accumulate(call, ascend950_schedule(call.top_k, tiling.k_chunk), out, chunking=(tiling.k_chunk, True))
+    chunking = (tiling.k_chunk, True)
+    return accumulate(call, ascend950_schedule(call.top_k, tiling.k_chunk), out, kernel=kernel, chunking=chunking)
 
 
 def _result_buffer(call: MoeInitRoutingV2GradCall, out: np.ndarray | None) -> np.ndarray:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,6 +17,7 @@ from moegrad import (
 )
 from moegrad.numerics import UB_SIZE_BYTES, VECTOR_CORE_COUNT
 from moegrad_service.engine.base import Backend, BackendWorker
+from moegrad_service.engine.compiling import warm_up_logged
 
 __all__ = ["ReferenceBackend"]
 
@@ -57,14 +57,11 @@ class ReferenceBackend(Backend):
         self.vector_core_count = vector_core_count
 
     def open_worker(self, index: int) -> _ReferenceWorker:
-        """A CPU slot; the first one compiles the kernel when ``warm_up`` is set."""
+        """A CPU slot; the first one compiles the kernel (or loads it from numba's cache) when
+        ``warm_up`` is set, and logs which (:func:`~moegrad_service.engine.compiling.warm_up_logged`)."""
         if index == 0 and self.warm_up:
-            started = time.perf_counter()
-            log.info(
-                "compiling the reference kernel (a cold numba cache: one to two minutes; nothing listens meanwhile)"
-            )
-            moegrad.warm_up()
-            log.info("the reference kernel is compiled (%.1f s)", time.perf_counter() - started)
+            waiting = "compiling takes one to two minutes; nothing listens meanwhile"
+            warm_up_logged(log, "the reference kernel", moegrad.warm_up, moegrad.kernel_cache, waiting=waiting)
         return _ReferenceWorker(self)
 
     def check_health(self) -> None:

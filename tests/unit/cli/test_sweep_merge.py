@@ -11,6 +11,7 @@ bytes; two digests for one case are refused, exit 2; a missing case is exit 4).
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 from pathlib import Path
@@ -68,6 +69,35 @@ def test_with_the_cases_the_missing_file_is_named_instead_of_its_cases(swept, tm
     assert missing[0] == f"shard 1 (no file): expected {shards / 'shard-1.jsonl'}; its {in_one} {plural} not judged"
     assert not any(name in missing for name in names)  # shard 1's cases are not listed one by one
     assert missing[1:] == ([] if shard("late") == 1 else ["late"])
+
+
+def test_the_merged_summary_says_first_what_is_missing_and_lists_each_missing_case(swept, tmp_path, capsys):
+    folder, shards, names = swept
+    unjudged = sorted(name for name in names if shard(name) == 1)
+    argv = ["compare", "--merge", str(shards), "--cases", str(folder), "--summary", str(tmp_path / "m")]
+    assert main(argv) == 4
+    assert f"{len(names)} cases against 2 shard files of 3: {len(names) - len(unjudged)} pass, " \
+        f"{len(unjudged)} missing" in capsys.readouterr().out
+    lines = (tmp_path / "m.md").read_text().splitlines()
+    assert lines[2] == f"**Not complete: {len(unjudged)} cases were not judged** (the exit status is 4)."
+    assert lines[4] == f"- shard 1 (no file): expected {shards / 'shard-1.jsonl'}; its {len(unjudged)} cases are " \
+        "not judged"
+    assert lines[5] == "- the cases not judged: " + ", ".join(unjudged)
+    assert lines[7].startswith(f"{len(names)} cases: ") and lines[7].endswith(f", {len(unjudged)} missing")
+    with open(tmp_path / "m.csv", encoding="utf-8-sig", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [(row["API Name"], row["moegrad_status"]) for row in rows[:len(unjudged)]] == [
+        (name, "missing") for name in unjudged]
+    assert {row["Message"] for row in rows[:len(unjudged)]} == {"not judged: shard 1 has no file"}
+    assert len(rows) == len(names)
+
+
+def test_without_the_cases_the_merged_summary_says_which_shard_is_missing(swept, capsys):
+    _, shards, _ = swept
+    assert main(["compare", "--merge", str(shards)]) == 4
+    lines = (shards / "summary.md").read_text().splitlines()
+    assert lines[2] == "**Not complete: some cases were not judged** (the exit status is 4)."
+    assert lines[4] == f"- shard 1 (no file): expected {shards / 'shard-1.jsonl'}"
 
 
 def test_without_the_cases_the_missing_file_is_named(swept, capsys):
@@ -129,7 +159,7 @@ def test_a_case_rewritten_after_it_was_judged_is_missing_not_judged_by_its_old_l
     argv = ["compare", "--merge", str(shards), "--cases", str(folder), "--summary", str(tmp_path / "m")]
     assert main(argv) == 4  # not complete: p4 as it is now was never judged
     captured = capsys.readouterr()
-    assert missing_lines(captured.err) == ["p4"] and "left out 1 lines" in captured.out
+    assert missing_lines(captured.err) == ["p4"] and "left out 1 line of cases" in captured.out
     # Its shard run again judges it (the resume skips only a name with the same digest); then it fails.
     argv = ["compare", "--local", "--cases", str(folder), "--no-progress", "--shard", f"{shard('p4')}/{COUNT}",
             "--output", str(shards / f"shard-{shard('p4')}.jsonl")]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import moegrad
-import moegrad.cli._sweep as cli_sweep
+import moegrad.cli._console as cli_console
 from moegrad import DeviceFault, accuracy
 from moegrad.accuracy._cases import shard_of
 from moegrad.accuracy._ledger import SweepFile, SweepHeader
@@ -96,8 +96,11 @@ def test_the_output_records_each_judged_case_with_its_file_digest(cases, tmp_pat
         data = (folder / f"{line['case']}.npz").read_bytes()
         assert line["digest"] == "sha256:" + hashlib.sha256(data).hexdigest()
         assert set(line["verdicts"]) == set(accuracy.DEFAULT_STANDARDS) and line["error"] is None
-    assert not (folder / "summary.csv").exists()  # with --output, a summary only when asked for
-    assert "12 cases written to" in capsys.readouterr().out
+    # every sweep writes a summary: with --output, beside FILE (the cases' folder may be read-only)
+    assert not (folder / "summary.csv").exists()
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"run.jsonl", "run.summary.csv", "run.summary.md"}
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'out' / 'run.summary'}.csv and " in out and "12 cases written to" in out
 
 
 def test_a_rerun_skips_what_is_recorded_and_judges_a_changed_case_again(cases, tmp_path, capsys):
@@ -109,12 +112,44 @@ def test_a_rerun_skips_what_is_recorded_and_judges_a_changed_case_again(cases, t
     capsys.readouterr()
     assert sweep(folder, "--output", str(output), "--summary", str(tmp_path / "s")) == 1
     out = capsys.readouterr().out
-    assert f"skipped 11 of 12 cases already judged in {output}" in out and "1 cases written to" in out
+    assert f"skipped 11 of 12 cases already judged in {output}" in out and "\n1 case written to" in out
     assert "12 cases against in-process emulation" in out  # the skipped ones' recorded results count
     assert [line["case"] for line in case_lines(output)].count("c00") == 2
     merged = merge_sweeps([output], accuracy.find_cases(folder))
     assert {r.name: r.status for r in merged.results} == expected  # the last line wins
     assert merged.stale == 0 and not merged.missing
+
+
+def test_after_a_resume_the_progress_line_counts_the_skipped_cases_findings_as_the_summary_does(cases, tmp_path,
+                                                                                               capsys):
+    folder, expected = cases
+    output = tmp_path / "run.jsonl"
+    (folder / "broken.npz").write_bytes(b"not an npz")  # invalid: not recorded, judged again on the resume
+    sweep(folder, "--output", str(output))
+    expected["c00"] = save(folder, "c00", 0, "scaled_up")  # judged again: one failure of this run
+    failed = sum(status == "fail" for status in expected.values())
+    capsys.readouterr()
+    assert sweep(folder, "--output", str(output), "--progress") == 3
+    captured = capsys.readouterr()
+    last = captured.err.rstrip().split("\r")[-1]  # the progress line as it was drawn last
+    assert "] 13/13 cases, " in last and last.endswith(f" cases/s, {failed} failed, 1 invalid, 0 errors")
+    assert f"13 cases against in-process emulation: {12 - failed} pass, {failed} fail, 1 invalid" in captured.out
+
+
+def test_every_file_a_sweep_writes_has_its_folder_created_and_one_that_cannot_be_is_exit_2(cases, tmp_path, capsys):
+    folder, _ = cases
+    where = tmp_path / "new" / "deeper"
+    assert sweep(folder, "--summary", str(where / "s"), "--reports", str(where / "reports"), "--plots", "none",
+                 "--output", str(where / "out" / "run.jsonl")) == 1
+    assert {p.name for p in where.iterdir()} == {"s.csv", "s.md", "reports", "out"}
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    capsys.readouterr()
+    for flags in (["--summary", str(blocker / "s")], ["--reports", str(blocker / "r")]):
+        assert sweep(folder, *flags) == 2, flags
+        err = capsys.readouterr().err
+        assert f"cannot write {flags[0]} {flags[1]}" in err or f"cannot create {flags[0]} {flags[1]}" in err, err
+    assert not (folder / "summary.csv").exists()  # refused before any case was judged
 
 
 def test_a_torn_last_line_is_cut_with_a_warning_and_its_case_judged_again(cases, tmp_path, capsys):
@@ -234,7 +269,7 @@ def test_merge_names_what_is_missing_and_leaves_stale_lines_out(cases, tmp_path,
     capsys.readouterr()
     assert main(["compare", "--merge", str(shards), "--cases", str(folder), "--summary", str(tmp_path / "m")]) == 1
     out = capsys.readouterr().out
-    assert "left out 1 lines" in out and "11 cases against 3 shard files of 3" in out
+    assert "left out 1 line of cases" in out and "11 cases against 3 shard files of 3" in out
     with open(tmp_path / "m.csv", encoding="utf-8-sig") as file:
         assert sorted(row.split(",")[0] for row in file.read().splitlines()[1:]) == sorted(expected)
 
@@ -315,14 +350,14 @@ def test_ctrl_c_while_the_summary_is_written_is_exit_130_and_leaves_each_file_wh
     output = tmp_path / "run.jsonl"
     assert sweep(folder, "--output", str(output), "--summary", str(tmp_path / "s")) == 1
     before = (tmp_path / "s.csv").read_bytes(), (tmp_path / "s.md").read_bytes(), output.read_bytes()
-    real = cli_sweep.write_summary
+    real = cli_console.write_summary
 
-    def interrupted(results, csv_path, markdown_path):  # Ctrl-C once the CSV is half written
-        real(results, csv_path, markdown_path)
+    def interrupted(results, csv_path, markdown_path, notes):  # Ctrl-C once the CSV is half written
+        real(results, csv_path, markdown_path, notes)
         Path(csv_path).write_bytes(Path(csv_path).read_bytes()[:50])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_sweep, "write_summary", interrupted)
+    monkeypatch.setattr(cli_console, "write_summary", interrupted)
     capsys.readouterr()
     assert sweep(folder, "--output", str(output), "--summary", str(tmp_path / "s")) == 130
     assert "interrupted while reporting; every case is written to" in capsys.readouterr().err

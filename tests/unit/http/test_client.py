@@ -126,7 +126,8 @@ def bits(array: np.ndarray) -> np.ndarray:
 def test_public_names_are_exported():
     for name in ("AsyncClient", "Client", "GradResult"):
         assert name in moegrad.__all__
-        assert getattr(moegrad, name).__module__ == ("moegrad.http._answers" if name == "GradResult" else "moegrad.http._client")
+        modules = {"GradResult": "moegrad.http._answers", "AsyncClient": "moegrad.http._async_client"}
+        assert getattr(moegrad, name).__module__ == modules.get(name, "moegrad.http._client")
 
 
 # ---- requests ------------------------------------------------------------------------------------

@@ -459,12 +459,16 @@ def test_compare_many_sends_the_cases_in_one_batch_and_never_stops():
              ("server_failed", example_fields(), EXAMPLE.copy()),
              ("off", example_fields(), (EXAMPLE_BITS + np.uint32(1)).view(np.float32))]
     fake = FakeBatch(failing={1})  # the second item sent is "server_failed"
-    seen = []
+    seen, judged = [], []
     with client(fake, retries=0) as c:
-        results = c.compare_many(cases, require_exact=True, on_result=seen.append, progress=False)
+        results = c.compare_many(cases, require_exact=True, on_result=seen.append, progress=False,
+                                 on_judged=lambda result, fields, candidate: judged.append((result, fields, candidate)))
     assert [(r.name, r.status) for r in results] == [("good", "pass"), ("bad_shape", "invalid"),
                                                       ("server_failed", "error"), ("off", "fail")]
     assert seen == results
+    # on_judged: every case judged (a refused one too), after on_result, with the very inputs given
+    assert [result for result, _, _ in judged] == results
+    assert all(fields is case[1] and candidate is case[2] for (_, fields, candidate), case in zip(judged, cases))
     assert len(fake.requests) == 1 and len(fake.requests[0]) == 3  # one request; the refused case not in it
     assert "161002" in results[1].error and "DeviceFault" in results[2].error
     context = results[0].report.context

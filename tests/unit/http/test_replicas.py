@@ -175,12 +175,35 @@ def test_a_name_is_resolved_first_then_every_refresh_and_kept_addresses_keep_the
     assert replicas.due() is not None
     assert replicas.due() is None  # one flow resolves while the others use what is known
     replicas.resolved(addrinfo("10.0.0.1", "fd00::3"))
-    assert [(s.url, s.served) for s in replicas.stats()] == [("https://10.0.0.1:8000/api", 1),
-                                                            ("https://[fd00::3]:8000/api", 0)]
+    assert [(s.url, s.served, s.gone) for s in replicas.stats()] == [("https://10.0.0.1:8000/api", 1, False),
+                                                                    ("https://[fd00::3]:8000/api", 0, False),
+                                                                    ("https://10.0.0.2:8000/api", 0, True)]
     clock.now += 30.0
     replicas.due()
     replicas.resolved(socket.gaierror(-2, "Name or service not known"))  # a failed refresh keeps the known
-    assert len(replicas.stats()) == 2
+    assert len(replicas.stats()) == 3  # the two known, and 10.0.0.2, gone with its counters
+    assert [(s.url, s.gone) for s in replicas.stats()][-1] == ("https://10.0.0.2:8000/api", True)
+
+
+def test_an_address_that_leaves_the_name_keeps_its_counters_as_gone_and_comes_back_with_them():
+    clock = FakeClock()
+    replicas = ReplicaSet([httpx.URL("http://svc:8000")], dns=True, clock=clock, rng=random.Random(1))
+    replicas.due()
+    replicas.resolved(addrinfo("10.0.0.1", "10.0.0.2"))
+    lost = next(r for r in replicas.replicas if host(r) == "10.0.0.2")
+    lost.in_flight += 1
+    replicas.done(lost, answered=False, failed=True)  # its pod was killed
+    clock.now += 30.0
+    replicas.due()
+    replicas.resolved(addrinfo("10.0.0.1"))  # ... and left the headless Service
+    assert [(s.url, s.failures, s.failures_in_a_row, s.gone) for s in replicas.stats()] == [
+        ("http://10.0.0.1:8000", 0, 0, False), ("http://10.0.0.2:8000", 1, 1, True)]
+    assert [host(r) for r in replicas.replicas] == ["10.0.0.1"]  # never picked again
+    clock.now += 30.0
+    replicas.due()
+    replicas.resolved(addrinfo("10.0.0.2", "10.0.0.1"))  # back (its pod restarted at the same address)
+    assert [(s.url, s.failures, s.gone) for s in replicas.stats()] == [
+        ("http://10.0.0.1:8000", 0, False), ("http://10.0.0.2:8000", 1, False)]
 
 
 def test_a_name_that_does_not_resolve_at_first_is_a_transport_error():
@@ -235,6 +258,22 @@ def test_a_refused_connection_moves_the_call_to_another_replica_at_once():
     stats = {s.url: s for s in core.replicas.stats()}
     assert [stats[f"http://{r.url.host}:8000"].failures for r in (first, second, third)] == [1, 1, 0]
     assert stats[f"http://{third.url.host}:8000"].served == 1
+    # each failing replica's call went on elsewhere: one call moved off each; no answer since (in a row)
+    assert [stats[f"http://{r.url.host}:8000"].moved for r in (first, second, third)] == [1, 1, 0]
+    assert [stats[f"http://{r.url.host}:8000"].failures_in_a_row for r in (first, second, third)] == [1, 1, 0]
+
+
+def test_a_call_retried_on_its_only_replica_moved_nowhere_and_an_answer_ends_the_run_of_failures():
+    core = Client([A], transport=httpx.MockTransport(no_io), timeout_s=None, retries=2)._core
+    flow = core.grad_flow(example_call(), USE_CLIENT_DEFAULT)
+    first = next(flow)
+    assert flow.send(httpx.ConnectError("refused")) == 0.05  # the backoff (Retries.backoff_base_s): after a wait
+    second = flow.send(None)
+    assert core.replicas.stats()[0].failures_in_a_row == 1
+    with pytest.raises(StopIteration):
+        flow.send(reply_example(second))
+    (stats,) = core.replicas.stats()
+    assert (stats.failures, stats.moved, stats.failures_in_a_row, stats.served) == (1, 0, 0, 1)
 
 
 def test_a_503_goes_to_another_replica_and_its_retry_after_sets_the_busy_one_aside():
@@ -395,6 +434,7 @@ def test_a_batch_item_answered_503_alone_goes_to_another_replica_and_the_drainin
     draining, other = stats[f"http://{first.url.host}:8000"], stats[f"http://{again.url.host}:8000"]
     assert (draining.served, draining.failures, other.served, other.failures) == (1, 1, 1, 0)
     assert draining.set_aside_until == clock.now + 2.0  # its item's retry_after_s, past the first 1 s
+    assert (draining.moved, other.moved) == (1, 0)  # its refused item went to the other replica
 
 
 def test_a_batch_item_answered_422_is_never_sent_again():

@@ -27,7 +27,7 @@ from moegrad.numerics import _fast_jit  # noqa: E402  (imports numba)
 from support.bits import assert_bitwise_equal
 from support.inputs import BF16, F16, F32, GRAD_DTYPES, KS, MODES, ORDERS, random_call
 from support.kernel_paths import record_stream_flags, streamed_into_offset_buffer
-from support.slow_loops import slow_grad_x
+from support.slow_loops import expected_chunk, slow_grad_x, slow_profile
 
 PATHS = ["numba", "numpy"]
 
@@ -381,6 +381,19 @@ def test_kernel_compiles_without_a_writable_cache(monkeypatch):
 def test_unknown_kernel_is_an_error():
     with pytest.raises(ValueError, match="kernel='cuda'"):
         run(np.ones((2, 3), dtype=np.float32), np.arange(2, dtype=np.int32), 2, kernel="cuda")
+    with pytest.raises(ValueError, match="kernel='cuda'"):  # the public keyword, even on an empty call
+        moe_init_routing_v2_grad(np.ones((0, 3), dtype=np.float32), np.arange(0, dtype=np.int32), 2, kernel="cuda")
+
+
+@pytest.mark.parametrize("order", ["ascend910b@9.1", "ascend950@8.5", "ascend950@9.1"])
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
+def test_the_public_kernel_keyword_picks_the_path_with_the_slow_loop_s_bits(compiled_calls, kernel, order):
+    rng = np.random.default_rng(9)
+    grad, idx, _, _ = random_call(rng, "dropless", 12, F32, tokens=4, hidden=40)
+    out = moe_init_routing_v2_grad(grad, idx, 12, order=order, kernel=kernel)
+    chunk = expected_chunk(F32, 12, 40, 253952)  # the default UB size: all 12 slots in one chunk
+    assert_bitwise_equal(out, slow_profile(grad, idx, 12, profile=order, chunk=chunk))
+    assert (compiled_calls != []) is (kernel == "numba" and not order.startswith("ascend950@9"))  # 950's own loop
 
 
 @pytest.mark.parametrize(("value", "threads"), [("1", 1), ("3", 3), (" 2 ", 2)])
