@@ -315,7 +315,7 @@ def test_a_content_length_of_thousands_of_digits_is_refused_not_an_error(declare
     from starlette.requests import Request
 
     import moegrad
-    from moegrad_service.api.inputs import read_body
+    from moegrad_service.api.intake import read_body
     from moegrad_service.memory import Memory
     from moegrad_service.settings import Settings
 

@@ -9,7 +9,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from moegrad_service.api.inputs import admission_of
+from moegrad_service.api.intake import admission_of
 
 __all__ = ["RequestLogMiddleware"]
 

@@ -24,7 +24,7 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from moegrad_service.api.errors import error_response
-from moegrad_service.api.inputs import admission_of, release_admission
+from moegrad_service.api.intake import admission_of, release_admission
 
 __all__ = ["EndpointRoute", "msgpack_operation", "openapi_with_endpoints"]
 

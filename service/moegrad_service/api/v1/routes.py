@@ -35,18 +35,15 @@ from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import answer_for
 from moegrad_service.api.inputs import (
     INLINE_DECODE_BYTES,
-    MSGPACK_MEDIA_TYPES,
-    admission_of,
-    cover,
     dataplane_of,
     disconnected,
     media_type_of,
     metrics_of,
     off_loop,
-    read_body,
     request_timeout,
     settings_of,
 )
+from moegrad_service.api.intake import MSGPACK_MEDIA_TYPES, admission_of, cover, read_body
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute, msgpack_operation
 from moegrad_service.api.v1.codec import (

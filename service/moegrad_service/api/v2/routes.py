@@ -28,18 +28,14 @@ from moegrad import MalformedRequest
 from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.inputs import (
-    admission_of,
-    byte_count,
-    cover,
     dataplane_of,
     disconnected,
     metrics_of,
     off_loop,
-    read_body,
-    release_admission,
     request_timeout,
     settings_of,
 )
+from moegrad_service.api.intake import admission_of, byte_count, cover, read_body, release_admission
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute
 from moegrad_service.api.v2.codec import (
