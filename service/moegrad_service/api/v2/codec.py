@@ -136,7 +136,7 @@ def _count(value: Any, where: str) -> int:
 
 def binary_lead(header_length: str | None) -> int:
     """Bytes to put before the body so that its binary part, after the JSON header, starts 16-byte
-    aligned (api.intake.read_body's ``lead``); 0 without a well-formed header, which _split then rejects."""
+    aligned (``api.intake.Intake.read``'s ``lead``); 0 without a well-formed header, which _split then rejects."""
     size = None if header_length is None else byte_count(header_length)
     return 0 if size is None else -size % 16
 

@@ -35,7 +35,7 @@ from moegrad_service.api.inputs import (
     request_timeout,
     settings_of,
 )
-from moegrad_service.api.intake import admission_of, byte_count, cover, read_body, release_admission
+from moegrad_service.api.intake import Intake, byte_count
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute
 from moegrad_service.api.v2.codec import (
@@ -136,10 +136,8 @@ async def get_model_statistics(request: Request, model_name: str) -> dict[str, A
 
 @router.post("/v2/repository/index", summary="v2 repository index: the one model, READY")
 async def get_repository_index(request: Request) -> list[dict[str, str]]:
-    try:
-        body = bytes(await read_body(request, 1 << 16, media_types=None))
-    finally:  # a FastAPI route: no EndpointRoute releases its admission after the answer
-        release_admission(request.scope)
+    with Intake(request) as intake:  # a FastAPI route: the body is copied out, and its admission released
+        body = bytes(await intake.read(1 << 16, media_types=None))
     ready = False
     if body.strip():
         document = parse_repository_request(body)
@@ -181,7 +179,7 @@ async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
     return {"name": MODEL_NAME, "ready": True}
 
 
-async def infer(request: Request) -> Response:
+async def infer(request: Request, intake: Intake) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     _check_model(request)
     dataplane, settings, metrics = dataplane_of(request), settings_of(request), metrics_of(request)
@@ -198,8 +196,7 @@ async def infer(request: Request) -> Response:
     if json_bytes is not None:  # a header larger than the body is refused once read (400): count the body
         json_bytes = min(json_bytes, byte_count(request.headers.get("content-length", "")) or 0)
     json_extra = JSON_HOLD_PER_BODY_BYTE - MemoryBudget.HOLD_PER_BODY_BYTE
-    body = await read_body(
-        request,
+    body = await intake.read(
         settings.max_body_bytes,
         media_types=None,
         lead=binary_lead(header_length),
@@ -217,14 +214,14 @@ async def infer(request: Request) -> Response:
     decoded = await off_loop(decode) if len(body) > INLINE_JSON_BYTES else decode()
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
-    cover(request, call_peak, decoded.call, reply="buffers" if decoded.binary_output else "json")
+    intake.cover(call_peak, decoded.call, reply="buffers" if decoded.binary_output else "json")
     outcome = await dataplane.infer(
         decoded.call,
         named_order=decoded.named_order,
         timeout_s=timeout_s,
         disconnected=partial(disconnected, request),
         received_s=started,
-        admission=admission_of(request.scope),
+        admission=intake.admission,
         tenant=tenant_of(request.scope),
     )
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
