@@ -4,7 +4,7 @@ The protocol endpoints (``api/``: v1 msgpack and compare, v2 over HTTP and gRPC)
 (:meth:`DataPlane.admit`), decode it into a validated call, hand the call (and the order its request
 named) to the :class:`DataPlane`, and encode what it answers. The dataplane checks the named order
 against its backend, runs the call through the :class:`~moegrad_service.engine.StreamPool` (a large
-grad_x into the admission's result buffer), answers empty calls without the device, computes the
+grad_x into a buffer its caller lends, :class:`ResultLender`), answers empty calls without the device, computes the
 compare report and the explanation, reports health and metadata, and observes the engine's metrics. It speaks
 :mod:`moegrad`'s arrays, calls and domain errors only, so a new protocol is a new decoder and
 encoder around the same methods::
@@ -57,6 +57,7 @@ from moegrad_service.dataplane.records import (
     GroupMember,
     GroupOutcome,
     MemberOutcome,
+    ResultLender,
 )
 from moegrad_service.dataplane.statistics import InferenceStatistics
 from moegrad_service.engine import JudgePool, StreamPool, Timings
@@ -231,7 +232,7 @@ class DataPlane:
         timeout_s: float,
         disconnected: Callable[[], Awaitable[object]] | None = None,
         received_s: float | None = None,
-        admission: Admission | None = None,
+        lender: ResultLender | None = None,
         tenant: str | None = None,
     ) -> GradOutcome:
         """grad_x for a validated call: an empty one (N = 0 or H = 0) is answered at once, the rest
@@ -247,9 +248,9 @@ class DataPlane:
                 discarded.
             received_s: the ``time.perf_counter()`` reading when the call's request arrived, or
                 None (the statistics then start the call here).
-            admission: the request's admission: a grad_x of REUSE_MIN_BYTES or more is written into
-                its result buffer (:meth:`Admission.result_buffer`), given back when it is released;
-                None: the backend allocates grad_x.
+            lender: lends the buffer grad_x is written into (the request's admission lends one
+                for a grad_x of REUSE_MIN_BYTES or more: :meth:`Admission.result_buffer`), and is
+                told once the worker has let go of it; None: the backend allocates grad_x.
             tenant: whose call it is (its lane of the pool's fair queue); None: no authentication.
 
         Raises:
@@ -269,13 +270,13 @@ class DataPlane:
                 timings = Timings(0.0, 0.0)
             else:
                 out = None
-                if admission is not None:
+                if lender is not None:
                     dtype = call.grad_expanded_x.dtype.newbyteorder("=")
-                    out = admission.result_buffer((call.num_tokens, call.hidden_size), dtype)
+                    out = lender.result_buffer((call.num_tokens, call.hidden_size), dtype)
                 run = self.pool.run(call, timeout_s=timeout_s, out=out, tenant=tenant)
                 grad_x, timings = await (run if disconnected is None else _unless(disconnected, run))
-                if admission is not None:
-                    admission.result_written()
+                if lender is not None:
+                    lender.result_written()
                 self.metrics.queue_duration.observe(timings.queue_s)
                 self.metrics.compute_duration.observe(timings.compute_s)
             computed = time.perf_counter()

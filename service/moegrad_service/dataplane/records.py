@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -32,7 +32,23 @@ __all__ = [
     "GroupMember",
     "GroupOutcome",
     "MemberOutcome",
+    "ResultLender",
 ]
+
+
+class ResultLender(Protocol):
+    """Where a call's grad_x is written, when the caller lends a buffer for it: the dataplane asks
+    for one before the call runs and says when its worker is done with it. The request's
+    :class:`moegrad_service.memory.Admission` is one (the buffer comes back when it is released)."""
+
+    def result_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """A writeable C-contiguous array of ``shape`` ([N, H]) and ``dtype`` (native byte order)
+        for grad_x, or None: the backend allocates it."""
+        ...
+
+    def result_written(self) -> None:
+        """The worker has written the buffer and let go of it: only the reply reads it now."""
+        ...
 
 
 class ClientDisconnected(MoegradError):

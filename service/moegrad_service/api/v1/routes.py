@@ -160,7 +160,7 @@ async def moe_init_routing_v2_grad(request: Request, intake: Intake) -> Response
         timeout_s=request_timeout(request),
         disconnected=partial(disconnected, request),
         received_s=started,
-        admission=intake.admission,
+        lender=intake.admission,
         tenant=tenant_of(request.scope),
     )
     metrics = metrics_of(request)

@@ -221,7 +221,7 @@ async def infer(request: Request, intake: Intake) -> Response:
         timeout_s=timeout_s,
         disconnected=partial(disconnected, request),
         received_s=started,
-        admission=intake.admission,
+        lender=intake.admission,
         tenant=tenant_of(request.scope),
     )
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
