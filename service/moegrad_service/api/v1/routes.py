@@ -27,6 +27,7 @@ from moegrad import (
     FRAMES_MEDIA_TYPE,
     MAX_BATCH_CALLS,
     REQUEST_LIMITS,
+    MoeInitRoutingV2GradCall,
     decode_frames,
     encode_frames,
 )
@@ -59,7 +60,7 @@ from moegrad_service.api.v1.codec import (
 )
 from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES
 from moegrad_service.api.v1.parts import encode_parts
-from moegrad_service.dataplane import BatchItem, Comparison, GradRequest, GroupMember
+from moegrad_service.dataplane import BatchItem, Comparison, GroupMember
 from moegrad_service.memory import MemoryBudget, Peak, batch_peak, call_peak, compare_peak, explain_peak
 from moegrad_service.metrics import Metrics
 
@@ -135,10 +136,9 @@ async def read_document(request: Request, intake: Intake) -> dict[str, Any]:
     return document
 
 
-async def read_call(request: Request, intake: Intake) -> GradRequest:
-    """The v1 body as a call validated with the app's limits and default order (InvalidArgument,
-    422, names the field and the aclnn code), with the order it names; large tensors are validated
-    on a worker thread."""
+async def read_call(request: Request, intake: Intake) -> MoeInitRoutingV2GradCall:
+    """The v1 body as a call validated with the app's limits and default profile (InvalidArgument,
+    422, names the field and the aclnn code); large tensors are validated on a worker thread."""
     document = await read_document(request, intake)
     build = partial(
         decode_call,
@@ -146,17 +146,15 @@ async def read_call(request: Request, intake: Intake) -> GradRequest:
         max_elements=settings_of(request).max_elements,
         default_order=dataplane_of(request).default_order,
     )
-    call = await off_loop(build) if tensor_bytes(document) > INLINE_DECODE_BYTES else build()
-    return GradRequest(call, document.get("order"))
+    return await off_loop(build) if tensor_bytes(document) > INLINE_DECODE_BYTES else build()
 
 
 async def moe_init_routing_v2_grad(request: Request, intake: Intake) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
-    call, named_order = await read_call(request, intake)
+    call = await read_call(request, intake)
     intake.cover(call_peak, call)
     outcome = await dataplane_of(request).infer(
         call,
-        named_order=named_order,
         timeout_s=request_timeout(request),
         disconnected=partial(disconnected, request),
         received_s=started,
@@ -228,8 +226,6 @@ def _batch_peak(items: list[BatchItem], *, body_bytes: int) -> Peak:
             comparisons.append((item.call, item.candidate.nbytes))
         elif isinstance(item, GroupMember):
             calls.append(item.group.like)  # every member has the shape of the group's first
-        elif isinstance(item, GradRequest):
-            calls.append(item.call)
         elif isinstance(item, BaseException):
             refused += 1
         else:

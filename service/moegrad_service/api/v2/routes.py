@@ -217,7 +217,6 @@ async def infer(request: Request, intake: Intake) -> Response:
     intake.cover(call_peak, decoded.call, reply="buffers" if decoded.binary_output else "json")
     outcome = await dataplane.infer(
         decoded.call,
-        named_order=decoded.named_order,
         timeout_s=timeout_s,
         disconnected=partial(disconnected, request),
         received_s=started,
