@@ -111,7 +111,7 @@ async def _lifespan(
     await pool.start()
     if settings.warm_up and opened.warm_up:
         # in the background: readiness waits for the kernel, not for this (a cold numba cache
-        # compiles it in 20 s to 2 minutes); a comparison arriving meanwhile waits for numba's lock
+        # takes a while to compile it); a comparison arriving meanwhile waits for numba's lock
         threading.Thread(target=_warm_up_compare, name="moegrad-warm-up-compare", daemon=True).start()
     memory = Memory(
         settings.max_inflight_bytes,

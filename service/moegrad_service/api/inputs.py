@@ -43,8 +43,8 @@ async def off_loop(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     A MoegradError (the client's mistake) is raised again from here without the frames it came back
     through: anyio keeps the exception in a future that its own frame holds, so its traceback makes
     a reference cycle, which would keep the request's body and tensors alive until the garbage
-    collector next runs (a refused 4 MiB body stayed 4 MiB until then, measured). Any other
-    exception is a bug and keeps its whole traceback for the log.
+    collector next runs (bench/RESULTS.md, "Attacks"). Any other exception is a bug and keeps its
+    whole traceback for the log.
     """
     try:
         return await run_in_threadpool(function, *args, **kwargs)

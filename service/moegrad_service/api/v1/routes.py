@@ -88,7 +88,8 @@ V1_MEDIA_TYPES = MSGPACK_MEDIA_TYPES | {FRAMES_MEDIA_TYPE}
 #: MAX_BATCH_CALLS), which a few KiB already hold many of.
 INLINE_BATCH_BYTES = 64 << 10
 #: Batches of more items than this have their reply built on a worker thread (a comparison's
-#: report alone costs about half a millisecond to write out).
+#: report alone takes longer to write out than a small call to run: bench/RESULTS.md, "Notes kept
+#: from earlier runs").
 INLINE_BATCH_ITEMS = 16
 
 
