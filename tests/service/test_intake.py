@@ -56,13 +56,13 @@ def _serve(handler, memory: Memory, *, fail_send: bool = False) -> dict:
 
 
 async def _reads_and_answers(request, intake: Intake) -> Response:
-    body = await intake.read(1 << 20)
+    body = await intake.read(limit=1 << 20)
     assert bytes(body) == BODY
     return Response(b"ok")
 
 
 async def _reads_then_fails(request, intake: Intake) -> Response:
-    await intake.read(1 << 20)
+    await intake.read(limit=1 << 20)
     raise InvalidArgument("refused once read", aclnn_status=161002, field="top_k")
 
 

@@ -329,7 +329,7 @@ def test_a_content_length_of_thousands_of_digits_is_refused_not_an_error(declare
 
     async def read():
         with Intake(Request(scope, receive)) as intake:
-            return await intake.read(1 << 20)
+            return await intake.read(limit=1 << 20)
 
     with pytest.raises(getattr(moegrad, refusal)) as caught:
         asyncio.run(read())

@@ -51,20 +51,20 @@ class Intake:
 
     async def read(
         self,
-        limit: int,
         media_types: frozenset[str] | None = MSGPACK_MEDIA_TYPES,
         *,
+        limit: int | None = None,
         lead: int = 0,
         hold_per_byte: int | None = None,
         extra_bytes: int = 0,
     ) -> bytearray | memoryview:
         """The request body, admitted before it is read.
 
-        Refused before reading: 415 when the media type is not in ``media_types``; 413 when
-        Content-Length is over ``limit``; 503 + Retry-After when the pool could not take the call
-        (not ready, the queue (the caller's token's share of it) full) or what the body holds
-        (twice its bytes: MemoryBudget.reserve_body) does not fit the in-flight budget now
-        (``max_inflight_bytes``). A body without Content-Length is counted against both as it
+        Refused before reading: 415 when the media type is not in ``media_types`` (None: any); 413
+        when Content-Length is over ``limit`` (None: ``max_body_bytes``); 503 + Retry-After when
+        the pool could not take the call (not ready, the queue (the caller's token's share of it)
+        full) or what the body holds (twice its bytes: MemoryBudget.reserve_body) does not fit the
+        in-flight budget now (``max_inflight_bytes``). A body without Content-Length is counted against both as it
         arrives. 408 when the body takes longer than ``body_timeout_s`` to arrive, or falls behind
         ``body_min_bytes_per_s`` once ``body_grace_s`` has passed: its reservation goes back at
         once. Once the body is decoded the handler tops the admission up to what the call holds
@@ -81,12 +81,13 @@ class Intake:
         body (a v2 body's JSON header as it is parsed)."""
         assert self.admission is None, "a body is taken in once"
         request = self.request
-        if media_types is not None:
-            media_type = media_type_of(request)
-            if media_type not in media_types:
-                raise UnsupportedMediaType(
-                    f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}"
-                )
+        settings, dataplane, media_type = settings_of(request), dataplane_of(request), media_type_of(request)
+        tenant = tenant_of(request.scope)
+        limit = settings.max_body_bytes if limit is None else limit
+        if media_types is not None and media_type not in media_types:
+            raise UnsupportedMediaType(
+                f"Content-Type {media_type or '(none)'!r} is not accepted; send {' or '.join(sorted(media_types))}"
+            )
         declared = request.headers.get("content-length")
         expected = None
         if declared is not None:
@@ -96,10 +97,8 @@ class Intake:
             if expected > limit:
                 raise PayloadTooLarge(f"Content-Length {brief(declared)} is over the limit of {limit} bytes")
         extra = extra_bytes if expected else 0
-        self.admission = dataplane_of(request).admit(
-            expected, per_byte=hold_per_byte, extra_bytes=extra, tenant=tenant_of(request.scope)
-        )
-        pace = _BodyPace(settings_of(request))
+        self.admission = dataplane.admit(expected, per_byte=hold_per_byte, extra_bytes=extra, tenant=tenant)
+        pace = _BodyPace(settings)
         try:
             async with asyncio.timeout(None) as timeout:
                 pace.watch(timeout)

@@ -119,7 +119,7 @@ async def read_document(request: Request, intake: Intake) -> dict[str, Any]:
     bytes counted: msgpack (:func:`moegrad.wire.decode_body` with ``min_view_bytes``: a large
     tensor's data views the body, no copy) or frames (:func:`moegrad.decode_frames`: every
     tensor's data views the body); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
-    body = await intake.read(settings_of(request).max_body_bytes, V1_MEDIA_TYPES)
+    body = await intake.read(V1_MEDIA_TYPES)
     metrics_of(request).bytes_in.inc(len(body))
     if media_type_of(request) == FRAMES_MEDIA_TYPE:  # the call's arrays will view the body
         if len(body) > INLINE_DECODE_BYTES:
@@ -172,9 +172,7 @@ async def moe_init_routing_v2_grad_batch(request: Request, intake: Intake) -> Re
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     dataplane, metrics, settings = dataplane_of(request), metrics_of(request), settings_of(request)
     timeout_s = request_timeout(request)
-    body = await intake.read(
-        settings.max_body_bytes, MSGPACK_MEDIA_TYPES, hold_per_byte=MemoryBudget.BATCH_HOLD_PER_BODY_BYTE
-    )
+    body = await intake.read(MSGPACK_MEDIA_TYPES, hold_per_byte=MemoryBudget.BATCH_HOLD_PER_BODY_BYTE)
     metrics.bytes_in.inc(len(body))
 
     def decode() -> list[BatchItem]:

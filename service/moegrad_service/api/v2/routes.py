@@ -137,7 +137,7 @@ async def get_model_statistics(request: Request, model_name: str) -> dict[str, A
 @router.post("/v2/repository/index", summary="v2 repository index: the one model, READY")
 async def get_repository_index(request: Request) -> list[dict[str, str]]:
     with Intake(request) as intake:  # a FastAPI route: the body is copied out, and its admission released
-        body = bytes(await intake.read(1 << 16, media_types=None))
+        body = bytes(await intake.read(None, limit=1 << 16))
     ready = False
     if body.strip():
         document = parse_repository_request(body)
@@ -197,8 +197,7 @@ async def infer(request: Request, intake: Intake) -> Response:
         json_bytes = min(json_bytes, byte_count(request.headers.get("content-length", "")) or 0)
     json_extra = JSON_HOLD_PER_BODY_BYTE - MemoryBudget.HOLD_PER_BODY_BYTE
     body = await intake.read(
-        settings.max_body_bytes,
-        media_types=None,
+        None,
         lead=binary_lead(header_length),
         hold_per_byte=JSON_HOLD_PER_BODY_BYTE if json_bytes is None else None,
         extra_bytes=0 if json_bytes is None else json_bytes * json_extra,
