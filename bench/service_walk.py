@@ -49,7 +49,7 @@ def _one_walk(size: str) -> dict:
     armed = threading.Event()
     lock = threading.Lock()
 
-    def profile(frame, event, arg):  # noqa: ANN001, ANN202 - sys.setprofile's signature
+    def profile(frame, event, arg):  # sys.setprofile's signature
         if event != "call" or not armed.is_set():
             return
         code = frame.f_code
