@@ -241,11 +241,11 @@ def memory_section(r: dict, mode: Mode, machine_line: str, command: str, large: 
         "|---|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     code_path = {  # (what is alive at the peak, MiB expected, copies of the request among them)
-        "v1": ("while decoding: body bytearray (read_body) + msgpack `bin` bytes (decode_body; the call's "
+        "v1": ("while decoding: body bytearray (Intake.read) + msgpack `bin` bytes (decode_body; the call's "
                "arrays view them); the body is then freed; after the compute: the `bin` bytes + grad_x + the "
                "packed reply (msgpack's buffer, sent as is); the larger of the two",
                max(2 * payload_mib, payload_mib + 2 * reply_mib), 2),
-        "v2": ("body bytearray (read_body; binary data lands 16-byte aligned, the call's arrays view it) "
+        "v2": ("body bytearray (Intake.read; binary data lands 16-byte aligned, the call's arrays view it) "
                "+ grad_x + the reply (JSON header joined with grad_x's bytes)", payload_mib + 2 * reply_mib, 1),
     }
     names = {"v1": "v1 (msgpack, moegrad.Client)", "v2": "v2 (binary tensors, tritonclient)"}

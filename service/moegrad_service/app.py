@@ -77,60 +77,11 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
     metrics = Metrics()
     authenticate = Authenticator(settings)  # reads auth_tokens_file now: a bad path fails at startup
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[dict]:
-        opened = backend if backend is not None else await asyncio.to_thread(open_backend, settings)
-        pool = StreamPool(
-            opened, streams=settings.streams, max_queue=settings.max_queue, retry_after_s=settings.retry_after_s
-        )
-        await pool.start()
-        if settings.warm_up and opened.warm_up:
-            # in the background: readiness waits for the kernel, not for this (a cold numba cache
-            # compiles it in 20 s to 2 minutes); a comparison arriving meanwhile waits for numba's lock
-            threading.Thread(target=_warm_up_compare, name="moegrad-warm-up-compare", daemon=True).start()
-        memory = Memory(
-            settings.max_inflight_bytes,
-            retry_after_s=settings.retry_after_s,
-            keep_s=settings.receive_keep_s,
-            loop=asyncio.get_running_loop(),
-        )
-        dataplane = DataPlane(settings, pool, metrics, memory)
-        grpc_server = None
-        if settings.grpc_port is not None:
-            from moegrad_service.api.grpc import GrpcServer  # grpcio only when gRPC is on
-
-            try:
-                grpc_server = await GrpcServer.start(settings, dataplane, metrics, authenticate)
-            except BaseException:
-                await pool.close(grace_s=0)
-                raise
-            app.state.grpc_port = grpc_server.port
-        app.state.drain = partial(_drain, pool, grpc_server)  # called on SIGTERM, before uvicorn stops serving
-        metrics.bind(lambda: dataplane.queue_depth, lambda: dataplane.in_flight)
-        metrics.bind_memory(lambda: memory.budget.held_bytes, lambda: memory.buffers.kept_bytes)
-        log.info(
-            "moegrad %s ready: backend=%s device=%s profile=%s streams=%d",
-            __version__,
-            opened.name,
-            opened.device,
-            opened.order
-            or (f"{settings.order} (a call naming another gets it)" if opened.name == "reference" else "unknown"),
-            settings.streams,
-        )
-        try:
-            yield {"settings": settings, "dataplane": dataplane, "metrics": metrics}
-        finally:
-            if grpc_server is not None:  # gRPC calls in flight finish on the pool before it closes
-                await grpc_server.stop(grace_s=settings.shutdown_grace_s)
-            await pool.close(grace_s=settings.shutdown_grace_s)
-            await dataplane.close()
-            log.info("moegrad stopped")
-
     app = FastAPI(
         title="moegrad",
         version=__version__,
         summary="aclnnMoeInitRoutingV2Grad (MoE routing backward) as a service",
-        lifespan=lifespan,
+        lifespan=partial(_lifespan, settings=settings, metrics=metrics, authenticate=authenticate, backend=backend),
     )
     install_error_handlers(app)
     # The tensor-carrying POST routes first (they are matched on every inference call), then the rest.
@@ -141,3 +92,58 @@ def create_app(settings: Settings | None = None, *, backend: Backend | None = No
     app.add_middleware(AuthMiddleware, authenticator=authenticate)
     app.add_middleware(RequestLogMiddleware)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(
+    app: FastAPI, *, settings: Settings, metrics: Metrics, authenticate: Authenticator, backend: Backend | None
+) -> AsyncIterator[dict]:
+    """The app's lifespan (:func:`create_app`): the backend opened (``backend`` when given), its
+    pool, the memory, the dataplane and the gRPC server started; the request state yielded; on
+    shutdown, each stopped in turn."""
+    opened = backend if backend is not None else await asyncio.to_thread(open_backend, settings)
+    pool = StreamPool(
+        opened, streams=settings.streams, max_queue=settings.max_queue, retry_after_s=settings.retry_after_s
+    )
+    await pool.start()
+    if settings.warm_up and opened.warm_up:
+        # in the background: readiness waits for the kernel, not for this (a cold numba cache
+        # takes a while to compile it); a comparison arriving meanwhile waits for numba's lock
+        threading.Thread(target=_warm_up_compare, name="moegrad-warm-up-compare", daemon=True).start()
+    memory = Memory(
+        settings.max_inflight_bytes,
+        retry_after_s=settings.retry_after_s,
+        keep_s=settings.receive_keep_s,
+        loop=asyncio.get_running_loop(),
+    )
+    dataplane = DataPlane(settings, pool, metrics, memory)
+    grpc_server = None
+    if settings.grpc_port is not None:
+        from moegrad_service.api.grpc import GrpcServer  # grpcio only when gRPC is on
+
+        try:
+            grpc_server = await GrpcServer.start(settings, dataplane, metrics, authenticate)
+        except BaseException:
+            await pool.close(grace_s=0)
+            raise
+        app.state.grpc_port = grpc_server.port
+    app.state.drain = partial(_drain, pool, grpc_server)  # called on SIGTERM, before uvicorn stops serving
+    metrics.bind(lambda: dataplane.queue_depth, lambda: dataplane.in_flight)
+    metrics.bind_memory(lambda: memory.budget.held_bytes, lambda: memory.buffers.kept_bytes)
+    log.info(
+        "moegrad %s ready: backend=%s device=%s profile=%s streams=%d",
+        __version__,
+        opened.name,
+        opened.device,
+        opened.order
+        or (f"{settings.order} (a call naming another gets it)" if opened.name == "reference" else "unknown"),
+        settings.streams,
+    )
+    try:
+        yield {"settings": settings, "dataplane": dataplane, "metrics": metrics}
+    finally:
+        if grpc_server is not None:  # gRPC calls in flight finish on the pool before it closes
+            await grpc_server.stop(grace_s=settings.shutdown_grace_s)
+        await pool.close(grace_s=settings.shutdown_grace_s)
+        await dataplane.close()
+        log.info("moegrad stopped")

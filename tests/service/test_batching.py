@@ -13,7 +13,7 @@ import pytest
 
 import moegrad
 from moegrad import CallGroup, MoeInitRoutingV2GradCall
-from moegrad_service.dataplane import Comparison, GradRequest, GroupMember, plan_batch
+from moegrad_service.dataplane import Comparison, GroupMember, plan_batch
 
 MiB = 1 << 20
 
@@ -54,6 +54,7 @@ def test_a_mixed_batch_plans_each_kind_of_item_its_own_way():
     group = group_of(small_call(), 3)
     comparison = Comparison.checked(calls[1], np.zeros((2, 2), np.float32), None, False)
     refused = moegrad.MalformedRequest("op='x' is not one of ['grad', 'compare']", field="op")
+    named = MoeInitRoutingV2GradCall(**{**dict(calls[3]), "order": "ascend910b"})
     items = [
         calls[0],  # 0: a single call
         refused,  # 1: already answered: not planned
@@ -62,7 +63,7 @@ def test_a_mixed_batch_plans_each_kind_of_item_its_own_way():
         empty,  # 4: answered without a run
         GroupMember(group, 1),  # 5
         calls[2],  # 6
-        GradRequest(calls[3], "ascend910b"),  # 7: a call that names an order runs as any other
+        named,  # 7: a call that names its profile runs as any other
         GroupMember(group, 2),  # 8
     ]
     plan = plan_batch(items, workers=4)
@@ -70,7 +71,7 @@ def test_a_mixed_batch_plans_each_kind_of_item_its_own_way():
     assert layout(plan) == [[("group", (2, 5, 8)), ("calls", (0, 3, 6, 7))]]
     chunk, run = plan.shares[0]
     assert chunk.work.like is group.like and len(chunk.work) == 3
-    assert run.work == (calls[0], calls[1], calls[2], calls[3])
+    assert run.work == (calls[0], calls[1], calls[2], named)
     assert plan.empty == [(4, empty)]
     assert plan.comparisons == [(3, comparison)]
 

@@ -308,14 +308,14 @@ def test_each_answered_call_is_timed_under_its_endpoint(client):
 def test_a_content_length_of_thousands_of_digits_is_refused_not_an_error(declared, refusal):
     """Content-Length is compared with the limit before any byte is read; thousands of digits
     (past int()'s 4300-digit cap) are a client's mistake, never an internal error. uvicorn refuses
-    such a header itself, so read_body is called directly, as another ASGI server would reach it."""
+    such a header itself, so the intake is called directly, as another ASGI server would reach it."""
     import asyncio
     from types import SimpleNamespace
 
     from starlette.requests import Request
 
     import moegrad
-    from moegrad_service.api.inputs import read_body
+    from moegrad_service.api.intake import Intake
     from moegrad_service.memory import Memory
     from moegrad_service.settings import Settings
 
@@ -327,7 +327,11 @@ def test_a_content_length_of_thousands_of_digits_is_refused_not_an_error(declare
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
+    async def read():
+        with Intake(Request(scope, receive)) as intake:
+            return await intake.read(limit=1 << 20)
+
     with pytest.raises(getattr(moegrad, refusal)) as caught:
-        asyncio.run(read_body(Request(scope, receive), 1 << 20))
+        asyncio.run(read())
     assert type(caught.value).__name__ == refusal
     assert len(str(caught.value)) < 200  # the digits are not echoed whole

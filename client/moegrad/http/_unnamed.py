@@ -80,7 +80,9 @@ class Unnamed:
         """The keyword arguments of :class:`MoeInitRoutingV2GradCall`, without ``order`` (arrays, not tensor maps)."""
         fields = dict(fields)
         return cls(
-            lambda order: MoeInitRoutingV2GradCall(**fields, order=order), lambda: fields_document(fields), False
+            lambda order: MoeInitRoutingV2GradCall.with_default_order(order, **fields),
+            lambda: fields_document(fields),
+            False,
         )
 
     @classmethod
@@ -106,11 +108,6 @@ def _decoded(document: Mapping[str, Any]) -> dict[str, Any]:
         return decode_body(encode_body_view(document))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"the request document cannot be packed as msgpack: {exc}") from None
-
-
-def _unnamed(call: MoeInitRoutingV2GradCall) -> MoeInitRoutingV2GradCall:
-    """``call`` (checked on a profile) as a call that names none: its document leaves ``order`` out."""
-    return MoeInitRoutingV2GradCall.model_construct(_fields_set=call.model_fields_set - {"order"}, **dict(call))
 
 
 def _same(first: InvalidArgument, other: InvalidArgument) -> bool:
@@ -188,4 +185,4 @@ def prepare(call: Any, *, validate: bool, profile: str | None, last: bool = Fals
     checked = _judged(call, profile)
     if checked is None:
         return None
-    return (call.document() if call.given else _unnamed(checked)), checked, True
+    return (call.document() if call.given else checked), checked, True  # checked names none

@@ -438,7 +438,9 @@ class MoeInitRoutingV2GradCall(BaseModel):
         Args:
             document: the msgpack map (docs/protocol.md, "The call"); a missing tensor is a null tensor.
             max_elements: the largest element count accepted per tensor, or None.
-            default_order: the profile used when the document names none (any name of :data:`ORDERS`).
+            default_order: the profile whose rules check a document that names none, and which the
+                call then carries (any name of :data:`ORDERS`); the call still names none
+                (:meth:`with_default_order`).
             extra_fields: further keys the caller handles itself (they are ignored here).
 
         Raises:
@@ -461,11 +463,28 @@ class MoeInitRoutingV2GradCall(BaseModel):
         for name in _ATTRIBUTES:
             if name in document:
                 fields[name] = document[name]
-        order = document.get("order")  # absent or nil: the default; anything else is validated ("" too)
-        fields["order"] = default_order if order is None else order
+        fields["order"] = document.get("order")  # absent or nil: names none; anything else is validated ("" too)
         if "allow_duplicate_indices" in document:
             fields["allow_duplicate_indices"] = document["allow_duplicate_indices"]
-        return cls(**fields)
+        return cls.with_default_order(default_order, **fields)
+
+    @classmethod
+    def with_default_order(cls, default_order: str, /, **fields: Any) -> MoeInitRoutingV2GradCall:
+        """A call built from its keyword arguments; one whose ``order`` is absent or None is checked
+        on ``default_order``'s rules and carries that profile, yet names none
+        (:func:`names_profile` is False: the client sends it without ``order``, and a server runs it
+        on its own profile).
+
+        Raises:
+            InvalidArgument: as the constructor (``default_order`` not a profile: field ``order``).
+        """
+        if fields.get("order") is not None:
+            return cls(**fields)
+        fields.pop("order", None)
+        if default_order == DEFAULT_PROFILE:  # the field's default: not in model_fields_set
+            return cls(**fields)
+        call = cls(**fields, order=default_order)
+        return cls.model_construct(_fields_set=call.model_fields_set - {"order"}, **dict(call))
 
 
 def names_profile(call: MoeInitRoutingV2GradCall | Mapping[str, Any]) -> bool:

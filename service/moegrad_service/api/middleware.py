@@ -1,4 +1,9 @@
-"""Request ids and the access log: one structured line per request (pure ASGI, no body buffering)."""
+"""Request ids and the access log: one structured line per request (pure ASGI, no body buffering).
+
+A body's bytes are counted at both doors it comes through: ``receive()``'s messages, and the
+connection's :data:`~moegrad_service.connections.BODY_INTO` extension, which reads a body straight
+into the handler's buffer, past ``receive()``.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,11 @@ import logging
 import re
 import time
 import uuid
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from moegrad_service.api.inputs import admission_of
+from moegrad_service.connections import BODY_INTO
 
 __all__ = ["RequestLogMiddleware"]
 
@@ -49,18 +55,34 @@ class RequestLogMiddleware:
                 seen["out"] += len(message.get("body", b""))
             await send(message)
 
+        _count_in_place(scope, seen)
         try:
             await self.app(scope, counting_receive, tagging_send)
         finally:
             if log.isEnabledFor(logging.INFO):
-                admission = admission_of(scope)  # a body read in place is not seen by receive()
                 log.info(
                     "request_id=%s method=%s path=%s status=%d bytes_in=%d bytes_out=%d duration_ms=%.3f",
                     request_id,
                     scope["method"],
                     scope["path"],
                     seen["status"] or 500,
-                    seen["in"] + (admission.read_in_place if admission is not None else 0),
+                    seen["in"],
                     seen["out"],
                     (time.perf_counter() - start) * 1e3,
                 )
+
+
+def _count_in_place(scope: Scope, seen: dict[str, int]) -> None:
+    """Count in ``seen["in"]`` the bytes of a body read through the scope's BODY_INTO extension."""
+    extensions = scope.get("extensions") or {}
+    body_into = extensions.get(BODY_INTO)
+    if body_into is None:
+        return
+
+    async def counting_body_into(scope: Scope, view: memoryview, received: Any = None) -> bool:
+        read = await body_into(scope, view, received)
+        if read:
+            seen["in"] += len(view)
+        return read
+
+    scope["extensions"] = {**extensions, BODY_INTO: counting_body_into}

@@ -2,8 +2,10 @@
 
 A small inference call spends most of the server's CPU in the framework, not in the operator, so
 the POST routes that carry tensors (v1's grad and compare, v2's infer) are :class:`EndpointRoute`\\ s:
-Starlette routes whose handler is ``async (request) -> Response`` with no FastAPI request/response
-layer (no dependency solving, no response model). They sit in the same router as every other route
+Starlette routes whose handler is ``async (request, intake) -> Response`` with no FastAPI
+request/response layer (no dependency solving, no response model). The route owns the request's
+:class:`~moegrad_service.api.intake.Intake` (its body and its admission): it hands it to the handler
+and releases it once the answer is sent. They sit in the same router as every other route
 and are reached the same way: through the middleware stack (access log, :class:`AuthMiddleware`,
 exception middleware) and the router's matching. A handler's error is answered by
 :func:`~moegrad_service.api.errors.error_response`, the renderer of every other route.
@@ -24,39 +26,34 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from moegrad_service.api.errors import error_response
-from moegrad_service.api.inputs import admission_of, release_admission
+from moegrad_service.api.intake import Intake
 
 __all__ = ["EndpointRoute", "msgpack_operation", "openapi_with_endpoints"]
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request, Intake], Awaitable[Response]]
 MSGPACK = "application/msgpack"
 
 
 class _Endpoint:
-    """The ASGI app of one route (a class, so that Starlette does not wrap it as a function endpoint)."""
+    """The ASGI app of one route (a class, so that Starlette does not wrap it as a function endpoint).
+
+    It owns the request's :class:`~moegrad_service.api.intake.Intake`: made before the handler runs,
+    handed to it, and left once the answer is sent, which releases the request's admission on every
+    path (an answer, an error, a send that failed)."""
 
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
-        try:
+        with Intake(request) as intake:  # the answer is sent inside: the request's bytes and buffers go back after
             try:
-                response = await self.handler(request)
+                response = await self.handler(request, intake)
             except Exception as exc:  # every error is answered by the one renderer
                 response = error_response(request, exc)
-                if _body_unread(request):  # answered before the body was read: the server closes the
-                    response.headers["connection"] = "close"  # connection lingering (connections.py)
+                if intake.unread:  # answered before the body was read: the server closes the
+                    response.headers["connection"] = "close"  # connection lingering (connections/_protocol.py)
             await response(scope, receive, send)
-        finally:
-            release_admission(scope)  # the answer is sent: the request's bytes and buffers go back
-
-
-def _body_unread(request: Request) -> bool:
-    admission = admission_of(request.scope)
-    if admission is not None and admission.body_complete:
-        return False
-    return request.headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in request.headers
 
 
 class EndpointRoute(Route):
@@ -64,7 +61,8 @@ class EndpointRoute(Route):
 
     Args:
         path: the path template (Starlette syntax: ``/v2/models/{model_name}/infer``).
-        handler: ``async (request) -> Response``; what it raises is answered by ``error_response``.
+        handler: ``async (request, intake) -> Response`` (the request's :class:`Intake`); what it
+            raises is answered by ``error_response``.
         operation: the route's OpenAPI operation object (summary, parameters, request body, replies).
     """
 

@@ -98,7 +98,7 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         # Everything made while starting (the imported modules, numba's compiled kernels) lives
         # as long as the process: keep it out of the collector's full passes, which otherwise
-        # stall the event loop for 100-200 ms at a time under load.
+        # stall the event loop under load (bench/RESULTS.md, "Notes kept from earlier runs").
         gc.collect()
         gc.freeze()
 

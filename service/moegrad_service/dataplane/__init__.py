@@ -2,8 +2,8 @@
 
 - :mod:`~moegrad_service.dataplane.core`: :class:`DataPlane`: admission, the order policy of a
   device, running calls, batches and comparisons, readiness and metadata.
-- :mod:`~moegrad_service.dataplane.records`: what it is handed (validated requests) and what it
-  answers (outcomes).
+- :mod:`~moegrad_service.dataplane.records`: what it is handed (validated requests, a lender of
+  result buffers) and what it answers (outcomes).
 - :mod:`~moegrad_service.dataplane.batching`: a batch's plan (shares and parts), a pure function.
 - :mod:`~moegrad_service.dataplane.statistics`: the inference statistics in Triton's schema.
 """
@@ -19,10 +19,10 @@ from moegrad_service.dataplane.records import (
     ExplainOutcome,
     ExplainRequest,
     GradOutcome,
-    GradRequest,
     GroupMember,
     GroupOutcome,
     MemberOutcome,
+    ResultLender,
 )
 from moegrad_service.dataplane.statistics import Duration, InferenceStatistics
 
@@ -38,11 +38,11 @@ __all__ = [
     "ExplainOutcome",
     "ExplainRequest",
     "GradOutcome",
-    "GradRequest",
     "GroupMember",
     "GroupOutcome",
     "InferenceStatistics",
     "MemberOutcome",
     "Part",
+    "ResultLender",
     "plan_batch",
 ]

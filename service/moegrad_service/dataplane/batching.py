@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from moegrad import CallGroup, MoeInitRoutingV2GradCall
-from moegrad_service.dataplane.records import Comparison, GradRequest, GroupMember
+from moegrad_service.dataplane.records import Comparison, GroupMember
 
 __all__ = ["BATCH_CHUNK_CALLS", "BATCH_PART_BYTES", "BATCH_PART_CALLS", "BatchPlan", "Part", "plan_batch"]
 
@@ -67,8 +67,7 @@ def plan_batch(items: Sequence[object], *, workers: int) -> BatchPlan:
     of at most BATCH_PART_CALLS calls and BATCH_PART_BYTES of grad_expanded_x (one call at least).
 
     Args:
-        items: the batch's items, in order: validated calls (bare, or in a
-            :class:`~moegrad_service.dataplane.records.GradRequest`), group members
+        items: the batch's items, in order: validated calls, group members
             (:class:`~moegrad_service.dataplane.records.GroupMember`), comparisons, or anything
             else (an item already answered: an error), which the plan leaves out.
         workers: the most shares (>= 1).
@@ -87,7 +86,7 @@ def plan_batch(items: Sequence[object], *, workers: int) -> BatchPlan:
                 entry = groups[id(item.group)] = (item.group, [0] * len(item.group))
             entry[1][item.member] = index
             continue
-        call = item.call if isinstance(item, (Comparison, GradRequest)) else item
+        call = item.call if isinstance(item, Comparison) else item
         if isinstance(item, Comparison):  # its call runs with the others; it is judged after
             comparisons.append((index, item))
         if isinstance(call, MoeInitRoutingV2GradCall):

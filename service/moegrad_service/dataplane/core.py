@@ -1,11 +1,12 @@
 """The dataplane: what every protocol shares, with no HTTP in it.
 
 The protocol endpoints (``api/``: v1 msgpack and compare, v2 over HTTP and gRPC) admit a request
-(:meth:`DataPlane.admit`), decode it into a validated call, hand the call (and the order its request
-named) to the :class:`DataPlane`, and encode what it answers. The dataplane checks the named order
-against its backend, runs the call through the :class:`~moegrad_service.engine.StreamPool` (a large
-grad_x into the admission's result buffer), answers empty calls without the device, computes the
-compare report and the explanation, reports health and metadata, and observes the engine's metrics. It speaks
+(:meth:`DataPlane.admit`), decode it into a validated call, hand the call to the
+:class:`DataPlane`, and encode what it answers. The dataplane checks the profile a call names
+(:func:`moegrad.operator.names_profile`) against its backend, runs the call through the
+:class:`~moegrad_service.engine.StreamPool` (a large grad_x into a buffer its caller lends, a
+:class:`ResultLender`), answers empty calls without the device, computes the compare report and
+the explanation, reports health and metadata, and observes the engine's metrics. It speaks
 :mod:`moegrad`'s arrays, calls and domain errors only, so a new protocol is a new decoder and
 encoder around the same methods::
 
@@ -40,8 +41,8 @@ from moegrad import (
     MoegradError,
     MoeInitRoutingV2GradCall,
     __version__,
-    resolve_profile,
 )
+from moegrad.operator import names_profile
 from moegrad_service.dataplane.batching import Part, plan_batch
 from moegrad_service.dataplane.judging import explain_candidate, judge, judge_each
 from moegrad_service.dataplane.records import (
@@ -53,10 +54,10 @@ from moegrad_service.dataplane.records import (
     ExplainOutcome,
     ExplainRequest,
     GradOutcome,
-    GradRequest,
     GroupMember,
     GroupOutcome,
     MemberOutcome,
+    ResultLender,
 )
 from moegrad_service.dataplane.statistics import InferenceStatistics
 from moegrad_service.engine import JudgePool, StreamPool, Timings
@@ -179,20 +180,18 @@ class DataPlane:
         ``settings.order``."""
         return self.device_order or self.settings.order
 
-    def _check_order(self, named: object) -> None:
-        """Refuse, before anything runs, a call that names a profile its device does not compute.
-
-        Args:
-            named: the order the request names (any name of :data:`moegrad.ORDERS`, an alias
-                meaning its profile), or None when it names none.
+    def _check_order(self, call: MoeInitRoutingV2GradCall) -> None:
+        """Refuse, before anything runs, a call that names a profile its device does not compute
+        (:func:`moegrad.operator.names_profile`; a call that names none carries :attr:`default_order`).
 
         Raises:
             InvalidArgument: (161002, field ``order``) on a device, a profile other than its own
                 (another chip, or another CANN release), or any profile on a device whose profile
                 is unknown; the emulation (reference backend) takes every profile.
         """
-        if named is None or self.emulation:
+        if self.emulation or not names_profile(call):
             return
+        named = call.order  # the profile's canonical name, whichever of its names the call gave
         device = self.device or self.backend_name
         if self.device_order is None:
             raise InvalidArgument(
@@ -202,14 +201,9 @@ class DataPlane:
                 aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
                 field="order",
             )
-        try:
-            canonical = resolve_profile(named).name if isinstance(named, str) else None
-        except ValueError:
-            canonical = None
-        if canonical != self.device_order:
-            meaning = f" (= {canonical!r})" if canonical not in (None, named) else ""
+        if named != self.device_order:
             raise InvalidArgument(
-                f"order={named!r}{meaning}: {device} computes {self.device_order!r}; leave order unnamed or name "
+                f"order={named!r}: {device} computes {self.device_order!r}; leave order unnamed or name "
                 f"{self.device_order!r}, or call a server with backend=reference for the {named!r} emulation",
                 aclnn_status=AclnnStatus.ACLNN_ERR_PARAM_INVALID,
                 field="order",
@@ -227,40 +221,37 @@ class DataPlane:
         self,
         call: MoeInitRoutingV2GradCall,
         *,
-        named_order: object = None,
         timeout_s: float,
         disconnected: Callable[[], Awaitable[object]] | None = None,
         received_s: float | None = None,
-        admission: Admission | None = None,
+        lender: ResultLender | None = None,
         tenant: str | None = None,
     ) -> GradOutcome:
         """grad_x for a validated call: an empty one (N = 0 or H = 0) is answered at once, the rest
         run on the pool. Every call that passes the order check is counted in :attr:`statistics`.
 
         Args:
-            call: the validated call.
-            named_order: the order its request named, or None when it named none (the call then
-                carries the default order, :attr:`default_order`).
+            call: the validated call; one that names no profile carries :attr:`default_order`.
             timeout_s: seconds from now until the call's deadline.
             disconnected: a coroutine function that returns once the caller has gone (an HTTP
                 disconnect); a call still queued then is dropped unrun and a running one's result
                 discarded.
             received_s: the ``time.perf_counter()`` reading when the call's request arrived, or
                 None (the statistics then start the call here).
-            admission: the request's admission: a grad_x of REUSE_MIN_BYTES or more is written into
-                its result buffer (:meth:`Admission.result_buffer`), given back when it is released;
-                None: the backend allocates grad_x.
+            lender: lends the buffer grad_x is written into (the request's admission lends one
+                for a grad_x of REUSE_MIN_BYTES or more: :meth:`Admission.result_buffer`), and is
+                told once the worker has let go of it; None: the backend allocates grad_x.
             tenant: whose call it is (its lane of the pool's fair queue); None: no authentication.
 
         Raises:
-            InvalidArgument: (161002, field ``order``) ``named_order`` is not one its device computes.
+            InvalidArgument: (161002, field ``order``) the call names a profile its device does not compute.
             DeviceBusy: (503) the queue is full or the service is not ready.
             DeadlineExceeded: (504) the deadline passed.
             InvalidArgument: the device's phase one rejected the call (its aclnn code).
             DeviceFault: the device failed.
             ClientDisconnected: ``disconnected`` returned first.
         """
-        self._check_order(named_order)
+        self._check_order(call)
         entered = time.perf_counter()
         received = entered if received_s is None else min(received_s, entered)
         try:
@@ -269,13 +260,13 @@ class DataPlane:
                 timings = Timings(0.0, 0.0)
             else:
                 out = None
-                if admission is not None:
+                if lender is not None:
                     dtype = call.grad_expanded_x.dtype.newbyteorder("=")
-                    out = admission.result_buffer((call.num_tokens, call.hidden_size), dtype)
+                    out = lender.result_buffer((call.num_tokens, call.hidden_size), dtype)
                 run = self.pool.run(call, timeout_s=timeout_s, out=out, tenant=tenant)
                 grad_x, timings = await (run if disconnected is None else _unless(disconnected, run))
-                if admission is not None:
-                    admission.result_written()
+                if lender is not None:
+                    lender.result_written()
                 self.metrics.queue_duration.observe(timings.queue_s)
                 self.metrics.compute_duration.observe(timings.compute_s)
             computed = time.perf_counter()
@@ -306,9 +297,9 @@ class DataPlane:
         ClientDisconnected is raised; at the deadline the same, with DeadlineExceeded.
 
         Raises:
-            The errors of :meth:`infer` (the order check is of ``comparison.named_order``).
+            The errors of :meth:`infer` (the order check is of ``comparison.call``).
         """
-        self._check_order(comparison.named_order)
+        self._check_order(comparison.call)
         deadline = asyncio.get_running_loop().time() + timeout_s
         work = self._compare(comparison, deadline, tenant)
         return await (work if disconnected is None else _unless(disconnected, work))
@@ -336,9 +327,9 @@ class DataPlane:
         deadline passed drops the explanation unrun or stops it within its next few rows).
 
         Raises:
-            The errors of :meth:`infer` (the order check is of ``request.named_order``).
+            The errors of :meth:`infer` (the order check is of ``request.call``).
         """
-        self._check_order(request.named_order)
+        self._check_order(request.call)
         deadline = asyncio.get_running_loop().time() + timeout_s
         work = self._explain(request, deadline, tenant)
         return await (work if disconnected is None else _unless(disconnected, work))
@@ -365,7 +356,7 @@ class DataPlane:
     ) -> list[BatchAnswer]:
         """Run a batch of independent calls and comparisons; answer each in order, alone.
 
-        Each item's named order is checked first (a refused item answers its InvalidArgument and is
+        The profile each item names is checked first (a refused item answers its InvalidArgument and is
         not counted in :attr:`statistics`). The rest run as
         :func:`~moegrad_service.dataplane.batching.plan_batch` plans them: on the pool in one share
         per worker (:meth:`StreamPool.run_parts`: one queue entry and one hand-off each, however
@@ -378,9 +369,9 @@ class DataPlane:
         of its calls).
 
         Args:
-            items: validated calls (:meth:`infer`; a :class:`GradRequest` for one that names an
-                order), members of validated groups, validated comparisons (:meth:`compare`), or
-                the error an item already earned while it was decoded (passed through in place).
+            items: validated calls (:meth:`infer`), members of validated groups, validated
+                comparisons (:meth:`compare`), or the error an item already earned while it was
+                decoded (passed through in place).
             timeout_s: seconds from now until the batch's deadline.
             disconnected: as for :meth:`infer`: once it returns, the shares still queued are
                 dropped unrun, the running ones' results discarded, the judging dropped or stopped,
@@ -445,10 +436,12 @@ class DataPlane:
             answers[index] = answer
 
     def _order_refusal(self, item: BatchItem) -> InvalidArgument | None:
-        """The refusal of a batch item whose named order its device does not compute, else None."""
-        named = item.named_order if isinstance(item, (GradRequest, GroupMember, Comparison)) else None
+        """The refusal of a batch item that names a profile its device does not compute, else None."""
+        if isinstance(item, BaseException):
+            return None
+        call = item.group.like if isinstance(item, GroupMember) else item.call if isinstance(item, Comparison) else item
         try:
-            self._check_order(named)
+            self._check_order(call)
         except InvalidArgument as exc:
             return exc.with_traceback(None)  # kept as an answer: see infer_batch's Returns
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -28,34 +28,40 @@ __all__ = [
     "ExplainOutcome",
     "ExplainRequest",
     "GradOutcome",
-    "GradRequest",
     "GroupMember",
     "GroupOutcome",
     "MemberOutcome",
+    "ResultLender",
 ]
+
+
+class ResultLender(Protocol):
+    """Where a call's grad_x is written, when the caller lends a buffer for it: the dataplane asks
+    for one before the call runs and says when its worker is done with it. The request's
+    :class:`moegrad_service.memory.Admission` is one (the buffer comes back when it is released)."""
+
+    def result_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """A writeable C-contiguous array of ``shape`` ([N, H]) and ``dtype`` (native byte order)
+        for grad_x, or None: the backend allocates it."""
+        ...
+
+    def result_written(self) -> None:
+        """The worker has written the buffer and let go of it: only the reply reads it now."""
+        ...
 
 
 class ClientDisconnected(MoegradError):
     """The caller went away before its answer was ready (logged as 499; nobody reads the answer)."""
 
 
-class GradRequest(NamedTuple):
-    """A batch's validated grad call that names an order: the call (its ``order`` the named one) and
-    the order as its request named it, which the dataplane checks against its backend before the
-    call runs (a batch's call that names none is passed as the bare call)."""
-
-    call: MoeInitRoutingV2GradCall
-    named_order: object
-
-
 class GroupMember(NamedTuple):
     """One call of a batch, validated with the others of its shape: member ``member`` of ``group``
-    (:class:`moegrad.CallGroup`), run with them by ``DataPlane.infer_batch``; ``named_order``: the
-    order the members' requests named (one for all: it is part of what they share), or None."""
+    (:class:`moegrad.CallGroup`), run with them by ``DataPlane.infer_batch``. Whether the members
+    name their profile is the group's ``like`` call's (:func:`moegrad.operator.names_profile`): it
+    is part of what they share."""
 
     group: CallGroup
     member: int
-    named_order: object = None
 
 
 @dataclass(frozen=True)
@@ -67,14 +73,12 @@ class Comparison:
         candidate: [N, H], the call's dtype or float32 (checked by :func:`moegrad.check_compare_arguments`).
         standards: the standards to judge, or None for the default set.
         return_grad_x: also answer the device's grad_x.
-        named_order: the order the request named (None: none), checked by the dataplane against its backend.
     """
 
     call: MoeInitRoutingV2GradCall
     candidate: np.ndarray
     standards: tuple[str, ...] | None
     return_grad_x: bool
-    named_order: object = None
 
     @classmethod
     def checked(
@@ -83,8 +87,6 @@ class Comparison:
         candidate: np.ndarray | None,
         standards: Sequence[str] | None,
         return_grad_x: bool,
-        *,
-        named_order: object = None,
     ) -> Comparison:
         """A comparison whose candidate and standards are checked before anything runs.
 
@@ -94,7 +96,7 @@ class Comparison:
         """
         names = check_compare_arguments(call, candidate, standards)
         assert candidate is not None  # check_compare_arguments refuses a missing one
-        return cls(call, candidate, None if standards is None else tuple(names), return_grad_x, named_order)
+        return cls(call, candidate, None if standards is None else tuple(names), return_grad_x)
 
 
 @dataclass(frozen=True)
@@ -104,23 +106,19 @@ class ExplainRequest:
     Attributes:
         call: the validated call.
         candidate: [N, H], the call's dtype, C-contiguous (:func:`moegrad.check_explain_arguments`).
-        named_order: the order the request named (None: none), checked by the dataplane against its backend.
     """
 
     call: MoeInitRoutingV2GradCall
     candidate: np.ndarray
-    named_order: object = None
 
     @classmethod
-    def checked(
-        cls, call: MoeInitRoutingV2GradCall, candidate: np.ndarray | None, *, named_order: object = None
-    ) -> ExplainRequest:
+    def checked(cls, call: MoeInitRoutingV2GradCall, candidate: np.ndarray | None) -> ExplainRequest:
         """An explain request whose candidate is checked before anything runs.
 
         Raises:
             InvalidArgument: the candidate is missing (161001), not of the call's dtype or not [N, H] (161002).
         """
-        return cls(call, check_explain_arguments(call, candidate), named_order)
+        return cls(call, check_explain_arguments(call, candidate))
 
 
 @dataclass(frozen=True)
@@ -186,10 +184,10 @@ class ExplainOutcome:
     explain_s: float
 
 
-#: One item of a batch (``DataPlane.infer_batch``): a validated call (bare: it names no order), a
-#: call that names an order, a member of a validated group, a validated comparison, or the error the
-#: item already earned while it was decoded (passed through in place).
-BatchItem = MoeInitRoutingV2GradCall | GradRequest | GroupMember | Comparison | BaseException
+#: One item of a batch (``DataPlane.infer_batch``): a validated call, a member of a validated group,
+#: a validated comparison, or the error the item already earned while it was decoded (passed
+#: through in place).
+BatchItem = MoeInitRoutingV2GradCall | GroupMember | Comparison | BaseException
 #: One item's answer: a GradOutcome, a MemberOutcome (a group member's), a CompareOutcome, or the
 #: exception that item alone raised.
 BatchAnswer = GradOutcome | MemberOutcome | CompareOutcome | BaseException

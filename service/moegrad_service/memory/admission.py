@@ -103,9 +103,6 @@ class Admission:
         per_byte: what the request holds per byte of its body until it is decoded.
         tenant: whose request it is (a token's identity), or None.
         body_bytes: the body's bytes reserved so far.
-        body_complete: the whole body has arrived (nothing of it is left unread on the connection).
-        read_in_place: body bytes the server wrote straight into :meth:`body_buffer`, past the
-            ASGI receive channel (the access log counts them).
     """
 
     def __init__(
@@ -116,8 +113,6 @@ class Admission:
         self.per_byte = per_byte
         self.tenant = tenant
         self.body_bytes = 0
-        self.body_complete = False
-        self.read_in_place = 0
         self._reserved = 0
         self._body: Loan | None = None
         self._loan: Loan | None = None

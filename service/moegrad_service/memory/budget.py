@@ -36,8 +36,8 @@ class MemoryBudget:
     #: What a request holds per byte of its body: the body, and as much again for its answer.
     HOLD_PER_BODY_BYTE = 2
     #: What a batch holds per byte of its body: the body, its calls decoded (msgpack copies each
-    #: tensor's bytes out), their results and the reply packed from them (measured: 4.5 for calls
-    #: with top_k 1, whose grad_x is as large as their input).
+    #: tensor's bytes out), their results and the reply packed from them; calls with top_k 1, whose
+    #: grad_x is as large as their input, hold the most (bench/RESULTS.md, "Notes kept from earlier runs").
     BATCH_HOLD_PER_BODY_BYTE = 5
     #: A reservation up to this size (a body up to 1 MiB) may use the part of the budget kept for small ones.
     SMALL_BYTES = 2 << 20

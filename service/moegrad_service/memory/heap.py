@@ -3,8 +3,9 @@
 Tensors under glibc's mmap threshold (4 MiB: ``moegrad-service serve`` fixes it there, see
 :mod:`moegrad_service.memory.allocator`) live in the heap. When a batch of many such calls is
 answered they are all freed, but glibc returns only the free space at the very top of each arena to
-the system; the rest stays resident for the next allocations, so a server that has answered a batch
-of 10,000 calls of different shapes stayed hundreds of MiB above its idle size (bench/RESULTS.md).
+the system; the rest stays resident for the next allocations, so a server that has answered
+batches of many calls of different shapes stays far above its idle size (bench/RESULTS.md, "Large
+calls, frames and batches").
 ``malloc_trim(0)`` returns the free pages of every arena (glibc 2.8 and later; the manual page
 malloc_trim(3)). :class:`HeapTrimmer` calls it a moment after the service has released enough bytes
 of its in-flight budget, at a time when no request holds any, on a thread of the loop's default
@@ -62,7 +63,7 @@ class HeapTrimmer:
 
     Releases after the arming one do not put the trim off, so a trickle of small calls does not
     keep the heap from being trimmed; a request that arrives while the trim runs may wait for it
-    (it takes each arena's lock in turn: about 0.1 s per GB freed).
+    (it takes each arena's lock in turn, longer the more it frees).
 
     Args:
         loop: the service's event loop: the timer runs there, the trim on its default executor.

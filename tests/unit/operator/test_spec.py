@@ -23,7 +23,9 @@ from moegrad import (
     decode_body,
     encode_body,
     encode_tensor,
+    resolve_profile,
 )
+from moegrad.operator import names_profile
 
 NULLPTR, INVALID, TILING, SHAPE = 161001, 161002, 561002, 561103
 NAMES = {NULLPTR: "ACLNN_ERR_PARAM_NULLPTR", INVALID: "ACLNN_ERR_PARAM_INVALID", TILING: "ACLNN_ERR_INNER_TILING_ERROR",
@@ -447,6 +449,31 @@ def test_from_wire_default_order_and_attribute_rules():
             MoeInitRoutingV2GradCall.from_wire(wire_document(order=order))
         assert (info.value.aclnn_status, info.value.field) == (INVALID, "order")
     assert MoeInitRoutingV2GradCall.from_wire(wire_document(order=None), default_order="sequential").order == "sequential"
+
+
+@pytest.mark.parametrize("default", ["ascend910b@9.1", "ascend950", BEFORE_9_1, "ascend910b@8.5"])
+def test_a_call_names_its_profile_only_when_it_was_given_one(default):
+    """names_profile is the one test of it (docs/protocol.md: a call that names no profile runs on
+    its server's): a call built naming none, by with_default_order or from_wire (an order absent or
+    nil), is checked on the default's rules and carries that profile, yet names none."""
+    canonical = resolve_profile(default).name
+    document = wire_document()
+    del document["order"]
+    for unnamed in (
+        MoeInitRoutingV2GradCall.from_wire(document, default_order=default),
+        MoeInitRoutingV2GradCall.from_wire({**document, "order": None}, default_order=default),
+        MoeInitRoutingV2GradCall.with_default_order(default, **dropless()),
+        MoeInitRoutingV2GradCall.with_default_order(default, **dropless(order=None)),
+    ):
+        assert not names_profile(unnamed) and unnamed.order == canonical
+    for named in (
+        MoeInitRoutingV2GradCall.from_wire({**document, "order": default}, default_order="sequential"),
+        MoeInitRoutingV2GradCall.with_default_order("sequential", **dropless(order=default)),
+    ):
+        assert names_profile(named) and named.order == canonical
+    with pytest.raises(InvalidArgument) as info:  # the default's rules: 561002 before CANN 9.1, 561103 from it
+        MoeInitRoutingV2GradCall.with_default_order(default, **dropless(top_k=0))
+    assert info.value.aclnn_status == (TILING if canonical.endswith(("@9.0", "@8.5")) else SHAPE)
 
 
 def test_to_wire_encodes_big_endian_and_strided_arrays():

@@ -62,13 +62,11 @@ class InferRequest:
         call: the validated operator call.
         id: the request's ``id`` (echoed in the reply; "" when not sent).
         timeout_s: the ``timeout`` parameter in seconds, or None when not given.
-        named_order: the ``order`` parameter as given, or None when the request names none.
     """
 
     call: MoeInitRoutingV2GradCall
     id: str
     timeout_s: float | None
-    named_order: object = None
 
 
 def _parameter(value: service_pb2.InferParameter, where: str) -> Any:
@@ -220,7 +218,7 @@ def decode_infer_request(
     Args:
         request: the parsed request message.
         max_elements: the largest element count of one tensor.
-        default_order: the accumulation order of a request that names none.
+        default_order: the profile whose rules check a request that names none (which then names none).
 
     Raises:
         MalformedRequest: not a well-formed request (unknown names or parameters, sizes that disagree
@@ -231,8 +229,7 @@ def decode_infer_request(
     parameters = _parameters(request.parameters, _PARAMETERS, "parameters")
     tensors = _decode_inputs(request, max_elements)
     fields: dict[str, Any] = {name: parameters[name] for name in ATTRIBUTES if name in parameters}
-    fields.setdefault("order", default_order)
-    call = MoeInitRoutingV2GradCall(**tensors, **fields)
+    call = MoeInitRoutingV2GradCall.with_default_order(default_order, **tensors, **fields)
     _check_outputs(request)
     timeout_s = None
     if "timeout" in parameters:
@@ -242,7 +239,7 @@ def decode_infer_request(
                 f"parameters.timeout={micros!r} must be a positive number of microseconds", field="timeout"
             )
         timeout_s = min(micros, 2**53) / 1e6  # the server caps it at request_timeout_s anyway
-    return InferRequest(call=call, id=request.id, timeout_s=timeout_s, named_order=parameters.get("order"))
+    return InferRequest(call=call, id=request.id, timeout_s=timeout_s)
 
 
 def encode_infer_response(outcome: GradOutcome, request_id: str) -> bytes:

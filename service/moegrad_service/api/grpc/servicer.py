@@ -276,14 +276,12 @@ class InferenceServicer:
         del decode
         if decoded.timeout_s is not None:
             timeout_s = min(timeout_s, decoded.timeout_s)
-        call, request_id, named_order = decoded.call, decoded.id, decoded.named_order
+        call, request_id = decoded.call, decoded.id
         del decoded  # the call alone holds the tensors, and the dataplane lets go of it once it has run
         if rpc.reservation is not None:  # from the read's reservation to what the call holds from now on
             rpc.reservation.cover(call_peak(call, body_bytes=rpc.received, reply="serialized"))
         # A client that cancels cancels this task: a queued call is dropped unrun (StreamPool.run).
-        outcome = await dataplane.infer(
-            call, named_order=named_order, timeout_s=timeout_s, received_s=rpc.started, tenant=rpc.tenant
-        )
+        outcome = await dataplane.infer(call, timeout_s=timeout_s, received_s=rpc.started, tenant=rpc.tenant)
         del call
         if outcome.grad_x.size > INLINE_ENCODE_ELEMENTS:
             return await off_loop(encode_infer_response, outcome, request_id)

@@ -3,10 +3,11 @@
 The wire format is docs/protocol.md. A call's document is moegrad's wire form of a call
 (:meth:`moegrad.MoeInitRoutingV2GradCall.from_wire`); a compare document adds ``candidate``,
 ``standards`` and ``return_grad_x``; an explain document adds ``candidate``; a batch is an array of
-a call's or a compare document, a compare item marked
-``op: "compare"``. Each call keeps the order its document named beside it, for the dataplane to
-check against its backend. A failed call of a batch is answered by its problem document: the
-fields of a single call's application/problem+json.
+a call's or a compare document, a compare item marked ``op: "compare"``. A call whose document
+names no ``order`` names no profile (:func:`moegrad.operator.names_profile`): it is checked on, and
+carries, the server's default profile; the profile a call names is the dataplane's to check against
+its backend. A failed call of a batch is answered by its problem document: the fields of a single
+call's application/problem+json.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from moegrad_service.dataplane import (
     ExplainOutcome,
     ExplainRequest,
     GradOutcome,
-    GradRequest,
     GroupOutcome,
     MemberOutcome,
 )
@@ -109,7 +109,7 @@ def decode_comparison(document: dict[str, Any], *, max_elements: int, default_or
         raise MalformedRequest(
             f"return_grad_x must be a bool, got {type(return_grad_x).__name__}", field="return_grad_x"
         )
-    return Comparison.checked(call, candidate, standards, return_grad_x, named_order=document.get("order"))
+    return Comparison.checked(call, candidate, standards, return_grad_x)
 
 
 def decode_explanation(document: dict[str, Any], *, max_elements: int, default_order: str) -> ExplainRequest:
@@ -127,13 +127,13 @@ def decode_explanation(document: dict[str, Any], *, max_elements: int, default_o
     )
     raw = document.get("candidate")
     candidate = None if raw is None else decode_tensor(raw, "candidate", max_elements=max_elements)
-    return ExplainRequest.checked(call, candidate, named_order=document.get("order"))
+    return ExplainRequest.checked(call, candidate)
 
 
 def decode_batch_items(
     items: list[dict[str, Any] | MalformedRequest], dataplane: DataPlane, *, max_elements: int
 ) -> list[BatchItem]:
-    """Each batch item as a validated call (in a GradRequest when it names an order), a member of a
+    """Each batch item as a validated call, a member of a
     validated group of small calls of one shape (:func:`~moegrad_service.api.v1.grouping.group_calls`),
     a validated comparison, or the error that item alone earns (as the single-call endpoints would
     answer it: the same field, rule and aclnn code). ``dataplane``: its ``default_order``."""
@@ -157,9 +157,7 @@ def decode_batch_items(
             if op == "compare":
                 decoded.append(decode_comparison(item, max_elements=max_elements, default_order=default_order))
             else:
-                call = decode_call(item, max_elements=max_elements, default_order=default_order)
-                named = item.get("order")
-                decoded.append(call if named is None else GradRequest(call, named))
+                decoded.append(decode_call(item, max_elements=max_elements, default_order=default_order))
         except MoegradError as exc:
             # without its traceback, whose first frame is this one: through ``decoded`` it would
             # be a cycle holding every item's tensors until the garbage collector next runs

@@ -80,8 +80,8 @@ def _key(item: dict[str, Any]) -> tuple | None:
 
 def _like(item: dict[str, Any], dataplane: DataPlane, max_elements: int) -> MoeInitRoutingV2GradCall | None:
     """The group's shared call: the first member's document with an index that keeps rule 7,
-    validated; None when its rules 1-6 refuse it, or it is empty. The order it names is the
-    dataplane's to check, for every member at once (it is part of what they share)."""
+    validated; None when its rules 1-6 refuse it, or it is empty. The profile it names (or none) is
+    the dataplane's to check, for every member at once (it is part of what they share)."""
     idx = item["expanded_row_idx"]
     if idx["dtype"] != "int32" or len(idx["shape"]) != 1 or item.get("drop_pad_mode", 0) not in (0, 1):
         return None
@@ -130,9 +130,8 @@ def group_calls(
             log.exception("grouping %d calls of one shape failed; checking them one by one", len(members))
             continue
         if group is not None:
-            named_order = cast(dict[str, Any], items[members[0]]).get("order")
             for member, index in enumerate(group[1]):
-                placed[index] = GroupMember(group[0], member, named_order)
+                placed[index] = GroupMember(group[0], member)
     return placed
 
 

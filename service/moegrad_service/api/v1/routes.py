@@ -4,7 +4,7 @@
 ``POST /v1/moe_init_routing_v2_grad/explain`` (a call and a candidate grad_x, msgpack or frames in,
 msgpack out) and ``GET /v1/info``.
 
-Each is read (api/inputs.py: admission and a size-limited body) -> decode (api/v1/codec.py) ->
+Each is read (api/intake.py: admission and a size-limited body) -> decode (api/v1/codec.py) ->
 dataplane -> encode. A call's reply is frames when the request's Accept names
 ``application/vnd.moegrad.frames``, else msgpack. The compare endpoint judges the candidate with
 :func:`moegrad.compare` against the backend's result and the float64 golden (docs/accuracy.md);
@@ -27,6 +27,7 @@ from moegrad import (
     FRAMES_MEDIA_TYPE,
     MAX_BATCH_CALLS,
     REQUEST_LIMITS,
+    MoeInitRoutingV2GradCall,
     decode_frames,
     encode_frames,
 )
@@ -35,18 +36,15 @@ from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import answer_for
 from moegrad_service.api.inputs import (
     INLINE_DECODE_BYTES,
-    MSGPACK_MEDIA_TYPES,
-    admission_of,
-    cover,
     dataplane_of,
     disconnected,
     media_type_of,
     metrics_of,
     off_loop,
-    read_body,
     request_timeout,
     settings_of,
 )
+from moegrad_service.api.intake import MSGPACK_MEDIA_TYPES, Intake
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute, msgpack_operation
 from moegrad_service.api.v1.codec import (
@@ -62,7 +60,7 @@ from moegrad_service.api.v1.codec import (
 )
 from moegrad_service.api.v1.grouping import GROUP_CALL_BYTES
 from moegrad_service.api.v1.parts import encode_parts
-from moegrad_service.dataplane import BatchItem, Comparison, GradRequest, GroupMember
+from moegrad_service.dataplane import BatchItem, Comparison, GroupMember
 from moegrad_service.memory import MemoryBudget, Peak, batch_peak, call_peak, compare_peak, explain_peak
 from moegrad_service.metrics import Metrics
 
@@ -90,7 +88,8 @@ V1_MEDIA_TYPES = MSGPACK_MEDIA_TYPES | {FRAMES_MEDIA_TYPE}
 #: MAX_BATCH_CALLS), which a few KiB already hold many of.
 INLINE_BATCH_BYTES = 64 << 10
 #: Batches of more items than this have their reply built on a worker thread (a comparison's
-#: report alone costs about half a millisecond to write out).
+#: report alone takes longer to write out than a small call to run: bench/RESULTS.md, "Notes kept
+#: from earlier runs").
 INLINE_BATCH_ITEMS = 16
 
 
@@ -115,12 +114,12 @@ def reply_response(request: Request, document: dict[str, Any], metrics: Metrics)
     return PartsResponse(parts, FRAMES_MEDIA_TYPE)
 
 
-async def read_document(request: Request) -> dict[str, Any]:
-    """The v1 body as a map (415/413/400 per :func:`read_body` and :func:`moegrad.decode_body`), its
+async def read_document(request: Request, intake: Intake) -> dict[str, Any]:
+    """The v1 body as a map (415/413/400 per :meth:`Intake.read` and :func:`moegrad.decode_body`), its
     bytes counted: msgpack (:func:`moegrad.wire.decode_body` with ``min_view_bytes``: a large
     tensor's data views the body, no copy) or frames (:func:`moegrad.decode_frames`: every
     tensor's data views the body); bodies over INLINE_DECODE_BYTES are decoded on a worker thread."""
-    body = await read_body(request, settings_of(request).max_body_bytes, V1_MEDIA_TYPES)
+    body = await intake.read(V1_MEDIA_TYPES)
     metrics_of(request).bytes_in.inc(len(body))
     if media_type_of(request) == FRAMES_MEDIA_TYPE:  # the call's arrays will view the body
         if len(body) > INLINE_DECODE_BYTES:
@@ -134,38 +133,33 @@ async def read_document(request: Request) -> dict[str, Any]:
         return document
     # msgpack copied every bin out of the body: let the body go now, not after the reply
     del body
-    admission = admission_of(request.scope)
-    if admission is not None:
-        admission.release_body()
+    intake.release_body()
     return document
 
 
-async def read_call(request: Request) -> GradRequest:
-    """The v1 body as a call validated with the app's limits and default order (InvalidArgument,
-    422, names the field and the aclnn code), with the order it names; large tensors are validated
-    on a worker thread."""
-    document = await read_document(request)
+async def read_call(request: Request, intake: Intake) -> MoeInitRoutingV2GradCall:
+    """The v1 body as a call validated with the app's limits and default profile (InvalidArgument,
+    422, names the field and the aclnn code); large tensors are validated on a worker thread."""
+    document = await read_document(request, intake)
     build = partial(
         decode_call,
         document,
         max_elements=settings_of(request).max_elements,
         default_order=dataplane_of(request).default_order,
     )
-    call = await off_loop(build) if tensor_bytes(document) > INLINE_DECODE_BYTES else build()
-    return GradRequest(call, document.get("order"))
+    return await off_loop(build) if tensor_bytes(document) > INLINE_DECODE_BYTES else build()
 
 
-async def moe_init_routing_v2_grad(request: Request) -> Response:
+async def moe_init_routing_v2_grad(request: Request, intake: Intake) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
-    call, named_order = await read_call(request)
-    cover(request, call_peak, call)
+    call = await read_call(request, intake)
+    intake.cover(call_peak, call)
     outcome = await dataplane_of(request).infer(
         call,
-        named_order=named_order,
         timeout_s=request_timeout(request),
         disconnected=partial(disconnected, request),
         received_s=started,
-        admission=admission_of(request.scope),
+        lender=intake.admission,
         tenant=tenant_of(request.scope),
     )
     metrics = metrics_of(request)
@@ -174,13 +168,11 @@ async def moe_init_routing_v2_grad(request: Request) -> Response:
     return response
 
 
-async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
+async def moe_init_routing_v2_grad_batch(request: Request, intake: Intake) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     dataplane, metrics, settings = dataplane_of(request), metrics_of(request), settings_of(request)
     timeout_s = request_timeout(request)
-    body = await read_body(
-        request, settings.max_body_bytes, MSGPACK_MEDIA_TYPES, hold_per_byte=MemoryBudget.BATCH_HOLD_PER_BODY_BYTE
-    )
+    body = await intake.read(MSGPACK_MEDIA_TYPES, hold_per_byte=MemoryBudget.BATCH_HOLD_PER_BODY_BYTE)
     metrics.bytes_in.inc(len(body))
 
     def decode() -> list[BatchItem]:
@@ -188,7 +180,7 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
         return decode_batch_items(items, dataplane, max_elements=settings.max_elements)
 
     items = await off_loop(decode) if len(body) > INLINE_BATCH_BYTES else decode()
-    cover(request, _batch_peak, items)
+    intake.cover(_batch_peak, items)
     answers = await dataplane.infer_batch(
         items, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
     )
@@ -205,9 +197,9 @@ async def moe_init_routing_v2_grad_batch(request: Request) -> Response:
     return response
 
 
-async def compare_candidate(request: Request) -> Response:
+async def compare_candidate(request: Request, intake: Intake) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
-    document = await read_document(request)
+    document = await read_document(request, intake)
     dataplane, metrics = dataplane_of(request), metrics_of(request)
     timeout_s = request_timeout(request)
     comparison = await off_loop(
@@ -216,7 +208,7 @@ async def compare_candidate(request: Request) -> Response:
         max_elements=settings_of(request).max_elements,
         default_order=dataplane.default_order,
     )
-    cover(request, compare_peak, comparison.call, comparison.candidate.nbytes)
+    intake.cover(compare_peak, comparison.call, comparison.candidate.nbytes)
     outcome = await dataplane.compare(
         comparison, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
     )
@@ -233,8 +225,6 @@ def _batch_peak(items: list[BatchItem], *, body_bytes: int) -> Peak:
             comparisons.append((item.call, item.candidate.nbytes))
         elif isinstance(item, GroupMember):
             calls.append(item.group.like)  # every member has the shape of the group's first
-        elif isinstance(item, GradRequest):
-            calls.append(item.call)
         elif isinstance(item, BaseException):
             refused += 1
         else:
@@ -242,9 +232,9 @@ def _batch_peak(items: list[BatchItem], *, body_bytes: int) -> Peak:
     return batch_peak(calls, comparisons, refused=refused, body_bytes=body_bytes)
 
 
-async def explain_candidate(request: Request) -> Response:
+async def explain_candidate(request: Request, intake: Intake) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
-    document = await read_document(request)
+    document = await read_document(request, intake)
     dataplane, metrics = dataplane_of(request), metrics_of(request)
     timeout_s = request_timeout(request)
     explained = await off_loop(
@@ -253,7 +243,7 @@ async def explain_candidate(request: Request) -> Response:
         max_elements=settings_of(request).max_elements,
         default_order=dataplane.default_order,
     )
-    cover(request, explain_peak, explained.call, explained.candidate.nbytes)
+    intake.cover(explain_peak, explained.call, explained.candidate.nbytes)
     outcome = await dataplane.explain(
         explained, timeout_s=timeout_s, disconnected=partial(disconnected, request), tenant=tenant_of(request.scope)
     )

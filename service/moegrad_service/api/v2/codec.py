@@ -19,7 +19,7 @@ import numpy as np
 from fastapi import Response
 
 from moegrad import DTYPES, MAX_RANK, MalformedRequest, MoeInitRoutingV2GradCall, PayloadTooLarge, brief
-from moegrad_service.api.inputs import byte_count
+from moegrad_service.api.intake import byte_count
 from moegrad_service.api.outputs import PartsResponse
 
 __all__ = [
@@ -98,14 +98,12 @@ class InferRequest:
         id: the request's ``id``, echoed in the reply, or None.
         binary_output: send grad_x as binary tensor data (else as a JSON list).
         timeout_s: the ``timeout`` parameter in seconds, or None when not given.
-        named_order: the ``order`` parameter as given, or None when the request names none.
     """
 
     call: MoeInitRoutingV2GradCall
     id: str | None
     binary_output: bool
     timeout_s: float | None
-    named_order: str | None = None
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -136,7 +134,7 @@ def _count(value: Any, where: str) -> int:
 
 def binary_lead(header_length: str | None) -> int:
     """Bytes to put before the body so that its binary part, after the JSON header, starts 16-byte
-    aligned (api.inputs.read_body's ``lead``); 0 without a well-formed header, which _split then rejects."""
+    aligned (``api.intake.Intake.read``'s ``lead``); 0 without a well-formed header, which _split then rejects."""
     size = None if header_length is None else byte_count(header_length)
     return 0 if size is None else -size % 16
 
@@ -342,7 +340,7 @@ def decode_infer_request(
         body: the whole HTTP body: JSON, or JSON followed by binary tensor data.
         header_length: the ``Inference-Header-Content-Length`` header (the JSON part's bytes), or None.
         max_elements: the largest element count of one tensor.
-        default_order: the accumulation order of a request that names none.
+        default_order: the profile whose rules check a request that names none (which then names none).
 
     Raises:
         MalformedRequest: not a well-formed v2 request (bad JSON, unknown names, sizes that disagree).
@@ -359,9 +357,8 @@ def decode_infer_request(
     _keys(parameters, frozenset(ATTRIBUTES + CONTROLS), "parameters")
     tensors = _decode_inputs(document.get("inputs", []), binary, max_elements)
     fields: dict[str, Any] = {name: parameters[name] for name in ATTRIBUTES if name in parameters}
-    if fields.get("order") is None:  # absent or null: the server's default, as v1's nil
-        fields["order"] = default_order
-    call = MoeInitRoutingV2GradCall(**tensors, **fields)
+    # an order absent or null names no profile: checked on the server's default, as v1's nil
+    call = MoeInitRoutingV2GradCall.with_default_order(default_order, **tensors, **fields)
     binary_output = _binary_output(
         document.get("outputs"), _flag(parameters.get("binary_data_output", False), "parameters.binary_data_output")
     )
@@ -379,9 +376,7 @@ def decode_infer_request(
                 f"parameters.timeout={micros!r} must be a positive number of microseconds", field="timeout"
             )
         timeout_s = min(micros, 2**53) / 1e6  # the server caps it at request_timeout_s anyway
-    return InferRequest(
-        call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s, named_order=parameters.get("order")
-    )
+    return InferRequest(call=call, id=request_id, binary_output=binary_output, timeout_s=timeout_s)
 
 
 # --- encoding ---------------------------------------------------------------------------------

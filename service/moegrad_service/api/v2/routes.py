@@ -28,18 +28,14 @@ from moegrad import MalformedRequest
 from moegrad_service.api.auth import tenant_of
 from moegrad_service.api.errors import NotFound
 from moegrad_service.api.inputs import (
-    admission_of,
-    byte_count,
-    cover,
     dataplane_of,
     disconnected,
     metrics_of,
     off_loop,
-    read_body,
-    release_admission,
     request_timeout,
     settings_of,
 )
+from moegrad_service.api.intake import Intake, byte_count
 from moegrad_service.api.outputs import PartsResponse
 from moegrad_service.api.routing import EndpointRoute
 from moegrad_service.api.v2.codec import (
@@ -140,10 +136,8 @@ async def get_model_statistics(request: Request, model_name: str) -> dict[str, A
 
 @router.post("/v2/repository/index", summary="v2 repository index: the one model, READY")
 async def get_repository_index(request: Request) -> list[dict[str, str]]:
-    try:
-        body = bytes(await read_body(request, 1 << 16, media_types=None))
-    finally:  # a FastAPI route: no EndpointRoute releases its admission after the answer
-        release_admission(request.scope)
+    with Intake(request) as intake:  # a FastAPI route: the body is copied out, and its admission released
+        body = bytes(await intake.read(None, limit=1 << 16))
     ready = False
     if body.strip():
         document = parse_repository_request(body)
@@ -185,7 +179,7 @@ async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
     return {"name": MODEL_NAME, "ready": True}
 
 
-async def infer(request: Request) -> Response:
+async def infer(request: Request, intake: Intake) -> Response:
     started = request.scope.get("state", {}).get("started", time.perf_counter())
     _check_model(request)
     dataplane, settings, metrics = dataplane_of(request), settings_of(request), metrics_of(request)
@@ -202,10 +196,8 @@ async def infer(request: Request) -> Response:
     if json_bytes is not None:  # a header larger than the body is refused once read (400): count the body
         json_bytes = min(json_bytes, byte_count(request.headers.get("content-length", "")) or 0)
     json_extra = JSON_HOLD_PER_BODY_BYTE - MemoryBudget.HOLD_PER_BODY_BYTE
-    body = await read_body(
-        request,
-        settings.max_body_bytes,
-        media_types=None,
+    body = await intake.read(
+        None,
         lead=binary_lead(header_length),
         hold_per_byte=JSON_HOLD_PER_BODY_BYTE if json_bytes is None else None,
         extra_bytes=0 if json_bytes is None else json_bytes * json_extra,
@@ -221,14 +213,13 @@ async def infer(request: Request) -> Response:
     decoded = await off_loop(decode) if len(body) > INLINE_JSON_BYTES else decode()
     if decoded.timeout_s is not None:
         timeout_s = min(timeout_s, decoded.timeout_s)
-    cover(request, call_peak, decoded.call, reply="buffers" if decoded.binary_output else "json")
+    intake.cover(call_peak, decoded.call, reply="buffers" if decoded.binary_output else "json")
     outcome = await dataplane.infer(
         decoded.call,
-        named_order=decoded.named_order,
         timeout_s=timeout_s,
         disconnected=partial(disconnected, request),
         received_s=started,
-        admission=admission_of(request.scope),
+        lender=intake.admission,
         tenant=tenant_of(request.scope),
     )
     encode = partial(encode_infer_response, outcome.grad_x, decoded, _reply_parameters(outcome))
