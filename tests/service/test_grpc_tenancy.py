@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,7 +27,7 @@ from moegrad_service.app import create_app
 from moegrad_service.engine import ReferenceBackend
 from moegrad_service.settings import Settings
 from support.grpckit import MODEL
-from support.servicekit import GateHook, gauge, pack
+from support.servicekit import GateHook, Recorder, gauge, pack
 
 MIB = 1 << 20
 SERVICE = "inference.GRPCInferenceService"
@@ -160,21 +159,6 @@ def test_a_grpc_call_holds_its_peak_while_it_runs_and_nothing_after():
         reply = service_pb2.ModelInferResponse.FromString(running.result(60))
         assert reply.raw_output_contents[0] == bytes(FITS_ALONE * HIDDEN * 4)
         assert held_bytes(http, 0) == 0
-
-
-class Recorder:
-    """A fault hook that holds the first call until released and records every call's H, in the order run."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.first = threading.Event()
-        self.order: list[int] = []
-
-    def __call__(self, call, timeout_s) -> None:
-        self.order.append(call.hidden_size)
-        if len(self.order) == 1:
-            self.first.set()
-            self.release.wait(30)
 
 
 def _wait_for_queue(http: TestClient, depth: int) -> None:

@@ -22,7 +22,7 @@ from moegrad_service.dataplane import ClientDisconnected, Comparison
 from moegrad_service.engine import FairQueue, JudgePool, ReferenceBackend, StreamPool
 from moegrad_service.settings import Settings
 from support.dataplane_cases import doc_call, open_dataplane
-from support.servicekit import gauge, pack
+from support.servicekit import Recorder, gauge, pack
 
 # --- the fair queue ----------------------------------------------------------------------------
 
@@ -83,21 +83,6 @@ def test_one_tenant_alone_is_first_in_first_out():
 
 
 # --- the stream pool ---------------------------------------------------------------------------
-
-
-class Recorder:
-    """A fault hook that holds the first call until released and records every call's H, in the order run."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.first = threading.Event()
-        self.order: list[int] = []
-
-    def __call__(self, call, timeout_s) -> None:
-        self.order.append(call.hidden_size)
-        if len(self.order) == 1:
-            self.first.set()
-            self.release.wait(30)
 
 
 def call_of(hidden: int):

@@ -21,7 +21,7 @@ from .docexample import example_document
 if TYPE_CHECKING:
     from fastapi.testclient import TestClient
 
-__all__ = ["FRAMES", "MSGPACK_HEADERS", "GateHook", "frames_body", "frames_reply", "gauge", "grad_x_of", "pack", "post",
+__all__ = ["FRAMES", "MSGPACK_HEADERS", "GateHook", "Recorder", "frames_body", "frames_reply", "gauge", "grad_x_of", "pack", "post",
            "post_frames_call", "random_call"]
 
 MSGPACK_HEADERS = {"content-type": "application/msgpack"}
@@ -124,3 +124,18 @@ class GateHook:
         if self.error is not None:
             raise self.error
         self.release.wait(30)
+
+
+class Recorder:
+    """A fault hook that holds the first call until released and records every call's H, in the order run."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.first = threading.Event()
+        self.order: list[int] = []
+
+    def __call__(self, call, timeout_s) -> None:
+        self.order.append(call.hidden_size)
+        if len(self.order) == 1:
+            self.first.set()
+            self.release.wait(30)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 
-__all__ = ["MAX_SHARDS", "PLOTS", "add_bulk_options", "shard"]
+__all__ = ["MAX_SHARDS", "PLOTS", "add_bulk_options", "int_at_least", "shard"]
 
 #: The most shards ``--shard I/N`` may name (more than any sweep has cases).
 MAX_SHARDS = 1_000_000
@@ -38,14 +39,19 @@ def shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: the integer ``text`` names, refused with a message when below ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
+        return value
+
+    return parse
 
 
 def add_bulk_options(comparison: argparse.ArgumentParser) -> None:
@@ -103,7 +109,7 @@ def add_bulk_options(comparison: argparse.ArgumentParser) -> None:
     bulk.add_argument(
         "--max-concurrency",
         "--concurrency",
-        type=_positive_int,
+        type=int_at_least(1),
         dest="max_concurrency",
         metavar="K",
         help="requests in flight at once over all replicas, each a batch of cases (default: 2 per --url, at least 4)",

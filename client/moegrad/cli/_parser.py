@@ -19,7 +19,7 @@ import numpy as np
 
 from moegrad import ORDERS, __version__
 from moegrad.accuracy import DEFAULT_STANDARDS, STANDARDS
-from moegrad.cli._bulk import MAX_SHARDS, add_bulk_options, shard
+from moegrad.cli._bulk import MAX_SHARDS, add_bulk_options, int_at_least, shard
 from moegrad.cli._candidate_parser import add_candidate_commands, add_order_free_options
 from moegrad.operator import ALIASES, DEFAULT_PROFILE, PROFILES
 
@@ -231,16 +231,6 @@ def _positive_seconds(text: str) -> float | None:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
-
-
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument(
@@ -267,7 +257,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--retries",
-        type=_non_negative_int,
+        type=int_at_least(0),
         default=3,
         metavar="N",
         help="retries after a connection error or a busy (503) answer (default: %(default)s)",
