@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Callable
 from typing import Any
 
 from moegrad import GRAD_DTYPES, ORDER_FREE_LIMITS, PROBE_LIMITS
 from moegrad.accuracy import DEFAULT_MAX_TESTS, LABELS
+from moegrad.cli._bulk import int_at_least
 
 __all__ = ["CANDIDATE_TOKEN_ENV", "add_candidate_commands", "add_order_free_options"]
 
@@ -63,19 +63,6 @@ _EPILOGS = {
     + _TAIL
     + _CANDIDATE_NOTE,
 }
-
-
-def _count(least: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{text!r} must be >= {least}")
-        return value
-
-    return parse
 
 
 def _file_name(text: str) -> str:
@@ -172,7 +159,7 @@ def _add_probe_order(commands: Any, formatter: type[argparse.HelpFormatter]) -> 
         "tree (an order that changes between runs, rows or values; a narrow or exact accumulator)\n"
         "is refused with the reason, never given a guessed tree.",
     )
-    probe.add_argument("--top-k", type=_count(1), required=True, metavar="K", help="K, the slots per token")
+    probe.add_argument("--top-k", type=int_at_least(1), required=True, metavar="K", help="K, the slots per token")
     probe.add_argument(
         "--dtype",
         choices=GRAD_DTYPES,
@@ -180,16 +167,20 @@ def _add_probe_order(commands: Any, formatter: type[argparse.HelpFormatter]) -> 
         help="the probes' dtype (largest K: " + ", ".join(f"{d} {k}" for d, k in PROBE_LIMITS.items()) + ")",
     )
     probe.add_argument(
-        "--tokens", type=_count(1), metavar="N", help="N of every probe call (default: just enough for all pairs)"
+        "--tokens", type=int_at_least(1), metavar="N", help="N of every probe call (default: just enough for all pairs)"
     )
-    probe.add_argument("--hidden", type=_count(1), metavar="H", help="H of every probe call (default: 64)")
+    probe.add_argument("--hidden", type=int_at_least(1), metavar="H", help="H of every probe call (default: 64)")
     probe.add_argument(
-        "--ub-size-bytes", type=_count(1), default=253952, metavar="B", help="the Ascend 950's UB size its tiling uses"
+        "--ub-size-bytes",
+        type=int_at_least(1),
+        default=253952,
+        metavar="B",
+        help="the Ascend 950's UB size its tiling uses",
     )
     probe.add_argument(
-        "--vector-core-count", type=_count(1), default=64, metavar="C", help="the Ascend 950's vector cores"
+        "--vector-core-count", type=int_at_least(1), default=64, metavar="C", help="the Ascend 950's vector cores"
     )
-    probe.add_argument("--seed", type=_count(0), default=0, help="the random check inputs' seed (default: 0)")
+    probe.add_argument("--seed", type=int_at_least(0), default=0, help="the random check inputs' seed (default: 0)")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
     _candidate_arguments(probe)
 
@@ -231,10 +222,10 @@ def _add_shrink(commands: Any, formatter: type[argparse.HelpFormatter], call_arg
         help=f"the fault to shrink, by its label: {', '.join(LABELS)} (default: the first row with a "
         "definite fault, else the first that differs)",
     )
-    chosen.add_argument("--row", type=_count(0), metavar="I", help="the fault of this row of grad_x instead")
+    chosen.add_argument("--row", type=int_at_least(0), metavar="I", help="the fault of this row of grad_x instead")
     chosen.add_argument(
         "--max-tests",
-        type=_count(1),
+        type=int_at_least(1),
         default=DEFAULT_MAX_TESTS,
         metavar="N",
         help="the most candidate calls to make (default: %(default)s)",
@@ -256,7 +247,9 @@ def _add_determinism(commands: Any, formatter: type[argparse.HelpFormatter], cal
     )
     call_arguments(determinism, order_default="the case's, else ascend910b@9.1", output=False, required=False)
     _case_argument(determinism)
-    determinism.add_argument("--runs", type=_count(2), default=10, metavar="R", help="runs (default: %(default)s)")
+    determinism.add_argument(
+        "--runs", type=int_at_least(2), default=10, metavar="R", help="runs (default: %(default)s)"
+    )
     determinism.add_argument("--json", action="store_true", help="print the result as JSON")
     _candidate_arguments(determinism)
 
@@ -272,8 +265,8 @@ def add_order_free_options(comparison: argparse.ArgumentParser) -> None:
         "--active-num and --order (the profile whose rules check the call) apply.",
     )
     group.add_argument("--order-free", action="store_true", help="run the candidate's code on order-free inputs")
-    group.add_argument("--tokens", type=_count(1), default=64, metavar="N", help="N (default: %(default)s)")
-    group.add_argument("--hidden", type=_count(1), default=64, metavar="H", help="H (default: %(default)s)")
+    group.add_argument("--tokens", type=int_at_least(1), default=64, metavar="N", help="N (default: %(default)s)")
+    group.add_argument("--hidden", type=int_at_least(1), default=64, metavar="H", help="H (default: %(default)s)")
     group.add_argument(
         "--dtype",
         choices=GRAD_DTYPES,
@@ -281,12 +274,12 @@ def add_order_free_options(comparison: argparse.ArgumentParser) -> None:
         help="the inputs' dtype (largest K: " + ", ".join(f"{d} {k}" for d, k in ORDER_FREE_LIMITS.items()) + ")",
     )
     group.add_argument(
-        "--expert-num", type=_count(1), metavar="E", help="E, the experts routed to (default: max(8, K))"
+        "--expert-num", type=int_at_least(1), metavar="E", help="E, the experts routed to (default: max(8, K))"
     )
     group.add_argument(
-        "--expert-capacity", type=_count(1), metavar="C", help="C in drop/pad mode (default: ceil(N*K / E))"
+        "--expert-capacity", type=int_at_least(1), metavar="C", help="C in drop/pad mode (default: ceil(N*K / E))"
     )
-    group.add_argument("--seed", type=_count(0), default=0, help="the inputs' seed (default: %(default)s)")
+    group.add_argument("--seed", type=int_at_least(0), default=0, help="the inputs' seed (default: %(default)s)")
     group.add_argument(
         "--save-case",
         metavar="FILE",
