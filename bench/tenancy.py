@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from support.attacks import ATTACK_SETTINGS, Probes, example_call
-from support.attacks.probes import reset_peak, rss_bytes
+from support.attacks.probes import reset_peak, rss_bytes, settled_rss
 from support.attacks.tenancy import abandoned_compares, flood_latency, stalled_large_uploads, worst_shape
 from support.attacks.wire import MIB, exchange, request_head
 from support.attacks.worst import BATCH_PATH, INFER_PATH, SHAPES
@@ -46,19 +46,6 @@ def _env(baseline: Path | None) -> dict[str, str] | None:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(baseline / "client"), str(baseline / "service")])}
 
 
-def _settled_rss(pid: int) -> int:
-    import time
-
-    last = rss_bytes(pid)
-    for _ in range(20):
-        time.sleep(0.5)
-        now = rss_bytes(pid)
-        if abs(now - last) < MIB:
-            return now
-        last = now
-    return last
-
-
 def memory_alone(log_dir: Path, env: dict[str, str] | None) -> dict[str, tuple[float, float, float, int]]:
     """Each worst shape at 5/8 of the 64 MiB budget, alone, on a server with a 2 GiB budget:
     name -> (body MiB, held by the rules MiB, RSS growth MiB, status)."""
@@ -70,7 +57,7 @@ def memory_alone(log_dir: Path, env: dict[str, str] | None) -> dict[str, tuple[f
             path, media_type, body, peak = build(BUDGET * 5 // 8)
             head = request_head("POST", path, {"Content-Type": media_type}, len(body))
             exchange(server.port, head, body, timeout_s=120)  # the first of a shape pays its one-time costs
-            before = _settled_rss(server.pid)
+            before = settled_rss(server.pid, within_s=10.0)
             reset_peak(server.pid)
             answer = exchange(server.port, head, body, timeout_s=120)
             rows[name] = (len(body) / MIB, peak / MIB, (rss_bytes(server.pid, "VmHWM") - before) / MIB,

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..launch import LOOPBACK
 from .wire import Answer, example_call, exchange, request_head
 
-__all__ = ["Probes", "p99", "probe_main", "reset_peak", "rss_bytes"]
+__all__ = ["Probes", "p99", "probe_main", "reset_peak", "rss_bytes", "settled_rss"]
 
 #: The folder that holds the ``support`` package (tests/): the probe process imports it from there.
 _SUPPORT_ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +32,19 @@ def rss_bytes(pid: int, key: str = "VmRSS") -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+def settled_rss(pid: int, within_s: float = 5.0) -> int:
+    """The process's RSS once it has stopped moving (by less than 1 MiB in 0.5 s), in bytes; the last
+    reading when it is still moving after ``within_s`` seconds."""
+    end, last = time.monotonic() + within_s, rss_bytes(pid)
+    while time.monotonic() < end:
+        time.sleep(0.5)
+        now = rss_bytes(pid)
+        if abs(now - last) < 1 << 20:
+            return now
+        last = now
+    return last
 
 
 def reset_peak(pid: int) -> None:

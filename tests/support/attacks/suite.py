@@ -23,7 +23,7 @@ import numpy as np
 
 from ..launch import LOOPBACK, REFERENCE_FLAGS, SERVE_COMMAND, ServerProcess, moegrad_server
 from .outcome import RSS_MARGIN_BYTES, Outcome, parallel, summary, tally, watched
-from .probes import Probes, rss_bytes
+from .probes import Probes, rss_bytes, settled_rss
 from .wire import (
     GRAD_PATH,
     INFER_PATH,
@@ -290,23 +290,12 @@ def rss_after_load(server: ServerProcess, probes: Probes, quick: bool, budget: i
                 answers += [f.result() for f in batch]
     outcome.statuses.update(a.status for a in answers if a.status)
     outcome.resets += sum(1 for a in answers if a.error in ("reset", "closed"))
-    settled = _settled_rss(server.pid)
+    settled = settled_rss(server.pid)
     outcome.figures.update(start_mib=baseline / MIB, idle_mib=settled / MIB)
     outcome.now = (f"{len(answers)} calls ({big // MIB} MiB among them), {summary(outcome.statuses)}: "
                    f"{baseline / MIB:.0f} -> {outcome.peak_rss_bytes / MIB:.0f} MiB peak -> "
                    f"{settled / MIB:.0f} MiB idle")
     return outcome
-
-
-def _settled_rss(pid: int, within_s: float = 5.0) -> int:
-    end, last = time.monotonic() + within_s, rss_bytes(pid)
-    while time.monotonic() < end:
-        time.sleep(0.5)
-        now = rss_bytes(pid)
-        if abs(now - last) < MIB:
-            return now
-        last = now
-    return last
 
 
 def auth_fails_closed(log_dir: Path) -> Outcome:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..launch import LOOPBACK, ServerProcess, moegrad_server
 from .outcome import Outcome, parallel, summary, tally, watched
-from .probes import Probes, reset_peak, rss_bytes
+from .probes import Probes, reset_peak, rss_bytes, settled_rss
 from .wire import GRAD_PATH, MIB, Answer, _parse, _whole, example_call, exchange, request_head, valid_call_body
 from .worst import SHAPES, compare_small_h
 
@@ -58,18 +58,6 @@ def _settled(pid: int, quiet_s: float = 1.0, within_s: float = 30.0) -> float:
     return last
 
 
-def _settled_rss(pid: int, within_s: float = 5.0) -> int:
-    """The process's RSS once it has stopped moving (by less than 1 MiB in 0.5 s), in bytes."""
-    end, last = time.monotonic() + within_s, rss_bytes(pid)
-    while time.monotonic() < end:
-        time.sleep(0.5)
-        now = rss_bytes(pid)
-        if abs(now - last) < MIB:
-            return now
-        last = now
-    return last
-
-
 def _head(path: str, media_type: str, length: int, token: str | None = None) -> bytes:
     headers = {"Content-Type": media_type}
     if token:
@@ -84,7 +72,7 @@ def worst_shape(server: ServerProcess, probes: Probes, name: str, budget: int, c
     path, media_type, body, peak = SHAPES[name](budget * 5 // 8)
     outcome = Outcome(f"worst shape: {name}", 2, "reserved 2x (5x) the body: up to 66x held")
     head = _head(path, media_type, len(body))
-    before = _settled_rss(server.pid)  # the last attack's buffers and heap given back first
+    before = settled_rss(server.pid)  # the last attack's buffers and heap given back first
     with watched(server, probes, outcome, budget):
         answers = parallel(count, lambda _: exchange(server.port, head, body, timeout_s=60))
     growth = outcome.peak_rss_bytes - before
@@ -106,7 +94,7 @@ def oversized(server: ServerProcess, name: str, budget: int) -> Outcome | None:
     if peak < 3 * budget // 2:
         return None
     outcome = Outcome(f"worst shape twice the budget: {name}", 2, "admitted, RSS up by what it holds")
-    before = _settled_rss(server.pid)
+    before = settled_rss(server.pid)
     reset_peak(server.pid)
     answer = exchange(server.port, _head(path, media_type, len(body)), body, timeout_s=60)
     growth = rss_bytes(server.pid, "VmHWM") - before
