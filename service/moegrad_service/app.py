@@ -103,7 +103,11 @@ async def _lifespan(
     shutdown, each stopped in turn."""
     opened = backend if backend is not None else await asyncio.to_thread(open_backend, settings)
     pool = StreamPool(
-        opened, streams=settings.streams, max_queue=settings.max_queue, retry_after_s=settings.retry_after_s
+        opened,
+        streams=settings.streams,
+        max_queue=settings.max_queue,
+        retry_after_s=settings.retry_after_s,
+        express_max_adds=settings.express_max_adds,
     )
     await pool.start()
     if settings.warm_up and opened.warm_up:

@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     )
     device_id: int = Field(0, ge=0, description="the NPU to use, an index among ASCEND_RT_VISIBLE_DEVICES")
     streams: int = Field(2, ge=1, le=64, description="worker threads, each owning one device stream (or CPU slot)")
+    express_max_adds: int = Field(
+        1 << 20,
+        ge=0,
+        description="calls of at most this many adds (N*K*H, all of a batch's calls together) may also run on "
+        "one more worker kept for them, so that a small call never waits behind large ones; 0: no such worker",
+    )
     max_queue: int = Field(
         64,
         ge=1,

@@ -125,7 +125,7 @@ def test_results_match_the_reference_backend_and_nothing_is_left(sim, sim_home):
             replies = list(clients.map(lambda call: post(ascend, document(call)), calls))
         for call, reply in zip(calls, replies, strict=True):
             assert_bitwise(grad_x_of(reply), moegrad.moe_init_routing_v2_grad(call))
-        assert sim.counts()["streams"] == 2
+        assert sim.counts()["streams"] == 3  # the two workers' and the express worker's (for small calls)
     assert_nothing_left(sim, before)
 
 
@@ -204,7 +204,7 @@ def test_a_host_without_ascend_opp_path_is_never_ready(sim, sim_home, monkeypatc
 
 def test_hung_kernel_is_a_504_and_the_pool_keeps_its_capacity(sim, sim_home):
     before = sim.counts()
-    with serve(backend="ascend", ascend_home_path=sim_home, streams=2) as client:
+    with serve(backend="ascend", ascend_home_path=sim_home, streams=2, express_max_adds=0) as client:
         hang_kernels(client, sim, pending=1, timeout="0.2")
         # Both workers still serve at once, the one that timed out on a fresh stream.
         with ThreadPoolExecutor(4) as clients:
@@ -300,7 +300,8 @@ def test_a_worker_with_too_many_hung_kernels_is_lost_capacity_and_shutdown_stays
     backend = AscendBackend(ascend_home_path=sim_home, drain_timeout_s=1)
     if launch == "after_its_504":
         launch_after_the_answer(monkeypatch, backend, sim)
-    with serve(opened=backend, backend="ascend", ascend_home_path=sim_home, streams=1, shutdown_grace_s=1) as client:
+    with serve(opened=backend, backend="ascend", ascend_home_path=sim_home, streams=1, express_max_adds=0,
+               shutdown_grace_s=1) as client:
         hang_kernels(client, sim, pending=4)
         wait = time.monotonic() + 5
         while client.get("/health/ready").status_code == 200 and time.monotonic() < wait:

@@ -194,7 +194,8 @@ def test_a_batch_whose_client_disconnects_skips_the_parts_not_started(launch, tm
     goes, the batch is counted as a disconnect, and once the gate opens only the part already
     running finishes; the other group never reaches the backend."""
     gate, calls_file = tmp_path / "gate", tmp_path / "calls"
-    server = launch(hook=["--gate-file", str(gate), "--calls-file", str(calls_file)], flags=["--streams", "1"])
+    server = launch(hook=["--gate-file", str(gate), "--calls-file", str(calls_file)],
+                    flags=["--streams", "1", "--express-max-adds", "0"])
     small, _ = routed_call(1, hidden=2)
     large, _ = routed_call(2, hidden=5)
     items = [msgpack.unpackb(wire_body(kwargs), raw=False) for kwargs in (small, small, large, large)]
@@ -217,7 +218,8 @@ def test_a_batch_whose_client_disconnects_skips_the_parts_not_started(launch, tm
 
 def test_disconnected_clients_cost_no_compute_and_leave_no_residue(launch, tmp_path):
     gate, calls_file = tmp_path / "gate", tmp_path / "calls"
-    server = launch(hook=["--gate-file", str(gate), "--calls-file", str(calls_file)], flags=["--streams", "1"])
+    server = launch(hook=["--gate-file", str(gate), "--calls-file", str(calls_file)],
+                    flags=["--streams", "1", "--express-max-adds", "0"])
     holder_kwargs, holder_want = routed_call(1, hidden=2)
     queued_kwargs, _ = routed_call(2, hidden=5)
     running_kwargs, _ = routed_call(3, hidden=7)
@@ -306,7 +308,8 @@ def test_backend_exception_is_500_with_its_text_and_a_hang_is_504_then_capacity_
     calls_file = tmp_path / "calls"
     server = launch(hook=["--raise-on-hidden", "7", "--raise-text", text, "--hang-on-hidden", "11",
                           "--hang-s", "20", "--abandon-grace-s", "0.3", "--calls-file", str(calls_file)],
-                    flags=["--streams", "1", "--shutdown-grace-s", "1", "--request-timeout-s", "30"])
+                    flags=["--streams", "1", "--express-max-adds", "0", "--shutdown-grace-s", "1",
+                           "--request-timeout-s", "30"])
     failing, _ = routed_call(5, hidden=7)
     hanging, _ = routed_call(6, hidden=11)
     fine, fine_want = routed_call(7, hidden=4)

@@ -145,7 +145,7 @@ def wait_for(predicate, timeout_s: float = 5.0) -> None:
 def test_no_worker_that_can_run_calls_is_not_ready_and_503(serve, monkeypatch):
     monkeypatch.setattr(pool_module, "CAPACITY_POLL_S", 0.02)
     backend = Crippled()
-    with serve(backend=backend, streams=2) as client:
+    with serve(backend=backend, streams=2, express_max_adds=0) as client:
         assert post(client, example_document()).status_code == 200
         backend.broken.set()
         # Each worker asks before its next call: one call each finds them out (or the poll does).
@@ -176,7 +176,7 @@ def test_an_abandoned_worker_is_lost_capacity_until_its_replacement_opens(serve,
 
     backend = Stuck(warm_up=False, fault_hook=lambda call, timeout_s: hang.wait(10))
     try:
-        with serve(backend=backend, streams=1) as client:
+        with serve(backend=backend, streams=1, express_max_adds=0) as client:
             reply = post(client, example_document(), headers={"x-request-timeout": "0.1"})
             assert reply.status_code == 504, reply.text
             wait_for(lambda: client.get("/health/ready").status_code == 503)

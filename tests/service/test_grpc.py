@@ -305,7 +305,7 @@ def test_limits_are_resource_exhausted(grpc_service):
 def test_rpcs_beyond_max_connections_are_resource_exhausted(grpc_service, gated_backend, gate):
     from concurrent.futures import ThreadPoolExecutor
 
-    with grpc_service(backend=gated_backend, streams=1, max_connections=1) as (_, target), \
+    with grpc_service(backend=gated_backend, streams=1, express_max_adds=0, max_connections=1) as (_, target), \
             triton.InferenceServerClient(target) as client, ThreadPoolExecutor(1) as pool:
         running = pool.submit(infer, client, doc_call())
         assert gate.started.acquire(timeout=30)  # one RPC in flight, held at the gate
@@ -320,7 +320,7 @@ def test_rpcs_beyond_max_connections_are_resource_exhausted(grpc_service, gated_
 def test_a_call_whose_client_gives_up_while_queued_never_runs(grpc_service, gated_backend, gate):
     from concurrent.futures import ThreadPoolExecutor
 
-    with grpc_service(backend=gated_backend, streams=1) as (http, target), \
+    with grpc_service(backend=gated_backend, streams=1, express_max_adds=0) as (http, target), \
             triton.InferenceServerClient(target) as client, ThreadPoolExecutor(1) as pool:
         running = pool.submit(infer, client, doc_call())
         assert gate.started.acquire(timeout=30)  # the worker is held; the next call queues
@@ -337,7 +337,7 @@ def test_a_call_whose_client_gives_up_while_queued_never_runs(grpc_service, gate
 def test_full_queue_is_unavailable_with_retry_after(grpc_service, gated_backend, gate):
     from concurrent.futures import ThreadPoolExecutor
 
-    with grpc_service(backend=gated_backend, streams=1, max_queue=1, retry_after_s=3) as (http, target), \
+    with grpc_service(backend=gated_backend, streams=1, express_max_adds=0, max_queue=1, retry_after_s=3) as (http, target), \
             triton.InferenceServerClient(target) as client, ThreadPoolExecutor(2) as pool:
         call = doc_call()
         running = pool.submit(infer, client, call)
@@ -449,7 +449,7 @@ def test_statistics_count_the_calls_made_over_both_protocols(service, client):
 
 def test_statistics_count_failures_in_the_dataplane(grpc_service, gated_backend, gate):
     """A call whose deadline passes while it runs fails in the model: fail counts it."""
-    with grpc_service(backend=gated_backend, streams=1) as (http, target), \
+    with grpc_service(backend=gated_backend, streams=1, express_max_adds=0) as (http, target), \
             triton.InferenceServerClient(target) as client:
         with pytest.raises(InferenceServerException) as raised:
             infer(client, doc_call(), timeout=200_000)  # 0.2 s, while the gate holds the worker

@@ -171,7 +171,7 @@ def _wait_for_queue(http: TestClient, depth: int) -> None:
 def test_grpc_calls_take_their_tokens_turns():
     recorder = Recorder()
     tokens = {"auth_tokens": [SecretStr("alpha"), SecretStr("beta")], "metrics_public": True}
-    with service(ReferenceBackend(warm_up=False, fault_hook=recorder), streams=1, **tokens) as (http, channel):
+    with service(ReferenceBackend(warm_up=False, fault_hook=recorder), streams=1, express_max_adds=0, **tokens) as (http, channel):
         rpc = channel.unary_unary(f"/{SERVICE}/ModelInfer")
 
         def send(hidden: int, token: str) -> grpc.Future:
@@ -197,7 +197,7 @@ def test_grpc_calls_take_their_tokens_turns():
 def test_an_http_call_and_a_grpc_call_of_one_token_share_its_lane():
     recorder = Recorder()
     tokens = {"auth_tokens": [SecretStr("alpha"), SecretStr("beta")], "metrics_public": True}
-    with service(ReferenceBackend(warm_up=False, fault_hook=recorder), streams=1, **tokens) as (http, channel), \
+    with service(ReferenceBackend(warm_up=False, fault_hook=recorder), streams=1, express_max_adds=0, **tokens) as (http, channel), \
             ThreadPoolExecutor(3) as pool:
         rpc = channel.unary_unary(f"/{SERVICE}/ModelInfer")
 

@@ -82,6 +82,33 @@ def test_one_tenant_alone_is_first_in_first_out():
     assert drain(queue) == [0, 1, 2, 3, 4]
 
 
+def test_an_express_worker_takes_the_first_express_item_in_turn_and_never_out_of_a_lanes_order():
+    queue = FairQueue()
+    queue.put("a1", "A")
+    queue.put("a2-small", "A", express=True)  # behind A's own a1: not A's turn for it yet
+    queue.put("b1", "B")
+    queue.put("c1-small", "C", express=True)
+    queue.put("d1-small", "D", express=True)
+    assert queue.get(express=True) == "c1-small"  # A's and B's lanes start with work not express
+    assert queue.get() == "a1"  # C's lane had its turn: the next new lane is A's
+    assert queue.get(express=True) == "d1-small"  # D's new lane before A's old one
+    assert queue.get(express=True) == "a2-small"
+    assert drain(queue) == ["b1"]
+
+
+def test_an_express_worker_waits_for_express_work():
+    queue = FairQueue()
+    queue.put("a1", "A")
+    taken: list = []
+    worker = threading.Thread(target=lambda: taken.append(queue.get(express=True)), daemon=True)
+    worker.start()
+    worker.join(0.2)
+    assert worker.is_alive() and not taken  # a1 is not for it
+    queue.put("b1-small", "B", express=True)
+    worker.join(10)
+    assert taken == ["b1-small"] and drain(queue) == ["a1"]
+
+
 # --- the stream pool ---------------------------------------------------------------------------
 
 
@@ -131,6 +158,64 @@ async def test_each_token_has_its_own_share_of_the_queue():
     finally:
         recorder.release.set()
         await pool.close(grace_s=5)
+
+
+class HoldingLarge:
+    """A fault hook that holds every call of H >= ``large`` until released and records every call's
+    H when it starts."""
+
+    def __init__(self, large: int) -> None:
+        self.large = large
+        self.release = threading.Event()
+        self.started: list[int] = []
+
+    def __call__(self, call, timeout_s) -> None:
+        self.started.append(call.hidden_size)
+        if call.hidden_size >= self.large:
+            self.release.wait(30)
+
+
+@pytest.mark.asyncio
+async def test_a_small_call_runs_on_the_express_worker_while_large_ones_hold_every_worker():
+    hook = HoldingLarge(large=100)
+    # call_of(h): N*K = 4 slots of H = h, so 4*h adds; 400 adds and more are not express
+    pool = StreamPool(ReferenceBackend(warm_up=False, fault_hook=hook), streams=1, max_queue=8, express_max_adds=399)
+    await pool.start()
+    try:
+        assert pool.capacity == 1  # the express worker is not counted
+        large = [asyncio.create_task(pool.run(call_of(h), timeout_s=30, tenant="A")) for h in (100, 101)]
+        own_small = asyncio.create_task(pool.run(call_of(5), timeout_s=30, tenant="A"))  # behind A's 101
+        while not hook.started:
+            await asyncio.sleep(0.01)
+        grad_x, _ = await asyncio.wait_for(pool.run(call_of(10), timeout_s=30, tenant="B"), 10)
+        assert grad_x.shape == (2, 10)
+        assert hook.started == [100, 10] and not own_small.done()  # A's small call keeps its place in A's lane
+        hook.release.set()
+        await asyncio.gather(*large, own_small)
+    finally:
+        hook.release.set()
+        await pool.close(grace_s=5)
+    assert sorted(hook.started) == [5, 10, 100, 101] and hook.started.index(101) < hook.started.index(5)
+
+
+@pytest.mark.asyncio
+async def test_without_an_express_worker_a_small_call_waits_for_a_worker():
+    hook = HoldingLarge(large=100)
+    pool = StreamPool(ReferenceBackend(warm_up=False, fault_hook=hook), streams=1, max_queue=8)  # express_max_adds 0
+    await pool.start()
+    try:
+        large = asyncio.create_task(pool.run(call_of(100), timeout_s=30, tenant="A"))
+        while not hook.started:
+            await asyncio.sleep(0.01)
+        small = asyncio.create_task(pool.run(call_of(10), timeout_s=30, tenant="B"))
+        await asyncio.sleep(0.2)
+        assert not small.done() and hook.started == [100]
+        hook.release.set()
+        await asyncio.gather(large, small)
+    finally:
+        hook.release.set()
+        await pool.close(grace_s=5)
+    assert hook.started == [100, 10]
 
 
 # --- the judges --------------------------------------------------------------------------------

@@ -221,7 +221,7 @@ def wait_until(predicate, timeout_s: float = 10.0) -> None:
 
 
 def test_full_queue_is_503_with_retry_after(serve, gate, gated_backend):
-    with serve(backend=gated_backend, streams=1, max_queue=1, retry_after_s=2) as client, ThreadPoolExecutor(2) as ex:
+    with serve(backend=gated_backend, streams=1, express_max_adds=0, max_queue=1, retry_after_s=2) as client, ThreadPoolExecutor(2) as ex:
         first = ex.submit(post, client, example_document())
         assert gate.started.acquire(timeout=10)  # running, blocked in the backend
         second = ex.submit(post, client, example_document())
@@ -237,7 +237,7 @@ def test_full_queue_is_503_with_retry_after(serve, gate, gated_backend):
 
 
 def test_deadline_passed_while_queued_is_504_and_never_runs(serve, gate, gated_backend):
-    with serve(backend=gated_backend, streams=1) as client, ThreadPoolExecutor(1) as ex:
+    with serve(backend=gated_backend, streams=1, express_max_adds=0) as client, ThreadPoolExecutor(1) as ex:
         first = ex.submit(post, client, example_document())
         assert gate.started.acquire(timeout=10)
         late = post(client, example_document(), headers={"x-request-timeout": "0.2"})
@@ -250,7 +250,7 @@ def test_deadline_passed_while_queued_is_504_and_never_runs(serve, gate, gated_b
 
 def test_hung_backend_is_504_and_pool_regains_capacity(serve, gate, gated_backend, monkeypatch):
     monkeypatch.setattr(pool_module, "ABANDON_GRACE_S", 0.1)
-    with serve(backend=gated_backend, streams=1) as client:
+    with serve(backend=gated_backend, streams=1, express_max_adds=0) as client:
         hung = post(client, example_document(), headers={"x-request-timeout": "0.3"})
         assert "while the call was running" in problem(hung, 504)["detail"]
         gate.release.set()  # let later calls through; the hung worker was already written off

@@ -17,6 +17,10 @@ Algorithm", sections 1.3 and 4.2):
 
 So a flood of a thousand calls from one tenant lets another tenant's one call wait for the next
 free worker, and two floods share the workers call for call.
+
+Work put as *express* (a small call) may also be taken by an express worker (``get(express=True)``):
+the first lane, in the same turn order, whose first item is express; a lane whose first item is
+not is passed over, so each tenant's work still starts in its order.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ __all__ = ["FairQueue"]
 
 T = TypeVar("T")
 
+_NONE = object()
+
 
 class FairQueue(Generic[T]):
     """Work waiting for a worker, taken in turn across tenants, new tenants first. Thread-safe;
@@ -40,38 +46,64 @@ class FairQueue(Generic[T]):
     """
 
     def __init__(self) -> None:
-        self._new: collections.OrderedDict[Hashable, collections.deque[T]] = collections.OrderedDict()
-        self._old: collections.OrderedDict[Hashable, collections.deque[T]] = collections.OrderedDict()
-        self._ready = threading.Condition(threading.Lock())
+        # each lane holds (item, express) pairs
+        self._new: collections.OrderedDict[Hashable, collections.deque[tuple[T, bool]]] = collections.OrderedDict()
+        self._old: collections.OrderedDict[Hashable, collections.deque[tuple[T, bool]]] = collections.OrderedDict()
+        lock = threading.Lock()
+        self._ready = threading.Condition(lock)  # any work waits: a worker may take it
+        self._express_ready = threading.Condition(lock)  # express work waits: an express worker may
         self._count = 0
+        self._express = 0  # express items waiting
 
-    def put(self, item: T, tenant: Hashable = None) -> None:
-        """Add ``item`` at the end of ``tenant``'s lane: in the new list when the tenant has none."""
+    def put(self, item: T, tenant: Hashable = None, *, express: bool = False) -> None:
+        """Add ``item`` at the end of ``tenant``'s lane: in the new list when the tenant has none.
+        ``express``: an express worker may take it too (:meth:`get`)."""
         with self._ready:
             lane = self._new.get(tenant)
             if lane is None:
                 lane = self._old.get(tenant)
             if lane is None:
                 lane = self._new[tenant] = collections.deque()
-            lane.append(item)
+            lane.append((item, express))
             self._count += 1
             self._ready.notify()
+            if express:
+                self._express += 1
+                self._express_ready.notify()
 
-    def get(self) -> T:
+    def get(self, *, express: bool = False) -> T:
         """The next item in turn: the first of the first new lane, else of the first old lane with
         work (empty old lanes met on the way leave); the lane then goes to the back of the old
-        list. Blocks until there is one."""
+        list. Blocks until there is one.
+
+        ``express``: only the first item of a lane put as express, from the first such lane in the
+        same order (blocks until there is one)."""
         with self._ready:
+            if express:
+                return self._get_express()
             while not self._count:
                 self._ready.wait()
             lanes = self._new if self._new else self._old
             tenant, lane = lanes.popitem(last=False)
             while not lane:  # an old lane whose turn came round empty: it leaves
                 tenant, lane = self._old.popitem(last=False)
-            item = lane.popleft()
-            self._old[tenant] = lane
-            self._count -= 1
-            return item
+            return self._took(tenant, lane)
+
+    def _get_express(self) -> T:  # with the lock held
+        while True:
+            if self._express:
+                for lanes in (self._new, self._old):
+                    tenant = next((tenant for tenant, lane in lanes.items() if lane and lane[0][1]), _NONE)
+                    if tenant is not _NONE:
+                        return self._took(tenant, lanes.pop(tenant))
+            self._express_ready.wait()
+
+    def _took(self, tenant: Hashable, lane: collections.deque[tuple[T, bool]]) -> T:  # with the lock held
+        item, express = lane.popleft()
+        self._old[tenant] = lane  # it had its turn: to the back of the old list
+        self._count -= 1
+        self._express -= express
+        return item
 
     def __len__(self) -> int:
         return self._count

@@ -15,6 +15,13 @@ Life of a call::
 The queue is a :class:`~moegrad_service.engine.fair.FairQueue`: each tenant (a bearer token) has
 its own lane and up to ``max_queue`` calls in it, and the workers take the lanes' calls in turn.
 
+The express worker: with ``express_max_adds`` > 0 the pool has one more worker (slot index
+``streams``) that takes only small calls, those of at most ``express_max_adds`` adds (N*K*H, over
+all of a batch share's calls), in the same turn order. A running call is never interrupted, so
+without it a small call that arrives while every worker runs a large one waits for the first to
+finish; with it, it waits at most for other small calls. It is not counted in the capacity: the
+pool is ready while one of the ``streams`` workers can run calls.
+
 Capacity: a worker counts while it can run calls. One whose backend slot says it cannot
 (:meth:`BackendWorker.accepts_calls` False: the ascend worker with too many kernels still running past their
 deadline) stops taking calls and asks again every CAPACITY_POLL_S seconds; an abandoned worker
@@ -128,13 +135,27 @@ class StreamPool:
         streams: worker threads, each owning one backend slot made on its own thread.
         max_queue: calls admitted but not yet started, a tenant's, beyond which its new calls get DeviceBusy.
         retry_after_s: the retry hint, in seconds, that DeviceBusy carries.
+        express_max_adds: the adds (N*K*H) of the largest call the express worker takes; 0: no
+            express worker.
     """
 
-    def __init__(self, backend: Backend, *, streams: int, max_queue: int, retry_after_s: float = 1.0) -> None:
-        if streams < 1 or max_queue < 1:
-            raise ValueError(f"streams={streams} and max_queue={max_queue} must both be >= 1")
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        streams: int,
+        max_queue: int,
+        retry_after_s: float = 1.0,
+        express_max_adds: int = 0,
+    ) -> None:
+        if streams < 1 or max_queue < 1 or express_max_adds < 0:
+            raise ValueError(
+                f"streams={streams} and max_queue={max_queue} must both be >= 1, "
+                f"express_max_adds={express_max_adds} >= 0"
+            )
         self.backend = backend
         self.streams = streams
+        self.express_max_adds = express_max_adds
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
         self._queue: FairQueue[Any] = FairQueue()
@@ -148,7 +169,7 @@ class StreamPool:
         self._idle = asyncio.Event()
         self._idle.set()
         self._pending: set[_Job] = set()
-        self._capable: set[int] = set()  # indices of the workers that can run calls now
+        self._capable: set[int] = set()  # indices of the workers that can run calls now (not the express one)
         self._closing = threading.Event()
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -160,13 +181,12 @@ class StreamPool:
             DeviceFault: a worker could not open its slot (the first error is attached).
         """
         self._loop = asyncio.get_running_loop()
-        results = await asyncio.gather(*(asyncio.to_thread(self._spawn, i, timeout_s) for i in range(self.streams)))
+        slots = self.streams + (self.express_max_adds > 0)
+        results = await asyncio.gather(*(asyncio.to_thread(self._spawn, i, timeout_s) for i in range(slots)))
         errors = [e for e in results if e is not None]
         if errors:
             await self.close(grace_s=0)
-            raise DeviceFault(
-                f"could not open {len(errors)} of {self.streams} backend workers: {errors[0]}"
-            ) from errors[0]
+            raise DeviceFault(f"could not open {len(errors)} of {slots} backend workers: {errors[0]}") from errors[0]
         self._admitting = True
 
     def _spawn(self, index: int, timeout_s: float) -> BaseException | None:
@@ -201,8 +221,8 @@ class StreamPool:
         self._closing.set()  # a worker waiting for its capacity stops waiting
         with self._lock:
             threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(_STOP, _STOP)
+        for _ in threads:  # one each: express, so that the express worker can take one
+            self._queue.put(_STOP, _STOP, express=True)
         await asyncio.to_thread(self._join, threads, max(grace_s, 1.0))
         for job in list(self._pending):  # anything that never got to run
             if job.transition("queued", "cancelled"):
@@ -303,7 +323,7 @@ class StreamPool:
             self._queued_by[tenant] += 1
             self._pending.add(job)
             self._idle.clear()
-        self._queue.put(job, tenant)
+        self._queue.put(job, tenant, express=0 < self._adds(call) <= self.express_max_adds)
         # The deadline is a timer on the loop that settles the job's future itself (cheaper per call
         # than wait_for + shield, which wrap the future in two more).
         timer = None if timeout_s is None else loop.call_at(loop.time() + timeout_s, self._expire, job, timeout_s)
@@ -375,6 +395,18 @@ class StreamPool:
         outcomes, timings = await self.run(work, timeout_s=timeout_s, tenant=tenant)  # type: ignore[arg-type]
         return cast(list[PartOutcome], outcomes), timings
 
+    @staticmethod
+    def _adds(work: MoeInitRoutingV2GradCall | _Parts) -> int:
+        """The adds (N*K*H) of a call, or of every call of a batch's share."""
+        if isinstance(work, _Parts):
+            return sum(
+                part.expanded_row_idx.size * part.like.hidden_size
+                if isinstance(part, CallGroup)
+                else sum(call.expanded_row_idx.size * call.hidden_size for call in part)
+                for part in work.parts
+            )
+        return work.expanded_row_idx.size * work.hidden_size
+
     def _expire(self, job: _Job, timeout_s: float) -> None:
         """The call's deadline passed (on the loop): drop it if still queued, else give up on it."""
         if job.future.done():
@@ -436,14 +468,16 @@ class StreamPool:
                 self._threads.discard(me)
             opened.set()
             return
+        express = index >= self.streams
         with self._lock:
-            self._capable.add(index)
+            if not express:
+                self._capable.add(index)
         opened.set()
         try:
             while True:
                 if not self._wait_for_capacity(index, worker):
                     return
-                job = self._queue.get()
+                job = self._queue.get(express=express)
                 if job is _STOP:
                     return
                 if not job.transition("queued", "running"):
@@ -478,6 +512,7 @@ class StreamPool:
         """Return once ``worker`` can run calls (True), or when the pool closes first (False)."""
         if self._accepts(worker):
             return True
+        counted = index < self.streams  # the express worker is not part of the capacity
         with self._lock:
             self._capable.discard(index)
         log.error(
@@ -485,8 +520,9 @@ class StreamPool:
         )
         while not self._closing.wait(CAPACITY_POLL_S):
             if self._accepts(worker):
-                with self._lock:
-                    self._capable.add(index)
+                if counted:
+                    with self._lock:
+                        self._capable.add(index)
                 log.warning("backend worker %d runs calls again", index)
                 return True
         return False
