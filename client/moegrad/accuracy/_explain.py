@@ -35,6 +35,7 @@ __all__ = ["check_explain_arguments", "differing_rows", "explain", "explain_peak
 
 _BLOCK_ELEMENTS = 1 << 19  # elements of grad_x per block of differing rows
 _SCAN_ELEMENTS = 1 << 20  # elements of grad_x per step of the scan for differing rows
+_SPREAD_ADDS = 1 << 18  # adds of a block below which its golden runs on the calling thread (a hand-off costs more)
 _F64 = np.dtype(np.float64)
 _UINT = {2: np.uint16, 4: np.uint32}
 _INVALID = AclnnStatus.ACLNN_ERR_PARAM_INVALID
@@ -303,8 +304,9 @@ class _Golden:
                     partials,
                 )
 
-        # one task per thread of the pool: each row is a long loop already
-        _reference._map_chunks(run, grad_rows.size, max(1, -(-grad_rows.size // _reference.kernel_threads())))
+        # one task per thread of the pool (each row is a long loop already), or one for a small block
+        threads = _reference.kernel_threads() if grad_rows.size * self.index.shape[1] * hidden >= _SPREAD_ADDS else 1
+        _reference._map_chunks(run, grad_rows.size, max(1, -(-grad_rows.size // threads)))
 
 
 def _block(

@@ -226,6 +226,8 @@ def format_report(report: ComparisonReport, *, source: str | None = None) -> str
 
 def _md_cell(text: str) -> str:
     """A table cell: each of its lines as markdown shows it literally, joined by ``<br>``."""
+    if "\n" not in text:  # most cells: one line
+        return markdown_text(text)
     return "<br>".join(markdown_text(line) for line in text.split("\n"))
 
 

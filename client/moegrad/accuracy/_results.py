@@ -45,6 +45,8 @@ def _float_in(value: Any) -> Any:
 
 
 def _float_out(value: float) -> float | str:
+    if math.isfinite(value):  # the common case first: one test
+        return value
     if math.isnan(value):
         return "nan"
     if math.isinf(value):

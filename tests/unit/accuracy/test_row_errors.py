@@ -70,6 +70,24 @@ def test_the_device_result_and_its_emulation_agree_on_the_planted_matrix():
     assert accuracy.row_errors(call, case.candidate) == accuracy.row_errors(call, case.candidate, device_result=case.device)
 
 
+@pytest.mark.parametrize(("mode", "dtype", "plant"), [("dropless", planted.F32, "drop"),
+                                                    ("drop_pad", planted.BF16, "nan_input"),
+                                                    ("active", planted.F16, "accumulate_f16")])
+def test_blocks_whose_candidate_has_the_devices_bits_match_the_slow_loops(monkeypatch, mode, dtype, plant):
+    """The planted rows are a few: with blocks of two rows, most blocks hold the device's own bits
+    (their device figures are the candidate's) and some do not; the device result itself as the
+    candidate has every figure of the device's. Both against the slow loops."""
+    case = planted.build(mode, dtype, 4, 6, plant)
+    call = MoeInitRoutingV2GradCall(**case.kwargs())
+    monkeypatch.setattr(moegrad.accuracy._where, "_BLOCK_ELEMENTS", 2 * 6)
+    got = accuracy.row_errors(call, case.candidate, device_result=case.device).to_dict()
+    assert same(got, oracle_of(case)), json.dumps(got, default=str)
+    case.candidate = case.device.copy()
+    got = accuracy.row_errors(call, case.candidate, device_result=case.device).to_dict()
+    want = oracle_of(case)
+    assert same(got, want) and want["differing"] == 0, json.dumps(got, default=str)
+
+
 def k2_call(seed: int = 5, tokens: int = 200, hidden: int = 8) -> MoeInitRoutingV2GradCall:
     rng = np.random.default_rng(seed)
     values = rng.uniform(0.25, 1.0, (2 * tokens, hidden)) * rng.choice([-1.0, 1.0], (2 * tokens, hidden))
