@@ -16,7 +16,9 @@ Four tables, each measured on real ``moegrad-service`` processes (reference back
 
 ``--baseline DIR`` runs every measurement a second time, side by side, on the code of an older
 checkout (DIR/client and DIR/service through PYTHONPATH; ``git worktree add DIR 5d11258``), so
-that each figure has its before in the same run. ``--quick`` shortens the flood and repeats less.
+that each figure has its before in the same run (the floods: with no tokens and with two, labelled
+with DIR's commit). ``--quick`` shortens the flood and repeats less; ``--flood grad`` measures only
+the flood of large calls.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -141,10 +144,24 @@ FLOODS = {
 }
 
 
+def _commit(baseline: Path) -> str:
+    """The baseline checkout's commit (short), or its folder's name where git cannot say."""
+    try:
+        done = subprocess.run(["git", "-C", str(baseline), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+    except OSError:
+        return baseline.name
+    return done.stdout.strip() if done.returncode == 0 else baseline.name
+
+
 def flood_table(log_dir: Path, baseline: Path | None, seconds: float, kind: str, repeats: int) -> str:
     """Each configuration ``repeats`` times, the configurations interleaved (the machine's load
-    drifts); each figure the median of its runs, every run's p50 after it."""
-    runs = [("before (5d11258), no tokens", _env(baseline), False)] if baseline else []
+    drifts); each figure the median of its runs, every run's p50 after it. With ``baseline``, its
+    code with no tokens and with two."""
+    runs = []
+    if baseline is not None:
+        before = f"before ({_commit(baseline)})"
+        runs += [(f"{before}, no tokens", _env(baseline), False), (f"{before}, two tokens", _env(baseline), True)]
     runs += [("now, no tokens (one tenant)", None, False), ("now, two tokens (two tenants)", None, True)]
     _, connections, tokens, hidden = FLOODS[kind]
     results: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
@@ -174,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                         "service/ through PYTHONPATH)")
     parser.add_argument("--only", choices=["memory", "stalled", "abandoned", "flood"], action="append",
                         help="run only these tables (repeatable)")
+    parser.add_argument("--flood", choices=sorted(FLOODS), action="append",
+                        help="only these floods (repeatable; default: both, or the compare flood with --quick)")
     args = parser.parse_args(argv)
     if args.baseline is not None and not (args.baseline / "service" / "moegrad_service").is_dir():
         parser.error(f"--baseline {args.baseline}: no service/moegrad_service there")
@@ -190,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             print("### Compares abandoned while judged\n\n" + abandoned_table(logs, args.baseline, repeats) + "\n",
                   flush=True)
         if "flood" in only:
-            for kind in ("compare",) if args.quick else tuple(FLOODS):
+            for kind in args.flood or (("compare",) if args.quick else tuple(FLOODS)):
                 print(f"### A small call under another tenant's flood: {FLOODS[kind][0]}, {seconds:.0f} s\n\n"
                       + flood_table(logs, args.baseline, seconds, kind, repeats) + "\n", flush=True)
     return 0
