@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ from moegrad_service.dataplane import ClientDisconnected, Comparison
 from moegrad_service.engine import FairQueue, JudgePool, ReferenceBackend, StreamPool
 from moegrad_service.settings import Settings
 from support.dataplane_cases import doc_call, open_dataplane
-from support.servicekit import Recorder, gauge, pack
+from support.docexample import DOC_RESULT_BITS, example_document
+from support.servicekit import Recorder, gauge, grad_x_of, pack, post
 
 # --- the fair queue ----------------------------------------------------------------------------
 
@@ -161,18 +163,20 @@ async def test_each_token_has_its_own_share_of_the_queue():
 
 
 class HoldingLarge:
-    """A fault hook that holds every call of H >= ``large`` until released and records every call's
-    H when it starts."""
+    """A fault hook that holds every call of H >= ``large`` until released; records every call's H
+    when it starts, and a held call's H when it goes on."""
 
     def __init__(self, large: int) -> None:
         self.large = large
         self.release = threading.Event()
         self.started: list[int] = []
+        self.let_go: list[int] = []
 
     def __call__(self, call, timeout_s) -> None:
         self.started.append(call.hidden_size)
         if call.hidden_size >= self.large:
             self.release.wait(30)
+            self.let_go.append(call.hidden_size)
 
 
 @pytest.mark.asyncio
@@ -189,7 +193,8 @@ async def test_a_small_call_runs_on_the_express_worker_while_large_ones_hold_eve
             await asyncio.sleep(0.01)
         grad_x, _ = await asyncio.wait_for(pool.run(call_of(10), timeout_s=30, tenant="B"), 10)
         assert grad_x.shape == (2, 10)
-        assert hook.started == [100, 10] and not own_small.done()  # A's small call keeps its place in A's lane
+        assert hook.started == [100, 10] and hook.let_go == []  # B's call ran while A's were held
+        assert not own_small.done()  # A's small call keeps its place in A's lane
         hook.release.set()
         await asyncio.gather(*large, own_small)
     finally:
@@ -216,6 +221,27 @@ async def test_without_an_express_worker_a_small_call_waits_for_a_worker():
         hook.release.set()
         await pool.close(grace_s=5)
     assert hook.started == [100, 10]
+
+
+def test_by_default_the_service_answers_a_small_call_while_a_large_one_holds_its_only_stream(serve):
+    """With the default ``express_max_adds`` (2^20 adds): a call of 4 slots x H = 2^18 + 1 (just over
+    it) holds the one stream worker; the documentation's example (8 adds) is answered meanwhile."""
+    hook = HoldingLarge(large=1 << 18)
+    hidden = (1 << 18) + 1
+    large = example_document(grad_expanded_x={"dtype": "float32", "shape": [4, hidden],
+                                              "data": np.ones((4, hidden), np.float32).tobytes()})
+    with serve(backend=ReferenceBackend(warm_up=False, fault_hook=hook), streams=1) as client, \
+            ThreadPoolExecutor(1) as threads:
+        held = threads.submit(post, client, large)
+        deadline = time.monotonic() + 30
+        while not hook.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        small = post(client, example_document())
+        assert small.status_code == 200, small.text
+        assert grad_x_of(small).view(np.uint32).tolist() == DOC_RESULT_BITS.tolist()
+        assert hook.started == [hidden, 2] and hook.let_go == []  # answered while the large call was held
+        hook.release.set()
+        assert held.result(timeout=30).status_code == 200
 
 
 # --- the judges --------------------------------------------------------------------------------
