@@ -111,6 +111,20 @@ def test_an_express_worker_waits_for_express_work():
     assert taken == ["b1-small"] and drain(queue) == ["a1"]
 
 
+def test_an_express_worker_is_woken_when_express_work_comes_first_in_its_lane():
+    queue = FairQueue()
+    queue.put("a1", "A")
+    queue.put("a2-small", "A", express=True)  # express, but behind a1
+    taken: list = []
+    worker = threading.Thread(target=lambda: taken.append(queue.get(express=True)), daemon=True)
+    worker.start()
+    worker.join(0.2)
+    assert worker.is_alive() and not taken
+    assert queue.get() == "a1"  # a2-small is first in A's lane now
+    worker.join(10)
+    assert taken == ["a2-small"] and len(queue) == 0
+
+
 # --- the stream pool ---------------------------------------------------------------------------
 
 

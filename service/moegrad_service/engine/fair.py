@@ -103,6 +103,8 @@ class FairQueue(Generic[T]):
         self._old[tenant] = lane  # it had its turn: to the back of the old list
         self._count -= 1
         self._express -= express
+        if lane and lane[0][1]:  # express work now first in its lane: an express worker may take it
+            self._express_ready.notify()
         return item
 
     def __len__(self) -> int:
