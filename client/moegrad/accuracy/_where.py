@@ -330,7 +330,7 @@ def row_errors(
         if not (candidate_dtype == dtype and _same_bits(candidate[start:stop], device[start:stop])):
             every_identical = False
             d = device[start:stop].astype(_F64)
-            device_figures = _measure(d, dtype, block, dtype)[:4]
+            device_figures = list(_measure(d, dtype, block, dtype)[:4])
             same = ((c == d) & (np.signbit(c) == np.signbit(d))) | (np.isnan(c) & np.isnan(d))
             differing[start:stop] = ~same.all(axis=1) if hidden else False
         for side, got in ((mine, figures), (theirs, device_figures)):
