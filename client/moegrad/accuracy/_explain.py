@@ -286,23 +286,25 @@ class _Golden:
         jit, hidden, limit = self.jit, self.rows.shape[1], self.rows.shape[0]
         assert jit is not None
 
+        chosen = np.ascontiguousarray(grad_rows, dtype=np.int64)
+
         def run(start: int, stop: int) -> None:
             total, comp, rounded = np.empty(hidden), np.empty(hidden), np.empty(hidden, dtype=np.bool_)
             partials = np.empty(64)
-            for k in range(start, stop):  # mode 2: a slot outside [0, R) adds nothing
-                jit._golden_row(
-                    self.bits,
-                    self.index,
-                    int(grad_rows[k]),
-                    2,
-                    limit,
-                    total,
-                    comp,
-                    magnitude[k],
-                    golden[k],
-                    rounded,
-                    partials,
-                )
+            # mode 2: a slot outside [0, R) adds nothing
+            jit._golden_rows(
+                self.bits,
+                self.index,
+                chosen[start:stop],
+                2,
+                limit,
+                total,
+                comp,
+                magnitude[start:stop],
+                golden[start:stop],
+                rounded,
+                partials,
+            )
 
         # one task per thread of the pool (each row is a long loop already), or one for a small block
         threads = _reference.kernel_threads() if grad_rows.size * self.index.shape[1] * hidden >= _SPREAD_ADDS else 1

@@ -253,6 +253,14 @@ def _golden_row(rows, index, i, mode, limit, total, comp, m, g, rounded, partial
 
 
 @_compiled
+def _golden_rows(rows, index, chosen, mode, limit, total, comp, m, g, rounded, partials):
+    """:func:`_golden_row` of rows ``chosen`` [count] in turn: row chosen[k]'s golden into g[k] and
+    scale into m[k] ([count, H] each). One call for a block of rows instead of one a row."""
+    for k in range(chosen.shape[0]):
+        _golden_row(rows, index, chosen[k], mode, limit, total, comp, m[k], g[k], rounded, partials)
+
+
+@_compiled
 def _exact_sum(rows, index, i, mode, limit, h, partials):
     """The exact sum of row i's summands in column h, rounded to nearest float64: math.fsum's
     algorithm (Shewchuk's non-overlapping partials, then the half-way correction), for finite

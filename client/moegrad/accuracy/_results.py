@@ -78,6 +78,12 @@ class _Serializable:
         # mypy takes a class for non-Hashable (its __hash__ is seen unbound), so functools.cache's stub refuses it
         return _adapter(type(self)).dump_python(self, mode="json")  # type: ignore[arg-type]
 
+    def to_json(self) -> bytes:
+        """:meth:`to_dict`'s document as compact JSON (UTF-8, one line), written by pydantic's
+        serializer: several times faster than ``json.dumps(self.to_dict())``; floats in their shortest
+        form that reads back to the same value."""
+        return _adapter(type(self)).dump_json(self)  # type: ignore[arg-type]
+
     @classmethod
     def from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
         """Rebuild the object from :meth:`to_dict`'s output (for example a server's reply).

@@ -105,7 +105,7 @@ def write_case(
     device_result = moe_init_routing_v2_grad(call, kernel="numpy" if small else None)
     report = with_row_errors(report, call, candidate, device_result=device_result)
     base = os.path.join(folder, result.name)
-    write_json_report(base + ".json", report, indent=None)  # one line: the C encoder, several times faster
+    write_json_report(base + ".json", report, indent=None)  # one compact line: several times faster
     write_csv_report(base + ".csv", report)
     section = _explained(report, fields, candidate, base + ".json") if explain else ""
     if note is None:

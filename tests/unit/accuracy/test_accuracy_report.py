@@ -62,6 +62,22 @@ def test_csv_columns_and_values_are_the_hand_figures(tmp_path):
     assert float(dev["最大绝对误差"]) == 0.0 and dev["Status"] == "pass" and dev["二进制一致错误率"] == "0.0"
 
 
+def test_the_compact_json_is_the_same_document_and_reads_back_whole(tmp_path):
+    """A sweep's per-case JSON (``indent=None``: pydantic's serializer) holds json.dumps's document,
+    non-finite figures as the strings docs/accuracy.md names, and reads back to the same report."""
+    call = oracle_call(seed=6)
+    candidate = oracle_candidate("scaled_up", device_k2(call))
+    candidate[0, 0] = np.nan  # NaN figures and a NaN/Inf mismatch in the report
+    report = accuracy.with_context(moegrad.compare(call, candidate), accuracy.report_context(call, candidate))
+    report = accuracy.with_row_errors(report, call, candidate)
+    accuracy.write_json_report(tmp_path / "compact.json", report, indent=None)
+    text = (tmp_path / "compact.json").read_text(encoding="utf-8")
+    assert text.count("\n") == 1 and text.endswith("\n")
+    assert json.loads(text) == json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert '"nan"' in text and "NaN" not in text
+    assert accuracy.read_json_report(tmp_path / "compact.json").to_dict() == report.to_dict()  # NaN != NaN as floats
+
+
 def test_a_report_read_back_reproduces_its_verdict(tmp_path):
     call = oracle_call(seed=6)
     candidate = oracle_candidate("scaled_up", device_k2(call))
