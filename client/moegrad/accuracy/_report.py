@@ -18,6 +18,7 @@ and says the histogram was skipped.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import urllib.parse
@@ -224,6 +225,7 @@ def format_report(report: ComparisonReport, *, source: str | None = None) -> str
     return "\n".join(lines) + "\n"
 
 
+@functools.lru_cache(maxsize=4096)  # most cells recur from case to case (names, statuses, limits)
 def _md_cell(text: str) -> str:
     """A table cell: each of its lines as markdown shows it literally, joined by ``<br>``."""
     if "\n" not in text:  # most cells: one line
