@@ -424,6 +424,9 @@ class StreamPool:
         # else it is done: its outcome is already on its way to the future
 
     def _dequeued(self, job: _Job) -> None:
+        """``job``, cancelled while queued, leaves the queue (what waits behind it in its lane, an
+        express worker may now take) and the counts."""
+        self._queue.remove(job, job.tenant)
         with self._lock:
             self._count_out(job)
             self._pending.discard(job)
