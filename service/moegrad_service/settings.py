@@ -42,8 +42,9 @@ class Settings(BaseSettings):
     express_max_adds: int = Field(
         1 << 20,
         ge=0,
-        description="calls of at most this many adds (N*K*H, all of a batch's calls together) may also run on "
-        "one more worker kept for them, so that a small call never waits behind large ones; 0: no such worker",
+        description="calls of at most this many adds (N*K*H, or grad_expanded_x's elements when more; all of a "
+        "batch's calls together) may also run on one more worker kept for them, so that a small call never waits "
+        "behind large ones; 0: no such worker",
     )
     max_queue: int = Field(
         64,

@@ -125,6 +125,32 @@ def test_an_express_worker_is_woken_when_express_work_comes_first_in_its_lane():
     assert taken == ["a2-small"] and len(queue) == 0
 
 
+def test_an_express_worker_is_woken_when_work_given_up_on_ahead_of_express_work_is_taken_out():
+    queue = FairQueue()
+    queue.put("a1", "A")
+    queue.put("a2-small", "A", express=True)  # express, but behind a1
+    taken: list = []
+    worker = threading.Thread(target=lambda: taken.append(queue.get(express=True)), daemon=True)
+    worker.start()
+    worker.join(0.2)
+    assert worker.is_alive() and not taken
+    assert queue.remove("a1", "A")  # its caller gave up on it: a2-small is first in A's lane now
+    worker.join(10)
+    assert taken == ["a2-small"] and len(queue) == 0
+    assert not queue.remove("a1", "A")  # taken out once
+
+
+def test_a_new_lane_emptied_by_removal_leaves_the_new_list():
+    queue = FairQueue()
+    queue.put("a1", "A")
+    queue.put("b1", "B")
+    assert queue.remove("a1", "A") and queue.tenants() == 1
+    queue.put("c1", "C")
+    assert drain(queue) == ["b1", "c1"]
+    queue.put("a2", "A")  # A has no lane: a new one
+    assert drain(queue) == ["a2"]
+
+
 # --- the stream pool ---------------------------------------------------------------------------
 
 
@@ -177,18 +203,19 @@ async def test_each_token_has_its_own_share_of_the_queue():
 
 
 class HoldingLarge:
-    """A fault hook that holds every call of H >= ``large`` until released; records every call's H
-    when it starts, and a held call's H when it goes on."""
+    """A fault hook that holds every call of H >= ``large`` (or of grad_expanded_x with ``rows`` rows
+    or more) until released; records every call's H when it starts, and a held call's H when it goes on."""
 
-    def __init__(self, large: int) -> None:
+    def __init__(self, large: int, rows: int | None = None) -> None:
         self.large = large
+        self.rows = rows
         self.release = threading.Event()
         self.started: list[int] = []
         self.let_go: list[int] = []
 
     def __call__(self, call, timeout_s) -> None:
         self.started.append(call.hidden_size)
-        if call.hidden_size >= self.large:
+        if call.hidden_size >= self.large or (self.rows is not None and call.grad_expanded_x.shape[0] >= self.rows):
             self.release.wait(30)
             self.let_go.append(call.hidden_size)
 
@@ -235,6 +262,66 @@ async def test_without_an_express_worker_a_small_call_waits_for_a_worker():
         hook.release.set()
         await pool.close(grace_s=5)
     assert hook.started == [100, 10]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("given_up", ["deadline", "cancelled"])
+async def test_a_small_call_behind_a_call_given_up_on_while_queued_runs_on_the_express_worker(given_up):
+    """A's large call is given up on while it waits (its deadline, or its caller gone); A's next
+    call, small, is then first in A's lane and runs on the express worker while B's large call holds
+    the only stream worker."""
+    hook = HoldingLarge(large=100)
+    pool = StreamPool(ReferenceBackend(warm_up=False, fault_hook=hook), streams=1, max_queue=8, express_max_adds=399)
+    await pool.start()
+    try:
+        held = asyncio.create_task(pool.run(call_of(100), timeout_s=30, tenant="B"))
+        while not hook.started:
+            await asyncio.sleep(0.01)
+        if given_up == "deadline":
+            with pytest.raises(DeadlineExceeded, match="while the call was queued"):
+                await pool.run(call_of(101), timeout_s=0.05, tenant="A")
+        else:
+            gone = asyncio.create_task(pool.run(call_of(101), timeout_s=30, tenant="A"))
+            await asyncio.sleep(0)
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+        assert pool.queue_depth == 0
+        grad_x, _ = await asyncio.wait_for(pool.run(call_of(10), timeout_s=30, tenant="A"), 10)
+        assert grad_x.shape == (2, 10)
+        assert hook.started == [100, 10] and hook.let_go == []  # answered while B's call was held
+        hook.release.set()
+        await held
+    finally:
+        hook.release.set()
+        await pool.close(grace_s=5)
+    assert hook.started == [100, 10]  # A's given-up call never ran
+
+
+@pytest.mark.asyncio
+async def test_a_call_with_few_adds_but_a_large_grad_expanded_x_is_not_express():
+    """Active mode: 4 slots x H = 7 (28 adds), but grad_expanded_x has 1000 rows (7000 elements, all
+    copied to the device): not small. It waits for the stream worker; C's small call runs on the
+    express worker meanwhile."""
+    hook = HoldingLarge(large=100, rows=1000)
+    pool = StreamPool(ReferenceBackend(warm_up=False, fault_hook=hook), streams=1, max_queue=8, express_max_adds=399)
+    await pool.start()
+    try:
+        held = asyncio.create_task(pool.run(call_of(100), timeout_s=30, tenant="B"))
+        while not hook.started:
+            await asyncio.sleep(0.01)
+        fat = doc_call(grad_expanded_x=np.ones((1000, 7), np.float32), active_num=1000)
+        waiting = asyncio.create_task(pool.run(fat, timeout_s=30, tenant="A"))
+        await asyncio.sleep(0)
+        grad_x, _ = await asyncio.wait_for(pool.run(call_of(10), timeout_s=30, tenant="C"), 10)
+        assert grad_x.shape == (2, 10)
+        assert hook.started == [100, 10] and not waiting.done()
+        hook.release.set()
+        await asyncio.gather(held, waiting)
+    finally:
+        hook.release.set()
+        await pool.close(grace_s=5)
+    assert hook.started == [100, 10, 7]
 
 
 def test_by_default_the_service_answers_a_small_call_while_a_large_one_holds_its_only_stream(serve):

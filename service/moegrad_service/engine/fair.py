@@ -41,8 +41,8 @@ class FairQueue(Generic[T]):
     """Work waiting for a worker, taken in turn across tenants, new tenants first. Thread-safe;
     :meth:`get` blocks.
 
-    Work given up on while it waits is not taken out (its worker skips it when its turn comes);
-    ``len()`` counts it until then.
+    Work given up on while it waits is taken out with :meth:`remove`, so that what was behind it
+    in its lane may be taken (by an express worker too) and nothing keeps it.
     """
 
     def __init__(self) -> None:
@@ -97,6 +97,25 @@ class FairQueue(Generic[T]):
                     if tenant is not _NONE:
                         return self._took(tenant, lanes.pop(tenant))
             self._express_ready.wait()
+
+    def remove(self, item: T, tenant: Hashable = None) -> bool:
+        """Take ``item`` (the very object put) out of ``tenant``'s lane, if it still waits there; a
+        lane left empty in the new list leaves it (as if it had never been put). True if it did."""
+        with self._ready:
+            lanes = self._new if tenant in self._new else self._old
+            lane = lanes.get(tenant)
+            place = None if lane is None else next((i for i, (each, _) in enumerate(lane) if each is item), None)
+            if lane is None or place is None:
+                return False
+            _, express = lane[place]
+            del lane[place]
+            self._count -= 1
+            self._express -= express
+            if not lane and lanes is self._new:
+                del self._new[tenant]
+            elif place == 0 and lane and lane[0][1]:  # express work now first in its lane
+                self._express_ready.notify()
+            return True
 
     def _took(self, tenant: Hashable, lane: collections.deque[tuple[T, bool]]) -> T:  # with the lock held
         item, express = lane.popleft()

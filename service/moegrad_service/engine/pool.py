@@ -16,10 +16,11 @@ The queue is a :class:`~moegrad_service.engine.fair.FairQueue`: each tenant (a b
 its own lane and up to ``max_queue`` calls in it, and the workers take the lanes' calls in turn.
 
 The express worker: with ``express_max_adds`` > 0 the pool has one more worker (slot index
-``streams``) that takes only small calls, those of at most ``express_max_adds`` adds (N*K*H, over
-all of a batch share's calls), in the same turn order. A running call is never interrupted, so
-without it a small call that arrives while every worker runs a large one waits for the first to
-finish; with it, it waits at most for other small calls. It is not counted in the capacity: the
+``streams``) that takes only small calls, those of at most ``express_max_adds`` adds (N*K*H, or
+grad_expanded_x's elements when more; over all of a batch share's calls), in the same turn
+order. A running call is never interrupted, so without it a small call that arrives while every
+worker runs a large one waits for the first to finish; with it, it waits at most for other small
+calls. It is not counted in the capacity: the
 pool is ready while one of the ``streams`` workers can run calls.
 
 Capacity: a worker counts while it can run calls. One whose backend slot says it cannot
@@ -135,8 +136,8 @@ class StreamPool:
         streams: worker threads, each owning one backend slot made on its own thread.
         max_queue: calls admitted but not yet started, a tenant's, beyond which its new calls get DeviceBusy.
         retry_after_s: the retry hint, in seconds, that DeviceBusy carries.
-        express_max_adds: the adds (N*K*H) of the largest call the express worker takes; 0: no
-            express worker.
+        express_max_adds: the adds (N*K*H, or grad_expanded_x's elements when more) of the
+            largest call the express worker takes; 0: no express worker.
     """
 
     def __init__(
@@ -323,7 +324,7 @@ class StreamPool:
             self._queued_by[tenant] += 1
             self._pending.add(job)
             self._idle.clear()
-        self._queue.put(job, tenant, express=0 < self._adds(call) <= self.express_max_adds)
+        self._queue.put(job, tenant, express=0 < self._size(call) <= self.express_max_adds)
         # The deadline is a timer on the loop that settles the job's future itself (cheaper per call
         # than wait_for + shield, which wrap the future in two more).
         timer = None if timeout_s is None else loop.call_at(loop.time() + timeout_s, self._expire, job, timeout_s)
@@ -396,16 +397,18 @@ class StreamPool:
         return cast(list[PartOutcome], outcomes), timings
 
     @staticmethod
-    def _adds(work: MoeInitRoutingV2GradCall | _Parts) -> int:
-        """The adds (N*K*H) of a call, or of every call of a batch's share."""
+    def _size(work: MoeInitRoutingV2GradCall | _Parts) -> int:
+        """What the express threshold measures: a call's adds (N*K*H), or the elements of its
+        grad_expanded_x when more (active or drop/pad mode: A or E*C rows, every one copied to the
+        device); summed over every call of a batch's share (a group's members: B times its like's)."""
         if isinstance(work, _Parts):
             return sum(
-                part.expanded_row_idx.size * part.like.hidden_size
+                max(part.expanded_row_idx.size * part.like.hidden_size, part.grad_expanded_x.size)
                 if isinstance(part, CallGroup)
-                else sum(call.expanded_row_idx.size * call.hidden_size for call in part)
+                else sum(StreamPool._size(call) for call in part)
                 for part in work.parts
             )
-        return work.expanded_row_idx.size * work.hidden_size
+        return max(work.expanded_row_idx.size * work.hidden_size, work.grad_expanded_x.size)
 
     def _expire(self, job: _Job, timeout_s: float) -> None:
         """The call's deadline passed (on the loop): drop it if still queued, else give up on it."""
@@ -424,6 +427,9 @@ class StreamPool:
         # else it is done: its outcome is already on its way to the future
 
     def _dequeued(self, job: _Job) -> None:
+        """``job``, cancelled while queued, leaves the queue (what waits behind it in its lane, an
+        express worker may now take) and the counts."""
+        self._queue.remove(job, job.tenant)
         with self._lock:
             self._count_out(job)
             self._pending.discard(job)
