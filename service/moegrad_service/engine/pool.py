@@ -20,8 +20,8 @@ The express worker: with ``express_max_adds`` > 0 the pool has one more worker (
 grad_expanded_x's elements when more; over all of a batch share's calls), in the same turn
 order. A running call is never interrupted, so without it a small call that arrives while every
 worker runs a large one waits for the first to finish; with it, it waits at most for other small
-calls. It is not counted in the capacity: the
-pool is ready while one of the ``streams`` workers can run calls.
+calls. It is not counted in the capacity: the pool is ready while one of the ``streams`` workers
+can run calls.
 
 Capacity: a worker counts while it can run calls. One whose backend slot says it cannot
 (:meth:`BackendWorker.accepts_calls` False: the ascend worker with too many kernels still running past their
