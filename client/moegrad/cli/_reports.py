@@ -3,7 +3,7 @@
 A case's report is its ``.json``, ``.csv`` and ``.md`` (docs/accuracy.md, "Reports that reproduce")
 and, as ``--plots`` says (``none``, the default; ``failing``: the cases that failed; ``all``), its
 plot (``.png``, linked from the ``.md``). The sweep only hands each result over: one thread writes
-the cases without a plot (about a millisecond each), and worker processes draw the others
+the cases without a plot, and worker processes draw the others
 (``spawn``: a fresh interpreter, never a fork of this threaded process), since matplotlib draws
 under the interpreter's lock and would hold the sweep back. The first plot worker is started at the
 first case to plot (``--plots all``: with the reports, so that its imports overlap the sweep),
