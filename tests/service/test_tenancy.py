@@ -98,14 +98,21 @@ def test_an_express_worker_takes_the_first_express_item_in_turn_and_never_out_of
     assert drain(queue) == ["b1"]
 
 
-def test_an_express_worker_waits_for_express_work():
-    queue = FairQueue()
-    queue.put("a1", "A")
+def waiting_express_worker(queue: FairQueue) -> tuple[threading.Thread, list]:
+    """A thread taking one item with ``queue.get(express=True)`` into the list returned, checked to
+    be still waiting (nothing there for it yet)."""
     taken: list = []
     worker = threading.Thread(target=lambda: taken.append(queue.get(express=True)), daemon=True)
     worker.start()
     worker.join(0.2)
-    assert worker.is_alive() and not taken  # a1 is not for it
+    assert worker.is_alive() and not taken
+    return worker, taken
+
+
+def test_an_express_worker_waits_for_express_work():
+    queue = FairQueue()
+    queue.put("a1", "A")
+    worker, taken = waiting_express_worker(queue)  # a1 is not for it
     queue.put("b1-small", "B", express=True)
     worker.join(10)
     assert taken == ["b1-small"] and drain(queue) == ["a1"]
@@ -115,11 +122,7 @@ def test_an_express_worker_is_woken_when_express_work_comes_first_in_its_lane():
     queue = FairQueue()
     queue.put("a1", "A")
     queue.put("a2-small", "A", express=True)  # express, but behind a1
-    taken: list = []
-    worker = threading.Thread(target=lambda: taken.append(queue.get(express=True)), daemon=True)
-    worker.start()
-    worker.join(0.2)
-    assert worker.is_alive() and not taken
+    worker, taken = waiting_express_worker(queue)
     assert queue.get() == "a1"  # a2-small is first in A's lane now
     worker.join(10)
     assert taken == ["a2-small"] and len(queue) == 0
@@ -129,11 +132,7 @@ def test_an_express_worker_is_woken_when_work_given_up_on_ahead_of_express_work_
     queue = FairQueue()
     queue.put("a1", "A")
     queue.put("a2-small", "A", express=True)  # express, but behind a1
-    taken: list = []
-    worker = threading.Thread(target=lambda: taken.append(queue.get(express=True)), daemon=True)
-    worker.start()
-    worker.join(0.2)
-    assert worker.is_alive() and not taken
+    worker, taken = waiting_express_worker(queue)
     assert queue.remove("a1", "A")  # its caller gave up on it: a2-small is first in A's lane now
     worker.join(10)
     assert taken == ["a2-small"] and len(queue) == 0
@@ -211,10 +210,12 @@ class HoldingLarge:
         self.rows = rows
         self.release = threading.Event()
         self.started: list[int] = []
+        self.first = threading.Event()  # set when the first call starts
         self.let_go: list[int] = []
 
     def __call__(self, call, timeout_s) -> None:
         self.started.append(call.hidden_size)
+        self.first.set()
         if call.hidden_size >= self.large or (self.rows is not None and call.grad_expanded_x.shape[0] >= self.rows):
             self.release.wait(30)
             self.let_go.append(call.hidden_size)
@@ -230,8 +231,7 @@ async def test_a_small_call_runs_on_the_express_worker_while_large_ones_hold_eve
         assert pool.capacity == 1  # the express worker is not counted
         large = [asyncio.create_task(pool.run(call_of(h), timeout_s=30, tenant="A")) for h in (100, 101)]
         own_small = asyncio.create_task(pool.run(call_of(5), timeout_s=30, tenant="A"))  # behind A's 101
-        while not hook.started:
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(hook.first.wait, 10)
         grad_x, _ = await asyncio.wait_for(pool.run(call_of(10), timeout_s=30, tenant="B"), 10)
         assert grad_x.shape == (2, 10)
         assert hook.started == [100, 10] and hook.let_go == []  # B's call ran while A's were held
@@ -251,8 +251,7 @@ async def test_without_an_express_worker_a_small_call_waits_for_a_worker():
     await pool.start()
     try:
         large = asyncio.create_task(pool.run(call_of(100), timeout_s=30, tenant="A"))
-        while not hook.started:
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(hook.first.wait, 10)
         small = asyncio.create_task(pool.run(call_of(10), timeout_s=30, tenant="B"))
         await asyncio.sleep(0.2)
         assert not small.done() and hook.started == [100]
@@ -275,8 +274,7 @@ async def test_a_small_call_behind_a_call_given_up_on_while_queued_runs_on_the_e
     await pool.start()
     try:
         held = asyncio.create_task(pool.run(call_of(100), timeout_s=30, tenant="B"))
-        while not hook.started:
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(hook.first.wait, 10)
         if given_up == "deadline":
             with pytest.raises(DeadlineExceeded, match="while the call was queued"):
                 await pool.run(call_of(101), timeout_s=0.05, tenant="A")
@@ -308,8 +306,7 @@ async def test_a_call_with_few_adds_but_a_large_grad_expanded_x_is_not_express()
     await pool.start()
     try:
         held = asyncio.create_task(pool.run(call_of(100), timeout_s=30, tenant="B"))
-        while not hook.started:
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(hook.first.wait, 10)
         fat = doc_call(grad_expanded_x=np.ones((1000, 7), np.float32), active_num=1000)
         waiting = asyncio.create_task(pool.run(fat, timeout_s=30, tenant="A"))
         await asyncio.sleep(0)
@@ -334,9 +331,7 @@ def test_by_default_the_service_answers_a_small_call_while_a_large_one_holds_its
     with serve(backend=ReferenceBackend(warm_up=False, fault_hook=hook), streams=1) as client, \
             ThreadPoolExecutor(1) as threads:
         held = threads.submit(post, client, large)
-        deadline = time.monotonic() + 30
-        while not hook.started and time.monotonic() < deadline:
-            time.sleep(0.01)
+        hook.first.wait(30)
         small = post(client, example_document())
         assert small.status_code == 200, small.text
         assert grad_x_of(small).view(np.uint32).tolist() == DOC_RESULT_BITS.tolist()
