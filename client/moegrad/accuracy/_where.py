@@ -89,7 +89,7 @@ class _Block:
     exponent: np.ndarray
     magnitude: np.ndarray
     zero_rows: np.ndarray
-    _by_dtype: dict = dataclasses.field(default_factory=dict)
+    _by_dtype: dict[tuple[str, str], np.ndarray] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, golden: np.ndarray, magnitude: np.ndarray, zero_rows: np.ndarray) -> _Block:
@@ -109,12 +109,7 @@ class _Block:
 
     def all_finite(self, value_dtype: str) -> bool:
         """Whether the golden (rounded to ``value_dtype``) and the magnitude are finite everywhere."""
-        return bool(
-            self._cached(
-                ("all finite", value_dtype),
-                lambda: np.array(self.golden_finite(value_dtype).all() and np.isfinite(self.magnitude).all()),
-            )
-        )
+        return bool(self.golden_finite(value_dtype).all()) and bool(np.isfinite(self.magnitude).all())
 
     def scale(self, value_dtype: str) -> np.ndarray:
         """The power of two that turns an error into ULPs of ``value_dtype`` at the golden: p - e, e
@@ -146,13 +141,13 @@ def _measure(
     at the golden is 2^(e - p), e its binade (at least the smallest normal's; zero has that one), so
     ``|v - g| / ulp`` is ``ldexp(|v - g|, p - e)``.
     """
+    value_finite = np.isfinite(values)
+    if block.all_finite(value_dtype) and values.size and value_finite.all():
+        return _measure_finite(values, value_dtype, block, call_dtype, value_finite)
     limits = DTYPE_LIMITS[call_dtype]
     golden, magnitude, top = block.golden, block.magnitude, _OVERFLOW_AT[value_dtype]
     max_relative = _limit("threshold", call_dtype, "max_relative_error")
     bound = _limit("accumulative", call_dtype, "max_accumulative_error")
-    value_finite = np.isfinite(values)
-    if block.all_finite(value_dtype) and values.size and value_finite.all():
-        return _measure_finite(values, value_dtype, block, call_dtype, value_finite)
     with np.errstate(all="ignore"):
         golden_finite = block.golden_finite(value_dtype)
         mismatch = value_finite != golden_finite
@@ -162,7 +157,7 @@ def _measure(
             mismatch[odd] = _classes(values[odd]) != _classes(rounded)
         finite = value_finite & golden_finite & np.isfinite(magnitude)
         error = np.where(finite, np.abs(values - golden), 0.0)
-        normal = finite & (magnitude >= limits.small_value)
+        normal = finite & block.normal(call_dtype)
         relative = np.where(normal, error / np.where(normal, magnitude, 1.0), 0.0)
         ulps = np.ldexp(error, block.scale(value_dtype))
         accumulative = error / np.maximum(magnitude, limits.accumulative_small_value)
