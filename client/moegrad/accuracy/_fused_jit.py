@@ -261,6 +261,65 @@ def _golden_rows(rows, index, chosen, mode, limit, total, comp, m, g, rounded, p
 
 
 @_compiled
+def row_figures(values, golden, magnitude, zero_rows, limits, gammas, relative, ulps, failing, beyond):
+    """Each row's figures of :func:`moegrad.accuracy._where.row_errors` for a block whose every value,
+    golden and magnitude is finite, in one pass, with the NumPy path's operations in its order (so
+    the same bits): ``|v - g|``; the relative error ``|v - g| / m`` where ``m`` reaches the small
+    value (the row's largest into ``relative``, NaN for a row with none); the ULP distance
+    ``ldexp(|v - g|, p - e)``, e the golden's binade (at least ``emin``; zero has ``emin``), as a
+    product with that exact power of two (correctly rounded, as ``ldexp``), the row's largest into
+    ``ulps``; ``failing`` where a relative error reaches its limit, an
+    accumulative error ``|v - g| / max(m, floor)`` passes its bound, or a row whose every slot is
+    skipped (``zero_rows``) is not +0.0; with ``gammas`` [rows] not empty, ``beyond`` where
+    ``|v - g|`` passes the any-order bound ``gamma * m + 2^-50 * (m + |v|)`` plus half an ULP of
+    the value's format at ``v`` (none for float32).
+
+    ``values``, ``golden``, ``magnitude``: [rows, H] float64; ``limits``: small value, floor,
+    relative limit, accumulative bound, p, emin, the format's overflow threshold, and 1.0 where the
+    cast adds half an ULP. Returns False, leaving the outputs unfinished, at the first value or
+    magnitude that is not finite or golden at or past the threshold: that block goes the NumPy way.
+    """
+    small, floor, max_relative, bound = limits[0], limits[1], limits[2], limits[3]
+    mantissa, lowest, top, cast = np.int64(limits[4]), np.int64(limits[5]), limits[6], limits[7] != 0.0
+    slack = 2.0**-50
+    with_bound = gammas.shape[0] > 0
+    for r in range(values.shape[0]):
+        any_normal = False
+        largest_relative = 0.0
+        largest_ulps = 0.0
+        fails = False
+        outside = False
+        positive_zero = True
+        for h in range(values.shape[1]):
+            v, g, m = values[r, h], golden[r, h], magnitude[r, h]
+            if not (abs(v) < math.inf and abs(m) < math.inf and abs(g) < top):
+                return False
+            error = abs(v - g)
+            if m >= small:
+                any_normal = True
+                rel = error / m
+                fails |= rel >= max_relative
+                largest_relative = max(largest_relative, rel)
+            binade = max(((_bits(g) >> 52) & 0x7FF) - 1023, lowest)  # zero and subnormal: -1023
+            largest_ulps = max(largest_ulps, error * _float((1023 + mantissa - binade) << 52))
+            fails |= error / max(m, floor) > bound
+            positive_zero &= v == 0.0 and math.copysign(1.0, v) > 0.0
+            if with_bound:
+                limit = gammas[r] * m
+                limit += slack * (m + abs(v))
+                if cast:  # half an ULP at v: 2^(e - p - 1), e v's binade (at least emin)
+                    own = max(((_bits(v) >> 52) & 0x7FF) - 1023, lowest)
+                    limit += _float((1023 - 1 + own - mantissa) << 52)
+                outside |= error > limit
+        relative[r] = largest_relative if any_normal else math.nan
+        ulps[r] = largest_ulps
+        failing[r] = fails or (zero_rows[r] and not positive_zero)
+        if with_bound:
+            beyond[r] = outside
+    return True
+
+
+@_compiled
 def _exact_sum(rows, index, i, mode, limit, h, partials):
     """The exact sum of row i's summands in column h, rounded to nearest float64: math.fsum's
     algorithm (Shewchuk's non-overlapping partials, then the half-way correction), for finite

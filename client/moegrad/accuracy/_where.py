@@ -6,7 +6,9 @@ the device's), how many lie beyond every order of adds, the percentiles of each 
 relative error and ULP distance, and the first row holding a NaN or an Inf with the K slots that
 feed it. Rows are measured in blocks of about 2^19 elements of grad_x, each block with its golden
 and its summands' magnitude (:class:`moegrad.accuracy._explain._Golden`), so memory stays bounded
-whatever the call's size. The renderings for the report's text, markdown and CSV are here too.
+whatever the call's size; a block whose values, golden and magnitude are all finite is measured in
+one compiled pass where numba is installed (:func:`moegrad.accuracy._fused_jit.row_figures`, the
+same bits as the NumPy path). The renderings for the report's text, markdown and CSV are here too.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
 from moegrad._dtypes import dtype_name
-from moegrad.accuracy._bound import sum_bound
+from moegrad.accuracy._bound import gamma, sum_bound
 from moegrad.accuracy._compare import check_compare_arguments, skipped_rows
 from moegrad.accuracy._explain import _device, _Golden, _rows2d
 from moegrad.accuracy._explanation import labels_line
@@ -82,20 +85,13 @@ def _row_max(values: np.ndarray, defined: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Block:
-    """What both sides of a block share: the golden, its binary exponent, the magnitude, the zero
-    rows; and, once asked, what depends only on a dtype (:meth:`scale`, :meth:`golden_finite`)."""
+    """What both sides of a block share: the golden, the magnitude, the zero rows; and, once asked,
+    what depends only on a dtype (:meth:`scale`, :meth:`golden_finite`)."""
 
     golden: np.ndarray
-    exponent: np.ndarray
     magnitude: np.ndarray
     zero_rows: np.ndarray
     _by_dtype: dict[tuple[str, str], np.ndarray] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, golden: np.ndarray, magnitude: np.ndarray, zero_rows: np.ndarray) -> _Block:
-        with np.errstate(all="ignore"):
-            _, exponent = np.frexp(golden)  # |g| = m * 2^exponent, 0.5 <= m < 1: the binade is exponent - 1
-        return cls(golden, exponent, magnitude, zero_rows)
 
     def _cached(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
         if key not in self._by_dtype:
@@ -118,7 +114,8 @@ class _Block:
         def make() -> np.ndarray:
             limits = DTYPE_LIMITS[value_dtype]
             lowest = limits.min_exponent
-            binade = np.where(self.golden == 0, lowest, np.maximum(self.exponent - 1, lowest))
+            _, exponent = np.frexp(self.golden)  # |g| = m * 2^exponent, 0.5 <= m < 1: the binade is exponent - 1
+            binade = np.where(self.golden == 0, lowest, np.maximum(exponent - 1, lowest))
             return (limits.mantissa_bits - binade).astype(np.int32)
 
         return self._cached(("scale", value_dtype), make)
@@ -191,6 +188,45 @@ def _measure_finite(
     return largest_relative, ulps.max(axis=1), failing, np.zeros(values.shape[0], np.bool_), finite
 
 
+def _measure_compiled(
+    jit: ModuleType | None,
+    values: np.ndarray,
+    value_dtype: str,
+    block: _Block,
+    call_dtype: str,
+    gammas: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """:func:`_measure_finite`'s per-row figures by the compiled kernel (one pass, the same bits),
+    and with ``gammas`` ([rows]: gamma_(n-1) of each row's n summands added) each row's "outside the
+    any-order bound" (:func:`~moegrad.accuracy._bound.sum_bound` in ``value_dtype``); None without
+    numba, or when the block holds a value, golden or magnitude that is not finite (then
+    :func:`_measure` classifies it)."""
+    if jit is None or values.size == 0:
+        return None
+    rows = values.shape[0]
+    limits, calls = DTYPE_LIMITS[value_dtype], DTYPE_LIMITS[call_dtype]
+    row_gammas = np.empty(0) if gammas is None else gammas  # empty: no bound to test
+    parameters = np.array(
+        [
+            calls.small_value,
+            calls.accumulative_small_value,
+            _limit("threshold", call_dtype, "max_relative_error"),
+            _limit("accumulative", call_dtype, "max_accumulative_error"),
+            limits.mantissa_bits,
+            limits.min_exponent,
+            _OVERFLOW_AT[value_dtype],
+            0.0 if value_dtype == "float32" else 1.0,  # cast_term: half an ULP, except for float32
+        ]
+    )
+    relative, ulps = np.empty(rows), np.empty(rows)
+    failing, beyond = np.empty(rows, np.bool_), np.empty(rows if gammas is not None else 0, np.bool_)
+    if not jit.row_figures(
+        values, block.golden, block.magnitude, block.zero_rows, parameters, row_gammas, relative, ulps, failing, beyond
+    ):
+        return None
+    return relative, ulps, failing, np.zeros(rows, np.bool_), beyond if gammas is not None else None
+
+
 def _not_positive_zero(values: np.ndarray, zero_rows: np.ndarray) -> np.ndarray:
     """The rows that must be +0.0, bit for bit (every slot skipped), and are not."""
     positive_zero = (values == 0) & ~np.signbit(values)
@@ -203,8 +239,12 @@ def nearest_rank(values: np.ndarray, percent: int) -> float:
     n = values.size
     if n == 0:
         return math.nan
-    rank = max(1, -(-percent * n // 100))
-    return float(np.partition(values, rank - 1)[rank - 1])
+    return float(np.partition(values, _rank(n, percent) - 1)[_rank(n, percent) - 1])
+
+
+def _rank(n: int, percent: int) -> int:
+    """The 1-based rank of :func:`nearest_rank` among ``n`` values: ``ceil(percent * n / 100)``, at least 1."""
+    return max(1, -(-percent * n // 100))
 
 
 def _percentiles(per_row: np.ndarray) -> RowPercentiles:
@@ -212,13 +252,14 @@ def _percentiles(per_row: np.ndarray) -> RowPercentiles:
     values = per_row[defined]
     if values.size == 0:
         return RowPercentiles(rows=0, p50=math.nan, p90=math.nan, p99=math.nan, max=math.nan, max_row=None)
-    p50, p90, p99 = (nearest_rank(values, p) for p in PERCENTILES)
+    ordered = np.sort(values)  # every nearest rank from one sort
+    p50, p90, p99 = (float(ordered[_rank(values.size, p) - 1]) for p in PERCENTILES)
     return RowPercentiles(
         rows=int(values.size),
         p50=p50,
         p90=p90,
         p99=p99,
-        max=float(values.max()),
+        max=float(ordered[-1]),
         max_row=int(defined[int(np.argmax(values))]),
     )
 
@@ -317,23 +358,29 @@ def row_errors(
         index = index_all[start:stop].astype(np.int64)
         skip = (index < 0) | (index >= rows2d.shape[0])
         golden, magnitude = golden_of(grad_rows, index, skip)
-        block = _Block.of(golden, magnitude, zero[start:stop])
+        block = _Block(golden, magnitude, zero[start:stop])
         c = candidate[start:stop].astype(_F64)
-        *figures, finite = _measure(c, candidate_dtype, block, dtype)
+        added = call.top_k - skip.sum(axis=1)
+        compiled = _measure_compiled(golden_of.jit, c, candidate_dtype, block, dtype, gamma(added - 1))
+        if compiled is not None:
+            *figures, beyond = compiled
+            outside[start:stop] = beyond
+        else:
+            *figures, finite = _measure(c, candidate_dtype, block, dtype)
+            with np.errstate(all="ignore"):
+                bound = sum_bound(magnitude, added[:, None], c, candidate_dtype)
+                outside[start:stop] = (finite & (np.abs(c - golden) > bound)).any(axis=1) if hidden else False
         # a candidate with the device's bits has the device's figures (the common case of a sweep)
         device_figures = figures
         if not (candidate_dtype == dtype and _same_bits(candidate[start:stop], device[start:stop])):
             every_identical = False
             d = device[start:stop].astype(_F64)
-            device_figures = list(_measure(d, dtype, block, dtype)[:4])
+            compiled = _measure_compiled(golden_of.jit, d, dtype, block, dtype, None)
+            device_figures = list(compiled[:4] if compiled is not None else _measure(d, dtype, block, dtype)[:4])
             same = ((c == d) & (np.signbit(c) == np.signbit(d))) | (np.isnan(c) & np.isnan(d))
             differing[start:stop] = ~same.all(axis=1) if hidden else False
         for side, got in ((mine, figures), (theirs, device_figures)):
             side.relative[start:stop], side.ulp[start:stop], side.failing[start:stop], side.nonfinite[start:stop] = got
-        added = (call.top_k - skip.sum(axis=1))[:, None]
-        with np.errstate(all="ignore"):
-            beyond = finite & (np.abs(c - golden) > sum_bound(magnitude, added, c, candidate_dtype))
-        outside[start:stop] = beyond.any(axis=1) if hidden else False
         if first is None and mine.nonfinite[start:stop].any():
             row = start + int(np.argmax(mine.nonfinite[start:stop]))
             first = _first_nonfinite(call, rows2d, row, candidate, device, golden[row - start])

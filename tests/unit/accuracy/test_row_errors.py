@@ -27,6 +27,25 @@ MSPROBE = ["API Name", "Bench Dtype", "DEVICE Dtype", "Shape", "余弦相似度"
            "相对误差错误率", "绝对误差错误率", "ULP误差最大值", "ULP误差平均值", "ULP误差大于阈值占比", "Status", "Message"]
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def path(request, monkeypatch):
+    """Each block measured by the compiled kernel (where numba is installed and the block is all
+    finite), or every block by the NumPy path; yields the list of the compiled kernel's answers
+    (None: the block went the NumPy way)."""
+    answers = []
+    if request.param == "numpy":
+        monkeypatch.setattr(moegrad.accuracy._where, "_measure_compiled", lambda *args: None)
+    else:
+        compiled = moegrad.accuracy._where._measure_compiled
+
+        def recorded(*args):
+            answers.append(compiled(*args))
+            return answers[-1]
+
+        monkeypatch.setattr(moegrad.accuracy._where, "_measure_compiled", recorded)
+    return answers
+
+
 def oracle_of(case) -> dict:
     figures = row_figures(case.grad, case.index, case.top_k, case.drop_pad_mode, case.candidate, case.device)
     return expected_dict(figures, case.candidate.shape[0])
@@ -55,7 +74,7 @@ def planted_cases():
 
 
 @pytest.mark.parametrize(("mode", "dtype", "top_k", "hidden", "plant", "profile"), planted_cases())
-def test_row_errors_match_the_slow_loops_on_planted_faults(mode, dtype, top_k, hidden, plant, profile):
+def test_row_errors_match_the_slow_loops_on_planted_faults(path, mode, dtype, top_k, hidden, plant, profile):
     case = planted.build(mode, dtype, top_k, hidden, plant, profile)
     call = MoeInitRoutingV2GradCall(**case.kwargs())
     got = accuracy.row_errors(call, case.candidate, device_result=case.device).to_dict()
@@ -73,7 +92,7 @@ def test_the_device_result_and_its_emulation_agree_on_the_planted_matrix():
 @pytest.mark.parametrize(("mode", "dtype", "plant"), [("dropless", planted.F32, "drop"),
                                                     ("drop_pad", planted.BF16, "nan_input"),
                                                     ("active", planted.F16, "accumulate_f16")])
-def test_blocks_whose_candidate_has_the_devices_bits_match_the_slow_loops(monkeypatch, mode, dtype, plant):
+def test_blocks_whose_candidate_has_the_devices_bits_match_the_slow_loops(path, monkeypatch, mode, dtype, plant):
     """The planted rows are a few: with blocks of two rows, most blocks hold the device's own bits
     (their device figures are the candidate's) and some do not; the device result itself as the
     candidate has every figure of the device's. Both against the slow loops."""
@@ -95,7 +114,7 @@ def k2_call(seed: int = 5, tokens: int = 200, hidden: int = 8) -> MoeInitRouting
                                     expanded_row_idx=rng.permutation(2 * tokens).astype(np.int32), top_k=2)
 
 
-def test_percentiles_are_nearest_rank_over_rows_with_errors_planted_row_by_row():
+def test_percentiles_are_nearest_rank_over_rows_with_errors_planted_row_by_row(path):
     call = k2_call()
     device = device_k2(call)
     candidate = device.copy()
@@ -112,6 +131,40 @@ def test_percentiles_are_nearest_rank_over_rows_with_errors_planted_row_by_row()
     # rank ceil(0.9 * 200) = 180 of 200 (1-based): the 180th smallest row figure, never an interpolation
     assert got.ulp_error.p90 == values[179] == nearest_rank(values, 90)
     assert got.ulp_error.p99 == values[197] and got.ulp_error.p50 == values[99]
+    assert all(answer is not None for answer in path)  # all finite: the compiled path measured every block
+
+
+def _ulps_apart(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """``values`` moved ``steps`` representable values away from zero (their bits plus ``steps``)."""
+    words = np.uint16 if values.dtype.itemsize == 2 else np.uint32
+    return (values.view(words) + steps.astype(words)).view(values.dtype)
+
+
+@pytest.mark.parametrize(("dtype", "lowest", "highest"), [(np.float16, -28, 12), (planted.BF16, -140, 100),
+                                                           (np.float32, -150, 100)])
+def test_values_over_every_binade_match_the_slow_loops(path, dtype, lowest, highest):
+    """Summands from below the subnormals to far above 1 (zeros, signed), a token whose summands all
+    lie below the small value (no relative error: NaN), candidates 0 to 40 ULPs off and -0.0 for
+    +0.0: the figures and ULP distances of every binade, both paths against the slow loops."""
+    rng = np.random.default_rng(17)
+    tokens, top_k, hidden = 48, 3, 16
+    exponents = rng.integers(lowest, highest, (tokens * top_k, hidden))
+    values = rng.uniform(1.0, 2.0, exponents.shape) * np.exp2(exponents) * rng.choice([-1.0, 1.0], exponents.shape)
+    values[rng.random(values.shape) < 0.1] = 0.0
+    order = rng.permutation(tokens * top_k).astype(np.int32)
+    values[order[:top_k]] = 2.0**-40  # token 0: every summand below every dtype's small value
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=values.astype(dtype), expanded_row_idx=order, top_k=top_k)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    assert np.isfinite(device.astype(np.float64)).all()
+    steps = np.where(rng.random(device.shape) < 0.3, rng.integers(0, 40, device.shape), 0)
+    candidate = np.where(device == 0, device, _ulps_apart(device, steps)).astype(device.dtype)
+    candidate[5, :4] = -0.0
+    assert np.isfinite(candidate.astype(np.float64)).all()
+    got = accuracy.row_errors(call, candidate, device_result=device).to_dict()
+    figures = row_figures(call.grad_expanded_x, order, top_k, 0, candidate, device)
+    assert same(got, expected_dict(figures, tokens)), json.dumps(got, default=str)
+    assert 0 not in dict(figures.relative) and got["relative_error"]["rows"] < tokens  # token 0 has none
+    assert all(answer is not None for answer in path)
 
 
 @pytest.mark.parametrize(("n", "percent", "rank"), [(1, 50, 1), (1, 99, 1), (2, 50, 1), (3, 50, 2), (10, 90, 9),
@@ -119,6 +172,22 @@ def test_percentiles_are_nearest_rank_over_rows_with_errors_planted_row_by_row()
 def test_nearest_rank_by_hand(n, percent, rank):
     values = np.arange(n, dtype=np.float64)[::-1].copy()  # n-1 .. 0: the rank-th smallest is rank - 1
     assert accuracy._where.nearest_rank(values, percent) == rank - 1 == nearest_rank(list(values), percent)
+
+
+@pytest.mark.parametrize(("steps", "failing"), [(5, 1), (4, 0)])
+def test_a_relative_error_exactly_at_its_limit_fails(path, steps, failing):
+    """float32's relative limit is 10 * 2^-13, and a criterion ``< limit`` fails at the limit itself
+    (docs/accuracy.md, "Standards"): 0.25 read as 0.25 + 5 * 2^-14 is a relative error of exactly
+    10 * 2^-13 (and an accumulative one of 5 * 2^-14, under its 2^-11); 4 * 2^-14 is under both."""
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=np.full((1, 1), 0.25, np.float32),
+                                    expanded_row_idx=np.zeros(1, np.int32), top_k=1)
+    candidate = np.full((1, 1), 0.25 + steps * 2.0**-14, np.float32)
+    got = accuracy.row_errors(call, candidate)
+    assert got.relative_error.max == steps * 2.0**-14 / 0.25 and got.failing == failing
+    device = moegrad.moe_init_routing_v2_grad(call)
+    figures = row_figures(call.grad_expanded_x, call.expanded_row_idx, 1, 0, candidate, device)
+    assert same(got.to_dict(), expected_dict(figures, 1))
+    assert all(answer is not None for answer in path)
 
 
 def test_a_row_that_must_be_zero_fails_with_minus_zero_and_the_device_does_not():
