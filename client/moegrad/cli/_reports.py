@@ -10,9 +10,9 @@ first case to plot (``--plots all``: with the reports, so that its imports overl
 another each time :data:`PLOTS_PER_WORKER` plots wait per worker, at most one per CPU up to
 :data:`PLOT_WORKERS`: a worker's start (an interpreter importing moegrad and matplotlib) costs as
 much as several plots. :meth:`CaseReports.close` waits for every report once the sweep is done.
-Where a case's report is written, its case file is read again and its device result computed by the
-emulation of the profile that judged it (a small call on the NumPy path: a plot worker imports no
-numba), for the report's row errors (docs/accuracy.md, "Where the error lives") and its plot. With
+Where a case's report is written, its case file is read again (unless the sweep's reading is still
+held) and its device result computed by the emulation of the profile that judged it, for the
+report's row errors (docs/accuracy.md, "Where the error lives") and its plot. With
 ``--explain``, a case that is not bit-exact is explained again there (its report keeps only the
 label counts): its rows go to ``NAME.explain.json`` and at the end of its ``.md``
 (docs/accuracy.md, "Explaining a mismatch").
@@ -51,16 +51,12 @@ from moegrad.accuracy import (
 from moegrad.cli._explain import explanation_json_path
 from moegrad.cli._parser import UsageError
 
-__all__ = ["NUMPY_ELEMENTS", "PLOTS_PER_WORKER", "PLOT_WORKERS", "CaseReports", "write_case"]
+__all__ = ["PLOTS_PER_WORKER", "PLOT_WORKERS", "CaseReports", "write_case"]
 
 #: The most worker processes that draw plots at once.
 PLOT_WORKERS = 4
 #: Plots waiting per worker before another worker is started.
 PLOTS_PER_WORKER = 16
-#: Elements of grad_expanded_x up to which a report's device result is computed on the NumPy path:
-#: importing numba and loading the compiled kernel costs a fresh worker more than such calls do.
-NUMPY_ELEMENTS = 1 << 22
-
 #: Bytes of the cases' inputs the reports hold while they wait to be written; past it, a case's file
 #: is read again when its report is written.
 HELD_BYTES = 256 << 20
@@ -101,8 +97,7 @@ def write_case(
     fields, candidate = load_case(path) if inputs is None else inputs
     judged = report.context.order if report.context is not None else None  # the profile that judged it
     call = context_call(fields, judged) if judged else MoeInitRoutingV2GradCall(**fields_with_order(fields, order))
-    small = call.grad_expanded_x.size <= NUMPY_ELEMENTS
-    device_result = moe_init_routing_v2_grad(call, kernel="numpy" if small else None)
+    device_result = moe_init_routing_v2_grad(call)  # the row errors' golden loads numba's kernels anyway
     report = with_row_errors(report, call, candidate, device_result=device_result)
     base = os.path.join(folder, result.name)
     write_json_report(base + ".json", report, indent=None)  # one compact line: several times faster

@@ -12,10 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-import moegrad
 from moegrad import accuracy
 from moegrad.cli._main import main
 from support.oracle import device_k2, float32_statuses, golden_and_scale, oracle_call, oracle_candidate
@@ -131,23 +129,6 @@ def test_a_plot_worker_is_started_per_plots_per_worker_waiting_up_to_the_cpus(mo
     # a second worker once 16 wait on the first, a third once 32 wait on two; each plot to the one with fewest
     assert [len(pool.submitted) for pool in pools] == shares
     reports.close()
-
-
-@pytest.mark.parametrize(("tokens", "kernel"), [(64, "numpy"), (1 << 16, None)])
-def test_a_report_s_device_result_takes_the_numpy_path_for_a_small_call(monkeypatch, tmp_path, tokens, kernel):
-    from moegrad.cli import _reports
-
-    seen = []
-    monkeypatch.setattr(_reports, "moe_init_routing_v2_grad", lambda call, kernel=None: seen.append(kernel) or
-                        moegrad.moe_init_routing_v2_grad(call, kernel=kernel))
-    monkeypatch.setattr(_reports, "write_markdown_report", lambda *args, **kwargs: None)
-    call = oracle_call(seed=0, tokens=tokens, hidden=64)  # N*K*H = 2^13, or 2^23 > NUMPY_ELEMENTS
-    path = tmp_path / "c.npz"
-    accuracy.save_case(path, grad_expanded_x=call.grad_expanded_x, expanded_row_idx=call.expanded_row_idx, top_k=2,
-                       candidate=np.zeros((tokens, 64), np.float32))
-    report = accuracy.with_context(accuracy.compare(call, device_k2(call)), accuracy.report_context(call, device_k2(call)))
-    _reports.write_case(str(tmp_path), accuracy.CaseResult("c", "pass", report, None, str(path)), None, False, None)
-    assert seen == [kernel]
 
 
 @pytest.mark.parametrize(("held", "reads"), [(None, 0), (0, 4)])
