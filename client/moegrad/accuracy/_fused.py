@@ -57,11 +57,14 @@ def compare_cache() -> KernelCache:
 
 
 def warm_up_compare() -> bool:
-    """Compile (or load from numba's on-disk cache) the comparison for every dtype and candidate dtype.
+    """Compile (or load from numba's on-disk cache) the comparison for every dtype and candidate dtype,
+    and the kernels of a report's row errors (:func:`moegrad.accuracy.row_errors`).
 
     The first :func:`moegrad.compare` of each combination otherwise pays for it (seconds). A service
     can call this at startup. Returns False when numba is missing (the NumPy path serves).
     """
+    from moegrad.accuracy._where import row_errors  # it imports this module
+
     if _load() is None:
         return False
     for dtype in _VIEWS:
@@ -70,6 +73,7 @@ def warm_up_compare() -> bool:
             call = MoeInitRoutingV2GradCall(grad_expanded_x=x, expanded_row_idx=np.arange(2, dtype=np.int32), top_k=2)
             fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype))
             fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype), np.ones((1, 1)))
+        row_errors(call, np.full((1, 1), 2.0, dtype), device_result=np.ones((1, 1), dtype))
     return True
 
 

@@ -85,6 +85,12 @@ def test_the_golden_is_correctly_rounded_where_the_compensation_rounds(monkeypat
     assert compiled.candidate_vs_golden.worst.golden == math.fsum(values)
 
 
+def _frozen(array):
+    array = array.copy()
+    array.flags.writeable = False
+    return array
+
+
 def test_read_only_inputs_use_the_signatures_warm_up_compiled():
     """A request's tensors arrive read-only (viewed in its receive buffer) and numba types a
     read-only array apart from a writeable one: after warm_up_compare, judging read-only and
@@ -94,17 +100,33 @@ def test_read_only_inputs_use_the_signatures_warm_up_compiled():
     assert moegrad.accuracy.warm_up_compare()
     compiled = len(_fused_jit.compare_rows.signatures)
 
-    def frozen(array):
-        array = array.copy()
-        array.flags.writeable = False
-        return array
-
     rng = np.random.default_rng(5)
     grad = rng.standard_normal((12, 4)).astype(np.float32)
     idx = rng.permutation(12).astype(np.int32)
-    for wrap in (np.copy, frozen):
+    for wrap in (np.copy, _frozen):
         call = MoeInitRoutingV2GradCall(grad_expanded_x=wrap(grad), expanded_row_idx=wrap(idx), top_k=3)
         candidate = wrap(moegrad.moe_init_routing_v2_grad(grad, idx, 3))
         for device_result in (None, candidate):
             moegrad.compare(call, candidate, device_result=device_result)
     assert len(_fused_jit.compare_rows.signatures) == compiled
+
+
+def test_row_errors_use_the_signatures_warm_up_compiled():
+    """A report's row errors (its golden rows and its per-row figures), over read-only and writeable
+    inputs of every dtype, a candidate that has the device's bits and one that does not: nothing
+    compiled after warm_up_compare."""
+    from moegrad.accuracy import _fused_jit
+
+    assert moegrad.accuracy.warm_up_compare()
+    kernels = (_fused_jit._golden_rows, _fused_jit.row_figures)
+    compiled = [len(kernel.signatures) for kernel in kernels]
+    rng = np.random.default_rng(6)
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        grad = rng.standard_normal((12, 4)).astype(dtype)
+        idx = rng.permutation(12).astype(np.int32)
+        for wrap in (np.copy, _frozen):
+            call = MoeInitRoutingV2GradCall(grad_expanded_x=wrap(grad), expanded_row_idx=wrap(idx), top_k=3)
+            device = moegrad.moe_init_routing_v2_grad(call)
+            for candidate in (device, device.astype(np.float32) * 2):
+                moegrad.accuracy.row_errors(call, wrap(candidate), device_result=wrap(device))
+    assert [len(kernel.signatures) for kernel in kernels] == compiled
