@@ -8,8 +8,8 @@ standard, with the thresholds per dtype and their sources.
 - tables: :data:`STANDARDS`, :data:`THRESHOLDS` (standard, dtype) -> criteria, :data:`DTYPE_LIMITS`;
 - judging: :func:`compare` (one operator call), :func:`compare_arrays` (given arrays),
   :func:`metrics` (one pair), :func:`check_compare_arguments`, :func:`skipped_rows`,
-  :func:`summand_magnitude`; :func:`warm_up_compare` (compile the comparison now, or load it from
-  numba's cache: :func:`compare_cache` says which);
+  :func:`summand_magnitude`; :func:`warm_up_compare` (compile the comparison and the row errors'
+  kernels now, or load them from numba's cache: :func:`compare_cache` says which);
 - results: :class:`ComparisonReport` and its parts, each with ``to_dict`` / ``from_dict``;
 - reports: :func:`format_report` (terminal), :func:`markdown_report` / :func:`write_markdown_report`
   (with the plot, :func:`write_histogram`), :func:`write_json_report` / :func:`read_json_report`,
@@ -90,7 +90,7 @@ from moegrad.accuracy._export import (
     write_json_report,
 )
 from moegrad.accuracy._factors import FAMILY_ALPHA, Factor, FactorAnalysis, analyse_factors, fisher_tail
-from moegrad.accuracy._fused import compare_cache, warm_up_compare
+from moegrad.accuracy._fused import compare_cache
 from moegrad.accuracy._ledger import SweepFile, SweepFileBusy, SweepFileError, SweepHeader, statuses
 from moegrad.accuracy._merge import MergedSweep, MergeError, merge_sweeps
 from moegrad.accuracy._metrics import metrics
@@ -133,6 +133,7 @@ from moegrad.accuracy._standards import DEFAULT_STANDARDS, DTYPE_LIMITS, STANDAR
 from moegrad.accuracy._summary import SUMMARY_COLUMNS, Finding, SummaryNotes, triage, worst_first, write_summary
 from moegrad.accuracy._sweep import SWEEP_THREAD, compare_cases, compare_in_process
 from moegrad.accuracy._traits import call_traits
+from moegrad.accuracy._warm_up import warm_up_compare
 from moegrad.accuracy._where import PERCENTILES, ROW_ERROR_COLUMNS, row_errors, with_row_errors
 
 __all__ = [

@@ -25,7 +25,7 @@ from moegrad.accuracy._standards import DTYPE_LIMITS
 from moegrad.numerics._fast import CompiledModule, KernelCache
 from moegrad.operator._call import MoeInitRoutingV2GradCall
 
-__all__ = ["available", "fused_metrics", "warm_up_compare"]
+__all__ = ["available", "fused_metrics", "warm_up_metrics"]
 
 _VIEWS: dict[np.dtype, np.dtype] = {
     np.dtype(np.float32): np.dtype(np.float32),
@@ -56,15 +56,9 @@ def compare_cache() -> KernelCache:
     return _KERNELS.cache()
 
 
-def warm_up_compare() -> bool:
-    """Compile (or load from numba's on-disk cache) the comparison for every dtype and candidate dtype,
-    and the kernels of a report's row errors (:func:`moegrad.accuracy.row_errors`).
-
-    The first :func:`moegrad.compare` of each combination otherwise pays for it (seconds). A service
-    can call this at startup. Returns False when numba is missing (the NumPy path serves).
-    """
-    from moegrad.accuracy._where import row_errors  # it imports this module
-
+def warm_up_metrics() -> bool:
+    """Compile (or load from numba's on-disk cache) the comparison for every dtype and candidate
+    dtype; False when numba is missing (:func:`moegrad.accuracy.warm_up_compare` calls it)."""
     if _load() is None:
         return False
     for dtype in _VIEWS:
@@ -73,7 +67,6 @@ def warm_up_compare() -> bool:
             call = MoeInitRoutingV2GradCall(grad_expanded_x=x, expanded_row_idx=np.arange(2, dtype=np.int32), top_k=2)
             fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype))
             fused_metrics(call, np.ones((1, 1), dtype=candidate_dtype), np.ones((1, 1), dtype=dtype), np.ones((1, 1)))
-        row_errors(call, np.full((1, 1), 2.0, dtype), device_result=np.ones((1, 1), dtype))
     return True
 
 
