@@ -70,6 +70,13 @@ class _Rows:
         return cls(np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, np.bool_), np.zeros(n, np.bool_))
 
 
+def _widened(values: np.ndarray) -> np.ndarray:
+    """``values`` as float64 in C order (one compiled signature whatever the caller's order); a
+    signalling NaN becomes a quiet one, as any cast makes it, without NumPy's "invalid value" warning."""
+    with np.errstate(invalid="ignore"):
+        return values.astype(_F64, order="C")
+
+
 def _classes(values: np.ndarray) -> np.ndarray:
     """0 finite, 1 NaN, 2 +inf, 3 -inf."""
     return np.where(np.isnan(values), 1, np.where(values == np.inf, 2, np.where(values == -np.inf, 3, 0)))
@@ -296,18 +303,18 @@ def _first_nonfinite(
     golden: np.ndarray,
 ) -> NonfiniteRow:
     """The :class:`NonfiniteRow` of ``row`` (``golden`` is its float64 golden, [H])."""
-    values = candidate[row].astype(_F64)
+    values = _widened(candidate[row])
     columns = np.flatnonzero(~np.isfinite(values))
     slots = slot_table(call, row)
     carriers = []
     for t, read in zip(slots.t, slots.row, strict=True):
-        if read is not None and columns.size and not np.isfinite(rows2d[read, columns].astype(_F64)).all():
+        if read is not None and columns.size and not np.isfinite(_widened(rows2d[read, columns])).all():
             carriers.append(t)
     return NonfiniteRow(
         row=row,
         count=int(columns.size),
         columns=tuple(int(c) for c in columns[:_LISTED_COLUMNS]),
-        device_count=int(np.count_nonzero(~np.isfinite(device[row].astype(_F64)))),
+        device_count=int(np.count_nonzero(~np.isfinite(_widened(device[row])))),
         golden_count=int(np.count_nonzero(~np.isfinite(golden))),
         slots=slots,
         carriers=tuple(carriers),
@@ -359,7 +366,7 @@ def row_errors(
         skip = (index < 0) | (index >= rows2d.shape[0])
         golden, magnitude = golden_of(grad_rows, index, skip)
         block = _Block(golden, magnitude, zero[start:stop])
-        c = candidate[start:stop].astype(_F64)
+        c = _widened(candidate[start:stop])
         added = call.top_k - skip.sum(axis=1)
         compiled = _measure_compiled(golden_of.jit, c, candidate_dtype, block, dtype, gamma(added - 1))
         if compiled is not None:
@@ -374,7 +381,7 @@ def row_errors(
         device_figures = figures
         if not (candidate_dtype == dtype and _same_bits(candidate[start:stop], device[start:stop])):
             every_identical = False
-            d = device[start:stop].astype(_F64)
+            d = _widened(device[start:stop])
             compiled = _measure_compiled(golden_of.jit, d, dtype, block, dtype, None)
             device_figures = list(compiled[:4] if compiled is not None else _measure(d, dtype, block, dtype)[:4])
             same = ((c == d) & (np.signbit(c) == np.signbit(d))) | (np.isnan(c) & np.isnan(d))

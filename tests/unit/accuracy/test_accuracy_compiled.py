@@ -112,9 +112,9 @@ def test_read_only_inputs_use_the_signatures_warm_up_compiled():
 
 
 def test_row_errors_use_the_signatures_warm_up_compiled():
-    """A report's row errors (its golden rows and its per-row figures), over read-only and writeable
-    inputs of every dtype, a candidate that has the device's bits and one that does not: nothing
-    compiled after warm_up_compare."""
+    """A report's row errors (its golden rows and its per-row figures), over read-only, writeable and
+    Fortran-ordered inputs of every dtype, a candidate that has the device's bits and one that does
+    not: nothing compiled after warm_up_compare."""
     from moegrad.accuracy import _fused_jit
 
     assert moegrad.accuracy.warm_up_compare()
@@ -124,7 +124,7 @@ def test_row_errors_use_the_signatures_warm_up_compiled():
     for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
         grad = rng.standard_normal((12, 4)).astype(dtype)
         idx = rng.permutation(12).astype(np.int32)
-        for wrap in (np.copy, _frozen):
+        for wrap in (np.copy, _frozen, np.asfortranarray):
             call = MoeInitRoutingV2GradCall(grad_expanded_x=wrap(grad), expanded_row_idx=wrap(idx), top_k=3)
             device = moegrad.moe_init_routing_v2_grad(call)
             for candidate in (device, device.astype(np.float32) * 2):

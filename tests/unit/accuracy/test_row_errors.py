@@ -205,6 +205,22 @@ def test_a_row_that_must_be_zero_fails_with_minus_zero_and_the_device_does_not()
     assert same(r.to_dict(), expected_dict(figures, 3))
 
 
+@pytest.mark.parametrize(("dtype", "words", "signalling"), [(np.float32, np.uint32, 0x7F800001),
+                                                        (planted.BF16, np.uint16, 0x7F81),
+                                                        (np.float16, np.uint16, 0x7C01)])
+def test_a_signalling_nan_in_the_candidate_is_a_nan_and_no_warning(path, dtype, words, signalling):
+    """IEEE 754 (6.2): an exponent of all ones and a fraction whose top bit is clear (not zero) is a
+    signalling NaN; widened it is a NaN like any other (pytest turns a warning into an error here)."""
+    grad = np.linspace(-1, 1, 16, dtype=np.float32).reshape(8, 2).astype(dtype)
+    call = MoeInitRoutingV2GradCall(grad_expanded_x=grad, expanded_row_idx=np.arange(8, dtype=np.int32), top_k=2)
+    device = moegrad.moe_init_routing_v2_grad(call)
+    candidate = device.copy()
+    candidate.view(words)[1, 1] = signalling
+    got = accuracy.row_errors(call, candidate, device_result=device)
+    assert (got.nonfinite, got.failing, got.differing, got.device_failing) == (1, 1, 1, 0)
+    assert got.first_nonfinite is not None and (got.first_nonfinite.row, got.first_nonfinite.columns) == (1, (1,))
+
+
 def test_the_first_nonfinite_row_names_the_slot_whose_input_carries_it():
     case = planted.build("drop_pad", planted.F32, 3, 7, "nan_input", "ascend910b@9.1")
     # the candidate read the NaN as 0: its rows are finite; the device's carry the NaN. Put the NaN back
