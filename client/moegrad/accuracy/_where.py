@@ -246,7 +246,8 @@ def nearest_rank(values: np.ndarray, percent: int) -> float:
     n = values.size
     if n == 0:
         return math.nan
-    return float(np.partition(values, _rank(n, percent) - 1)[_rank(n, percent) - 1])
+    rank = _rank(n, percent)
+    return float(np.partition(values, rank - 1)[rank - 1])
 
 
 def _rank(n: int, percent: int) -> int:
