@@ -105,7 +105,9 @@ CSV_CONTEXT_COLUMNS = (
 MSPROBE_STATUS = {"pass": "pass", "warning": "warning", "fail": "error", "invalid": "error", "error": "error"}
 
 
-def _cell(value: float | int | None) -> str:
+def number_cell(value: float | int | None) -> str:
+    """A figure as a CSV cell: a float in full precision (``repr``, NaN as ``nan``), an int as
+    written, None as empty."""
     if value is None:
         return ""
     if isinstance(value, float):
@@ -155,27 +157,27 @@ def csv_rows(report: ComparisonReport) -> list[dict[str, str]]:
                 "Bench Dtype": "float64",
                 "DEVICE Dtype": metric.actual_dtype,
                 "Shape": str(tuple(report.shape)),
-                "余弦相似度": _cell(metric.cosine_similarity),
-                "最大绝对误差": _cell(metric.max_abs_error),
-                "双百指标": _cell(metric.hundredth_share),
-                "双千指标": _cell(metric.thousandth_share),
-                "双万指标": _cell(metric.ten_thousandth_share),
-                "二进制一致错误率": _cell(share),
-                "误差均衡性": _cell(metric.error_imbalance),
-                "均方根误差": _cell(metric.rmse),
-                "小值域错误占比": _cell(metric.small_value_error_rate),
-                "相对误差最大值": _cell(metric.max_relative_error),
-                "相对误差平均值": _cell(metric.mean_relative_error),
-                "inf/nan错误率": _cell(
+                "余弦相似度": number_cell(metric.cosine_similarity),
+                "最大绝对误差": number_cell(metric.max_abs_error),
+                "双百指标": number_cell(metric.hundredth_share),
+                "双千指标": number_cell(metric.thousandth_share),
+                "双万指标": number_cell(metric.ten_thousandth_share),
+                "二进制一致错误率": number_cell(share),
+                "误差均衡性": number_cell(metric.error_imbalance),
+                "均方根误差": number_cell(metric.rmse),
+                "小值域错误占比": number_cell(metric.small_value_error_rate),
+                "相对误差最大值": number_cell(metric.max_relative_error),
+                "相对误差平均值": number_cell(metric.mean_relative_error),
+                "inf/nan错误率": number_cell(
                     (metric.nan_mismatch_count + metric.inf_mismatch_count) / metric.count if metric.count else math.nan
                 ),
                 "相对误差错误率": "",
                 "绝对误差错误率": "",
-                "ULP误差最大值": _cell(metric.max_ulp_error),
-                "ULP误差平均值": _cell(metric.mean_ulp_error),
+                "ULP误差最大值": number_cell(metric.max_ulp_error),
+                "ULP误差平均值": number_cell(metric.mean_ulp_error),
                 "ULP误差大于阈值占比": ""
                 if metric.actual_dtype == "float32"
-                else _cell(metric.ulp_error_above_1_share),
+                else number_cell(metric.ulp_error_above_1_share),
                 "Status": MSPROBE_STATUS[status],
                 "Message": "; ".join(messages),
                 "moegrad_status": status,

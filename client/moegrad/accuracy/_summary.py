@@ -40,7 +40,7 @@ from pathlib import Path
 from moegrad.accuracy._cases import CaseResult
 from moegrad.accuracy._escape import csv_row, markdown_text
 from moegrad.accuracy._explanation import labels_line
-from moegrad.accuracy._export import MSPROBE_STATUS
+from moegrad.accuracy._export import MSPROBE_STATUS, number_cell
 from moegrad.accuracy._factors import analyse_factors
 from moegrad.accuracy._results import ComparisonReport, CriterionResult
 from moegrad.accuracy._standards import DEFAULT_STANDARDS, SEVERITY
@@ -235,10 +235,6 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
 )
 
 
-def _cell(value: float) -> str:
-    return "nan" if math.isnan(value) else repr(value)
-
-
 def _ratio(report: ComparisonReport, measure: str) -> float:
     for verdict in report.verdicts:
         for criterion in verdict.criteria:
@@ -273,16 +269,16 @@ def _row(result: CaseResult, finding: Finding, notes: SummaryNotes) -> dict[str,
             "DEVICE Dtype": r.candidate_dtype,
             "Shape": str(tuple(r.shape)),
             "比对算法": "+".join(v.standard for v in r.verdicts),
-            "均方根误差比值": _cell(_ratio(r, "rmse_ratio")),
-            "相对误差最大值比值": _cell(_ratio(r, "max_relative_error_ratio")),
-            "相对误差平均值比值": _cell(_ratio(r, "mean_relative_error_ratio")),
-            "小值域错误比值": _cell(_ratio(r, "small_value_error_ratio")),
-            "二进制一致错误率": "" if exact is None else _cell(exact.share),
+            "均方根误差比值": number_cell(_ratio(r, "rmse_ratio")),
+            "相对误差最大值比值": number_cell(_ratio(r, "max_relative_error_ratio")),
+            "相对误差平均值比值": number_cell(_ratio(r, "mean_relative_error_ratio")),
+            "小值域错误比值": number_cell(_ratio(r, "small_value_error_ratio")),
+            "二进制一致错误率": "" if exact is None else number_cell(exact.share),
             "Message": "; ".join(finding.messages),
             "device_status": finding.device_status or "",
             "shared_with_device": str(finding.shared).lower() if finding.deciding else "",
             "deciding": finding.deciding,
-            "excess": _cell(finding.excess) if finding.deciding else "",
+            "excess": number_cell(finding.excess) if finding.deciding else "",
             "bit_exact": "" if exact is None else str(exact.bit_exact).lower(),
             "bitwise_mismatches": "" if exact is None else str(exact.mismatched),
             "worst_row": "" if worst is None else str(worst.row),
